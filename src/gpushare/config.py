@@ -1,0 +1,284 @@
+"""Typed settings for the daemon: flags > environment > YAML file > defaults.
+
+Every option is declared once, as a field of :class:`Settings` with its help text.
+From that one declaration come the command-line flag (``--memory-unit-mib``), the
+environment variable (``GPUSHARE_MEMORY_UNIT_MIB``) and the YAML key
+(``memoryUnitMib``). The Helm chart's values are checked against the same list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ENV_PREFIX = "GPUSHARE_"
+
+PLACEMENTS = ("binpack", "spread")
+PRELOAD_MODES = ("env", "file", "both")
+LOG_FORMATS = ("auto", "json", "console")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+#: XIDs that report an application's own fault, not the card's (NVIDIA's defaults).
+DEFAULT_IGNORED_XIDS = "13,31,43,45,68,109"
+
+
+class ConfigError(Exception):
+    """A setting that cannot be used; the message names the key and where it came from."""
+
+
+def _opt(default: Any, help: str, *, choices: Sequence[str] = (), env: str = "") -> Any:
+    return field(default=default, metadata={"help": help, "choices": tuple(choices), "env": env})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the daemon can be told. Field order is the order of ``--help``."""
+
+    kubelet_dir: str = _opt(
+        "/var/lib/kubelet/device-plugins",
+        "directory holding kubelet.sock; the plugin's own sockets are created here",
+    )
+    pod_resources_socket: str = _opt(
+        "/var/lib/kubelet/pod-resources/kubelet.sock",
+        "the kubelet's PodResources socket, read to learn which units are in use",
+    )
+    resource_prefix: str = _opt(
+        "gpushare.io", "prefix of the resource names, e.g. baidu.com for baidu.com/vcuda-memory"
+    )
+    memory_unit_mib: int = _opt(256, "MiB of GPU memory in one vcuda-memory unit")
+    placement: str = _opt(
+        "binpack", "which card a container gets: the fullest that fits, or the emptiest",
+        choices=PLACEMENTS,
+    )
+    library: str = _opt(
+        "/opt/gpushare/lib/libvgpu.so", "the interposer library (HAMi-core libvgpu.so) to install"
+    )
+    host_lib_dir: str = _opt(
+        "/usr/local/vgpu",
+        "host directory for the versioned library copy and the per-container cache directories",
+    )
+    preload: str = _opt(
+        "env",
+        "how the library is loaded: LD_PRELOAD, a mounted /etc/ld.so.preload, or both",
+        choices=PRELOAD_MODES,
+    )
+    no_enforcement: bool = _opt(
+        False, "run without the interposer library: limits are passed as env only (not enforced)"
+    )
+    simulate: str = _opt("", "YAML file describing simulated GPUs; used instead of NVML")
+    node_name: str = _opt(
+        "", "name of this node, for the Node and Pod annotations (downward API)", env="NODE_NAME"
+    )
+    metrics_port: int = _opt(9445, "port of the Prometheus /metrics and /healthz endpoint; 0 = off")
+    metrics_address: str = _opt("0.0.0.0", "address the metrics endpoint listens on")
+    ignored_xids: str = _opt(
+        DEFAULT_IGNORED_XIDS,
+        "comma-separated XIDs that do not make a card unhealthy, or 'all' to ignore every XID",
+    )
+    health_recovery_seconds: float = _opt(
+        300.0, "a card that reads well this long after a non-fatal XID is healthy again"
+    )
+    pod_resources_interval_seconds: float = _opt(
+        30.0, "how often the kubelet's PodResources records are re-read when nothing happens"
+    )
+    gc_grace_seconds: float = _opt(
+        300.0, "a container cache directory unseen in PodResources this long is removed"
+    )
+    log_format: str = _opt(
+        "auto", "json (for the DaemonSet), console, or auto: console on a terminal",
+        choices=LOG_FORMATS,
+    )
+    log_level: str = _opt("info", "lowest level logged", choices=LOG_LEVELS)
+
+    # Derived views -------------------------------------------------------------------
+    @property
+    def memory_resource(self) -> str:
+        return f"{self.resource_prefix}/vcuda-memory"
+
+    @property
+    def core_resource(self) -> str:
+        return f"{self.resource_prefix}/vcuda-core"
+
+    @property
+    def kubelet_socket(self) -> Path:
+        return Path(self.kubelet_dir) / "kubelet.sock"
+
+    def ignored_xid_set(self) -> frozenset[int] | None:
+        """The XIDs to ignore; None means every XID is ignored."""
+        return parse_xids(self.ignored_xids)
+
+
+OPTIONS: tuple[dataclasses.Field[Any], ...] = dataclasses.fields(Settings)
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(option: dataclasses.Field[Any]) -> str:
+    return str(option.metadata["env"] or ENV_PREFIX + option.name.upper())
+
+
+def yaml_key(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.capitalize() for part in rest)
+
+
+def parse_xids(text: str) -> frozenset[int] | None:
+    text = text.strip()
+    if text.lower() == "all":
+        return None
+    try:
+        return frozenset(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers or 'all', got {text!r}") from None
+
+
+def _field_type(option: dataclasses.Field[Any]) -> type:
+    return type(option.default)
+
+
+def _coerce(option: dataclasses.Field[Any], value: Any, origin: str) -> Any:
+    """Turn a raw value (string from flag/env, any YAML scalar) into the option's type."""
+    kind = _field_type(option)
+    where = f"{option.name} ({origin})"
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                result: Any = value
+            elif str(value).strip().lower() in ("1", "true", "yes", "on"):
+                result = True
+            elif str(value).strip().lower() in ("0", "false", "no", "off", ""):
+                result = False
+            else:
+                raise ValueError(f"expected true or false, got {value!r}")
+        elif kind is int:
+            if isinstance(value, bool) or isinstance(value, float):
+                raise ValueError(f"expected an integer, got {value!r}")
+            result = int(value)
+        elif kind is float:
+            if isinstance(value, bool):
+                raise ValueError(f"expected a number, got {value!r}")
+            result = float(value)
+        else:
+            if not isinstance(value, str | int | float) or isinstance(value, bool):
+                raise ValueError(f"expected a string, got {value!r}")
+            result = str(value)
+    except ValueError as exc:
+        raise ConfigError(f"bad value for {where}: {exc}") from None
+    choices = option.metadata["choices"]
+    if choices and result not in choices:
+        raise ConfigError(f"bad value for {where}: {result!r} is not one of {', '.join(choices)}")
+    return result
+
+
+def _validate(settings: Settings, origins: Mapping[str, str]) -> None:
+    def fail(name: str, why: str) -> None:
+        raise ConfigError(f"bad value for {name} ({origins.get(name, 'default')}): {why}")
+
+    if not 1 <= settings.memory_unit_mib <= 1 << 20:
+        fail("memory_unit_mib", "must be between 1 and 1048576")
+    if not 0 <= settings.metrics_port <= 65535:
+        fail("metrics_port", "must be between 0 and 65535")
+    prefix = settings.resource_prefix
+    if not prefix or "/" in prefix or prefix != prefix.strip() or " " in prefix:
+        fail("resource_prefix", f"{prefix!r} is not a domain name like gpushare.io")
+    try:
+        settings.ignored_xid_set()
+    except ValueError as exc:
+        fail("ignored_xids", str(exc))
+    for name in (
+        "health_recovery_seconds", "pod_resources_interval_seconds", "gc_grace_seconds"
+    ):
+        if getattr(settings, name) <= 0:
+            fail(name, "must be greater than 0")
+    if not settings.kubelet_dir:
+        fail("kubelet_dir", "must not be empty")
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """Read a YAML config file into {option name: raw value}; unknown keys are errors."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of settings")
+    by_key = {yaml_key(o.name): o.name for o in OPTIONS}
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in by_key:
+            raise ConfigError(
+                f"unknown key {key!r} in config file {path}; known keys: {', '.join(by_key)}"
+            )
+        values[by_key[key]] = value
+    return values
+
+
+def build_parser(prog: str = "gpushare-device-plugin") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Kubernetes device plugin sharing NVIDIA GPUs by memory slices and core units.",
+        epilog="Every flag can also be set by its environment variable (GPUSHARE_<FLAG>) or "
+        "in the --config YAML file (camelCase key); flags win over env over file.",
+    )
+    parser.add_argument("--config", metavar="FILE", help="YAML file of settings")
+    for option in OPTIONS:
+        kind = _field_type(option)
+        help_text = f"{option.metadata['help']} (env {env_name(option)}; default: {option.default})"
+        if kind is bool:
+            parser.add_argument(
+                flag_name(option.name), action="store_const", const=True, default=None,
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                flag_name(option.name),
+                default=None,
+                metavar=option.name.split("_")[-1].upper(),
+                choices=option.metadata["choices"] or None,
+                help=help_text,
+            )
+    return parser
+
+
+def load_settings(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Parse flags, environment and the config file into validated :class:`Settings`."""
+    environ = os.environ if environ is None else environ
+    args = build_parser().parse_args(argv)
+    config_path = args.config or environ.get(ENV_PREFIX + "CONFIG") or ""
+    file_values = read_config_file(config_path) if config_path else {}
+
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for option in OPTIONS:
+        flag_value = getattr(args, option.name)
+        if flag_value is not None:
+            raw, origin = flag_value, f"flag {flag_name(option.name)}"
+        elif env_name(option) in environ:
+            raw, origin = environ[env_name(option)], f"env {env_name(option)}"
+        elif option.name in file_values:
+            raw = file_values[option.name]
+            origin = f"key {yaml_key(option.name)} in {config_path}"
+        else:
+            continue
+        values[option.name] = _coerce(option, raw, origin)
+        origins[option.name] = origin
+    settings = Settings(**values)
+    _validate(settings, origins)
+    return settings

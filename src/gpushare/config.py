@@ -54,7 +54,8 @@ class Settings:
     )
     memory_unit_mib: int = _opt(256, "MiB of GPU memory in one vcuda-memory unit")
     placement: str = _opt(
-        "binpack", "which card a container gets: the fullest that fits, or the emptiest",
+        "binpack",
+        "which card a container gets: the fullest that fits, or the emptiest",
         choices=PLACEMENTS,
     )
     library: str = _opt(
@@ -92,7 +93,8 @@ class Settings:
         300.0, "a container cache directory unseen in PodResources this long is removed"
     )
     log_format: str = _opt(
-        "auto", "json (for the DaemonSet), console, or auto: console on a terminal",
+        "auto",
+        "json (for the DaemonSet), console, or auto: console on a terminal",
         choices=LOG_FORMATS,
     )
     log_level: str = _opt("info", "lowest level logged", choices=LOG_LEVELS)
@@ -160,7 +162,7 @@ def _coerce(option: dataclasses.Field[Any], value: Any, origin: str) -> Any:
             else:
                 raise ValueError(f"expected true or false, got {value!r}")
         elif kind is int:
-            if isinstance(value, bool) or isinstance(value, float):
+            if isinstance(value, (bool, float)):
                 raise ValueError(f"expected an integer, got {value!r}")
             result = int(value)
         elif kind is float:
@@ -194,9 +196,7 @@ def _validate(settings: Settings, origins: Mapping[str, str]) -> None:
         settings.ignored_xid_set()
     except ValueError as exc:
         fail("ignored_xids", str(exc))
-    for name in (
-        "health_recovery_seconds", "pod_resources_interval_seconds", "gc_grace_seconds"
-    ):
+    for name in ("health_recovery_seconds", "pod_resources_interval_seconds", "gc_grace_seconds"):
         if getattr(settings, name) <= 0:
             fail(name, "must be greater than 0")
     if not settings.kubelet_dir:
@@ -241,7 +241,10 @@ def build_parser(prog: str = "gpushare-device-plugin") -> argparse.ArgumentParse
         help_text = f"{option.metadata['help']} (env {env_name(option)}; default: {option.default})"
         if kind is bool:
             parser.add_argument(
-                flag_name(option.name), action="store_const", const=True, default=None,
+                flag_name(option.name),
+                action="store_const",
+                const=True,
+                default=None,
                 help=help_text,
             )
         else:

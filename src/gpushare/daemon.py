@@ -1,0 +1,192 @@
+"""The node daemon: wires discovery, binding, the gRPC servers and the kubelet link.
+
+``gpushare-device-plugin`` runs :func:`main`. Start-up order matters: the servers
+listen before anything registers, because the kubelet dials back at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+import structlog
+
+from gpushare.answers import Enforcement
+from gpushare.binding import Binder
+from gpushare.config import ConfigError, Settings, load_settings
+from gpushare.devices import Inventory, Resource
+from gpushare.gpus import Gpu, GpuBackend, GpuError, open_backend
+from gpushare.health import HealthBoard
+from gpushare.kubelet import KubeletLink
+from gpushare.library import LibraryError, ensure_lock_dir, install_library, install_preload_file
+from gpushare.logs import configure_logging
+from gpushare.plugin import DevicePluginServicer, PluginServer
+from gpushare.usage import UsageLedger
+
+log = structlog.get_logger(__name__)
+
+#: The kubelet refuses gRPC messages above 4 MiB; a device list must fit well inside.
+KUBELET_MESSAGE_LIMIT = 4 << 20
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message is the one line an operator reads."""
+
+
+def usable_gpus(gpus: Sequence[Gpu]) -> list[Gpu]:
+    """The cards gpushare slices: MIG cards are skipped, each with one log line."""
+    usable = []
+    for gpu in gpus:
+        if gpu.mig_enabled:
+            log.warning(
+                "gpu_skipped_mig",
+                gpu=gpu.uuid,
+                index=gpu.index,
+                name=gpu.name,
+                reason="MIG-enabled GPUs are not sliced by gpushare",
+            )
+            continue
+        usable.append(gpu)
+    return usable
+
+
+def prepare_enforcement(settings: Settings) -> Enforcement:
+    if settings.no_enforcement:
+        log.warning(
+            "enforcement_disabled",
+            detail="--no-enforcement: containers get limits as env only, nothing enforces them",
+        )
+        return Enforcement(library=None, preload_file=None, use_ld_preload_env=False)
+    try:
+        library = install_library(Path(settings.library), Path(settings.host_lib_dir))
+        preload_file = (
+            install_preload_file(library) if settings.preload in ("file", "both") else None
+        )
+        ensure_lock_dir()
+    except (LibraryError, OSError) as exc:
+        raise StartupError(str(exc)) from None
+    log.info("library_installed", path=str(library), preload=settings.preload)
+    return Enforcement(
+        library=library,
+        preload_file=preload_file,
+        use_ld_preload_env=settings.preload in ("env", "both"),
+    )
+
+
+class Daemon:
+    """One node's plugin: two resources, their servers, and the link to the kubelet."""
+
+    def __init__(self, settings: Settings, backend: GpuBackend | None = None) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.stopping = threading.Event()
+        self.servers: list[PluginServer] = []
+        self.link: KubeletLink | None = None
+        self.inventory: Inventory | None = None
+        self.binder: Binder | None = None
+        self.health: HealthBoard | None = None
+
+    def start(self) -> None:
+        settings = self.settings
+        try:
+            backend = self.backend or open_backend(settings.simulate)
+            self.backend = backend
+            gpus = usable_gpus(backend.discover())
+        except GpuError as exc:
+            raise StartupError(str(exc)) from None
+        try:
+            inventory = Inventory(gpus, settings.memory_unit_mib)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        self.inventory = inventory
+        enforcement = prepare_enforcement(settings)
+        health = HealthBoard(inventory.cards)
+        self.health = health
+        usage = UsageLedger(inventory)
+        self.binder = Binder(
+            inventory,
+            usage,
+            health,
+            policy=settings.placement,
+            enforcement=enforcement,
+            host_lib_dir=Path(settings.host_lib_dir),
+        )
+        for card in inventory.cards.values():
+            log.info(
+                "gpu_found",
+                gpu=card.uuid,
+                index=card.gpu.index,
+                name=card.gpu.name,
+                memory_mib=card.gpu.memory_mib,
+                memory_units=card.memory_units,
+                numa_node=card.gpu.numa_node,
+            )
+        kubelet_dir = Path(settings.kubelet_dir)
+        named_servers = []
+        for resource in Resource:
+            servicer = DevicePluginServicer(resource, self.binder, health, self.stopping)
+            size = servicer.device_list().ByteSize()
+            if size > KUBELET_MESSAGE_LIMIT * 3 // 4:
+                raise StartupError(
+                    f"the {resource.value} device list would be {size} bytes, too close to the "
+                    f"kubelet's {KUBELET_MESSAGE_LIMIT} byte limit; use a larger --memory-unit-mib"
+                )
+            server = PluginServer(servicer, kubelet_dir / resource.socket_name)
+            self.servers.append(server)
+            named_servers.append((server, resource.name_with(settings.resource_prefix)))
+        try:
+            kubelet_dir.mkdir(parents=True, exist_ok=True)
+            for server in self.servers:
+                server.start()
+        except (OSError, RuntimeError) as exc:
+            self.stop()
+            raise StartupError(f"cannot serve in {kubelet_dir}: {exc}") from None
+        self.link = KubeletLink(settings.kubelet_socket, named_servers)
+        self.link.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.health is not None:
+            self.health.poke()
+        if self.link is not None:
+            self.link.stop()
+        for server in self.servers:
+            server.stop()
+        if self.backend is not None:
+            self.backend.close()
+        log.info("stopped")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        settings = load_settings(argv)
+    except ConfigError as exc:
+        print(f"gpushare-device-plugin: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, settings.log_level)
+    daemon = Daemon(settings)
+    done = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("signal_received", signal=signal.Signals(signum).name)
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        daemon.start()
+    except StartupError as exc:
+        log.error("startup_failed", error=str(exc))
+        print(f"gpushare-device-plugin: {exc}", file=sys.stderr)
+        return 1
+    done.wait()
+    daemon.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

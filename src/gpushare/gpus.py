@@ -1,0 +1,297 @@
+"""GPU discovery: one record per card, from NVML or from a simulated node description.
+
+Both backends sit behind :class:`GpuBackend`, so the daemon, the demo and the tests
+run the same code on a laptop as on a GPU node. Only this module imports ``pynvml``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+import yaml
+
+log = structlog.get_logger(__name__)
+
+#: NVML XID events that the card itself reports; delivered to the health monitor.
+XID_DEVICE_LOST = 79
+
+
+class GpuError(Exception):
+    """The GPUs cannot be read (driver missing, NVML failure, bad simulated node file)."""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """What gpushare needs to know about one physical card."""
+
+    uuid: str
+    name: str
+    memory_mib: int
+    index: int
+    minor: int
+    numa_node: int | None = None
+    mig_enabled: bool = False
+    pci_bus_id: str = ""
+
+
+@dataclass(frozen=True)
+class GpuEvent:
+    """Something NVML told us about one card: an XID error, or that it left or came back."""
+
+    uuid: str
+    xid: int | None = None  # None: the card disappeared (gone=True) or came back
+    gone: bool = False
+
+
+class GpuBackend(Protocol):
+    """Where the GPUs come from."""
+
+    def discover(self) -> list[Gpu]:
+        """All cards on the node, MIG cards included (the caller skips those)."""
+        ...
+
+    def watch(self, deliver: Callable[[GpuEvent], None], stop: threading.Event) -> None:
+        """Block until ``stop`` is set, calling ``deliver`` for every event seen."""
+        ...
+
+    def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- simulated
+
+
+@dataclass
+class _SimulatedCard:
+    gpu: Gpu
+    xid: int | None = None
+
+
+def _parse_simulated_node(path: Path) -> list[_SimulatedCard]:
+    """Read the YAML node description; every mistake names the entry and the key."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise GpuError(f"cannot read simulated node file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise GpuError(f"simulated node file {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("gpus"), list):
+        raise GpuError(f"simulated node file {path} must hold a list under the key 'gpus'")
+    cards: list[_SimulatedCard] = []
+    seen: set[str] = set()
+    for position, entry in enumerate(data["gpus"]):
+        where = f"gpus[{position}] in {path}"
+        if not isinstance(entry, dict):
+            raise GpuError(f"{where} must be a mapping")
+
+        def need(key: str, kind: type, entry: dict[str, Any] = entry, where: str = where) -> Any:
+            value = entry.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise GpuError(f"{where}: key {key!r} must be a {kind.__name__}, got {value!r}")
+            return value
+
+        uuid = need("uuid", str)
+        if uuid in seen:
+            raise GpuError(f"{where}: uuid {uuid} appears twice")
+        seen.add(uuid)
+        memory = need("memory_mib", int)
+        if memory <= 0:
+            raise GpuError(f"{where}: key 'memory_mib' must be positive, got {memory}")
+        numa = entry.get("numa_node")
+        if numa is not None and (not isinstance(numa, int) or isinstance(numa, bool)):
+            raise GpuError(f"{where}: key 'numa_node' must be an integer, got {numa!r}")
+        xid = entry.get("xid")
+        if xid is not None and (not isinstance(xid, int) or isinstance(xid, bool)):
+            raise GpuError(f"{where}: key 'xid' must be an integer, got {xid!r}")
+        index = int(entry.get("index", position))
+        gpu = Gpu(
+            uuid=uuid,
+            name=str(entry.get("name", "Simulated GPU")),
+            memory_mib=memory,
+            index=index,
+            minor=int(entry.get("minor", index)),
+            numa_node=numa if numa is None or numa >= 0 else None,
+            mig_enabled=bool(entry.get("mig", False)),
+            pci_bus_id=str(entry.get("pci_bus_id", "")),
+        )
+        cards.append(_SimulatedCard(gpu, xid))
+    return cards
+
+
+@dataclass
+class SimulatedBackend:
+    """GPUs described by a YAML file, re-read when it changes.
+
+    Changing the file is how a test injects hardware events: an entry that gains
+    ``xid: N`` delivers that XID once; an entry that disappears has fallen off the bus
+    (and comes back when it reappears).
+    """
+
+    path: Path
+    poll_seconds: float = 0.1
+    _cards: dict[str, _SimulatedCard] = field(default_factory=dict, init=False)
+    _stamp: tuple[int, int] = field(default=(0, 0), init=False)
+
+    def __post_init__(self) -> None:
+        self.path = Path(self.path)
+        self._load()
+
+    def _file_stamp(self) -> tuple[int, int]:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return (0, 0)
+        return (st.st_mtime_ns, st.st_size)
+
+    def _load(self) -> list[_SimulatedCard]:
+        self._stamp = self._file_stamp()
+        cards = _parse_simulated_node(self.path)
+        self._cards = {card.gpu.uuid: card for card in cards}
+        return cards
+
+    def discover(self) -> list[Gpu]:
+        return [card.gpu for card in self._cards.values()]
+
+    def watch(self, deliver: Callable[[GpuEvent], None], stop: threading.Event) -> None:
+        while not stop.wait(self.poll_seconds):
+            if self._file_stamp() == self._stamp:
+                continue
+            before = self._cards
+            try:
+                self._load()
+            except GpuError:
+                continue  # a half-written file; the next change re-reads it
+            for uuid in before:
+                if uuid not in self._cards:
+                    deliver(GpuEvent(uuid, gone=True))
+            for uuid, card in self._cards.items():
+                old = before.get(uuid)
+                if old is None:
+                    deliver(GpuEvent(uuid, gone=False))
+                if card.xid is not None and (old is None or old.xid != card.xid):
+                    deliver(GpuEvent(uuid, xid=card.xid))
+
+    def close(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------- NVML
+
+
+def _sysfs_bus_id(nvml_bus_id: str) -> str:
+    """NVML's ``00000000:3B:00.0`` as sysfs spells it: ``0000:3b:00.0``."""
+    domain, _, rest = nvml_bus_id.partition(":")
+    return f"{domain[-4:]}:{rest}".lower()
+
+
+def _numa_node(bus_id: str, sysfs: Path = Path("/sys/bus/pci/devices")) -> int | None:
+    try:
+        value = int((sysfs / _sysfs_bus_id(bus_id) / "numa_node").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return value if value >= 0 else None
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class NvmlBackend:
+    """The real GPUs, read through NVML (``nvidia-ml-py``)."""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        self._nvml: Any = pynvml
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            raise GpuError(
+                f"cannot initialise NVML ({exc}); is the NVIDIA driver installed and is the "
+                "container run with the NVIDIA runtime (NVIDIA_VISIBLE_DEVICES=all)?"
+            ) from None
+        self._handles: dict[str, Any] = {}
+
+    def discover(self) -> list[Gpu]:
+        nvml = self._nvml
+        gpus: list[Gpu] = []
+        try:
+            for index in range(nvml.nvmlDeviceGetCount()):
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+                bus_id = _text(nvml.nvmlDeviceGetPciInfo(handle).busId)
+                try:
+                    mig_current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+                    mig = bool(mig_current)
+                except nvml.NVMLError:
+                    mig = False  # not supported on this card
+                try:
+                    minor = int(nvml.nvmlDeviceGetMinorNumber(handle))
+                except nvml.NVMLError:
+                    minor = index
+                gpus.append(
+                    Gpu(
+                        uuid=uuid,
+                        name=_text(nvml.nvmlDeviceGetName(handle)),
+                        memory_mib=int(nvml.nvmlDeviceGetMemoryInfo(handle).total) // (1 << 20),
+                        index=index,
+                        minor=minor,
+                        numa_node=_numa_node(bus_id),
+                        mig_enabled=mig,
+                        pci_bus_id=bus_id,
+                    )
+                )
+                self._handles[uuid] = handle
+        except nvml.NVMLError as exc:
+            raise GpuError(f"NVML failed while listing GPUs: {exc}") from None
+        return gpus
+
+    def watch(self, deliver: Callable[[GpuEvent], None], stop: threading.Event) -> None:
+        nvml = self._nvml
+        events = nvml.nvmlEventSetCreate()
+        wanted = nvml.nvmlEventTypeXidCriticalError | nvml.nvmlEventTypeDoubleBitEccError
+        try:
+            for uuid, handle in self._handles.items():
+                try:
+                    nvml.nvmlDeviceRegisterEvents(handle, wanted, events)
+                except nvml.NVMLError as exc:
+                    log.warning("gpu_events_unsupported", gpu=uuid, error=str(exc))
+            while not stop.is_set():
+                try:
+                    data = nvml.nvmlEventSetWait_v2(events, 500)
+                except nvml.NVMLError_Timeout:
+                    continue
+                except nvml.NVMLError:
+                    if stop.wait(1.0):
+                        break
+                    continue
+                uuid = self._uuid_of(data.device)
+                if data.eventType == nvml.nvmlEventTypeDoubleBitEccError:
+                    deliver(GpuEvent(uuid, xid=48))  # XID 48: double-bit ECC error
+                else:
+                    deliver(GpuEvent(uuid, xid=int(data.eventData)))
+        finally:
+            nvml.nvmlEventSetFree(events)
+
+    def _uuid_of(self, handle: Any) -> str:
+        for uuid, known in self._handles.items():
+            if known == handle:
+                return uuid
+        return _text(self._nvml.nvmlDeviceGetUUID(handle))
+
+    def close(self) -> None:
+        with contextlib.suppress(self._nvml.NVMLError):
+            self._nvml.nvmlShutdown()
+
+
+def open_backend(simulate: str) -> GpuBackend:
+    """The simulated backend when a node file is given, else NVML."""
+    if simulate:
+        return SimulatedBackend(Path(simulate))
+    return NvmlBackend()

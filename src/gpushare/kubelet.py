@@ -1,0 +1,131 @@
+"""Registration with the kubelet, and the watch that keeps the plugin registered.
+
+The kubelet forgets a plugin whenever it restarts (it deletes every socket in its
+directory and creates a new ``kubelet.sock``) and whenever a ListAndWatch stream
+ends. :class:`KubeletLink` notices both and registers again.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+import structlog
+
+from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from gpushare.plugin import PluginServer
+
+log = structlog.get_logger(__name__)
+
+API_VERSION = "v1beta1"
+REGISTER_TIMEOUT = 5.0
+POLL_SECONDS = 0.1
+MAX_BACKOFF = 5.0
+#: A registered resource whose kubelet stream stays closed this long is registered again.
+UNWATCHED_GRACE = 2.0
+
+
+class RegistrationError(Exception):
+    pass
+
+
+def register(kubelet_socket: Path, endpoint: str, resource_name: str) -> None:
+    """Register one resource; the plugin must already be serving on ``endpoint``."""
+    with grpc.insecure_channel(f"unix://{kubelet_socket}") as channel:
+        stub = api_pb2_grpc.RegistrationStub(channel)
+        try:
+            stub.Register(
+                api_pb2.RegisterRequest(
+                    version=API_VERSION,
+                    endpoint=endpoint,
+                    resource_name=resource_name,
+                    options=api_pb2.DevicePluginOptions(get_preferred_allocation_available=True),
+                ),
+                timeout=REGISTER_TIMEOUT,
+            )
+        except grpc.RpcError as exc:
+            raise RegistrationError(f"{exc.code().name}: {exc.details()}") from None
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """Inode and change time: tells a re-created file from the old one."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_ctime_ns)
+
+
+class KubeletLink:
+    """Keeps every plugin server serving and registered, for as long as it runs."""
+
+    def __init__(self, kubelet_socket: Path, servers: Sequence[tuple[PluginServer, str]]) -> None:
+        self.kubelet_socket = kubelet_socket
+        self.servers = list(servers)  # (server, resource name)
+        self.registered = threading.Event()
+        self.registrations = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._registered_with: tuple[int, int] | None = None
+        self._unwatched_grace = UNWATCHED_GRACE
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kubelet-link", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        backoff = POLL_SECONDS
+        waiting_logged = False
+        while not self._stop.is_set():
+            try:
+                self._check_once()
+                backoff = POLL_SECONDS
+                waiting_logged = False
+            except RegistrationError as exc:
+                if not waiting_logged:
+                    log.warning("registration_failed", error=str(exc), retry_seconds=backoff)
+                    waiting_logged = True
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF)
+                continue
+            self._stop.wait(POLL_SECONDS)
+
+    def _check_once(self) -> None:
+        resurrected = False
+        for server, _name in self.servers:
+            if not server.socket_intact():
+                log.warning("plugin_socket_lost", socket=str(server.socket_path))
+                server.restart()
+                resurrected = True
+        kubelet = _identity(self.kubelet_socket)
+        if kubelet is None:
+            if self._registered_with is not None:
+                log.warning("kubelet_socket_gone", socket=str(self.kubelet_socket))
+                self._registered_with = None
+                self.registered.clear()
+            return
+        unwatched = any(
+            server.servicer.unwatched_for() > self._unwatched_grace for server, _ in self.servers
+        )
+        if kubelet == self._registered_with and not resurrected and not unwatched:
+            return
+        if unwatched and kubelet == self._registered_with:
+            log.warning("kubelet_stopped_watching", retry_after_seconds=self._unwatched_grace)
+            self._unwatched_grace = min(self._unwatched_grace * 2, 60.0)
+        else:
+            self._unwatched_grace = UNWATCHED_GRACE
+        self.registered.clear()
+        for server, name in self.servers:
+            register(self.kubelet_socket, server.socket_path.name, name)
+            log.info("registered", resource=name, endpoint=server.socket_path.name)
+        self._registered_with = kubelet
+        self.registrations += 1
+        self.registered.set()

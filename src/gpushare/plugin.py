@@ -1,0 +1,223 @@
+"""The device-plugin gRPC servers: one per resource, each on its own unix socket.
+
+The servicer only translates: it checks the shape of a request, asks the
+:class:`~gpushare.binding.Binder`, and turns the result or the refusal into the
+kubelet's messages or a gRPC status. A request can fail; the server never does.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+
+from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from gpushare.answers import Answer
+from gpushare.binding import Binder, BindingError, Refusal
+from gpushare.devices import Resource, format_device_id
+from gpushare.health import HealthBoard
+
+log = structlog.get_logger(__name__)
+
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+
+_STATUS = {
+    Refusal.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Refusal.PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    Refusal.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+#: Called after each RPC: (resource, method, result, seconds).
+Observer = Callable[[Resource, str, str, float], None]
+
+
+def answer_to_proto(answer: Answer) -> api_pb2.ContainerAllocateResponse:
+    return api_pb2.ContainerAllocateResponse(
+        envs=answer.envs,
+        mounts=[
+            api_pb2.Mount(
+                container_path=m.container_path, host_path=m.host_path, read_only=m.read_only
+            )
+            for m in answer.mounts
+        ],
+        annotations=answer.annotations,
+    )
+
+
+class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[misc]
+    def __init__(
+        self,
+        resource: Resource,
+        binder: Binder,
+        health: HealthBoard,
+        stopping: threading.Event,
+        observe: Observer | None = None,
+    ) -> None:
+        self.resource = resource
+        self.binder = binder
+        self.health = health
+        self.stopping = stopping
+        self.observe = observe
+        self._cache: tuple[int, api_pb2.ListAndWatchResponse] | None = None
+        self._cache_lock = threading.Lock()
+        self._streams_lock = threading.Lock()
+        self.active_streams = 0
+        self.streams_changed_at = time.monotonic()
+
+    # ---------------------------------------------------------------- device list
+    def device_list(self) -> api_pb2.ListAndWatchResponse:
+        """The full device set at the board's current version (built once per version)."""
+        with self._cache_lock:
+            version = self.health.version
+            if self._cache is not None and self._cache[0] == version:
+                return self._cache[1]
+            devices: list[api_pb2.Device] = []
+            for card in self.binder.inventory.cards.values():
+                health = HEALTHY if self.health.is_healthy(card.uuid) else UNHEALTHY
+                numa = card.gpu.numa_node
+                topology = (
+                    api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=numa)])
+                    if numa is not None
+                    else None
+                )
+                devices.extend(
+                    api_pb2.Device(
+                        ID=format_device_id(card.uuid, n), health=health, topology=topology
+                    )
+                    for n in range(card.units(self.resource))
+                )
+            response = api_pb2.ListAndWatchResponse(devices=devices)
+            self._cache = (version, response)
+            return response
+
+    # ---------------------------------------------------------------- RPCs
+    def GetDevicePluginOptions(self, request: Any, context: Any) -> Any:
+        return api_pb2.DevicePluginOptions(
+            pre_start_required=False, get_preferred_allocation_available=True
+        )
+
+    def ListAndWatch(self, request: Any, context: Any) -> Iterator[Any]:
+        self._count_stream(+1)
+        log.info("list_and_watch_opened", resource=self.resource.value)
+        try:
+            seen = -1
+            while context.is_active() and not self.stopping.is_set():
+                if self.health.version != seen:
+                    seen = self.health.version
+                    yield self.device_list()
+                self.health.wait_for_change(seen, timeout=1.0)
+        finally:
+            self._count_stream(-1)
+            log.info("list_and_watch_closed", resource=self.resource.value)
+
+    def _count_stream(self, delta: int) -> None:
+        with self._streams_lock:
+            self.active_streams += delta
+            self.streams_changed_at = time.monotonic()
+
+    def unwatched_for(self) -> float:
+        """Seconds since the last ListAndWatch stream closed; 0 while one is open."""
+        with self._streams_lock:
+            if self.active_streams:
+                return 0.0
+            return time.monotonic() - self.streams_changed_at
+
+    def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
+        def handle() -> Any:
+            responses = []
+            for container in request.container_requests:
+                ids = self.binder.preferred(
+                    self.resource,
+                    container.available_deviceIDs,
+                    container.must_include_deviceIDs,
+                    container.allocation_size,
+                )
+                responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=ids))
+            return api_pb2.PreferredAllocationResponse(container_responses=responses)
+
+        return self._serve("GetPreferredAllocation", request, context, handle)
+
+    def Allocate(self, request: Any, context: Any) -> Any:
+        def handle() -> Any:
+            if not request.container_requests:
+                raise BindingError(Refusal.INVALID, "the request holds no container requests")
+            responses = []
+            for container in request.container_requests:
+                _uuid, answer = self.binder.allocate(self.resource, container.devices_ids)
+                responses.append(answer_to_proto(answer))
+            return api_pb2.AllocateResponse(container_responses=responses)
+
+        return self._serve("Allocate", request, context, handle)
+
+    def PreStartContainer(self, request: Any, context: Any) -> Any:
+        return api_pb2.PreStartContainerResponse()
+
+    def _serve(self, method: str, request: Any, context: Any, handle: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        result = "ok"
+        try:
+            return handle()
+        except BindingError as exc:
+            result = exc.kind.name.lower()
+            log.warning(
+                "request_refused", resource=self.resource.value, method=method, reason=exc.message
+            )
+            context.abort(_STATUS[exc.kind], exc.message)
+        except Exception as exc:  # never let a request take the server down
+            result = "error"
+            log.exception("request_failed", resource=self.resource.value, method=method)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+        finally:
+            if self.observe is not None:
+                self.observe(self.resource, method, result, time.perf_counter() - started)
+        return None  # unreachable: abort raises
+
+
+class PluginServer:
+    """A gRPC server for one resource, bound to ``<kubelet dir>/<socket name>``."""
+
+    def __init__(self, servicer: DevicePluginServicer, socket_path: Path) -> None:
+        self.servicer = servicer
+        self.socket_path = socket_path
+        self._server: Any = None
+        self._inode: int | None = None
+
+    def start(self) -> None:
+        self.socket_path.unlink(missing_ok=True)
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="grpc"),
+            options=[("grpc.max_receive_message_length", 64 << 20)],
+        )
+        api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
+        server.add_insecure_port(f"unix://{self.socket_path}")
+        server.start()
+        self._server = server
+        self._inode = self.socket_path.stat().st_ino
+        log.info(
+            "plugin_serving", resource=self.servicer.resource.value, socket=str(self.socket_path)
+        )
+
+    def socket_intact(self) -> bool:
+        """False when our socket file was removed or replaced (a kubelet restart does this)."""
+        try:
+            return self.socket_path.stat().st_ino == self._inode
+        except OSError:
+            return False
+
+    def stop(self, grace: float = 0.5) -> None:
+        if self._server is not None:
+            self._server.stop(grace).wait()
+            self._server = None
+        if self.socket_intact():
+            self.socket_path.unlink(missing_ok=True)
+
+    def restart(self) -> None:
+        self.stop(grace=0)
+        self.start()

@@ -1,0 +1,135 @@
+"""``make demo``: the daemon on a simulated node of two Tesla P4, admitted to by a
+simulated kubelet, with the three containers from the reference documents."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from gpushare.config import Settings
+from gpushare.daemon import Daemon, StartupError
+from gpushare.devices import Resource
+from gpushare.logs import configure_logging
+from gpushare.sim.kubelet import AdmissionError, Admitted, SimulatedKubelet
+
+TWO_TESLA_P4 = {
+    "gpus": [
+        {
+            "uuid": "GPU-9f12f917-e458-4bb8-3d9d-8dc7fd6cddf7",
+            "name": "Tesla P4",
+            "memory_mib": 7611,
+            "numa_node": 0,
+        },
+        {
+            "uuid": "GPU-4c2e1a3b-77d1-4f0e-9a56-0b6c1d2e3f40",
+            "name": "Tesla P4",
+            "memory_mib": 7611,
+            "numa_node": 1,
+        },
+    ]
+}
+
+#: (pod, memory units, core units), as the reference documents' users asked.
+CONTAINERS = [("pod-a", 4, 10), ("pod-b", 20, 30), ("pod-c", 20, 30)]
+
+
+def print_answer(admitted: Admitted) -> None:
+    for resource, response in admitted.responses.items():
+        print(f"    Allocate answer for {resource} ({len(admitted.devices[resource])} units):")
+        for name, value in sorted(response.envs.items()):
+            print(f"      env   {name}={value}")
+        for mount in response.mounts:
+            mode = "ro" if mount.read_only else "rw"
+            print(f"      mount {mount.host_path} -> {mount.container_path} ({mode})")
+        for name, value in sorted(response.annotations.items()):
+            print(f"      annotation {name}={value}")
+
+
+def run_demo(workdir: Path) -> int:
+    node_file = workdir / "node.yaml"
+    node_file.write_text(yaml.safe_dump(TWO_TESLA_P4))
+    library = workdir / "libvgpu.so"
+    library.write_bytes(b"placeholder for HAMi-core libvgpu.so (the demo enforces nothing)\n")
+    settings = Settings(
+        kubelet_dir=str(workdir / "device-plugins"),
+        pod_resources_socket=str(workdir / "pod-resources" / "kubelet.sock"),
+        simulate=str(node_file),
+        library=str(library),
+        host_lib_dir=str(workdir / "vgpu"),
+        metrics_port=0,
+    )
+    kubelet = SimulatedKubelet(Path(settings.kubelet_dir), Path(settings.pod_resources_socket))
+    kubelet.start()
+    daemon = Daemon(settings)
+    memory, core = settings.memory_resource, settings.core_resource
+    try:
+        daemon.start()
+        print(f"simulated node: {node_file} (2 x Tesla P4, 7611 MiB)")
+        if not kubelet.wait_for(lambda k: bool(k.devices(memory)) and bool(k.devices(core))):
+            print("the plugin did not register within 5 s", file=sys.stderr)
+            return 1
+        print("\nregistered with the kubelet:")
+        for resource, endpoint in kubelet.registrations:
+            print(
+                f"  {resource:28} endpoint {endpoint:28} {len(kubelet.devices(resource))} devices"
+            )
+        print(
+            f"  ({settings.memory_unit_mib} MiB per memory unit: floor(7611/256) = 29 per card; "
+            "100 core units per card)"
+        )
+
+        print(
+            "\nadmitting containers the way the kubelet does "
+            "(GetPreferredAllocation, then Allocate; core first):"
+        )
+        for pod, memory_units, core_units in CONTAINERS:
+            try:
+                admitted = kubelet.admit(
+                    pod, "main", {core: core_units, memory: memory_units}, order=[core, memory]
+                )
+            except AdmissionError as exc:
+                print(f"  {pod}: NOT admitted: {exc}")
+                continue
+            print(
+                f"  {pod}/main: {memory_units} memory units + {core_units} core units "
+                f"-> card {admitted.card()}"
+            )
+            print_answer(admitted)
+
+        assert daemon.inventory is not None
+        print("\nper card (from the kubelet's allocations):")
+        print(f"  {'GPU':4} {'UUID':42} {'memory units':>14} {'core units':>12}  containers")
+        for card in daemon.inventory.cards.values():
+            mem_used = sum(1 for d in kubelet.allocated(memory) if d.startswith(card.uuid + "::"))
+            core_used = sum(1 for d in kubelet.allocated(core) if d.startswith(card.uuid + "::"))
+            pods = sorted(a.pod for a in kubelet.admitted.values() if a.card() == card.uuid)
+            print(
+                f"  {card.gpu.index:<4} {card.uuid:42} "
+                f"{f'{mem_used}/{card.memory_units}':>14} "
+                f"{f'{core_used}/{card.units(Resource.CORE)}':>12}  {', '.join(pods)}"
+            )
+    except StartupError as exc:
+        print(f"gpushare-demo: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        daemon.stop()
+        kubelet.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpushare-demo", description=__doc__)
+    parser.add_argument("--log-level", default="warning", help="daemon log level (default warning)")
+    args = parser.parse_args(argv)
+    configure_logging("console", args.log_level)
+    with tempfile.TemporaryDirectory(prefix="gpushare-demo-") as tmp:
+        return run_demo(Path(tmp))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""A stand-in kubelet that drives a device plugin the way the real one does.
+
+It serves ``Registration`` on ``<dir>/kubelet.sock`` and, on Register, dials the
+plugin back, asks for its options and keeps a ListAndWatch stream open. ``admit``
+replays the kubelet's admission of one container: per resource, the free healthy
+devices are offered to GetPreferredAllocation, the answer is honoured only within
+them and padded when short, then Allocate is called; answers are merged as the
+kubelet merges them (the first value of an env key or mount path wins, conflicts are
+recorded). It also serves the PodResources API from its own records.
+
+Used by the demo, the tests and the benchmark; operators can use it to try a
+configuration without a cluster.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from gpushare._proto.podresources.v1 import api_pb2 as pr_pb2
+from gpushare._proto.podresources.v1 import api_pb2_grpc as pr_pb2_grpc
+
+DIAL_TIMEOUT = 10.0
+
+
+class AdmissionError(Exception):
+    """The container was not admitted: ``Insufficient`` or an Allocate error."""
+
+    def __init__(self, reason: str, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+        self.code = code
+
+
+@dataclass
+class Endpoint:
+    """One registered resource: its channel, options and the latest device list."""
+
+    resource: str
+    socket: Path
+    channel: grpc.Channel
+    stub: api_pb2_grpc.DevicePluginStub
+    options: Any
+    devices: dict[str, Any] = field(default_factory=dict)  # ID -> Device, in order
+    updates: int = 0
+    stream: Any = None
+
+
+@dataclass
+class Admitted:
+    """What the container runtime would be told for one admitted container."""
+
+    pod: str
+    container: str
+    namespace: str
+    devices: dict[str, list[str]]  # resource -> device IDs
+    envs: dict[str, str]
+    mounts: dict[str, Any]  # container path -> Mount
+    annotations: dict[str, str]
+    responses: dict[str, Any]  # resource -> ContainerAllocateResponse
+    conflicts: list[str]
+
+    def card(self) -> str:
+        return self.envs.get("NVIDIA_VISIBLE_DEVICES", "")
+
+
+class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourcesListerServicer):  # type: ignore[misc]
+    def __init__(self, plugin_dir: Path, pod_resources_socket: Path | None = None) -> None:
+        self.plugin_dir = Path(plugin_dir)
+        self.pod_resources_socket = pod_resources_socket
+        self.endpoints: dict[str, Endpoint] = {}
+        self.registrations: list[tuple[str, str]] = []  # (resource, endpoint)
+        self.admitted: dict[tuple[str, str, str], Admitted] = {}
+        self._lock = threading.Condition()
+        self._server: Any = None
+        self._pr_server: Any = None
+
+    # ---------------------------------------------------------------- lifecycle
+    @property
+    def socket(self) -> Path:
+        return self.plugin_dir / "kubelet.sock"
+
+    def start(self) -> None:
+        self.plugin_dir.mkdir(parents=True, exist_ok=True)
+        self.socket.unlink(missing_ok=True)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        api_pb2_grpc.add_RegistrationServicer_to_server(self, server)
+        server.add_insecure_port(f"unix://{self.socket}")
+        server.start()
+        self._server = server
+        if self.pod_resources_socket is not None and self._pr_server is None:
+            self.pod_resources_socket.parent.mkdir(parents=True, exist_ok=True)
+            self.pod_resources_socket.unlink(missing_ok=True)
+            pr_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+            pr_pb2_grpc.add_PodResourcesListerServicer_to_server(self, pr_server)
+            pr_server.add_insecure_port(f"unix://{self.pod_resources_socket}")
+            pr_server.start()
+            self._pr_server = pr_server
+
+    def stop(self, *, keep_pod_resources: bool = False) -> None:
+        with self._lock:
+            endpoints = list(self.endpoints.values())
+            self.endpoints.clear()
+        for endpoint in endpoints:
+            self._close(endpoint)
+        if self._server is not None:
+            self._server.stop(0).wait()
+            self._server = None
+        if self._pr_server is not None and not keep_pod_resources:
+            self._pr_server.stop(0).wait()
+            self._pr_server = None
+
+    def restart(self) -> None:
+        """What a kubelet restart does: drop every plugin, delete every socket, listen again.
+
+        Allocations survive, as they do in the kubelet's checkpoint.
+        """
+        self.stop(keep_pod_resources=True)
+        for path in self.plugin_dir.glob("*.sock"):
+            path.unlink(missing_ok=True)
+        self.start()
+
+    # ---------------------------------------------------------------- Registration
+    def Register(self, request: Any, context: Any) -> Any:
+        if request.version != "v1beta1":
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"unsupported version {request.version}"
+            )
+        if "/" in request.endpoint or not request.endpoint:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "endpoint must be a socket file name")
+        socket = self.plugin_dir / request.endpoint
+        channel = grpc.insecure_channel(f"unix://{socket}")
+        try:
+            grpc.channel_ready_future(channel).result(timeout=DIAL_TIMEOUT)
+            stub = api_pb2_grpc.DevicePluginStub(channel)
+            options = stub.GetDevicePluginOptions(api_pb2.Empty(), timeout=DIAL_TIMEOUT)
+        except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
+            channel.close()
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot dial plugin: {exc}")
+        endpoint = Endpoint(request.resource_name, socket, channel, stub, options)
+        with self._lock:
+            old = self.endpoints.get(request.resource_name)
+            self.endpoints[request.resource_name] = endpoint
+            self.registrations.append((request.resource_name, request.endpoint))
+        if old is not None:
+            self._close(old)
+        threading.Thread(target=self._watch, args=(endpoint,), daemon=True).start()
+        return api_pb2.Empty()
+
+    def _watch(self, endpoint: Endpoint) -> None:
+        endpoint.stream = endpoint.stub.ListAndWatch(api_pb2.Empty())
+        try:
+            for response in endpoint.stream:
+                with self._lock:
+                    endpoint.devices = {d.ID: d for d in response.devices}
+                    endpoint.updates += 1
+                    self._lock.notify_all()
+        except grpc.RpcError:
+            pass
+        with self._lock:
+            # The real kubelet marks the resource's devices unhealthy when the stream ends.
+            if self.endpoints.get(endpoint.resource) is endpoint:
+                for device in endpoint.devices.values():
+                    device.health = "Unhealthy"
+            self._lock.notify_all()
+
+    @staticmethod
+    def _close(endpoint: Endpoint) -> None:
+        if endpoint.stream is not None:
+            endpoint.stream.cancel()
+        endpoint.channel.close()
+
+    # ---------------------------------------------------------------- queries
+    def wait_for(self, predicate: Any, timeout: float = 5.0) -> bool:
+        """Wait until ``predicate(self)`` holds; re-checked on every plugin update."""
+        with self._lock:
+            return bool(self._lock.wait_for(lambda: predicate(self), timeout))
+
+    def devices(self, resource: str) -> dict[str, Any]:
+        with self._lock:
+            endpoint = self.endpoints.get(resource)
+            return dict(endpoint.devices) if endpoint else {}
+
+    def healthy_count(self, resource: str) -> int:
+        return sum(1 for d in self.devices(resource).values() if d.health == "Healthy")
+
+    def allocated(self, resource: str) -> set[str]:
+        with self._lock:
+            return {d for a in self.admitted.values() for d in a.devices.get(resource, ())}
+
+    # ---------------------------------------------------------------- admission
+    def admit(
+        self,
+        pod: str,
+        container: str,
+        requests: Mapping[str, int],
+        *,
+        namespace: str = "default",
+        order: Sequence[str] | None = None,
+    ) -> Admitted:
+        """Admit one container asking ``requests`` (resource name -> units)."""
+        order = list(order) if order is not None else list(requests)
+        record = Admitted(pod, container, namespace, {}, {}, {}, {}, {}, [])
+        key = (namespace, pod, container)
+        try:
+            for resource in order:
+                self._allocate_one(record, resource, requests[resource])
+                with self._lock:
+                    self.admitted[key] = record  # visible to PodResources as it grows
+        except AdmissionError:
+            with self._lock:
+                self.admitted.pop(key, None)
+            raise
+        return record
+
+    def _allocate_one(self, record: Admitted, resource: str, units: int) -> None:
+        with self._lock:
+            endpoint = self.endpoints.get(resource)
+        if endpoint is None:
+            raise AdmissionError("UnexpectedAdmissionError", f"no plugin registered for {resource}")
+        taken = self.allocated(resource)
+        available = [
+            d.ID
+            for d in self.devices(resource).values()
+            if d.health == "Healthy" and d.ID not in taken
+        ]
+        if len(available) < units:
+            raise AdmissionError(
+                "OutOfResources", f"Insufficient {resource}: {len(available)} free, {units} asked"
+            )
+        chosen = available[:units]
+        try:
+            if endpoint.options.get_preferred_allocation_available:
+                reply = endpoint.stub.GetPreferredAllocation(
+                    api_pb2.PreferredAllocationRequest(
+                        container_requests=[
+                            api_pb2.ContainerPreferredAllocationRequest(
+                                available_deviceIDs=available, allocation_size=units
+                            )
+                        ]
+                    ),
+                    timeout=DIAL_TIMEOUT,
+                )
+                offered = set(available)
+                preferred = [d for d in reply.container_responses[0].deviceIDs if d in offered][
+                    :units
+                ]
+                picked = set(preferred)
+                chosen = (
+                    preferred + [d for d in available if d not in picked][: units - len(preferred)]
+                )
+            response = endpoint.stub.Allocate(
+                api_pb2.AllocateRequest(
+                    container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=chosen)]
+                ),
+                timeout=DIAL_TIMEOUT,
+            ).container_responses[0]
+        except grpc.RpcError as exc:
+            raise AdmissionError("UnexpectedAdmissionError", exc.details(), exc.code()) from None
+        record.devices[resource] = chosen
+        record.responses[resource] = response
+        for name, value in response.envs.items():
+            if name in record.envs and record.envs[name] != value:
+                record.conflicts.append(f"env {name}: {record.envs[name]} vs {value}")
+                continue
+            record.envs.setdefault(name, value)
+        for mount in response.mounts:
+            old = record.mounts.get(mount.container_path)
+            if old is not None and old.host_path != mount.host_path:
+                record.conflicts.append(f"mount {mount.container_path}")
+                continue
+            record.mounts.setdefault(mount.container_path, mount)
+        record.annotations.update(response.annotations)
+
+    def release(self, pod: str, container: str | None = None, namespace: str = "default") -> None:
+        with self._lock:
+            for key in list(self.admitted):
+                if key[:2] == (namespace, pod) and container in (None, key[2]):
+                    del self.admitted[key]
+
+    def release_all(self, pods: Iterable[str]) -> None:
+        for pod in pods:
+            self.release(pod)
+
+    # ---------------------------------------------------------------- PodResources
+    def List(self, request: Any, context: Any) -> Any:
+        with self._lock:
+            by_pod: dict[tuple[str, str], list[Admitted]] = {}
+            for record in self.admitted.values():
+                by_pod.setdefault((record.namespace, record.pod), []).append(record)
+        return pr_pb2.ListPodResourcesResponse(
+            pod_resources=[
+                pr_pb2.PodResources(
+                    name=pod,
+                    namespace=namespace,
+                    containers=[
+                        pr_pb2.ContainerResources(
+                            name=r.container,
+                            devices=[
+                                pr_pb2.ContainerDevices(resource_name=res, device_ids=ids)
+                                for res, ids in r.devices.items()
+                            ],
+                        )
+                        for r in records
+                    ],
+                )
+                for (namespace, pod), records in by_pod.items()
+            ]
+        )

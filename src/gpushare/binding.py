@@ -9,7 +9,16 @@ policy. It raises :class:`BindingError` for anything it must refuse; the service
 Pairing (docs/placement.md): after Allocate binds one resource of a container to a
 card, the container's other resource, asked for right after, must land on the same
 card. The binder remembers the last binding for a short window (:data:`PAIR_WINDOW`)
-and steers, then checks, the other resource's request against it.
+and decides whether the request in hand is that binding's partner:
+
+* the kubelet's records (PodResources) name the container holding the last binding;
+  if it already holds this resource too, it is complete and there is no partner;
+* if that container's pod spec is known, it says whether it wants this resource;
+* otherwise the last binding is taken as the partner, unless it itself completed a
+  pair.
+
+A request with a partner is steered to the partner's card, and refused in Allocate
+if it lands elsewhere: a container never spans two cards.
 """
 
 from __future__ import annotations
@@ -29,7 +38,8 @@ from gpushare.devices import InvalidDeviceIds, Inventory, Resource, format_devic
 from gpushare.health import HealthBoard
 from gpushare.library import prepare_cache_dir
 from gpushare.placement import CardView, Request, choose_card, preferred_units
-from gpushare.usage import UsageLedger
+from gpushare.podresources import Snapshot
+from gpushare.usage import Holder, UsageLedger
 
 log = structlog.get_logger(__name__)
 
@@ -50,12 +60,16 @@ class BindingError(Exception):
         self.message = message
 
 
-class RequestHints(Protocol):
-    """Learns, from pod specs, how much of the other resource a container will ask for."""
+class PodSpecs(Protocol):
+    """What the pod specs on this node ask for (learned from the API server)."""
 
-    def other_need(self, resource: Resource, size: int) -> int | None:
+    def requests_of(self, holder: Holder) -> dict[Resource, int] | None:
+        """Units of each resource the container asks for; None if unknown."""
+        ...
+
+    def other_need(self, resource: Resource, size: int, snapshot: Snapshot | None) -> int | None:
         """Units of ``resource.other`` wanted by the container now asking ``size`` of
-        ``resource``; 0 if it wants none, None if unknown."""
+        ``resource``: 0 if it wants none, None if that cannot be told."""
         ...
 
 
@@ -63,8 +77,9 @@ class RequestHints(Protocol):
 class _Binding:
     resource: Resource
     uuid: str
+    first_id: str
     at: float
-    other_need: int | None
+    completed_pair: bool
 
 
 class Binder:
@@ -77,7 +92,8 @@ class Binder:
         policy: str,
         enforcement: Enforcement,
         host_lib_dir: Path,
-        hints: RequestHints | None = None,
+        records: Callable[[], Snapshot | None] | None = None,
+        specs: PodSpecs | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_allocated: Callable[[Resource, str, int], None] | None = None,
     ) -> None:
@@ -87,12 +103,14 @@ class Binder:
         self.policy = policy
         self.enforcement = enforcement
         self.host_lib_dir = host_lib_dir
-        self.hints = hints
+        self.records = records
+        self.specs = specs
         self._clock = clock
         self._on_allocated = on_allocated
         self._lock = threading.Lock()
         self._last: _Binding | None = None
-        self._pending_need: dict[Resource, int | None] = {}
+        # The partner decided in GetPreferredAllocation, reused by the Allocate after it.
+        self._decided: dict[Resource, tuple[_Binding | None, _Binding | None]] = {}
         # Precomputed ID -> (card, unit) for both resources: parsing tens of thousands
         # of IDs per request would dominate the request's cost.
         self._index: dict[Resource, dict[str, tuple[str, int]]] = {
@@ -125,13 +143,27 @@ class Binder:
             raise BindingError(Refusal.INVALID, f"{twice!r} is listed twice")
         return grouped
 
-    def _partner(self, resource: Resource) -> _Binding | None:
+    def _partner(self, resource: Resource, snapshot: Snapshot | None) -> _Binding | None:
+        """The binding whose container is now asking for ``resource``, if any."""
         last = self._last
-        if last is None or last.resource is resource or last.other_need == 0:
+        if last is None or last.resource is resource or self._clock() - last.at > PAIR_WINDOW:
             return None
-        if self._clock() - last.at > PAIR_WINDOW:
-            return None
+        holder = None
+        if snapshot is not None and snapshot.taken_at >= last.at:
+            holder = snapshot.holder_of(last.resource, last.first_id)
+        if holder is None:
+            return None if last.completed_pair else last
+        if snapshot is not None and snapshot.devices.get(holder, {}).get(resource):
+            return None  # that container holds this resource already: it is complete
+        wanted = self.specs.requests_of(holder) if self.specs else None
+        if wanted is not None:
+            return last if wanted.get(resource, 0) > 0 else None
         return last
+
+    def _snapshot(self) -> Snapshot | None:
+        if self.records is None or self._last is None:
+            return None
+        return self.records()
 
     def _describe(self, uuid: str) -> str:
         card = self.inventory.cards[uuid]
@@ -161,10 +193,13 @@ class Binder:
                 )
         healthy = self.health.healthy_cards()
         self.usage.observe_available(resource, free, healthy)
-        other_need = self.hints.other_need(resource, size) if self.hints else None
+        snapshot = self._snapshot()
         with self._lock:
-            partner = self._partner(resource)
-            self._pending_need[resource] = other_need
+            partner = self._partner(resource, snapshot)
+            self._decided[resource] = (self._last, partner)
+        other_need = None
+        if partner is None and self.specs is not None:
+            other_need = self.specs.other_need(resource, size, snapshot)
         other_free = self.usage.free_counts(resource.other)
         cards = [
             CardView(
@@ -213,7 +248,12 @@ class Binder:
                 Refusal.PRECONDITION, f"{self._describe(uuid)} is unhealthy ({reason})"
             )
         with self._lock:
-            partner = self._partner(resource)
+            last_seen, partner = self._decided.pop(resource, (None, None))
+        if last_seen is not self._last:  # no GetPreferredAllocation just before: decide now
+            snapshot = self._snapshot()
+            with self._lock:
+                partner = self._partner(resource, snapshot)
+        with self._lock:
             if partner is not None and partner.uuid != uuid:
                 self._last = None
                 raise BindingError(
@@ -222,9 +262,8 @@ class Binder:
                     f"{self._describe(partner.uuid)}, but its {resource.value} units are on "
                     f"{self._describe(uuid)}: no single card holds both requests",
                 )
-            other_need = self._pending_need.pop(resource, None)
-            self._last = (
-                None if partner is not None else _Binding(resource, uuid, self._clock(), other_need)
+            self._last = _Binding(
+                resource, uuid, device_ids[0], self._clock(), completed_pair=partner is not None
             )
         cache_dir = None
         if resource is Resource.MEMORY and self.enforcement.library is not None:

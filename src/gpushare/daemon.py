@@ -16,7 +16,7 @@ from types import FrameType
 import structlog
 
 from gpushare.answers import Enforcement
-from gpushare.binding import Binder
+from gpushare.binding import Binder, PodSpecs
 from gpushare.config import ConfigError, Settings, load_settings
 from gpushare.devices import Inventory, Resource
 from gpushare.gpus import Gpu, GpuBackend, GpuError, open_backend
@@ -25,6 +25,7 @@ from gpushare.kubelet import KubeletLink
 from gpushare.library import LibraryError, ensure_lock_dir, install_library, install_preload_file
 from gpushare.logs import configure_logging
 from gpushare.plugin import DevicePluginServicer, PluginServer
+from gpushare.podresources import PodResourcesClient
 from gpushare.usage import UsageLedger
 
 log = structlog.get_logger(__name__)
@@ -80,15 +81,22 @@ def prepare_enforcement(settings: Settings) -> Enforcement:
 class Daemon:
     """One node's plugin: two resources, their servers, and the link to the kubelet."""
 
-    def __init__(self, settings: Settings, backend: GpuBackend | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        backend: GpuBackend | None = None,
+        specs: PodSpecs | None = None,
+    ) -> None:
         self.settings = settings
         self.backend = backend
+        self.specs = specs
         self.stopping = threading.Event()
         self.servers: list[PluginServer] = []
         self.link: KubeletLink | None = None
         self.inventory: Inventory | None = None
         self.binder: Binder | None = None
         self.health: HealthBoard | None = None
+        self.pod_resources: PodResourcesClient | None = None
 
     def start(self) -> None:
         settings = self.settings
@@ -107,6 +115,10 @@ class Daemon:
         health = HealthBoard(inventory.cards)
         self.health = health
         usage = UsageLedger(inventory)
+        self.pod_resources = PodResourcesClient(
+            Path(settings.pod_resources_socket),
+            {resource.name_with(settings.resource_prefix): resource for resource in Resource},
+        )
         self.binder = Binder(
             inventory,
             usage,
@@ -114,6 +126,8 @@ class Daemon:
             policy=settings.placement,
             enforcement=enforcement,
             host_lib_dir=Path(settings.host_lib_dir),
+            records=self.pod_resources.list,
+            specs=self.specs,
         )
         for card in inventory.cards.values():
             log.info(
@@ -151,11 +165,13 @@ class Daemon:
     def stop(self) -> None:
         self.stopping.set()
         if self.health is not None:
-            self.health.poke()
+            self.health.wake()
         if self.link is not None:
             self.link.stop()
         for server in self.servers:
             server.stop()
+        if self.pod_resources is not None:
+            self.pod_resources.close()
         if self.backend is not None:
             self.backend.close()
         log.info("stopped")
@@ -180,7 +196,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         daemon.start()
     except StartupError as exc:
-        log.error("startup_failed", error=str(exc))
         print(f"gpushare-device-plugin: {exc}", file=sys.stderr)
         return 1
     done.wait()

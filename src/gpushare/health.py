@@ -7,7 +7,7 @@ ListAndWatch streams), so a card going bad reaches the kubelet at once.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import structlog
 
@@ -47,14 +47,16 @@ class HealthBoard:
         log.warning("gpu_health_changed", gpu=uuid, healthy=healthy, reason=reason)
         return True
 
-    def poke(self) -> None:
-        """Wake every waiter without a change (used at shutdown)."""
+    def wake(self) -> None:
+        """Wake every waiter to re-check its own reason to stop; changes nothing."""
         with self._changed:
-            self.version += 1
             self._changed.notify_all()
 
-    def wait_for_change(self, seen: int, timeout: float) -> int:
-        """Block until the version differs from ``seen`` or ``timeout`` passes."""
+    def wait_for_change(
+        self, seen: int, timeout: float, give_up: Callable[[], bool] = lambda: False
+    ) -> int:
+        """Block until the version differs from ``seen``, ``give_up()`` holds (checked
+        whenever :meth:`wake` is called) or ``timeout`` passes."""
         with self._changed:
-            self._changed.wait_for(lambda: self.version != seen, timeout)
+            self._changed.wait_for(lambda: self.version != seen or give_up(), timeout)
             return self.version

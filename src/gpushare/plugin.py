@@ -106,13 +106,18 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
     def ListAndWatch(self, request: Any, context: Any) -> Iterator[Any]:
         self._count_stream(+1)
         log.info("list_and_watch_opened", resource=self.resource.value)
+        context.add_callback(self.health.wake)  # a cancelled stream stops waiting at once
+
+        def finished() -> bool:
+            return self.stopping.is_set() or not context.is_active()
+
         try:
             seen = -1
-            while context.is_active() and not self.stopping.is_set():
+            while not finished():
                 if self.health.version != seen:
                     seen = self.health.version
                     yield self.device_list()
-                self.health.wait_for_change(seen, timeout=1.0)
+                self.health.wait_for_change(seen, timeout=5.0, give_up=finished)
         finally:
             self._count_stream(-1)
             log.info("list_and_watch_closed", resource=self.resource.value)

@@ -1,0 +1,129 @@
+"""Shared fixtures: a simulated node (GPUs in YAML), a stand-in kubelet, the daemon.
+
+Everything talks over real unix sockets in a short temporary directory (socket
+paths must stay under 108 bytes, so pytest's long tmp_path is not used for them).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpushare.config import Settings
+from gpushare.daemon import Daemon
+from gpushare.podspecs import PodSpecBook
+from gpushare.sim.kubelet import SimulatedKubelet
+
+RTX_3090 = {"name": "NVIDIA GeForce RTX 3090", "memory_mib": 24259}
+TESLA_P4 = {"name": "Tesla P4", "memory_mib": 7611}
+CARD_4GIB = {"name": "Test 4GiB", "memory_mib": 4096}
+H200 = {"name": "NVIDIA H200", "memory_mib": 143771}
+
+
+def gpu_uuid(i: int) -> str:
+    return f"GPU-{i:08x}-0000-4000-8000-{i:012x}"
+
+
+def cards(model: dict[str, Any], count: int, **extra: Any) -> list[dict[str, Any]]:
+    return [{"uuid": gpu_uuid(i), **model, "numa_node": i % 2, **extra} for i in range(count)]
+
+
+class Node:
+    """A simulated node: GPUs file, kubelet stand-in and (once started) the daemon."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.gpus_file = root / "node.yaml"
+        self.library = root / "libvgpu.so"
+        self.library.write_bytes(b"\x7fELF fake interposer for tests\n")
+        self.settings = Settings(
+            kubelet_dir=str(root / "dp"),
+            pod_resources_socket=str(root / "pr" / "kubelet.sock"),
+            simulate=str(self.gpus_file),
+            library=str(self.library),
+            host_lib_dir=str(root / "vgpu"),
+            metrics_port=0,
+        )
+        self.kubelet = SimulatedKubelet(
+            Path(self.settings.kubelet_dir), Path(self.settings.pod_resources_socket)
+        )
+        self.daemon: Daemon | None = None
+        self.specs: PodSpecBook | None = None
+
+    def with_pod_specs(self) -> PodSpecBook:
+        """Give the daemon pod specs, as the API server watch would."""
+        self.specs = PodSpecBook(self.settings.resource_prefix)
+        return self.specs
+
+    def pod(self, name: str, requests: dict[str, int], container: str = "main") -> dict[str, Any]:
+        """A pending pod asking ``requests``, recorded in the spec book if there is one."""
+        pod = {
+            "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}"},
+            "spec": {
+                "containers": [
+                    {
+                        "name": container,
+                        "resources": {"limits": {k: str(v) for k, v in requests.items()}},
+                    }
+                ]
+            },
+            "status": {"phase": "Pending"},
+        }
+        if self.specs is not None:
+            self.specs.update(pod)
+        return pod
+
+    @property
+    def memory(self) -> str:
+        return self.settings.memory_resource
+
+    @property
+    def core(self) -> str:
+        return self.settings.core_resource
+
+    def write_gpus(self, gpus: list[dict[str, Any]]) -> None:
+        self.gpus_file.write_text(yaml.safe_dump({"gpus": gpus}))
+
+    def start(self, gpus: list[dict[str, Any]], **overrides: Any) -> Daemon:
+        self.write_gpus(gpus)
+        self.settings = replace(self.settings, **overrides)
+        self.kubelet.start()
+        self.daemon = Daemon(self.settings, specs=self.specs)
+        self.daemon.start()
+        assert self.wait_registered(), "the plugin did not register both resources"
+        return self.daemon
+
+    def wait_registered(self, timeout: float = 5.0) -> bool:
+        return self.kubelet.wait_for(
+            lambda k: bool(k.devices(self.memory)) and bool(k.devices(self.core)), timeout
+        )
+
+    def stop(self) -> None:
+        if self.daemon is not None:
+            self.daemon.stop()
+        self.kubelet.stop()
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def node(short_tmp: Path) -> Iterator[Node]:
+    sim = Node(short_tmp)
+    try:
+        yield sim
+    finally:
+        sim.stop()

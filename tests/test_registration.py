@@ -1,0 +1,191 @@
+"""Registration, device lists and staying registered, against a kubelet stand-in."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import RTX_3090, TESLA_P4, Node, cards, gpu_uuid
+
+from gpushare.devices import Resource
+
+
+def test_both_resources_register_with_the_reference_device_counts(node: Node) -> None:
+    node.start([*cards(RTX_3090, 1), {"uuid": gpu_uuid(9), **TESLA_P4}])
+    registered = {resource: endpoint for resource, endpoint in node.kubelet.registrations}
+    assert registered == {
+        "gpushare.io/vcuda-memory": "gpushare-vcuda-memory.sock",
+        "gpushare.io/vcuda-core": "gpushare-vcuda-core.sock",
+    }
+    memory = node.kubelet.devices(node.memory)
+    per_card = {
+        u: sum(1 for d in memory if d.startswith(u + "::")) for u in (gpu_uuid(0), gpu_uuid(9))
+    }
+    assert per_card == {gpu_uuid(0): 94, gpu_uuid(9): 29}  # 24259 // 256, 7611 // 256
+    assert len(node.kubelet.devices(node.core)) == 200
+    assert all(d.health == "Healthy" for d in memory.values())
+    first = memory[f"{gpu_uuid(0)}::0"]
+    assert [n.ID for n in first.topology.nodes] == [0]
+    assert not memory[f"{gpu_uuid(9)}::0"].HasField("topology")  # no numa_node given
+    assert all(len(device_id) <= 63 for device_id in memory)
+
+
+def test_device_ids_are_stable_across_restarts(node: Node) -> None:
+    node.start(cards(TESLA_P4, 2))
+    before = list(node.kubelet.devices(node.memory))
+    assert node.daemon is not None
+    node.daemon.stop()
+    node.kubelet.restart()
+    node.start(cards(TESLA_P4, 2))
+    assert list(node.kubelet.devices(node.memory)) == before
+
+
+def test_resource_prefix_and_unit_size_are_configurable(node: Node) -> None:
+    node.start(cards(TESLA_P4, 1), resource_prefix="baidu.com", memory_unit_mib=1024)
+    assert len(node.kubelet.devices("baidu.com/vcuda-memory")) == 7  # 7611 // 1024
+    assert len(node.kubelet.devices("baidu.com/vcuda-core")) == 100
+
+
+def test_reregisters_within_a_second_after_a_kubelet_restart(node: Node) -> None:
+    node.start(cards(TESLA_P4, 1))
+    for _ in range(3):
+        count = len(node.kubelet.registrations)
+        started = time.monotonic()
+        node.kubelet.restart()  # deletes every socket, our two included
+        assert node.kubelet.wait_for(lambda k, c=count: len(k.registrations) >= c + 2, 1.5)
+        assert node.wait_registered(1.5)
+        assert time.monotonic() - started < 1.5
+    assert Path(node.settings.kubelet_dir, Resource.MEMORY.socket_name).exists()
+    assert node.kubelet.admit("p", "c", {node.memory: 2}).card() == gpu_uuid(0)
+
+
+def test_serves_again_when_its_own_socket_disappears(node: Node) -> None:
+    node.start(cards(TESLA_P4, 1))
+    count = len(node.kubelet.registrations)
+    Path(node.settings.kubelet_dir, Resource.CORE.socket_name).unlink()
+    assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 2.0)
+    assert node.kubelet.admit("p", "c", {node.core: 5}).envs["CUDA_DEVICE_SM_LIMIT"] == "5"
+
+
+def _daemon_command(node: Node) -> list[str]:
+    s = node.settings
+    return [
+        sys.executable,
+        "-m",
+        "gpushare.daemon",
+        "--kubelet-dir",
+        s.kubelet_dir,
+        "--simulate",
+        s.simulate,
+        "--library",
+        s.library,
+        "--host-lib-dir",
+        s.host_lib_dir,
+        "--metrics-port",
+        "0",
+        "--log-format",
+        "json",
+    ]
+
+
+def test_sigterm_stops_streams_removes_sockets_and_exits_zero(node: Node) -> None:
+    node.write_gpus(cards(TESLA_P4, 1))
+    node.kubelet.start()
+    proc = subprocess.Popen(_daemon_command(node), stderr=subprocess.PIPE, text=True)
+    try:
+        assert node.wait_registered(10.0)
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert list(Path(node.settings.kubelet_dir).glob("gpushare-*.sock")) == []
+    assert '"event": "stopped"' in err
+
+
+def _nvml_loads() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_nvml_loads(), reason="a real NVIDIA driver is present")
+def test_without_a_gpu_the_nvml_backend_fails_with_one_line(short_tmp: Path) -> None:
+    library = short_tmp / "libvgpu.so"
+    library.write_bytes(b"x")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpushare.daemon",
+            "--kubelet-dir",
+            str(short_tmp / "dp"),
+            "--library",
+            str(library),
+            "--host-lib-dir",
+            str(short_tmp / "vgpu"),
+            "--metrics-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "cannot initialise NVML" in lines[0] and "NVIDIA driver" in lines[0]
+
+
+def test_a_missing_library_stops_the_daemon_with_one_line(node: Node) -> None:
+    node.write_gpus(cards(TESLA_P4, 1))
+    command = _daemon_command(node)
+    command[command.index("--library") + 1] = "/nonexistent/libvgpu.so"
+    result = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "gpushare-device-plugin: cannot read the interposer library /nonexistent/libvgpu.so: "
+        "No such file or directory; set --library, or run with --no-enforcement"
+    ]
+
+
+def test_mig_cards_are_skipped_with_a_log_line(node: Node) -> None:
+    gpus = cards(TESLA_P4, 2)
+    gpus[1]["mig"] = True
+    node.start(gpus)
+    assert {d.split("::")[0] for d in node.kubelet.devices(node.memory)} == {gpu_uuid(0)}
+
+
+def test_a_bad_simulated_node_file_names_the_entry(short_tmp: Path) -> None:
+    bad = short_tmp / "node.yaml"
+    bad.write_text(yaml.safe_dump({"gpus": [{"uuid": "GPU-1", "memory_mib": "lots"}]}))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpushare.daemon",
+            "--simulate",
+            str(bad),
+            "--no-enforcement",
+            "--kubelet-dir",
+            str(short_tmp / "dp"),
+            "--metrics-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ},
+    )
+    assert result.returncode == 1
+    assert "gpus[0]" in result.stderr and "'memory_mib' must be a int" in result.stderr

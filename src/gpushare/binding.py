@@ -36,7 +36,7 @@ import structlog
 from gpushare.answers import Answer, Enforcement, build_answer
 from gpushare.devices import InvalidDeviceIds, Inventory, Resource, format_device_id
 from gpushare.health import HealthBoard
-from gpushare.library import prepare_cache_dir
+from gpushare.library import prepare_cache_dir, record_library_use
 from gpushare.placement import CardView, Request, choose_card, preferred_units
 from gpushare.podresources import Snapshot
 from gpushare.usage import Holder, UsageLedger
@@ -266,9 +266,13 @@ class Binder:
                 resource, uuid, device_ids[0], self._clock(), completed_pair=partner is not None
             )
         cache_dir = None
-        if resource is Resource.MEMORY and self.enforcement.library is not None:
+        if self.enforcement.library is not None:
+            library = self.enforcement.library.name
             try:
-                cache_dir = prepare_cache_dir(self.host_lib_dir, list(device_ids))
+                if resource is Resource.MEMORY:
+                    cache_dir = prepare_cache_dir(self.host_lib_dir, list(device_ids), library)
+                else:
+                    record_library_use(self.host_lib_dir, list(device_ids), library)
             except OSError as exc:
                 raise BindingError(
                     Refusal.INTERNAL, f"cannot create the container's cache directory: {exc}"

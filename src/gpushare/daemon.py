@@ -19,19 +19,24 @@ from gpushare.answers import Enforcement
 from gpushare.binding import Binder, PodSpecs
 from gpushare.config import ConfigError, Settings, load_settings
 from gpushare.devices import Inventory, Resource
+from gpushare.gc import GarbageCollector
 from gpushare.gpus import Gpu, GpuBackend, GpuError, open_backend
-from gpushare.health import HealthBoard
+from gpushare.health import HealthBoard, HealthMonitor, HealthPolicy
 from gpushare.kubelet import KubeletLink
 from gpushare.library import LibraryError, ensure_lock_dir, install_library, install_preload_file
 from gpushare.logs import configure_logging
+from gpushare.metrics import LinkState, Metrics, MetricsServer, liveness
 from gpushare.plugin import DevicePluginServicer, PluginServer
 from gpushare.podresources import PodResourcesClient
+from gpushare.refresh import UsageRefresher
 from gpushare.usage import UsageLedger
 
 log = structlog.get_logger(__name__)
 
 #: The kubelet refuses gRPC messages above 4 MiB; a device list must fit well inside.
 KUBELET_MESSAGE_LIMIT = 4 << 20
+#: Delays between attempts to list the GPUs when NVML initialised but cannot list them.
+DISCOVERY_RETRY_SECONDS = (0.5, 30.0)
 
 
 class StartupError(Exception):
@@ -97,15 +102,55 @@ class Daemon:
         self.binder: Binder | None = None
         self.health: HealthBoard | None = None
         self.pod_resources: PodResourcesClient | None = None
+        self.usage: UsageLedger | None = None
+        self.monitor: HealthMonitor | None = None
+        self.refresher: UsageRefresher | None = None
+        self.metrics: Metrics | None = None
+        self.metrics_server: MetricsServer | None = None
+
+    def _discover(self, backend: GpuBackend) -> list[Gpu]:
+        """The usable GPUs. NVML came up, so a failure to list them is retried with
+        growing delays (each one logged) until it works or the daemon is stopped."""
+        delay, longest = DISCOVERY_RETRY_SECONDS
+        attempt = 0
+        while True:
+            try:
+                return usable_gpus(backend.discover())
+            except GpuError as exc:
+                attempt += 1
+                log.error(
+                    "gpu_discovery_failed", error=str(exc), attempt=attempt, retry_seconds=delay
+                )
+            if self.stopping.wait(delay):
+                raise StartupError("stopped while waiting for the GPUs to become readable")
+            delay = min(delay * 2, longest)
+
+    def liveness(self) -> tuple[bool, str]:
+        """What /healthz answers (see :func:`gpushare.metrics.liveness`)."""
+        link = self.link
+        serving = (
+            not self.stopping.is_set()
+            and bool(self.servers)
+            and all(server.serving for server in self.servers)
+            and link is not None
+            and link.alive()
+        )
+        state = LinkState(
+            serving=serving,
+            registered=link is not None and link.registered.is_set(),
+            unregistered_seconds=link.unregistered_seconds() if link is not None else 0.0,
+            kubelet_present=self.settings.kubelet_socket.exists(),
+        )
+        return liveness(state)
 
     def start(self) -> None:
         settings = self.settings
         try:
             backend = self.backend or open_backend(settings.simulate)
-            self.backend = backend
-            gpus = usable_gpus(backend.discover())
         except GpuError as exc:
             raise StartupError(str(exc)) from None
+        self.backend = backend
+        gpus = self._discover(backend)
         try:
             inventory = Inventory(gpus, settings.memory_unit_mib)
         except ValueError as exc:
@@ -115,10 +160,21 @@ class Daemon:
         health = HealthBoard(inventory.cards)
         self.health = health
         usage = UsageLedger(inventory)
+        self.usage = usage
         self.pod_resources = PodResourcesClient(
             Path(settings.pod_resources_socket),
             {resource.name_with(settings.resource_prefix): resource for resource in Resource},
         )
+        collector = GarbageCollector(
+            Path(settings.host_lib_dir), settings.gc_grace_seconds, enforcement.library
+        )
+        refresher = UsageRefresher(
+            self.pod_resources.list,
+            usage,
+            settings.pod_resources_interval_seconds,
+            after_read=collector.maybe_collect,
+        )
+        self.refresher = refresher
         self.binder = Binder(
             inventory,
             usage,
@@ -128,7 +184,11 @@ class Daemon:
             host_lib_dir=Path(settings.host_lib_dir),
             records=self.pod_resources.list,
             specs=self.specs,
+            on_allocated=lambda _resource, _uuid, _units: refresher.poke(),
         )
+        # The kubelet's records first: the first placement after a restart respects them.
+        if refresher.refresh_once():
+            log.info("usage_recovered", **self._usage_summary(usage))
         for card in inventory.cards.values():
             log.info(
                 "gpu_found",
@@ -139,10 +199,32 @@ class Daemon:
                 memory_units=card.memory_units,
                 numa_node=card.gpu.numa_node,
             )
+        self.monitor = HealthMonitor(
+            backend,
+            health,
+            HealthPolicy(
+                inventory.cards, settings.ignored_xid_set(), settings.health_recovery_seconds
+            ),
+        )
+        self.monitor.start()
+        if settings.metrics_port:
+            self.metrics = Metrics(
+                inventory,
+                usage,
+                health,
+                {resource: resource.name_with(settings.resource_prefix) for resource in Resource},
+                pod_resources_reads=lambda: (refresher.reads, refresher.failures),
+            )
         kubelet_dir = Path(settings.kubelet_dir)
         named_servers = []
         for resource in Resource:
-            servicer = DevicePluginServicer(resource, self.binder, health, self.stopping)
+            servicer = DevicePluginServicer(
+                resource,
+                self.binder,
+                health,
+                self.stopping,
+                observe=self.metrics.observe if self.metrics is not None else None,
+            )
             size = servicer.device_list().ByteSize()
             if size > KUBELET_MESSAGE_LIMIT * 3 // 4:
                 raise StartupError(
@@ -161,15 +243,42 @@ class Daemon:
             raise StartupError(f"cannot serve in {kubelet_dir}: {exc}") from None
         self.link = KubeletLink(settings.kubelet_socket, named_servers)
         self.link.start()
+        refresher.start()
+        if self.metrics is not None:
+            self.metrics_server = MetricsServer(
+                self.metrics, self.liveness, settings.metrics_address, settings.metrics_port
+            )
+            try:
+                self.metrics_server.start()
+            except OSError as exc:
+                self.metrics_server = None
+                self.stop()
+                raise StartupError(
+                    f"cannot serve metrics on {settings.metrics_address}:{settings.metrics_port}:"
+                    f" {exc.strerror or exc}; set --metrics-port (0 = off)"
+                ) from None
+
+    @staticmethod
+    def _usage_summary(usage: UsageLedger) -> dict[str, dict[str, int]]:
+        return {
+            f"{resource.value}_used": {u: n for u, n in usage.used_counts(resource).items() if n}
+            for resource in Resource
+        }
 
     def stop(self) -> None:
         self.stopping.set()
         if self.health is not None:
             self.health.wake()
+        if self.monitor is not None:
+            self.monitor.stop()
+        if self.refresher is not None:
+            self.refresher.stop()
         if self.link is not None:
             self.link.stop()
         for server in self.servers:
             server.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         if self.pod_resources is not None:
             self.pod_resources.close()
         if self.backend is not None:
@@ -190,12 +299,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info("signal_received", signal=signal.Signals(signum).name)
         done.set()
+        daemon.stopping.set()  # also ends a start that is still waiting for the GPUs
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
         daemon.start()
     except StartupError as exc:
+        if done.is_set():
+            return 0  # told to stop while starting
         print(f"gpushare-device-plugin: {exc}", file=sys.stderr)
         return 1
     done.wait()

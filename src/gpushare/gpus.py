@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,8 @@ log = structlog.get_logger(__name__)
 
 #: NVML XID events that the card itself reports; delivered to the health monitor.
 XID_DEVICE_LOST = 79
+#: How often the NVML backend reads every card to notice one lost or back.
+PROBE_SECONDS = 5.0
 
 
 class GpuError(Exception):
@@ -219,38 +222,52 @@ class NvmlBackend:
         self._handles: dict[str, Any] = {}
 
     def discover(self) -> list[Gpu]:
+        """Every card NVML can read. A card that cannot be read is reported and left
+        out (its size is unknown, so it cannot be advertised); only NVML failing as a
+        whole, or every card failing, raises :class:`GpuError`."""
         nvml = self._nvml
         gpus: list[Gpu] = []
         try:
-            for index in range(nvml.nvmlDeviceGetCount()):
-                handle = nvml.nvmlDeviceGetHandleByIndex(index)
-                uuid = _text(nvml.nvmlDeviceGetUUID(handle))
-                bus_id = _text(nvml.nvmlDeviceGetPciInfo(handle).busId)
-                try:
-                    mig_current, _pending = nvml.nvmlDeviceGetMigMode(handle)
-                    mig = bool(mig_current)
-                except nvml.NVMLError:
-                    mig = False  # not supported on this card
-                try:
-                    minor = int(nvml.nvmlDeviceGetMinorNumber(handle))
-                except nvml.NVMLError:
-                    minor = index
-                gpus.append(
-                    Gpu(
-                        uuid=uuid,
-                        name=_text(nvml.nvmlDeviceGetName(handle)),
-                        memory_mib=int(nvml.nvmlDeviceGetMemoryInfo(handle).total) // (1 << 20),
-                        index=index,
-                        minor=minor,
-                        numa_node=_numa_node(bus_id),
-                        mig_enabled=mig,
-                        pci_bus_id=bus_id,
-                    )
-                )
-                self._handles[uuid] = handle
+            count = int(nvml.nvmlDeviceGetCount())
         except nvml.NVMLError as exc:
-            raise GpuError(f"NVML failed while listing GPUs: {exc}") from None
+            raise GpuError(f"NVML failed while counting GPUs: {exc}") from None
+        failures: list[str] = []
+        for index in range(count):
+            try:
+                gpus.append(self._read_card(index))
+            except nvml.NVMLError as exc:
+                failures.append(f"GPU{index}: {exc}")
+                log.error("gpu_unreadable", index=index, error=str(exc))
+        if failures and not gpus:
+            raise GpuError(f"NVML failed while listing GPUs: {'; '.join(failures)}")
         return gpus
+
+    def _read_card(self, index: int) -> Gpu:
+        nvml = self._nvml
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+        bus_id = _text(nvml.nvmlDeviceGetPciInfo(handle).busId)
+        try:
+            mig_current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+            mig = bool(mig_current)
+        except nvml.NVMLError:
+            mig = False  # not supported on this card
+        try:
+            minor = int(nvml.nvmlDeviceGetMinorNumber(handle))
+        except nvml.NVMLError:
+            minor = index
+        gpu = Gpu(
+            uuid=uuid,
+            name=_text(nvml.nvmlDeviceGetName(handle)),
+            memory_mib=int(nvml.nvmlDeviceGetMemoryInfo(handle).total) // (1 << 20),
+            index=index,
+            minor=minor,
+            numa_node=_numa_node(bus_id),
+            mig_enabled=mig,
+            pci_bus_id=bus_id,
+        )
+        self._handles[uuid] = handle
+        return gpu
 
     def watch(self, deliver: Callable[[GpuEvent], None], stop: threading.Event) -> None:
         nvml = self._nvml
@@ -262,7 +279,12 @@ class NvmlBackend:
                     nvml.nvmlDeviceRegisterEvents(handle, wanted, events)
                 except nvml.NVMLError as exc:
                     log.warning("gpu_events_unsupported", gpu=uuid, error=str(exc))
+            lost: set[str] = set()
+            probed_at = time.monotonic()
             while not stop.is_set():
+                if time.monotonic() - probed_at >= PROBE_SECONDS:
+                    probed_at = time.monotonic()
+                    self._probe(lost, deliver)
                 try:
                     data = nvml.nvmlEventSetWait_v2(events, 500)
                 except nvml.NVMLError_Timeout:
@@ -278,6 +300,25 @@ class NvmlBackend:
                     deliver(GpuEvent(uuid, xid=int(data.eventData)))
         finally:
             nvml.nvmlEventSetFree(events)
+
+    def _probe(self, lost: set[str], deliver: Callable[[GpuEvent], None]) -> None:
+        """Read each card once: one that stops answering is gone, one that answers
+        again is back (how a card that fell off the bus is seen again after a reset)."""
+        nvml = self._nvml
+        for uuid in list(self._handles):
+            try:
+                handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+                nvml.nvmlDeviceGetMemoryInfo(handle)
+            except nvml.NVMLError as exc:
+                if uuid not in lost:
+                    lost.add(uuid)
+                    log.error("gpu_lost", gpu=uuid, error=str(exc))
+                    deliver(GpuEvent(uuid, gone=True))
+                continue
+            if uuid in lost:
+                lost.discard(uuid)
+                self._handles[uuid] = handle
+                deliver(GpuEvent(uuid, gone=False))
 
     def _uuid_of(self, handle: Any) -> str:
         for uuid, known in self._handles.items():

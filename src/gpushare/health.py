@@ -7,9 +7,13 @@ ListAndWatch streams), so a card going bad reaches the kubelet at once.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import structlog
+
+from gpushare.gpus import GpuBackend, GpuEvent
 
 log = structlog.get_logger(__name__)
 
@@ -60,3 +64,188 @@ class HealthBoard:
         with self._changed:
             self._changed.wait_for(lambda: self.version != seen or give_up(), timeout)
             return self.version
+
+
+# --------------------------------------------------------------------------- policy
+
+#: XIDs after which a card is not trusted again until it has been seen to come back
+#: (79: fallen off the bus; 48: double-bit ECC error, also what NVML's ECC event maps to).
+FATAL_XIDS = frozenset({48, 79})
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The policy's decision about one card: what the board should say and why."""
+
+    uuid: str
+    healthy: bool
+    reason: str
+
+
+@dataclass
+class _CardState:
+    bad_since: float | None = None  # clock time of the last non-ignored XID
+    last_xid: int | None = None
+    fatal: bool = False  # stays unhealthy until the card is seen again
+    gone: bool = False
+
+
+class HealthPolicy:
+    """Pure decisions over GPU events and the clock; no threads, no NVML.
+
+    * An ignored XID (``ignored`` is None: every XID) changes nothing.
+    * Any other XID makes the card unhealthy. If the XID is not fatal, the card is
+      healthy again once ``recovery_seconds`` pass without another such XID.
+    * A fatal XID (:data:`FATAL_XIDS`) or the card disappearing keeps it unhealthy
+      until the card is seen again (a ``gone=False`` event after it was gone).
+    """
+
+    def __init__(
+        self,
+        uuids: Iterable[str],
+        ignored: frozenset[int] | None,
+        recovery_seconds: float,
+    ) -> None:
+        self._ignored = ignored
+        self._recovery_seconds = recovery_seconds
+        self._cards = {uuid: _CardState() for uuid in uuids}
+
+    def _healthy(self, state: _CardState) -> bool:
+        return not state.gone and not state.fatal and state.bad_since is None
+
+    def on_event(self, event: GpuEvent, now: float) -> Verdict | None:
+        """The card's new verdict if ``event`` changes it; None if it changes nothing."""
+        state = self._cards.get(event.uuid)
+        if state is None:
+            return None  # a card we do not advertise (MIG, or added after start)
+        was_healthy = self._healthy(state)
+        if event.xid is None:
+            if event.gone:
+                state.gone = True
+                reason = "the GPU is no longer visible (fallen off the bus?)"
+            elif state.gone:
+                # Seen again: a fresh card as far as we can tell, fatal history forgotten.
+                state.gone = False
+                state.fatal = False
+                state.bad_since = None
+                state.last_xid = None
+                reason = "the GPU is visible again"
+            else:
+                return None
+            return Verdict(event.uuid, self._healthy(state), reason)
+        if self._ignored is None or event.xid in self._ignored:
+            return None
+        state.last_xid = event.xid
+        state.bad_since = now
+        if event.xid in FATAL_XIDS:
+            state.fatal = True
+        if not was_healthy and state.gone:
+            return None
+        return Verdict(event.uuid, False, self._describe(state))
+
+    def _describe(self, state: _CardState) -> str:
+        if state.gone:
+            return "the GPU is no longer visible (fallen off the bus?)"
+        if state.fatal:
+            return f"XID {state.last_xid}: unhealthy until the GPU is seen again"
+        return (
+            f"XID {state.last_xid}: healthy again after {self._recovery_seconds:g} s "
+            "without another error"
+        )
+
+    def tick(self, now: float) -> list[Verdict]:
+        """Cards whose quiet time after a non-fatal XID has run out: healthy again."""
+        recovered = []
+        for uuid, state in self._cards.items():
+            if state.fatal or state.gone or state.bad_since is None:
+                continue
+            if now - state.bad_since >= self._recovery_seconds:
+                state.bad_since = None
+                recovered.append(Verdict(uuid, True, f"no error for {self._recovery_seconds:g} s"))
+        return recovered
+
+    def next_deadline(self) -> float | None:
+        """Clock time of the next possible recovery, or None if nothing waits for one."""
+        pending = [
+            state.bad_since + self._recovery_seconds
+            for state in self._cards.values()
+            if state.bad_since is not None and not state.fatal and not state.gone
+        ]
+        return min(pending, default=None)
+
+
+# --------------------------------------------------------------------------- monitor
+
+#: How long the monitor waits before watching again after the backend's watch failed.
+WATCH_RETRY_SECONDS = (1.0, 30.0)
+
+
+class HealthMonitor:
+    """Feeds :class:`HealthBoard` from the backend's events through :class:`HealthPolicy`.
+
+    Two threads: one blocks in ``backend.watch`` (restarted with backoff if it fails),
+    the other sleeps until the next recovery is due. Neither ever stops the daemon.
+    """
+
+    def __init__(
+        self,
+        backend: GpuBackend,
+        board: HealthBoard,
+        policy: HealthPolicy,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._backend = backend
+        self._board = board
+        self._policy = policy
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        for name, target in (("gpu-events", self._watch), ("gpu-recovery", self._recover)):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+
+    def deliver(self, event: GpuEvent) -> None:
+        """Apply one event to the board (called from the backend's watch)."""
+        log.info("gpu_event", gpu=event.uuid, xid=event.xid, gone=event.gone)
+        with self._lock:
+            verdict = self._policy.on_event(event, self._clock())
+        if verdict is not None:
+            self._board.set(verdict.uuid, verdict.healthy, verdict.reason)
+        self._wake.set()
+
+    def _watch(self) -> None:
+        delay, longest = WATCH_RETRY_SECONDS
+        while not self._stop.is_set():
+            try:
+                self._backend.watch(self.deliver, self._stop)
+                return
+            except Exception as exc:  # NVML can fail in many ways; health must go on
+                log.warning("gpu_watch_failed", error=str(exc), retry_seconds=delay)
+            if self._stop.wait(delay):
+                return
+            delay = min(delay * 2, longest)
+
+    def _recover(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                deadline = self._policy.next_deadline()
+            timeout = None if deadline is None else max(0.0, deadline - self._clock())
+            self._wake.wait(timeout)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            with self._lock:
+                recovered = self._policy.tick(self._clock())
+            for verdict in recovered:
+                self._board.set(verdict.uuid, verdict.healthy, verdict.reason)

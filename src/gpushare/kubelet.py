@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -71,6 +72,21 @@ class KubeletLink:
         self._thread: threading.Thread | None = None
         self._registered_with: tuple[int, int] | None = None
         self._unwatched_grace = UNWATCHED_GRACE
+        self._unregistered_since: float | None = time.monotonic()
+
+    def alive(self) -> bool:
+        """True while the watch thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def unregistered_seconds(self) -> float:
+        """Seconds since the registration was lost (or since start); 0 while registered."""
+        since = self._unregistered_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def _lost(self) -> None:
+        self.registered.clear()
+        if self._unregistered_since is None:
+            self._unregistered_since = time.monotonic()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kubelet-link", daemon=True)
@@ -110,7 +126,7 @@ class KubeletLink:
             if self._registered_with is not None:
                 log.warning("kubelet_socket_gone", socket=str(self.kubelet_socket))
                 self._registered_with = None
-                self.registered.clear()
+                self._lost()
             return
         unwatched = any(
             server.servicer.unwatched_for() > self._unwatched_grace for server, _ in self.servers
@@ -122,10 +138,11 @@ class KubeletLink:
             self._unwatched_grace = min(self._unwatched_grace * 2, 60.0)
         else:
             self._unwatched_grace = UNWATCHED_GRACE
-        self.registered.clear()
+        self._lost()
         for server, name in self.servers:
             register(self.kubelet_socket, server.socket_path.name, name)
             log.info("registered", resource=name, endpoint=server.socket_path.name)
         self._registered_with = kubelet
         self.registrations += 1
+        self._unregistered_since = None
         self.registered.set()

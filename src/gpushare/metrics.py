@@ -1,0 +1,232 @@
+"""Prometheus metrics and the liveness endpoint, on their own small HTTP server.
+
+``/metrics`` serves one registry per daemon (tests run several daemons in one
+process). Per-card figures are read at scrape time from the usage ledger and the
+health board, so they are never stale and cost nothing between scrapes; request
+counts and latencies come from the servicers' ``observe`` hook.
+
+``/healthz`` is for the liveness probe, whose only remedy is a restart, so it fails
+only when a restart would help (see :func:`liveness`): a kubelet restart, during
+which the plugin is briefly unregistered, never makes it fail.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from gpushare.devices import Inventory, Resource
+from gpushare.health import HealthBoard
+from gpushare.usage import UsageLedger
+
+log = structlog.get_logger(__name__)
+
+#: Latency buckets in seconds: the kubelet's calls should take a few milliseconds.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
+
+#: While the kubelet is up, this long unregistered means the link is stuck: restart.
+UNREGISTERED_GRACE_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class LinkState:
+    """What liveness is decided from, as plain data."""
+
+    serving: bool  # both gRPC servers run and the kubelet link thread is alive
+    registered: bool
+    unregistered_seconds: float  # since the last registration was lost (or since start)
+    kubelet_present: bool  # kubelet.sock exists
+
+
+def liveness(
+    state: LinkState, grace_seconds: float = UNREGISTERED_GRACE_SECONDS
+) -> tuple[bool, str]:
+    """(alive, why). Alive while serving and registered, and also while registering
+    again after a kubelet restart or waiting for a kubelet that is down (a restart
+    of the plugin would not help there). Not alive when the servers or the link are
+    gone, or when the kubelet is up but registration keeps failing."""
+    if not state.serving:
+        return False, "the device-plugin servers or the kubelet link are not running"
+    if state.registered:
+        return True, "serving and registered"
+    if not state.kubelet_present:
+        return True, "serving; waiting for the kubelet socket to come back"
+    if state.unregistered_seconds <= grace_seconds:
+        return True, f"serving; registering (unregistered for {state.unregistered_seconds:.1f} s)"
+    return False, (
+        f"the kubelet is up but registration has failed for {state.unregistered_seconds:.0f} s"
+    )
+
+
+class _CardCollector:
+    """Per-card gauges, read from the ledger and the board at scrape time."""
+
+    def __init__(
+        self,
+        inventory: Inventory,
+        usage: UsageLedger,
+        health: HealthBoard,
+        extra: Callable[[], list[Metric]],
+    ) -> None:
+        self._inventory = inventory
+        self._usage = usage
+        self._health = health
+        self._extra = extra
+
+    def collect(self) -> Iterator[Metric]:
+        families = {
+            "memory_total": GaugeMetricFamily(
+                "gpushare_memory_units_total", "Memory units advertised per GPU", labels=["gpu"]
+            ),
+            "memory_used": GaugeMetricFamily(
+                "gpushare_memory_units_allocated",
+                "Memory units allocated per GPU (the kubelet's records and recent Allocates)",
+                labels=["gpu"],
+            ),
+            "core_total": GaugeMetricFamily(
+                "gpushare_core_units_total", "Core units advertised per GPU", labels=["gpu"]
+            ),
+            "core_used": GaugeMetricFamily(
+                "gpushare_core_units_allocated",
+                "Core units allocated per GPU (the kubelet's records and recent Allocates)",
+                labels=["gpu"],
+            ),
+            "healthy": GaugeMetricFamily(
+                "gpushare_gpu_healthy", "1 if the GPU is advertised Healthy", labels=["gpu"]
+            ),
+        }
+        memory_used = self._usage.used_counts(Resource.MEMORY)
+        core_used = self._usage.used_counts(Resource.CORE)
+        for uuid, card in self._inventory.cards.items():
+            families["memory_total"].add_metric([uuid], card.units(Resource.MEMORY))
+            families["memory_used"].add_metric([uuid], memory_used.get(uuid, 0))
+            families["core_total"].add_metric([uuid], card.units(Resource.CORE))
+            families["core_used"].add_metric([uuid], core_used.get(uuid, 0))
+            families["healthy"].add_metric([uuid], 1 if self._health.is_healthy(uuid) else 0)
+        yield from families.values()
+        yield from self._extra()
+
+
+class Metrics:
+    """One daemon's metrics, in its own registry."""
+
+    def __init__(
+        self,
+        inventory: Inventory,
+        usage: UsageLedger,
+        health: HealthBoard,
+        resource_names: dict[Resource, str],
+        pod_resources_reads: Callable[[], tuple[int, int]] | None = None,
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._names = resource_names
+        self._pod_resources_reads = pod_resources_reads
+        self.allocations = Counter(
+            "gpushare_allocations",
+            "Allocate calls answered, by resource and result (ok or the refusal)",
+            ["resource", "result"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "gpushare_request_duration_seconds",
+            "Time to answer a device-plugin request, by resource and method",
+            ["resource", "method"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_CardCollector(inventory, usage, health, self._extra))
+
+    def observe(self, resource: Resource, method: str, result: str, seconds: float) -> None:
+        """The servicers' hook, called after every request."""
+        name = self._names[resource]
+        self.latency.labels(name, method).observe(seconds)
+        if method == "Allocate":
+            self.allocations.labels(name, result).inc()
+
+    def _extra(self) -> list[Metric]:
+        if self._pod_resources_reads is None:
+            return []
+        ok, failed = self._pod_resources_reads()
+        reads = CounterMetricFamily(
+            "gpushare_pod_resources_reads",
+            "Reads of the kubelet's PodResources list, by result",
+            labels=["result"],
+        )
+        reads.add_metric(["ok"], ok)
+        reads.add_metric(["failed"], failed)
+        return [reads]
+
+    def render(self) -> bytes:
+        return bytes(generate_latest(self.registry))
+
+
+class MetricsServer:
+    """``/metrics`` and ``/healthz`` on ``address:port``, served from one thread."""
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        check: Callable[[], tuple[bool, str]],
+        address: str,
+        port: int,
+    ) -> None:
+        self.metrics = metrics
+        self.check = check
+        self.address = address
+        self.port = port
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Listen; raises OSError when the address cannot be bound."""
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._send(200, CONTENT_TYPE_LATEST, server.metrics.render())
+                elif path in ("/healthz", "/livez"):
+                    alive, why = server.check()
+                    body = json.dumps({"alive": alive, "reason": why}).encode() + b"\n"
+                    self._send(200 if alive else 503, "application/json", body)
+                else:
+                    self._send(404, "text/plain", b"not found: try /metrics or /healthz\n")
+
+            def _send(self, code: int, content_type: str, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # probes every few seconds would drown the log
+
+        family = socket.AF_INET6 if ":" in self.address else socket.AF_INET
+        server_class = type("MetricsHTTPServer", (ThreadingHTTPServer,), {"address_family": family})
+        httpd = server_class((self.address, self.port), Handler)
+        httpd.daemon_threads = True
+        self._httpd = httpd
+        self.port = httpd.server_address[1]
+        self._thread = threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True)
+        self._thread.start()
+        log.info("metrics_serving", address=self.address, port=self.port)
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)

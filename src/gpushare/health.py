@@ -39,7 +39,11 @@ class HealthBoard:
     def set(self, uuid: str, healthy: bool, reason: str = "") -> bool:
         """Record a card's health; True if it changed."""
         with self._changed:
-            if uuid not in self._healthy or self._healthy[uuid] == healthy:
+            if uuid not in self._healthy:
+                return False
+            if self._healthy[uuid] == healthy:
+                if not healthy and reason:
+                    self._reasons[uuid] = reason  # still unhealthy, for a newer reason
                 return False
             self._healthy[uuid] = healthy
             if healthy:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -33,22 +33,45 @@ class RegistrationError(Exception):
     pass
 
 
-def register(kubelet_socket: Path, endpoint: str, resource_name: str) -> None:
-    """Register one resource; the plugin must already be serving on ``endpoint``."""
+class RegistrationAbandoned(RegistrationError):
+    """Given up half-way because the kubelet or our socket changed: try again at once."""
+
+
+def register(
+    kubelet_socket: Path,
+    endpoint: str,
+    resource_name: str,
+    abandon: Callable[[], bool] = lambda: False,
+) -> None:
+    """Register one resource; the plugin must already be serving on ``endpoint``.
+
+    The kubelet dials the plugin back before it answers, which can hang when the
+    kubelet restarts again meanwhile; ``abandon`` is checked every poll interval and
+    ends the wait as soon as it holds.
+    """
     with grpc.insecure_channel(f"unix://{kubelet_socket}") as channel:
         stub = api_pb2_grpc.RegistrationStub(channel)
-        try:
-            stub.Register(
-                api_pb2.RegisterRequest(
-                    version=API_VERSION,
-                    endpoint=endpoint,
-                    resource_name=resource_name,
-                    options=api_pb2.DevicePluginOptions(get_preferred_allocation_available=True),
-                ),
-                timeout=REGISTER_TIMEOUT,
-            )
-        except grpc.RpcError as exc:
-            raise RegistrationError(f"{exc.code().name}: {exc.details()}") from None
+        call = stub.Register.future(
+            api_pb2.RegisterRequest(
+                version=API_VERSION,
+                endpoint=endpoint,
+                resource_name=resource_name,
+                options=api_pb2.DevicePluginOptions(get_preferred_allocation_available=True),
+            ),
+            timeout=REGISTER_TIMEOUT,
+        )
+        while True:
+            try:
+                call.result(timeout=POLL_SECONDS)
+                return
+            except grpc.FutureTimeoutError:
+                if abandon():
+                    call.cancel()
+                    raise RegistrationAbandoned(
+                        "the kubelet socket changed while registering"
+                    ) from None
+            except grpc.RpcError as exc:
+                raise RegistrationError(f"{exc.code().name}: {exc.details()}") from None
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -105,14 +128,35 @@ class KubeletLink:
                 self._check_once()
                 backoff = POLL_SECONDS
                 waiting_logged = False
+            except RegistrationAbandoned as exc:
+                log.info("registration_abandoned", reason=str(exc))
+                continue
             except RegistrationError as exc:
                 if not waiting_logged:
                     log.warning("registration_failed", error=str(exc), retry_seconds=backoff)
                     waiting_logged = True
-                self._stop.wait(backoff)
+                self._wait_unless_kubelet_changes(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
                 continue
             self._stop.wait(POLL_SECONDS)
+
+    def _wait_unless_kubelet_changes(self, seconds: float) -> None:
+        """Back off, but retry at once when a new kubelet socket appears."""
+        failed_with = _identity(self.kubelet_socket)
+        deadline = time.monotonic() + seconds
+        while not self._stop.wait(min(POLL_SECONDS, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline or _identity(self.kubelet_socket) != failed_with:
+                return
+
+    def _changed_since(self, kubelet: tuple[int, int] | None) -> Callable[[], bool]:
+        def changed() -> bool:
+            return (
+                self._stop.is_set()
+                or _identity(self.kubelet_socket) != kubelet
+                or not all(server.socket_intact() for server, _ in self.servers)
+            )
+
+        return changed
 
     def _check_once(self) -> None:
         resurrected = False
@@ -140,7 +184,9 @@ class KubeletLink:
             self._unwatched_grace = UNWATCHED_GRACE
         self._lost()
         for server, name in self.servers:
-            register(self.kubelet_socket, server.socket_path.name, name)
+            register(
+                self.kubelet_socket, server.socket_path.name, name, self._changed_since(kubelet)
+            )
             log.info("registered", resource=name, endpoint=server.socket_path.name)
         self._registered_with = kubelet
         self.registrations += 1

@@ -3,47 +3,17 @@
 from __future__ import annotations
 
 import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 from conftest import TESLA_P4, Node, cards, gpu_uuid
+from procs import daemon_process, free_port, poll, reachable, scrape
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpushare.daemon import Daemon
 from gpushare.devices import Resource
 from gpushare.gpus import Gpu, GpuError, GpuEvent, SimulatedBackend
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def poll(predicate: Callable[[], bool], timeout: float, step: float = 0.02) -> bool:
-    """Re-check ``predicate`` until it holds or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(step)
-
-
-def scrape(port: int, path: str = "/metrics") -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as reply:
-            return reply.status, reply.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 def per_card_metrics(text: str) -> dict[str, dict[str, float]]:
@@ -61,34 +31,6 @@ def kubelet_per_card(node: Node, resource: str) -> dict[str, float]:
     for device_id in node.kubelet.allocated(resource):
         used[device_id.split("::")[0]] += 1
     return used
-
-
-def daemon_process(node: Node, port: int) -> subprocess.Popen[bytes]:
-    s = node.settings
-    command = [
-        sys.executable,
-        "-m",
-        "gpushare.daemon",
-        "--kubelet-dir",
-        s.kubelet_dir,
-        "--pod-resources-socket",
-        s.pod_resources_socket,
-        "--simulate",
-        s.simulate,
-        "--library",
-        s.library,
-        "--host-lib-dir",
-        s.host_lib_dir,
-        "--placement",
-        "spread",
-        "--metrics-port",
-        str(port),
-        "--metrics-address",
-        "127.0.0.1",
-        "--log-format",
-        "json",
-    ]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def test_kill_9_and_restart_agrees_with_the_kubelet_and_respects_its_records(node: Node) -> None:
@@ -111,12 +53,14 @@ def test_kill_9_and_restart_agrees_with_the_kubelet_and_respects_its_records(nod
 
         second = daemon_process(node, port)
         assert node.kubelet.wait_for(
-            lambda k: len(k.registrations) >= registrations + 2
-            and k.healthy_count(node.memory) == 58
-            and k.healthy_count(node.core) == 200,
+            lambda k: (
+                len(k.registrations) >= registrations + 2
+                and k.healthy_count(node.memory) == 58
+                and k.healthy_count(node.core) == 200
+            ),
             10.0,
         )
-        assert poll(lambda: _reachable(port), 5.0)
+        assert poll(lambda: reachable(port), 5.0)
         # at once: no Allocate has happened since the restart, the records are the source
         reported = per_card_metrics(scrape(port)[1])
         assert reported["gpushare_memory_units_allocated"] == kubelet_per_card(node, node.memory)
@@ -135,13 +79,6 @@ def test_kill_9_and_restart_agrees_with_the_kubelet_and_respects_its_records(nod
             if process is not None and process.poll() is None:
                 process.kill()
                 process.wait(10)
-
-
-def _reachable(port: int) -> bool:
-    try:
-        return scrape(port, "/healthz")[0] == 200
-    except OSError:
-        return False
 
 
 def test_a_missing_pod_resources_socket_is_retried_and_caught_up_with(node: Node) -> None:

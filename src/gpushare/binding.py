@@ -36,7 +36,7 @@ import structlog
 from gpushare.answers import Answer, Enforcement, build_answer
 from gpushare.devices import InvalidDeviceIds, Inventory, Resource, format_device_id
 from gpushare.health import HealthBoard
-from gpushare.library import prepare_cache_dir, record_library_use
+from gpushare.library import prepare_cache_dir
 from gpushare.placement import CardView, Request, choose_card, preferred_units
 from gpushare.podresources import Snapshot
 from gpushare.usage import Holder, UsageLedger
@@ -95,7 +95,7 @@ class Binder:
         records: Callable[[], Snapshot | None] | None = None,
         specs: PodSpecs | None = None,
         clock: Callable[[], float] = time.monotonic,
-        on_allocated: Callable[[Resource, str, int], None] | None = None,
+        on_allocated: Callable[[Resource, str, Sequence[str]], None] | None = None,
     ) -> None:
         self.inventory = inventory
         self.usage = usage
@@ -266,13 +266,9 @@ class Binder:
                 resource, uuid, device_ids[0], self._clock(), completed_pair=partner is not None
             )
         cache_dir = None
-        if self.enforcement.library is not None:
-            library = self.enforcement.library.name
+        if resource is Resource.MEMORY and self.enforcement.library is not None:
             try:
-                if resource is Resource.MEMORY:
-                    cache_dir = prepare_cache_dir(self.host_lib_dir, list(device_ids), library)
-                else:
-                    record_library_use(self.host_lib_dir, list(device_ids), library)
+                cache_dir = prepare_cache_dir(self.host_lib_dir, list(device_ids))
             except OSError as exc:
                 raise BindingError(
                     Refusal.INTERNAL, f"cannot create the container's cache directory: {exc}"
@@ -287,7 +283,7 @@ class Binder:
             cache_dir=cache_dir,
         )
         if self._on_allocated is not None:
-            self._on_allocated(resource, uuid, len(numbers))
+            self._on_allocated(resource, uuid, device_ids)
         log.info(
             "allocated",
             resource=resource.value,

@@ -12,14 +12,17 @@ Two kinds of leftovers, both under ``--host-lib-dir``:
   holds while preparing a directory, and is skipped if the record changed since it
   was read: a container given the same units again keeps its fresh directory.
 * **Old versioned interposer files** (``libvgpu.so.<hash>`` and its
-  ``ld.so.preload.<hash>``). A container mounts the library that was current when it
-  was allocated; every record names that file. A version is kept while it is the
-  current one or any remaining record names it, and records outlive their containers
-  (above), so a library is never removed under a running container. A record that
-  does not name its library (unreadable, or written by an older gpushare) keeps
-  every version until it is itself collected. The daemon cannot look into other
-  containers' mounts (``/proc/<pid>/mountinfo`` of the node's processes is not
-  visible from its pod), so the records are the evidence.
+  ``ld.so.preload.<hash>``). A container mounts the version that was current when it
+  was allocated. The daemon cannot look into other containers' mounts
+  (``/proc/<pid>/mountinfo`` of the node's processes is not visible from its pod),
+  and writing a record per Allocate only for this would cost every core Allocate a
+  file write. Instead a version is *retired* the first time a collection finds it is
+  no longer the current one: the containers alive at that moment (from the same
+  successful PodResources read) are written beside it in ``libraries.json``. Every
+  container allocated later got a newer version, so the old one is removed once
+  none of those containers remains and the grace period has passed since it was
+  retired. A lost or unreadable ``libraries.json`` retires every old version again
+  (it only delays removal).
 
 Collection only ever runs after a successful PodResources read.
 """
@@ -27,6 +30,7 @@ Collection only ever runs after a successful PodResources read.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 import shutil
@@ -39,40 +43,41 @@ from typing import Any
 import structlog
 
 from gpushare.devices import Resource
-from gpushare.library import (
-    CACHE_LOCK,
-    CACHE_ROOT_NAME,
-    LIBRARY_NAME,
-    cache_key,
-    library_record_key,
-)
+from gpushare.library import CACHE_LOCK, CACHE_ROOT_NAME, LIBRARY_NAME, cache_key
 from gpushare.podresources import Snapshot
 
 log = structlog.get_logger(__name__)
 
-_KEY = re.compile(r"^[cl]-[0-9a-f]{20}$")
+_KEY = re.compile(r"^c-[0-9a-f]{20}$")
+RETIRED_FILE = "libraries.json"
 _VERSIONED = re.compile(r"^(?:" + re.escape(LIBRARY_NAME) + r"|ld\.so\.preload)\.([0-9a-f]{12})$")
 
 
 @dataclass
 class Collected:
-    """What one collection removed (and whether it had to keep every library)."""
+    """What one collection removed."""
 
     records: list[str] = field(default_factory=list)
     libraries: list[str] = field(default_factory=list)
-    kept_all_libraries: bool = False
 
 
 def live_keys(snapshot: Snapshot) -> set[str]:
-    """The record keys of every container the kubelet reports holding our units."""
-    keys: set[str] = set()
-    for by_resource in snapshot.devices.values():
-        memory = by_resource.get(Resource.MEMORY)
-        if memory:
-            keys.add(cache_key(memory))
-        core = by_resource.get(Resource.CORE)
-        if core:
-            keys.add(library_record_key(core))
+    """The cache keys of every container the kubelet reports holding memory units."""
+    return {
+        cache_key(by_resource[Resource.MEMORY])
+        for by_resource in snapshot.devices.values()
+        if by_resource.get(Resource.MEMORY)
+    }
+
+
+def holder_keys(snapshot: Snapshot) -> set[str]:
+    """One string per container holding our units: who it is and exactly what it holds
+    (a pod re-created under the same name with other units is another container)."""
+    keys = set()
+    for holder, by_resource in snapshot.devices.items():
+        held = sorted(f"{r.value}={d}" for r, ids in by_resource.items() for d in ids)
+        digest = hashlib.sha256("\n".join(held).encode()).hexdigest()[:16]
+        keys.add(f"{holder.namespace}/{holder.pod}/{holder.container}/{digest}")
     return keys
 
 
@@ -132,7 +137,7 @@ class GarbageCollector:
             if self._remove(key, created):
                 del self._missing_since[key]
                 collected.records.append(key)
-        self._collect_libraries(collected)
+        self._collect_libraries(snapshot, collected)
         return collected
 
     def _keys_on_disk(self) -> set[str]:
@@ -175,32 +180,72 @@ class GarbageCollector:
         )
         return True
 
-    def _collect_libraries(self, collected: Collected) -> None:
-        in_use: set[str] = set()
-        if self.current_library is not None:
-            in_use.add(self.current_library.name)
-        for key in self._keys_on_disk():
-            record = _read_record(self.root / f"{key}.json")
-            library = record.get("library") if record else None
-            if not isinstance(library, str) or not library:
-                collected.kept_all_libraries = True
-                return
-            in_use.add(library)
-        versions_in_use = {
-            match.group(1) for name in in_use if (match := _VERSIONED.match(name)) is not None
+    def _load_retired(self) -> dict[str, dict[str, Any]]:
+        data = _read_record(self.host_dir / RETIRED_FILE)
+        if data is None:
+            return {}
+        return {
+            name: entry
+            for name, entry in data.items()
+            if isinstance(entry, dict)
+            and isinstance(entry.get("retired_at"), int | float)
+            and isinstance(entry.get("holders"), list)
         }
+
+    def _collect_libraries(self, snapshot: Snapshot, collected: Collected) -> None:
+        current = None
+        if self.current_library is not None:
+            match = _VERSIONED.match(self.current_library.name)
+            current = match.group(1) if match else None
         try:
-            files = list(self.host_dir.iterdir())
+            names = [path.name for path in self.host_dir.iterdir()]
         except OSError:
             return
-        for path in files:
-            match = _VERSIONED.match(path.name)
-            if match is None or match.group(1) in versions_in_use:
+        old_versions: dict[str, list[str]] = {}
+        for name in names:
+            match = _VERSIONED.match(name)
+            if match is not None and match.group(1) != current:
+                old_versions.setdefault(match.group(1), []).append(name)
+        retired = self._load_retired()
+        now = self._clock()
+        alive = holder_keys(snapshot)
+        changed = False
+        for version in list(retired):
+            if version not in old_versions:
+                del retired[version]  # removed, or current again
+                changed = True
+        for version, files in sorted(old_versions.items()):
+            entry = retired.get(version)
+            if entry is None:
+                retired[version] = {"retired_at": now, "holders": sorted(alive)}
+                changed = True
+                log.info("library_retired", version=version, containers=len(alive))
                 continue
-            try:
-                path.unlink()
-            except OSError as exc:
-                log.warning("library_not_removed", path=str(path), error=str(exc))
+            holders = [h for h in entry["holders"] if h in alive]
+            if holders != entry["holders"]:
+                entry["holders"] = holders
+                changed = True
+            if holders or now - float(entry["retired_at"]) <= self.grace_seconds:
                 continue
-            collected.libraries.append(path.name)
-            log.info("old_library_removed", path=str(path))
+            for name in files:
+                path = self.host_dir / name
+                try:
+                    path.unlink()
+                except OSError as exc:
+                    log.warning("library_not_removed", path=str(path), error=str(exc))
+                    continue
+                collected.libraries.append(name)
+                log.info("old_library_removed", path=str(path))
+            del retired[version]
+            changed = True
+        if changed:
+            self._save_retired(retired)
+
+    def _save_retired(self, retired: dict[str, dict[str, Any]]) -> None:
+        target = self.host_dir / RETIRED_FILE
+        tmp = target.with_name(f".{RETIRED_FILE}.tmp")
+        try:
+            tmp.write_text(json.dumps(retired, sort_keys=True))
+            tmp.replace(target)
+        except OSError as exc:
+            log.warning("library_state_not_saved", path=str(target), error=str(exc))

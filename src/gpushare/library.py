@@ -92,32 +92,16 @@ def cache_key(device_ids: Iterable[str]) -> str:
     return "c-" + hashlib.sha256(joined).hexdigest()[:20]
 
 
-def library_record_key(device_ids: Iterable[str]) -> str:
-    """The record name for a container holding only core units (no cache directory)."""
-    return "l-" + cache_key(device_ids)[2:]
-
-
-#: Held while a cache directory or record is created or removed, so that garbage
-#: collection never removes one that an Allocate is preparing at the same moment.
+#: Held while a cache directory is created or removed, so that garbage collection
+#: never removes one that an Allocate is preparing at the same moment.
 CACHE_LOCK = threading.Lock()
 
 
-def record_path(host_dir: Path, key: str) -> Path:
-    return host_dir / CACHE_ROOT_NAME / f"{key}.json"
-
-
-def _write_record(host_dir: Path, key: str, device_ids: list[str], library: str) -> None:
-    record = {"device_ids": sorted(device_ids), "created": time.time(), "library": library}
-    record_path(host_dir, key).write_text(json.dumps(record))
-
-
-def prepare_cache_dir(host_dir: Path, device_ids: list[str], library: str = "") -> Path:
+def prepare_cache_dir(host_dir: Path, device_ids: list[str]) -> Path:
     """A fresh, empty, world-writable cache directory for the container holding these units.
 
     A directory already there belonged to an earlier holder of the same units (the
     kubelet reuses units only after their container is gone), so it is emptied.
-    ``library`` (the versioned file name the container mounts) is kept in the record
-    beside it, so that garbage collection keeps that library while the record lives.
     """
     root = host_dir / CACHE_ROOT_NAME
     key = cache_key(device_ids)
@@ -128,14 +112,6 @@ def prepare_cache_dir(host_dir: Path, device_ids: list[str], library: str = "") 
             shutil.rmtree(path, ignore_errors=True)
         path.mkdir()
         os.chmod(path, 0o777)  # non-root containers write their accounting file here
-        _write_record(host_dir, key, device_ids, library)
+        record = {"device_ids": sorted(device_ids), "created": time.time()}
+        (root / f"{key}.json").write_text(json.dumps(record))
     return path
-
-
-def record_library_use(host_dir: Path, device_ids: list[str], library: str) -> None:
-    """Remember that the container holding these units mounts ``library`` (no cache
-    directory: used for containers that ask for core units only)."""
-    root = host_dir / CACHE_ROOT_NAME
-    with CACHE_LOCK:
-        root.mkdir(parents=True, exist_ok=True)
-        _write_record(host_dir, library_record_key(device_ids), device_ids, library)

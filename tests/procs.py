@@ -1,0 +1,75 @@
+"""Helpers for tests that run the daemon as a separate process and read its metrics."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+from conftest import Node
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def poll(predicate: Callable[[], bool], timeout: float, step: float = 0.02) -> bool:
+    """Re-check ``predicate`` until it holds or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(step)
+
+
+def scrape(port: int, path: str = "/metrics") -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def daemon_process(node: Node, port: int, *extra: str) -> subprocess.Popen[bytes]:
+    """``gpushare-device-plugin`` on the node's files, spread placement, metrics on ``port``."""
+    s = node.settings
+    command = [
+        sys.executable,
+        "-m",
+        "gpushare.daemon",
+        "--kubelet-dir",
+        s.kubelet_dir,
+        "--pod-resources-socket",
+        s.pod_resources_socket,
+        "--simulate",
+        s.simulate,
+        "--library",
+        s.library,
+        "--host-lib-dir",
+        s.host_lib_dir,
+        "--placement",
+        "spread",
+        "--metrics-port",
+        str(port),
+        "--metrics-address",
+        "127.0.0.1",
+        "--log-format",
+        "json",
+        *extra,
+    ]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def reachable(port: int) -> bool:
+    try:
+        return scrape(port, "/healthz")[0] == 200
+    except OSError:
+        return False

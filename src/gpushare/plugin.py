@@ -209,10 +209,6 @@ class PluginServer:
             "plugin_serving", resource=self.servicer.resource.value, socket=str(self.socket_path)
         )
 
-    @property
-    def serving(self) -> bool:
-        return self._server is not None
-
     def socket_intact(self) -> bool:
         """False when our socket file was removed or replaced (a kubelet restart does this)."""
         try:

@@ -1,0 +1,126 @@
+"""The Prometheus endpoint and /healthz."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from conftest import TESLA_P4, Node, cards, gpu_uuid
+from procs import free_port, scrape
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpushare.daemon import Daemon, StartupError
+from gpushare.metrics import LinkState, liveness
+from gpushare.sim.kubelet import AdmissionError
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return found
+
+
+def test_metrics_report_cards_allocations_and_latency(node: Node) -> None:
+    port = free_port()
+    gpus = cards(TESLA_P4, 2)
+    node.start(gpus, metrics_port=port, metrics_address="127.0.0.1")
+    a = node.kubelet.admit("a", "main", {node.memory: 20, node.core: 30})
+    node.kubelet.admit("b", "main", {node.memory: 20})
+    with pytest.raises(AdmissionError):
+        node.kubelet.admit("c", "main", {node.memory: 10})  # 9 + 9 free: spans two cards
+    gpus[1 if a.card() == gpu_uuid(0) else 0]["xid"] = 79
+    node.write_gpus(gpus)
+    assert node.kubelet.wait_for(lambda k: k.healthy_count(node.memory) == 29, 2.0)
+
+    status, text = scrape(port)
+    assert status == 200
+    got = samples(text)
+    other = gpu_uuid(1) if a.card() == gpu_uuid(0) else gpu_uuid(0)
+    for uuid in (gpu_uuid(0), gpu_uuid(1)):
+        assert got[("gpushare_memory_units_total", (("gpu", uuid),))] == 29
+        assert got[("gpushare_core_units_total", (("gpu", uuid),))] == 100
+    assert got[("gpushare_memory_units_allocated", (("gpu", a.card()),))] == 20
+    assert got[("gpushare_memory_units_allocated", (("gpu", other),))] == 20
+    assert got[("gpushare_core_units_allocated", (("gpu", a.card()),))] == 30
+    assert got[("gpushare_core_units_allocated", (("gpu", other),))] == 0
+    assert got[("gpushare_gpu_healthy", (("gpu", a.card()),))] == 1
+    assert got[("gpushare_gpu_healthy", (("gpu", other),))] == 0
+    memory = (("resource", node.memory),)
+    assert got[("gpushare_allocations_total", (*memory, ("result", "ok")))] == 2
+    assert got[("gpushare_allocations_total", (*memory, ("result", "precondition")))] == 1
+    assert got[("gpushare_allocations_total", (("resource", node.core), ("result", "ok")))] == 1
+    for method, calls in (("Allocate", 3), ("GetPreferredAllocation", 3)):
+        key = ("gpushare_request_duration_seconds_count", (("method", method), *memory))
+        assert got[key] == calls
+    assert got[("gpushare_pod_resources_reads_total", (("result", "ok"),))] >= 1
+
+    status, body = scrape(port, "/healthz")
+    assert status == 200 and json.loads(body) == {"alive": True, "reason": "serving and registered"}
+    assert scrape(port, "/nothing")[0] == 404
+
+
+def test_healthz_does_not_flap_during_kubelet_restarts(node: Node) -> None:
+    port = free_port()
+    node.start(cards(TESLA_P4, 1), metrics_port=port, metrics_address="127.0.0.1")
+    answers: list[int] = []
+    done = threading.Event()
+
+    def probe() -> None:
+        while not done.is_set():
+            answers.append(scrape(port, "/healthz")[0])
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        for _ in range(3):
+            node.kubelet.restart()
+            assert node.wait_registered(3.0)
+        node.kubelet.stop()  # the kubelet down for a while: a restart of ours would not help
+        assert node.kubelet.wait_for(lambda _k: len(answers) > 20, 0.5) or len(answers) > 0
+    finally:
+        done.set()
+        prober.join()
+    assert answers and set(answers) == {200}
+
+
+def test_liveness_fails_only_where_a_restart_helps() -> None:
+    def state(**changes: object) -> LinkState:
+        base = {
+            "serving": True,
+            "registered": True,
+            "unregistered_seconds": 0.0,
+            "kubelet_present": True,
+        }
+        return LinkState(**{**base, **changes})  # type: ignore[arg-type]
+
+    assert liveness(state())[0]
+    assert liveness(state(registered=False, unregistered_seconds=5.0))[0]  # re-registering
+    assert liveness(state(registered=False, unregistered_seconds=600, kubelet_present=False))[0]
+    alive, why = liveness(state(registered=False, unregistered_seconds=61.0), 60.0)
+    assert not alive and "registration has failed for 61 s" in why
+    alive, why = liveness(state(serving=False))
+    assert not alive and "not running" in why
+
+
+def test_metrics_port_zero_serves_nothing(node: Node) -> None:
+    daemon = node.start(cards(TESLA_P4, 1))  # the fixture's default: metrics_port=0
+    assert daemon.metrics is None and daemon.metrics_server is None
+
+
+def test_a_taken_metrics_port_stops_the_start_with_one_clear_line(node: Node) -> None:
+    node.write_gpus(cards(TESLA_P4, 1))
+    node.kubelet.start()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        settings = replace(node.settings, metrics_port=port, metrics_address="127.0.0.1")
+        with pytest.raises(StartupError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+            Daemon(settings).start()
+    assert list(Path(settings.kubelet_dir).glob("gpushare-*.sock")) == []

@@ -95,7 +95,7 @@ class Binder:
         records: Callable[[], Snapshot | None] | None = None,
         specs: PodSpecs | None = None,
         clock: Callable[[], float] = time.monotonic,
-        on_allocated: Callable[[Resource, str, int], None] | None = None,
+        on_allocated: Callable[[Resource, str, Sequence[str]], None] | None = None,
     ) -> None:
         self.inventory = inventory
         self.usage = usage
@@ -283,7 +283,7 @@ class Binder:
             cache_dir=cache_dir,
         )
         if self._on_allocated is not None:
-            self._on_allocated(resource, uuid, len(numbers))
+            self._on_allocated(resource, uuid, device_ids)
         log.info(
             "allocated",
             resource=resource.value,

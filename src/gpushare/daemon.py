@@ -16,7 +16,7 @@ from types import FrameType
 import structlog
 
 from gpushare.answers import Enforcement
-from gpushare.binding import Binder, PodSpecs
+from gpushare.binding import Binder
 from gpushare.config import ConfigError, Settings, load_settings
 from gpushare.devices import Inventory, Resource
 from gpushare.gpus import Gpu, GpuBackend, GpuError, open_backend
@@ -24,8 +24,10 @@ from gpushare.health import HealthBoard
 from gpushare.kubelet import KubeletLink
 from gpushare.library import LibraryError, ensure_lock_dir, install_library, install_preload_file
 from gpushare.logs import configure_logging
+from gpushare.node import ApiLink
 from gpushare.plugin import DevicePluginServicer, PluginServer
 from gpushare.podresources import PodResourcesClient
+from gpushare.podspecs import PodSpecBook
 from gpushare.usage import UsageLedger
 
 log = structlog.get_logger(__name__)
@@ -85,7 +87,7 @@ class Daemon:
         self,
         settings: Settings,
         backend: GpuBackend | None = None,
-        specs: PodSpecs | None = None,
+        specs: PodSpecBook | None = None,
     ) -> None:
         self.settings = settings
         self.backend = backend
@@ -97,6 +99,7 @@ class Daemon:
         self.binder: Binder | None = None
         self.health: HealthBoard | None = None
         self.pod_resources: PodResourcesClient | None = None
+        self.api_link: ApiLink | None = None
 
     def start(self) -> None:
         settings = self.settings
@@ -119,6 +122,17 @@ class Daemon:
             Path(settings.pod_resources_socket),
             {resource.name_with(settings.resource_prefix): resource for resource in Resource},
         )
+        if settings.node_name:
+            self.specs = self.specs or PodSpecBook(settings.resource_prefix)
+            self.api_link = ApiLink(
+                settings.node_name,
+                settings.resource_prefix,
+                inventory,
+                usage,
+                health,
+                self.specs,
+                self.pod_resources,
+            )
         self.binder = Binder(
             inventory,
             usage,
@@ -128,6 +142,7 @@ class Daemon:
             host_lib_dir=Path(settings.host_lib_dir),
             records=self.pod_resources.list,
             specs=self.specs,
+            on_allocated=self._allocated,
         )
         for card in inventory.cards.values():
             log.info(
@@ -161,11 +176,19 @@ class Daemon:
             raise StartupError(f"cannot serve in {kubelet_dir}: {exc}") from None
         self.link = KubeletLink(settings.kubelet_socket, named_servers)
         self.link.start()
+        if self.api_link is not None:
+            self.api_link.start()
+
+    def _allocated(self, resource: Resource, uuid: str, device_ids: Sequence[str]) -> None:
+        if self.api_link is not None:
+            self.api_link.notify_allocated(resource, uuid, device_ids[0])
 
     def stop(self) -> None:
         self.stopping.set()
         if self.health is not None:
             self.health.wake()
+        if self.api_link is not None:
+            self.api_link.stop()
         if self.link is not None:
             self.link.stop()
         for server in self.servers:

@@ -87,6 +87,7 @@ def make_trace(pods: int, seed: int, load: float) -> list[TracePod]:
         memory = max(1, round(_weighted(rng, MEMORY_MIX) * 1024 / UNIT_MIB))
         core = int(_weighted(rng, CORE_MIX))
         draw = rng.random()
+        containers: tuple[ContainerNeed, ...]
         if draw < 0.04:  # compute-only: cores, no memory units
             containers = (ContainerNeed("main", 0, max(core, 20)),)
         elif draw < 0.14:  # a GPU sidecar next to the main container

@@ -58,7 +58,8 @@ def connect_api() -> Any:
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
         config.load_incluster_config()  # type: ignore[no-untyped-call]
     else:
-        config.load_kube_config()  # type: ignore[no-untyped-call]
+        # KUBECONFIG is read now, not when the client was first imported.
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # type: ignore[no-untyped-call]
     return client.CoreV1Api()
 
 

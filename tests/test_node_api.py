@@ -158,3 +158,13 @@ def test_annotation_is_valid_json_with_the_documented_keys(node: Node, api: Kube
         "core_units_used",
         "healthy",
     }
+
+
+def test_pod_annotation_keys_stay_valid_for_long_container_names() -> None:
+    long_name = "a-container-name-that-is-as-long-as-kubernetes-allows-it-to-be-x"
+    assert len(long_name) == 63
+    key = nodestate.pod_annotation_key("gpushare.io", long_name)
+    prefix, _, name = key.partition("/")
+    assert prefix == "gpushare.io" and len(name) <= 63 and name.startswith("gpu.a-container")
+    assert key != nodestate.pod_annotation_key("gpushare.io", long_name[:-1] + "y")
+    assert nodestate.pod_annotation_key("gpushare.io", "main") == "gpushare.io/gpu.main"

@@ -94,10 +94,11 @@ def _containers_by_card(
             if isinstance(c, Mapping)
         }
         annotations = meta.get("annotations") or {}
+        named = {nodestate.pod_annotation_key(prefix, name): name for name in specs}
         for key, uuid in sorted(annotations.items()):
             if not key.startswith(marker):
                 continue
-            name = key[len(marker) :]
+            name = named.get(key, key[len(marker) :])
             try:
                 need = container_need(specs.get(name) or {"name": name}, prefix)
                 memory, core = need.memory_units, need.core_units

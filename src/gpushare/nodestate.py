@@ -12,6 +12,7 @@ extender and ``kubectl gpushare inspect`` read it. JSON, one object per card::
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -52,8 +53,17 @@ def annotation_key(prefix: str) -> str:
     return f"{prefix}/gpus"
 
 
+#: The name part of an annotation key (after ``<prefix>/``) is at most 63 characters.
+KEY_NAME_LIMIT = 63
+
+
 def pod_annotation_key(prefix: str, container: str) -> str:
-    return f"{prefix}/gpu.{container}"
+    """``<prefix>/gpu.<container>``; a name too long for a key is shortened with a hash."""
+    name = f"gpu.{container}"
+    if len(name) > KEY_NAME_LIMIT:
+        digest = hashlib.sha256(container.encode()).hexdigest()[:8]
+        name = f"{name[: KEY_NAME_LIMIT - 9].rstrip('-._')}-{digest}"
+    return f"{prefix}/{name}"
 
 
 def label_key(prefix: str, what: str) -> str:

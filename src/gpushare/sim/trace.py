@@ -267,9 +267,7 @@ def render_report(results: Sequence[RunResult], pods: int, seed: int, load: floa
         "",
         "Mean card memory use by node size:",
         "",
-        "| placement | extender | "
-        + " | ".join(f"{c}-card nodes" for c, *_ in NODE_SHAPES)
-        + " |",
+        "| placement | extender | " + " | ".join(f"{c}-card nodes" for c, *_ in NODE_SHAPES) + " |",
         "|---|---|" + "---:|" * len(NODE_SHAPES),
     ]
     for r in results:

@@ -161,7 +161,7 @@ def test_annotation_is_valid_json_with_the_documented_keys(node: Node, api: Kube
 
 
 def test_pod_annotation_keys_stay_valid_for_long_container_names() -> None:
-    long_name = "a-container-name-that-is-as-long-as-kubernetes-allows-it-to-be"
+    long_name = "a-container-name-that-is-as-long-as-kubernetes-allows-it-to-bee"
     assert len(long_name) == 63
     key = nodestate.pod_annotation_key("gpushare.io", long_name)
     prefix, _, name = key.partition("/")

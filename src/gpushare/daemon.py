@@ -16,7 +16,7 @@ from types import FrameType
 import structlog
 
 from gpushare.answers import Enforcement
-from gpushare.binding import Binder, PodSpecs
+from gpushare.binding import Binder
 from gpushare.config import ConfigError, Settings, load_settings
 from gpushare.devices import Inventory, Resource
 from gpushare.gc import GarbageCollector
@@ -26,8 +26,10 @@ from gpushare.kubelet import KubeletLink
 from gpushare.library import LibraryError, ensure_lock_dir, install_library, install_preload_file
 from gpushare.logs import configure_logging
 from gpushare.metrics import LinkState, Metrics, MetricsServer, liveness
+from gpushare.node import ApiLink
 from gpushare.plugin import DevicePluginServicer, PluginServer
 from gpushare.podresources import PodResourcesClient
+from gpushare.podspecs import PodSpecBook
 from gpushare.refresh import UsageRefresher
 from gpushare.usage import UsageLedger
 
@@ -90,7 +92,7 @@ class Daemon:
         self,
         settings: Settings,
         backend: GpuBackend | None = None,
-        specs: PodSpecs | None = None,
+        specs: PodSpecBook | None = None,
     ) -> None:
         self.settings = settings
         self.backend = backend
@@ -102,6 +104,7 @@ class Daemon:
         self.binder: Binder | None = None
         self.health: HealthBoard | None = None
         self.pod_resources: PodResourcesClient | None = None
+        self.api_link: ApiLink | None = None
         self.usage: UsageLedger | None = None
         self.monitor: HealthMonitor | None = None
         self.refresher: UsageRefresher | None = None
@@ -171,6 +174,17 @@ class Daemon:
             after_read=collector.maybe_collect,
         )
         self.refresher = refresher
+        if settings.node_name:
+            self.specs = self.specs or PodSpecBook(settings.resource_prefix)
+            self.api_link = ApiLink(
+                settings.node_name,
+                settings.resource_prefix,
+                inventory,
+                usage,
+                health,
+                self.specs,
+                self.pod_resources,
+            )
         self.binder = Binder(
             inventory,
             usage,
@@ -180,7 +194,7 @@ class Daemon:
             host_lib_dir=Path(settings.host_lib_dir),
             records=self.pod_resources.list,
             specs=self.specs,
-            on_allocated=lambda _resource, _uuid, _units: refresher.poke(),
+            on_allocated=self._allocated,
         )
         # The kubelet's records first: the first placement after a restart respects them.
         if refresher.refresh_once():
@@ -239,6 +253,8 @@ class Daemon:
             raise StartupError(f"cannot serve in {kubelet_dir}: {exc}") from None
         self.link = KubeletLink(settings.kubelet_socket, named_servers)
         self.link.start()
+        if self.api_link is not None:
+            self.api_link.start()
         refresher.start()
         if self.metrics is not None:
             self.metrics_server = MetricsServer(
@@ -261,6 +277,12 @@ class Daemon:
             for resource in Resource
         }
 
+    def _allocated(self, resource: Resource, uuid: str, device_ids: Sequence[str]) -> None:
+        if self.refresher is not None:
+            self.refresher.poke()
+        if self.api_link is not None:
+            self.api_link.notify_allocated(resource, uuid, device_ids[0])
+
     def stop(self) -> None:
         self.stopping.set()
         if self.health is not None:
@@ -269,6 +291,8 @@ class Daemon:
             self.monitor.stop()
         if self.refresher is not None:
             self.refresher.stop()
+        if self.api_link is not None:
+            self.api_link.stop()
         if self.link is not None:
             self.link.stop()
         for server in self.servers:

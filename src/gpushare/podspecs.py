@@ -11,7 +11,7 @@ container still never spans two cards without them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpushare.devices import Resource
@@ -46,6 +46,8 @@ class PodSpecBook:
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
+        #: Called when no known pod can be the one asking; re-reads the pods, True if done.
+        self.on_miss: Callable[[], bool] | None = None
         self._lock = threading.Lock()
         # pod uid -> (namespace, name, phase, {container: requests})
         self._pods: dict[str, tuple[str, str, str, dict[str, dict[Resource, int]]]] = {}
@@ -102,6 +104,14 @@ class PodSpecBook:
         hold it yet (per the kubelet's records, when known). If they all agree, that is
         the answer; if they disagree or none is known, None.
         """
+        answers = self._candidate_needs(resource, size, snapshot)
+        if not answers and self.on_miss is not None and self.on_miss():
+            answers = self._candidate_needs(resource, size, snapshot)
+        return answers.pop() if len(answers) == 1 else None
+
+    def _candidate_needs(
+        self, resource: Resource, size: int, snapshot: Snapshot | None
+    ) -> set[int]:
         answers = set()
         with self._lock:
             pods = list(self._pods.values())
@@ -113,4 +123,4 @@ class PodSpecBook:
                 if snapshot is not None and snapshot.devices.get(holder, {}).get(resource):
                     continue
                 answers.add(wanted.get(resource.other, 0))
-        return answers.pop() if len(answers) == 1 else None
+        return answers

@@ -1,0 +1,1 @@
+"""The kube-scheduler extender: one card per GPU container, decided before binding."""

@@ -1,0 +1,314 @@
+"""Can this node hold this pod, each GPU container on ONE card? Pure functions over plain data.
+
+The kubelet and the default scheduler only see a node's totals of ``vcuda-memory`` and
+``vcuda-core``. This module looks at the cards. It predicts the card each container
+of a pod will get the way the daemon chooses it (``placement.py``): container by
+container in spec order, among the healthy cards that hold both the container's memory
+and core units, the fullest first for binpack, the emptiest first for spread. The
+containers of one pod are placed together, so their sum counts on a shared card.
+
+A container asking only memory needs no core units; one asking only cores needs no
+memory units (its limit is then the whole card's memory, but it holds no units).
+
+Init containers run one at a time before the app containers and the kubelet hands
+their units on to them, so each init container must fit alone, and only the app
+containers are placed together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gpushare.nodestate import NodeGpuState
+
+BINPACK = "binpack"
+SPREAD = "spread"
+PLACEMENTS = (BINPACK, SPREAD)
+
+#: kube-scheduler's MaxExtenderPriority: an extender's scores lie in 0..10.
+MAX_SCORE = 10
+
+
+class PodSpecError(ValueError):
+    """The pod's resource requests cannot be read."""
+
+
+@dataclass(frozen=True)
+class ContainerNeed:
+    """What one container asks for, in units."""
+
+    name: str
+    memory_units: int
+    core_units: int
+
+
+@dataclass(frozen=True)
+class PodNeed:
+    """The GPU containers of a pod (containers asking for neither resource are left out)."""
+
+    containers: tuple[ContainerNeed, ...]
+    init_containers: tuple[ContainerNeed, ...] = ()
+
+    @property
+    def memory_units(self) -> int:
+        return sum(c.memory_units for c in self.containers)
+
+    @property
+    def core_units(self) -> int:
+        return sum(c.core_units for c in self.containers)
+
+    @property
+    def wants_gpu(self) -> bool:
+        return bool(self.containers or self.init_containers)
+
+
+@dataclass(frozen=True)
+class CardRoom:
+    """One card's free room as the extender sees it."""
+
+    uuid: str
+    index: int
+    memory_units: int
+    memory_free: int
+    core_free: int
+    healthy: bool = True
+    core_units: int = 100
+
+    def holds(self, need: ContainerNeed) -> bool:
+        return (
+            self.healthy
+            and self.memory_free >= need.memory_units
+            and self.core_free >= need.core_units
+        )
+
+    def minus(self, memory_units: int, core_units: int) -> CardRoom:
+        return replace(
+            self,
+            memory_free=self.memory_free - memory_units,
+            core_free=self.core_free - core_units,
+        )
+
+    @property
+    def label(self) -> str:
+        return f"GPU{self.index}"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The card (by UUID) predicted for each app container, in spec order."""
+
+    cards: tuple[tuple[str, ContainerNeed], ...]
+
+    def use_by_card(self) -> dict[str, tuple[int, int]]:
+        """UUID -> (memory units, core units) this pod takes there."""
+        use: dict[str, tuple[int, int]] = {}
+        for uuid, need in self.cards:
+            memory, core = use.get(uuid, (0, 0))
+            use[uuid] = (memory + need.memory_units, core + need.core_units)
+        return use
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The verdict for one node: a placement, or the reason in an operator's words."""
+
+    placement: Placement | None
+    reason: str = ""
+    rooms_after: tuple[CardRoom, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        return self.placement is not None
+
+
+# -- reading the pod ---------------------------------------------------------------
+
+
+def _units(resources: Mapping[str, Any], name: str, where: str) -> int:
+    value = resources.get(name)
+    if value is None:
+        return 0
+    text = str(value).strip()
+    if isinstance(value, bool) or not text.isdigit():
+        raise PodSpecError(f"{where}: {name} must be a whole number of units, got {value!r}")
+    return int(text)
+
+
+def container_need(container: Mapping[str, Any], prefix: str) -> ContainerNeed:
+    """Units a container spec asks for: limits, else requests (extended resources)."""
+    if not isinstance(container, Mapping):
+        raise PodSpecError("a container must be an object")
+    name = str(container.get("name", ""))
+    resources = container.get("resources") or {}
+    if not isinstance(resources, Mapping):
+        raise PodSpecError(f"container {name!r}: resources must be an object")
+    limits = resources.get("limits") or {}
+    requests = resources.get("requests") or {}
+    if not isinstance(limits, Mapping) or not isinstance(requests, Mapping):
+        raise PodSpecError(f"container {name!r}: limits and requests must be objects")
+    where = f"container {name!r}"
+    memory_name, core_name = f"{prefix}/vcuda-memory", f"{prefix}/vcuda-core"
+    return ContainerNeed(
+        name=name,
+        memory_units=_units(limits, memory_name, where) or _units(requests, memory_name, where),
+        core_units=_units(limits, core_name, where) or _units(requests, core_name, where),
+    )
+
+
+def pod_need(pod: Mapping[str, Any], prefix: str) -> PodNeed:
+    """The GPU containers of a Pod object (as JSON from the API server)."""
+    if not isinstance(pod, Mapping):
+        raise PodSpecError("the pod must be an object")
+    spec = pod.get("spec") or {}
+    if not isinstance(spec, Mapping):
+        raise PodSpecError("the pod's spec must be an object")
+
+    def gpu_containers(key: str) -> tuple[ContainerNeed, ...]:
+        listed = spec.get(key) or []
+        if not isinstance(listed, list):
+            raise PodSpecError(f"the pod's spec.{key} must be a list")
+        needs = (container_need(c, prefix) for c in listed)
+        return tuple(n for n in needs if n.memory_units or n.core_units)
+
+    return PodNeed(gpu_containers("containers"), gpu_containers("initContainers"))
+
+
+# -- reading the node --------------------------------------------------------------
+
+
+def card_rooms(state: NodeGpuState) -> tuple[CardRoom, ...]:
+    """Free room per card from the node's published state, in index order."""
+    rooms = (
+        CardRoom(
+            uuid=card.uuid,
+            index=card.index,
+            memory_units=card.memory_units,
+            memory_free=card.memory_units_free,
+            core_free=card.core_units_free,
+            healthy=card.healthy,
+            core_units=card.core_units,
+        )
+        for card in state.cards
+    )
+    return tuple(sorted(rooms, key=lambda room: room.index))
+
+
+def subtract(
+    rooms: Sequence[CardRoom], use_by_card: Mapping[str, tuple[int, int]]
+) -> tuple[CardRoom, ...]:
+    """Rooms after ``use_by_card`` (UUID -> memory, core units) is taken; never below 0."""
+    result = []
+    for room in rooms:
+        memory, core = use_by_card.get(room.uuid, (0, 0))
+        result.append(
+            replace(
+                room,
+                memory_free=max(0, room.memory_free - memory),
+                core_free=max(0, room.core_free - core),
+            )
+        )
+    return tuple(result)
+
+
+# -- deciding ----------------------------------------------------------------------
+
+
+def _policy_key(room: CardRoom, need: ContainerNeed, policy: str) -> tuple[int, ...]:
+    # Mirrors placement._policy_key: memory first unless the container uses none.
+    key: tuple[int, ...] = (
+        (room.memory_free, room.core_free) if need.memory_units else (room.core_free,)
+    )
+    if policy == SPREAD:
+        key = tuple(-k for k in key)
+    return (*key, room.index)
+
+
+def choose_room(rooms: Sequence[CardRoom], need: ContainerNeed, policy: str) -> CardRoom | None:
+    """The card the daemon would give this container, or None if no single card holds it."""
+    eligible = [room for room in rooms if room.holds(need)]
+    if not eligible:
+        return None
+    return min(eligible, key=lambda room: _policy_key(room, need, policy))
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
+def _describe_need(need: ContainerNeed) -> str:
+    memory = _count(need.memory_units, "free unit")
+    cores = _count(need.core_units, "free core unit")
+    if need.memory_units and need.core_units:
+        return f"{memory} and {cores}"
+    return cores if need.core_units else memory
+
+
+def _describe_room(room: CardRoom, need: ContainerNeed) -> str:
+    if not room.healthy:
+        return f"{room.label} unhealthy"
+    if need.memory_units and need.core_units:
+        return f"{room.label} {room.memory_free} units/{room.core_free} cores"
+    if need.core_units:
+        return f"{room.label} {room.core_free}"
+    return f"{room.label} {room.memory_free}"
+
+
+def explain_misfit(
+    rooms: Sequence[CardRoom],
+    need: ContainerNeed,
+    placed_before: Sequence[tuple[str, ContainerNeed]] = (),
+    init: bool = False,
+) -> str:
+    """``no single card has 12 free units: GPU0 8, GPU1 8`` and the like."""
+    if not rooms:
+        return "the node publishes no cards"
+    if not any(room.healthy for room in rooms):
+        return "no healthy card: " + ", ".join(f"{room.label} unhealthy" for room in rooms)
+    text = f"no single card has {_describe_need(need)}"
+    if init:
+        text += f" for init container {need.name}"
+    elif placed_before:
+        labels = {room.uuid: room.label for room in rooms}
+        earlier = ", ".join(f"{c.name} on {labels.get(uuid, uuid)}" for uuid, c in placed_before)
+        text += f" for container {need.name} after placing {earlier}"
+    return text + ": " + ", ".join(_describe_room(room, need) for room in rooms)
+
+
+def fit_pod(rooms: Sequence[CardRoom], pod: PodNeed, policy: str = BINPACK) -> Fit:
+    """Place the pod's containers one by one, as the daemon will; say why if one cannot go."""
+    for init in pod.init_containers:
+        if choose_room(rooms, init, policy) is None:
+            return Fit(None, explain_misfit(rooms, init, init=True))
+    current = list(rooms)
+    placed: list[tuple[str, ContainerNeed]] = []
+    for need in pod.containers:
+        room = choose_room(current, need, policy)
+        if room is None:
+            return Fit(None, explain_misfit(current, need, placed))
+        placed.append((room.uuid, need))
+        current = [
+            r.minus(need.memory_units, need.core_units) if r.uuid == room.uuid else r
+            for r in current
+        ]
+    return Fit(Placement(tuple(placed)), rooms_after=tuple(current))
+
+
+def score(fit: Fit, policy: str = BINPACK) -> int:
+    """0..MAX_SCORE: binpack favours the node whose card is fullest after placement,
+    spread the one whose card stays emptiest. A node that cannot hold the pod scores 0."""
+    if fit.placement is None:
+        return 0
+    used_cards = {uuid for uuid, _need in fit.placement.cards}
+    fullness = 0.0
+    for room in fit.rooms_after:
+        if room.uuid not in used_cards:
+            continue
+        memory = 1 - room.memory_free / room.memory_units if room.memory_units else 1.0
+        core = 1 - room.core_free / room.core_units if room.core_units else 1.0
+        fullness = max(fullness, memory, core)
+    if not used_cards:  # a pod with no GPU container: every node is as good
+        fullness = 0.5
+    value = fullness if policy == BINPACK else 1 - fullness
+    return max(0, min(MAX_SCORE, int(value * MAX_SCORE + 0.5)))

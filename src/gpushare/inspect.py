@@ -1,0 +1,396 @@
+"""``kubectl gpushare inspect [NODE] [-d] [-o json]``: who uses which card, from annotations.
+
+Everything comes from two places the daemon writes: the Node annotation
+``<prefix>/gpus`` (per-card state, see ``nodestate.py``) and the Pod annotations
+``<prefix>/gpu.<container>`` (the card each container got), plus the pods' own
+resource requests. Reading the cluster is :func:`fetch`; turning plain Node and Pod
+objects into a view is :func:`build_view`; :func:`render_table` and :func:`render_json`
+are pure functions of that view.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpushare import nodestate
+from gpushare.config import Settings
+from gpushare.extender.fit import PodSpecError, container_need
+
+TERMINAL_PHASES = ("Succeeded", "Failed")
+EXIT_NO_CLUSTER = 2
+
+
+@dataclass(frozen=True)
+class ContainerOnCard:
+    namespace: str
+    pod: str
+    container: str
+    memory_units: int
+    core_units: int
+
+
+@dataclass(frozen=True)
+class CardView:
+    card: nodestate.CardState
+    containers: tuple[ContainerOnCard, ...]
+
+
+@dataclass(frozen=True)
+class NodeView:
+    name: str
+    memory_unit_mib: int
+    generation: int | None
+    updated: str
+    cards: tuple[CardView, ...]
+    problem: str = ""
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    nodes: tuple[NodeView, ...]
+
+
+# -- plain objects -> view ---------------------------------------------------------
+
+
+def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    meta = obj.get("metadata")
+    return meta if isinstance(meta, Mapping) else {}
+
+
+def _has_gpushare_resources(node: Mapping[str, Any], prefix: str) -> bool:
+    status = node.get("status") if isinstance(node.get("status"), Mapping) else {}
+    assert isinstance(status, Mapping)
+    allocatable = status.get("allocatable") or status.get("capacity") or {}
+    return any(
+        str(allocatable.get(f"{prefix}/{name}", "0")) not in ("0", "")
+        for name in ("vcuda-memory", "vcuda-core")
+    )
+
+
+def _containers_by_card(
+    pods: Sequence[Mapping[str, Any]], prefix: str
+) -> dict[tuple[str, str], list[ContainerOnCard]]:
+    """(node name, card UUID) -> the containers annotated as running there."""
+    marker = nodestate.pod_annotation_key(prefix, "")
+    found: dict[tuple[str, str], list[ContainerOnCard]] = {}
+    for pod in pods:
+        meta = _meta(pod)
+        status = pod.get("status") if isinstance(pod.get("status"), Mapping) else {}
+        if (status or {}).get("phase") in TERMINAL_PHASES:
+            continue
+        spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
+        assert isinstance(spec, Mapping)
+        node_name = str(spec.get("nodeName") or "")
+        specs = {
+            str(c.get("name")): c
+            for c in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+            if isinstance(c, Mapping)
+        }
+        annotations = meta.get("annotations") or {}
+        named = {nodestate.pod_annotation_key(prefix, name): name for name in specs}
+        for key, uuid in sorted(annotations.items()):
+            if not key.startswith(marker):
+                continue
+            name = named.get(key, key[len(marker) :])
+            try:
+                need = container_need(specs.get(name) or {"name": name}, prefix)
+                memory, core = need.memory_units, need.core_units
+            except PodSpecError:
+                memory, core = 0, 0
+            found.setdefault((node_name, str(uuid)), []).append(
+                ContainerOnCard(
+                    str(meta.get("namespace") or "default"),
+                    str(meta.get("name")),
+                    name,
+                    memory,
+                    core,
+                )
+            )
+    return found
+
+
+def build_view(
+    nodes: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]], prefix: str
+) -> ClusterView:
+    """The gpushare nodes (those with the annotation or the resources), sorted by name."""
+    by_card = _containers_by_card(pods, prefix)
+    key = nodestate.annotation_key(prefix)
+    views = []
+    for node in nodes:
+        name = str(_meta(node).get("name", ""))
+        text = (_meta(node).get("annotations") or {}).get(key)
+        if text is None:
+            if _has_gpushare_resources(node, prefix):
+                problem = f"no {key} annotation (is the gpushare daemon running with NODE_NAME?)"
+                views.append(NodeView(name, 0, None, "", (), problem))
+            continue
+        try:
+            state = nodestate.decode(str(text))
+        except ValueError as exc:
+            views.append(NodeView(name, 0, None, "", (), f"unreadable {key} annotation: {exc}"))
+            continue
+        cards = tuple(
+            CardView(card, tuple(by_card.get((name, card.uuid), ())))
+            for card in sorted(state.cards, key=lambda c: c.index)
+        )
+        views.append(NodeView(name, state.memory_unit_mib, state.generation, state.updated, cards))
+    return ClusterView(tuple(sorted(views, key=lambda v: v.name)))
+
+
+# -- view -> text --------------------------------------------------------------------
+
+
+def _percent(used: int, total: int) -> str:
+    return f"{100 * used / total:.1f} %" if total else "-"
+
+
+@dataclass(frozen=True)
+class Totals:
+    nodes: int
+    cards: int
+    healthy_cards: int
+    memory_mib: int
+    memory_used_mib: int
+    core_units: int
+    core_units_used: int
+
+
+def totals(view: ClusterView) -> Totals:
+    cards = [(n, c.card) for n in view.nodes for c in n.cards]
+    return Totals(
+        nodes=len(view.nodes),
+        cards=len(cards),
+        healthy_cards=sum(1 for _, c in cards if c.healthy),
+        memory_mib=sum(c.memory_units * n.memory_unit_mib for n, c in cards),
+        memory_used_mib=sum(c.memory_units_used * n.memory_unit_mib for n, c in cards),
+        core_units=sum(c.core_units for _, c in cards),
+        core_units_used=sum(c.core_units_used for _, c in cards),
+    )
+
+
+def _align(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
+
+
+def render_table(view: ClusterView, details: bool = False) -> str:
+    """The human-readable report: one block per node, cluster totals at the bottom."""
+    lines: list[str] = []
+    for node in view.nodes:
+        if node.problem:
+            lines += [f"NODE {node.name}: {node.problem}", ""]
+            continue
+        unit = node.memory_unit_mib
+        lines.append(
+            f"NODE {node.name}  ({len(node.cards)} cards, {unit} MiB units, "
+            f"generation {node.generation}, updated {node.updated})"
+        )
+        rows: list[list[str]] = [["GPU", "NAME", "MEMORY MiB", "", "UNITS", "CORES", "HEALTH"]]
+        for view_card in node.cards:
+            card = view_card.card
+            rows.append(
+                [
+                    str(card.index),
+                    card.name,
+                    f"{card.memory_units_used * unit}/{card.memory_units * unit}",
+                    f"({_percent(card.memory_units_used, card.memory_units)})",
+                    f"{card.memory_units_used}/{card.memory_units}",
+                    f"{card.core_units_used}/{card.core_units}",
+                    "healthy" if card.healthy else "UNHEALTHY",
+                ]
+            )
+            if details:
+                for c in view_card.containers:
+                    rows.append(
+                        [
+                            "",
+                            f"  {c.namespace}/{c.pod}/{c.container}",
+                            f"{c.memory_units * unit}",
+                            "",
+                            f"{c.memory_units}",
+                            f"{c.core_units}",
+                        ]
+                    )
+        lines += ["  " + row for row in _align(rows)]
+        lines.append("")
+    total = totals(view)
+    lines += [
+        f"CLUSTER  {total.nodes} nodes, {total.cards} cards ({total.healthy_cards} healthy)",
+        f"  memory  {total.memory_used_mib}/{total.memory_mib} MiB "
+        f"({_percent(total.memory_used_mib, total.memory_mib)})",
+        f"  cores   {total.core_units_used}/{total.core_units} "
+        f"({_percent(total.core_units_used, total.core_units)})",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render_json(view: ClusterView) -> str:
+    """The same view as JSON (containers always included)."""
+    nodes = []
+    for node in view.nodes:
+        unit = node.memory_unit_mib
+        gpus = [
+            {
+                "index": c.card.index,
+                "uuid": c.card.uuid,
+                "name": c.card.name,
+                "healthy": c.card.healthy,
+                "memory_mib": c.card.memory_mib,
+                "memory_units": c.card.memory_units,
+                "memory_units_used": c.card.memory_units_used,
+                "memory_total_mib": c.card.memory_units * unit,
+                "memory_used_mib": c.card.memory_units_used * unit,
+                "core_units": c.card.core_units,
+                "core_units_used": c.card.core_units_used,
+                "containers": [
+                    {
+                        "namespace": x.namespace,
+                        "pod": x.pod,
+                        "container": x.container,
+                        "memory_units": x.memory_units,
+                        "memory_mib": x.memory_units * unit,
+                        "core_units": x.core_units,
+                    }
+                    for x in c.containers
+                ],
+            }
+            for c in node.cards
+        ]
+        nodes.append(
+            {
+                "name": node.name,
+                "memoryUnitMiB": unit or None,
+                "generation": node.generation,
+                "updated": node.updated or None,
+                "problem": node.problem or None,
+                "gpus": gpus,
+            }
+        )
+    t = totals(view)
+    summary = {
+        "nodes": t.nodes,
+        "cards": t.cards,
+        "healthy_cards": t.healthy_cards,
+        "memory_mib": t.memory_mib,
+        "memory_used_mib": t.memory_used_mib,
+        "memory_percent": round(100 * t.memory_used_mib / t.memory_mib, 1) if t.memory_mib else 0,
+        "core_units": t.core_units,
+        "core_units_used": t.core_units_used,
+        "core_percent": round(100 * t.core_units_used / t.core_units, 1) if t.core_units else 0,
+    }
+    return json.dumps({"nodes": nodes, "totals": summary}, indent=2) + "\n"
+
+
+# -- the cluster ---------------------------------------------------------------------
+
+
+class NoCluster(Exception):
+    """No kubeconfig, or the API server cannot be reached."""
+
+
+class NodeNotFound(Exception):
+    pass
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost OS error of a chain (``[Errno 111] Connection refused``), else ``exc``."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    found: OSError | None = None
+    while todo:
+        current = todo.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.strerror:
+            found = current
+        for linked in (getattr(current, "reason", None), current.__cause__, current.__context__):
+            if isinstance(linked, BaseException):
+                todo.append(linked)
+    if found is not None:
+        return f"[Errno {found.errno}] {found.strerror}"
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def fetch(node_name: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Nodes and pods as plain JSON objects, from the current kubeconfig (or in-cluster)."""
+    try:
+        from kubernetes import client, config
+    except ImportError as exc:  # pragma: no cover - a dependency
+        raise NoCluster(f"the kubernetes package is missing: {exc}") from None
+    configuration = client.Configuration()
+    try:
+        if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
+            config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        else:
+            # KUBECONFIG is read here, not at import time as the client's default is.
+            kubeconfig = os.environ.get("KUBECONFIG") or "~/.kube/config"
+            config.load_kube_config(  # type: ignore[no-untyped-call]
+                config_file=kubeconfig, client_configuration=configuration
+            )
+    except Exception as exc:
+        raise NoCluster(f"no usable kubeconfig: {exc}") from None
+    configuration.retries = 1
+    api = client.CoreV1Api(client.ApiClient(configuration))
+
+    def call(method: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            response = method(*args, _preload_content=False, _request_timeout=15, **kwargs)
+            return json.loads(response.data)
+        except client.ApiException as exc:
+            if exc.status == 404 and node_name:
+                raise NodeNotFound(node_name) from None
+            raise NoCluster(f"the API server answered {exc.status} {exc.reason}") from None
+        except Exception as exc:
+            raise NoCluster(
+                f"cannot reach the API server at {configuration.host}: {_root_cause(exc)}"
+            ) from None
+
+    if node_name:
+        nodes = [call(api.read_node, node_name)]
+        pods = call(api.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node_name}")
+    else:
+        nodes = call(api.list_node)["items"]
+        pods = call(api.list_pod_for_all_namespaces)
+    return nodes, list(pods.get("items") or [])
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kubectl gpushare inspect",
+        description="Per-card GPU memory and core use of gpushare nodes, from their annotations.",
+    )
+    parser.add_argument("node", nargs="?", help="only this node")
+    parser.add_argument(
+        "-d", "--details", action="store_true", help="list the pods and containers on each card"
+    )
+    parser.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    parser.add_argument(
+        "--resource-prefix",
+        default=os.environ.get("GPUSHARE_RESOURCE_PREFIX", Settings().resource_prefix),
+        help="prefix of gpushare's resources and annotations",
+    )
+    args = parser.parse_args(list(argv))
+    try:
+        nodes, pods = fetch(args.node)
+    except NoCluster as exc:
+        print(f"kubectl gpushare inspect: {exc}".replace("\n", " "), file=sys.stderr)
+        return EXIT_NO_CLUSTER
+    except NodeNotFound:
+        print(f"kubectl gpushare inspect: node {args.node!r} not found", file=sys.stderr)
+        return 1
+    view = build_view(nodes, pods, args.resource_prefix)
+    if args.node and not view.nodes:
+        print(f"kubectl gpushare inspect: node {args.node!r} has no gpushare GPUs", file=sys.stderr)
+        return 1
+    sys.stdout.write(
+        render_json(view) if args.output == "json" else render_table(view, args.details)
+    )
+    return 0

@@ -1,0 +1,130 @@
+"""The per-card state a node publishes, and the keys of gpushare's labels and annotations.
+
+The daemon writes it on its Node as annotation ``<prefix>/gpus``; the scheduler
+extender and ``kubectl gpushare inspect`` read it. JSON, one object per card::
+
+    {"version": 1, "generation": 7, "updated": "2026-11-22T13:00:00Z",
+     "memoryUnitMiB": 256,
+     "gpus": [{"uuid": "GPU-...", "index": 0, "name": "Tesla P4", "memory_mib": 7611,
+               "memory_units": 29, "memory_units_used": 20, "core_units": 100,
+               "core_units_used": 30, "healthy": true}]}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class CardState:
+    uuid: str
+    index: int
+    name: str
+    memory_mib: int
+    memory_units: int
+    memory_units_used: int
+    core_units: int
+    core_units_used: int
+    healthy: bool
+
+    @property
+    def memory_units_free(self) -> int:
+        return max(0, self.memory_units - self.memory_units_used)
+
+    @property
+    def core_units_free(self) -> int:
+        return max(0, self.core_units - self.core_units_used)
+
+
+@dataclass(frozen=True)
+class NodeGpuState:
+    generation: int
+    updated: str
+    memory_unit_mib: int
+    cards: tuple[CardState, ...]
+
+
+def annotation_key(prefix: str) -> str:
+    return f"{prefix}/gpus"
+
+
+#: The name part of an annotation key (after ``<prefix>/``) is at most 63 characters.
+KEY_NAME_LIMIT = 63
+
+
+def pod_annotation_key(prefix: str, container: str) -> str:
+    """``<prefix>/gpu.<container>``; a name too long for a key is shortened with a hash."""
+    name = f"gpu.{container}"
+    if len(name) > KEY_NAME_LIMIT:
+        digest = hashlib.sha256(container.encode()).hexdigest()[:8]
+        name = f"{name[: KEY_NAME_LIMIT - 9].rstrip('-._')}-{digest}"
+    return f"{prefix}/{name}"
+
+
+def label_key(prefix: str, what: str) -> str:
+    """``product``, ``count`` or ``memory``."""
+    return f"{prefix}/gpu.{what}"
+
+
+def encode(state: NodeGpuState) -> str:
+    return json.dumps(
+        {
+            "version": VERSION,
+            "generation": state.generation,
+            "updated": state.updated,
+            "memoryUnitMiB": state.memory_unit_mib,
+            "gpus": [asdict(card) for card in state.cards],
+        },
+        separators=(",", ":"),
+    )
+
+
+def _field(data: dict[str, Any], key: str, kind: type, where: str) -> Any:
+    value = data.get(key)
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"{where}: {key!r} must be an integer, got {value!r}")
+    if not isinstance(value, kind):
+        raise ValueError(f"{where}: {key!r} must be a {kind.__name__}, got {value!r}")
+    return value
+
+
+def decode(text: str) -> NodeGpuState:
+    """Parse the annotation; a ValueError says what is wrong with it."""
+    try:
+        data = json.loads(text)
+    except (TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"the gpus annotation is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("the gpus annotation must be a JSON object")
+    if data.get("version") != VERSION:
+        raise ValueError(f"unsupported gpus annotation version {data.get('version')!r}")
+    gpus = _field(data, "gpus", list, "annotation")
+    cards = []
+    for position, entry in enumerate(gpus):
+        where = f"gpus[{position}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where} must be an object")
+        cards.append(
+            CardState(
+                uuid=_field(entry, "uuid", str, where),
+                index=_field(entry, "index", int, where),
+                name=_field(entry, "name", str, where),
+                memory_mib=_field(entry, "memory_mib", int, where),
+                memory_units=_field(entry, "memory_units", int, where),
+                memory_units_used=_field(entry, "memory_units_used", int, where),
+                core_units=_field(entry, "core_units", int, where),
+                core_units_used=_field(entry, "core_units_used", int, where),
+                healthy=_field(entry, "healthy", bool, where),
+            )
+        )
+    return NodeGpuState(
+        generation=_field(data, "generation", int, "annotation"),
+        updated=str(data.get("updated", "")),
+        memory_unit_mib=_field(data, "memoryUnitMiB", int, "annotation"),
+        cards=tuple(cards),
+    )

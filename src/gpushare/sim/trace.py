@@ -1,0 +1,318 @@
+"""Trace-driven placement simulation: what the scheduler extender buys on multi-card nodes.
+
+A cluster of nodes with 1, 2, 4 and 8 cards receives pods that arrive and leave (a
+seeded, deterministic trace with a mix of sizes seen in shared-GPU clusters: many
+small inference pods, fewer large ones, some with core limits, some with a GPU
+sidecar). Each pod is scheduled twice over, on two copies of the cluster:
+
+* **without the extender** the scheduler knows only each node's totals of
+  ``vcuda-memory`` and ``vcuda-core`` (NodeResourcesFit), scores nodes on those
+  totals, and the daemon then looks for one card per container. When no card holds a
+  container the kubelet fails the pod with ``UnexpectedAdmissionError``: an
+  **admission failure**;
+* **with the extender** only nodes where :func:`gpushare.extender.fit.fit_pod` finds
+  a card for every container are candidates, scored by the extender's score.
+
+A pod that no node can take is counted **unschedulable** (a real cluster keeps it
+Pending). The daemon's card choice is the same function in both cases, with the
+same policy (binpack or spread) as the scheduler's node scoring.
+
+``python -m gpushare.sim.trace [--pods N] [--seed S] [--write PATH]`` prints a markdown
+report and exits 1 if any pod failed admission with the extender.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import math
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from gpushare.extender.fit import (
+    BINPACK,
+    PLACEMENTS,
+    CardRoom,
+    ContainerNeed,
+    PodNeed,
+    fit_pod,
+    score,
+)
+
+UNIT_MIB = 256
+
+#: (cards per node, card model, MiB per card, nodes of this shape)
+NODE_SHAPES: tuple[tuple[int, str, int, int], ...] = (
+    (1, "Tesla T4", 15360, 3),
+    (2, "NVIDIA A10", 23028, 3),
+    (4, "Tesla V100-SXM2-32GB", 32768, 3),
+    (8, "NVIDIA A100-SXM4-40GB", 40960, 3),
+)
+
+#: Memory sizes in GiB and their weights: mostly small inference pods.
+MEMORY_MIX: tuple[tuple[float, int], ...] = (
+    (1, 20),
+    (2, 20),
+    (4, 22),
+    (6, 10),
+    (8, 12),
+    (12, 8),
+    (16, 5),
+    (20, 3),
+)
+CORE_MIX: tuple[tuple[int, int], ...] = ((0, 55), (10, 10), (20, 12), (30, 10), (50, 10), (100, 3))
+
+
+@dataclass(frozen=True)
+class TracePod:
+    number: int
+    arrival: float
+    duration: float
+    need: PodNeed
+
+
+def _weighted(rng: random.Random, mix: Sequence[tuple[float, int]]) -> float:
+    return rng.choices([value for value, _ in mix], weights=[w for _, w in mix])[0]
+
+
+def make_trace(pods: int, seed: int, load: float) -> list[TracePod]:
+    """Poisson arrivals, log-normal lifetimes; ``load`` is offered memory / cluster memory."""
+    rng = random.Random(seed)
+    needs = []
+    for _ in range(pods):
+        memory = max(1, round(_weighted(rng, MEMORY_MIX) * 1024 / UNIT_MIB))
+        core = int(_weighted(rng, CORE_MIX))
+        draw = rng.random()
+        containers: tuple[ContainerNeed, ...]
+        if draw < 0.04:  # compute-only: cores, no memory units
+            containers = (ContainerNeed("main", 0, max(core, 20)),)
+        elif draw < 0.14:  # a GPU sidecar next to the main container
+            sidecar = ContainerNeed("sidecar", rng.choice((2, 4, 8)), 0)
+            containers = (ContainerNeed("main", memory, core), sidecar)
+        else:
+            containers = (ContainerNeed("main", memory, core),)
+        needs.append(PodNeed(containers))
+    capacity = sum(count * nodes * (mib // UNIT_MIB) for count, _, mib, nodes in NODE_SHAPES)
+    mean_memory = statistics.fmean(need.memory_units for need in needs)
+    mean_duration = 60.0
+    rate = load * capacity / (mean_memory * mean_duration)
+    sigma = 1.0
+    mu = math.log(mean_duration) - sigma * sigma / 2
+    trace, now = [], 0.0
+    for number, need in enumerate(needs):
+        now += rng.expovariate(rate)
+        trace.append(TracePod(number, now, rng.lognormvariate(mu, sigma), need))
+    return trace
+
+
+@dataclass
+class SimNode:
+    name: str
+    cards: int
+    rooms: list[CardRoom]
+    used_area: list[float] = field(default_factory=list)  # memory unit-seconds per card
+    core_area: list[float] = field(default_factory=list)
+
+    @property
+    def memory_free(self) -> int:
+        return sum(r.memory_free for r in self.rooms if r.healthy)
+
+    @property
+    def core_free(self) -> int:
+        return sum(r.core_free for r in self.rooms if r.healthy)
+
+    @property
+    def memory_total(self) -> int:
+        return sum(r.memory_units for r in self.rooms)
+
+
+def make_cluster() -> list[SimNode]:
+    nodes = []
+    for count, _model, mib, how_many in NODE_SHAPES:
+        for n in range(how_many):
+            rooms = [
+                CardRoom(f"{count}x-{n}-GPU{i}", i, mib // UNIT_MIB, mib // UNIT_MIB, 100)
+                for i in range(count)
+            ]
+            nodes.append(SimNode(f"{count}card-{n}", count, rooms, [0.0] * count, [0.0] * count))
+    return nodes
+
+
+@dataclass
+class RunResult:
+    placement: str
+    extender: bool
+    pods: int = 0
+    admitted: int = 0
+    unschedulable: int = 0
+    admission_failures: int = 0
+    card_memory_use: list[float] = field(default_factory=list)  # time-averaged, per card
+    card_core_use: list[float] = field(default_factory=list)
+    use_by_shape: dict[int, float] = field(default_factory=dict)
+
+
+def _totals_score(node: SimNode, pod: PodNeed, placement: str) -> float:
+    """NodeResourcesFit on totals: MostAllocated for binpack, LeastAllocated for spread."""
+    free_after = (node.memory_free - pod.memory_units) / node.memory_total
+    return -free_after if placement == BINPACK else free_after
+
+
+def simulate(trace: Sequence[TracePod], placement: str, extender: bool) -> RunResult:
+    nodes = make_cluster()
+    result = RunResult(placement, extender, pods=len(trace))
+    departures: list[tuple[float, int, int, dict[str, tuple[int, int]]]] = []
+    measure_from = trace[len(trace) // 10].arrival if trace else 0.0
+    last = measure_from
+
+    def account(until: float) -> None:
+        nonlocal last
+        if until <= last:
+            return
+        span = until - last
+        for node in nodes:
+            for i, room in enumerate(node.rooms):
+                node.used_area[i] += (room.memory_units - room.memory_free) * span
+                node.core_area[i] += (room.core_units - room.core_free) * span
+        last = until
+
+    def apply(node: SimNode, use: dict[str, tuple[int, int]], sign: int) -> None:
+        node.rooms = [
+            r.minus(sign * use[r.uuid][0], sign * use[r.uuid][1]) if r.uuid in use else r
+            for r in node.rooms
+        ]
+
+    for pod in trace:
+        while departures and departures[0][0] <= pod.arrival:
+            at, _, node_number, use = heapq.heappop(departures)
+            account(at)
+            apply(nodes[node_number], use, -1)
+        account(pod.arrival)
+        need = pod.need
+        candidates = [
+            (number, node)
+            for number, node in enumerate(nodes)
+            if node.memory_free >= need.memory_units and node.core_free >= need.core_units
+        ]
+        if extender:
+            fits = [(n, node, fit_pod(node.rooms, need, placement)) for n, node in candidates]
+            ranked = [
+                ((score(fit, placement), _totals_score(node, need, placement), -n), n)
+                for n, node, fit in fits
+                if fit.fits
+            ]
+        else:
+            ranked = [((0, _totals_score(node, need, placement), -n), n) for n, node in candidates]
+        if not ranked:
+            result.unschedulable += 1
+            continue
+        chosen = max(ranked)[1]
+        node = nodes[chosen]
+        fit = fit_pod(node.rooms, need, placement)  # the daemon, card by card
+        if fit.placement is None:
+            result.admission_failures += 1
+            continue
+        use = fit.placement.use_by_card()
+        apply(node, use, +1)
+        result.admitted += 1
+        heapq.heappush(departures, (pod.arrival + pod.duration, pod.number, chosen, use))
+    end = trace[-1].arrival if trace else 0.0
+    account(end)
+    span = max(end - measure_from, 1e-9)
+    by_shape: dict[int, list[float]] = {}
+    for node in nodes:
+        for i, room in enumerate(node.rooms):
+            memory = node.used_area[i] / span / room.memory_units
+            result.card_memory_use.append(memory)
+            result.card_core_use.append(node.core_area[i] / span / room.core_units)
+            by_shape.setdefault(node.cards, []).append(memory)
+    result.use_by_shape = {k: statistics.fmean(v) for k, v in sorted(by_shape.items())}
+    return result
+
+
+def _pct(value: float) -> str:
+    return f"{100 * value:.1f} %"
+
+
+def _quantiles(values: Sequence[float]) -> str:
+    cuts = statistics.quantiles(values, n=10, method="inclusive")
+    return f"{100 * cuts[0]:.0f} / {100 * statistics.median(values):.0f} / {100 * cuts[-1]:.0f} %"
+
+
+def render_report(results: Sequence[RunResult], pods: int, seed: int, load: float) -> str:
+    shapes = ", ".join(f"{n} x {c}-card {model}" for c, model, _, n in NODE_SHAPES)
+    cards = sum(c * n for c, _, _, n in NODE_SHAPES)
+    lines = [
+        f"Trace: {pods} pods, seed {seed}, offered memory load {load:.2f} of the cluster; "
+        f"{cards} cards on {shapes}. Utilisation is time-averaged per card after a 10 % "
+        "warm-up; p10 / p50 / p90 are across cards.",
+        "",
+        "| placement | extender | admitted | unschedulable | admission failures "
+        "| card memory use (mean) | card memory use p10 / p50 / p90 | card core use (mean) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.placement} | {'yes' if r.extender else 'no'} "
+            f"| {r.admitted} ({_pct(r.admitted / max(r.pods, 1))}) "
+            f"| {r.unschedulable} | {r.admission_failures} "
+            f"| {_pct(statistics.fmean(r.card_memory_use))} "
+            f"| {_quantiles(r.card_memory_use)} "
+            f"| {_pct(statistics.fmean(r.card_core_use))} |"
+        )
+    lines += [
+        "",
+        "Mean card memory use by node size:",
+        "",
+        "| placement | extender | " + " | ".join(f"{c}-card nodes" for c, *_ in NODE_SHAPES) + " |",
+        "|---|---|" + "---:|" * len(NODE_SHAPES),
+    ]
+    for r in results:
+        cells = " | ".join(_pct(r.use_by_shape[c]) for c, *_ in NODE_SHAPES)
+        lines.append(f"| {r.placement} | {'yes' if r.extender else 'no'} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(pods: int, seed: int, load: float) -> tuple[list[RunResult], str]:
+    trace = make_trace(pods, seed, load)
+    results = [
+        simulate(trace, placement, extender)
+        for placement in PLACEMENTS
+        for extender in (False, True)
+    ]
+    return results, render_report(results, pods, seed, load)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m gpushare.sim.trace",
+        description="Trace-driven placement simulation, with and without the scheduler extender.",
+    )
+    parser.add_argument("--pods", type=int, default=6000, help="pods in the trace")
+    parser.add_argument("--seed", type=int, default=7, help="seed of the trace")
+    parser.add_argument(
+        "--load", type=float, default=1.0, help="offered memory load (1.0 = the cluster's memory)"
+    )
+    parser.add_argument("--write", metavar="PATH", help="also write the markdown report here")
+    args = parser.parse_args(argv)
+    if args.pods < 20 or args.load <= 0:
+        parser.error("--pods must be at least 20 and --load greater than 0")
+    started = time.perf_counter()
+    results, report = run(args.pods, args.seed, args.load)
+    print(report, end="")
+    print(f"\n({time.perf_counter() - started:.1f} s)", file=sys.stderr)
+    if args.write:
+        with open(args.write, "w") as out:
+            out.write(report)
+    failures = sum(r.admission_failures for r in results if r.extender)
+    if failures:
+        print(f"FAILED: {failures} admission failures with the extender", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

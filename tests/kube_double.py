@@ -1,0 +1,283 @@
+"""A test double of the Kubernetes API server at the HTTP boundary.
+
+Small and in-process: objects are stored by URL path, and the verbs the project's
+code uses are served (GET one or a list with label/field selectors, POST, PATCH as
+JSON merge patch, strategic merge patch or server-side apply, DELETE). Every request
+is recorded, and the next requests can be made to fail.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from copy import deepcopy
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import yaml
+
+KINDS = {"nodes": "Node", "pods": "Pod", "namespaces": "Namespace", "configmaps": "ConfigMap"}
+
+
+@dataclass
+class Recorded:
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    content_type: str
+    body: Any
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch (also how this double treats strategic merge)."""
+    if not isinstance(patch, dict):
+        return deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+def _matches_labels(obj: dict[str, Any], selector: str) -> bool:
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    for term in filter(None, selector.split(",")):
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            if labels.get(key) == value:
+                return False
+        elif "=" in term:
+            key, value = term.split("=", 1)
+            if labels.get(key.rstrip("=")) != value:
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+def _matches_fields(obj: dict[str, Any], selector: str) -> bool:
+    for term in filter(None, selector.split(",")):
+        key, _, value = term.partition("=")
+        current: Any = obj
+        for part in key.split("."):
+            current = current.get(part) if isinstance(current, dict) else None
+        if str(current or "") != value:
+            return False
+    return True
+
+
+def _is_collection(parts: list[str]) -> bool:
+    """``/api/v1/nodes`` or ``/apis/g/v/namespaces/ns/things``, not ``.../things/name``."""
+    rest = parts[3:] if parts[1] == "api" else parts[4:]
+    if len(rest) >= 3 and rest[0] == "namespaces":
+        rest = rest[2:]
+    return len(rest) == 1
+
+
+class KubeApiDouble:
+    def __init__(self) -> None:
+        self.objects: dict[str, dict[str, Any]] = {}  # collection path/name -> object
+        self.requests: list[Recorded] = []
+        self._failures: list[int] = []
+        self._lock = threading.Lock()
+        self._version = 1
+        self._server: ThreadingHTTPServer | None = None
+
+    # ------------------------------------------------------------------ control
+    def start(self) -> str:
+        double = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _serve(self) -> None:
+                double._handle(self)
+
+            do_GET = do_POST = do_PATCH = do_DELETE = do_PUT = _serve
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self.url
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    def kubeconfig(self, path: Path) -> Path:
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "double",
+                    "clusters": [{"name": "double", "cluster": {"server": self.url}}],
+                    "users": [{"name": "tester", "user": {"token": "test-token"}}],
+                    "contexts": [
+                        {"name": "double", "context": {"cluster": "double", "user": "tester"}}
+                    ],
+                }
+            )
+        )
+        return path
+
+    def fail_next(self, count: int, status: int = 500) -> None:
+        with self._lock:
+            self._failures.extend([status] * count)
+
+    def add(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Store an object (Node, Pod, ...) as if it had been created."""
+        kind = obj["kind"]
+        plural = next(p for p, k in KINDS.items() if k == kind)
+        meta = obj.setdefault("metadata", {})
+        base = "/api/v1" if "/" not in obj.get("apiVersion", "v1") else f"/apis/{obj['apiVersion']}"
+        namespace = meta.get("namespace")
+        collection = f"{base}/namespaces/{namespace}/{plural}" if namespace else f"{base}/{plural}"
+        with self._lock:
+            self._stamp(obj)
+            self.objects[f"{collection}/{meta['name']}"] = obj
+        return obj
+
+    def get(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        plural = next(p for p, k in KINDS.items() if k == kind)
+        path = (
+            f"/api/v1/namespaces/{namespace}/{plural}/{name}"
+            if namespace
+            else f"/api/v1/{plural}/{name}"
+        )
+        with self._lock:
+            return deepcopy(self.objects.get(path))
+
+    def calls(self, method: str, path_part: str = "") -> list[Recorded]:
+        with self._lock:
+            return [r for r in self.requests if r.method == method and path_part in r.path]
+
+    # ------------------------------------------------------------------ serving
+    def _stamp(self, obj: dict[str, Any]) -> None:
+        self._version += 1
+        meta = obj.setdefault("metadata", {})
+        meta["resourceVersion"] = str(self._version)
+        meta.setdefault("uid", f"uid-{meta.get('name', '')}-{self._version}")
+
+    def _collections(self, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Objects whose key lies in the collection ``path`` (cluster-wide lists too)."""
+        parts = path.rstrip("/").split("/")
+        plural = parts[-1]
+        for key, obj in self.objects.items():
+            key_parts = key.split("/")
+            if key_parts[-2] != plural:
+                continue
+            if "namespaces" in parts and key.rsplit("/", 1)[0] != path.rstrip("/"):
+                continue
+            yield key, obj
+
+    def _handle(self, request: BaseHTTPRequestHandler) -> None:
+        parsed = urlparse(request.path)
+        length = int(request.headers.get("Content-Length") or 0)
+        raw = request.rfile.read(length) if length else b""
+        content_type = request.headers.get("Content-Type", "")
+        body: Any = None
+        if raw:
+            body = yaml.safe_load(raw) if "yaml" in content_type else json.loads(raw)
+        query = parse_qs(parsed.query)
+        with self._lock:
+            self.requests.append(Recorded(request.command, parsed.path, query, content_type, body))
+            failure = self._failures.pop(0) if self._failures else None
+        if failure is not None:
+            return self._reply(request, failure, self._status(failure, "injected failure"))
+        with self._lock:
+            status, answer = self._dispatch(request.command, parsed.path, query, content_type, body)
+        self._reply(request, status, answer)
+
+    @staticmethod
+    def _status(code: int, message: str) -> dict[str, Any]:
+        reason = {404: "NotFound", 409: "AlreadyExists", 400: "BadRequest"}.get(
+            code, "InternalError"
+        )
+        return {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "status": "Failure",
+            "message": message,
+            "reason": reason,
+            "code": code,
+        }
+
+    def _dispatch(
+        self, method: str, path: str, query: dict[str, list[str]], content_type: str, body: Any
+    ) -> tuple[int, Any]:
+        parts = path.rstrip("/").split("/")
+        is_collection = parts[-1] in KINDS or (
+            len(parts) >= 2 and parts[-2] == "namespaces" and False
+        )
+        if method == "GET" and is_collection:
+            labels = (query.get("labelSelector") or [""])[0]
+            fields = (query.get("fieldSelector") or [""])[0]
+            items = [
+                deepcopy(o)
+                for _, o in self._collections(path)
+                if _matches_labels(o, labels) and _matches_fields(o, fields)
+            ]
+            kind = KINDS.get(parts[-1], parts[-1]) + "List"
+            return 200, {
+                "kind": kind,
+                "apiVersion": "v1",
+                "metadata": {"resourceVersion": str(self._version)},
+                "items": items,
+            }
+        if method == "POST" and is_collection:
+            name = body["metadata"]["name"]
+            key = f"{path.rstrip('/')}/{name}"
+            if key in self.objects:
+                return 409, self._status(409, f"{name} already exists")
+            self._stamp(body)
+            self.objects[key] = body
+            return 201, deepcopy(body)
+        key = path.rstrip("/")
+        current = self.objects.get(key)
+        if method == "GET":
+            if current is None:
+                return 404, self._status(404, f"{parts[-1]} not found")
+            return 200, deepcopy(current)
+        if method == "DELETE":
+            if current is None:
+                return 404, self._status(404, f"{parts[-1]} not found")
+            del self.objects[key]
+            return 200, self._status(200, "deleted") | {"status": "Success"}
+        if method == "PATCH":
+            if "apply-patch" in content_type:
+                merged = merge_patch(current or {}, body)
+            elif current is None:
+                return 404, self._status(404, f"{parts[-1]} not found")
+            elif "json-patch" in content_type:
+                return 400, self._status(400, "json-patch is not supported by the double")
+            else:
+                merged = merge_patch(current, body)
+            self._stamp(merged)
+            self.objects[key] = merged
+            return 200, deepcopy(merged)
+        return 400, self._status(400, f"{method} {path} is not supported by the double")
+
+    @staticmethod
+    def _reply(request: BaseHTTPRequestHandler, status: int, answer: Any) -> None:
+        data = json.dumps(answer).encode()
+        request.send_response(status)
+        request.send_header("Content-Type", "application/json")
+        request.send_header("Content-Length", str(len(data)))
+        request.end_headers()
+        request.wfile.write(data)

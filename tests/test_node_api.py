@@ -1,0 +1,170 @@
+"""The daemon's Node and Pod annotations and pod-spec hints, against an API server double."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import CARD_4GIB, TESLA_P4, Node, cards, gpu_uuid
+from kube_double import KubeApiDouble
+
+from gpushare import nodestate
+
+NODE = "gpu-node-1"
+
+
+def eventually(check: Callable[[], Any], timeout: float = 15.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true within {timeout} s: {check}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def api(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeApiDouble]:
+    double = KubeApiDouble()
+    double.start()
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(double.kubeconfig(short_tmp / "kubeconfig")))
+    double.add({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "labels": {}}})
+    try:
+        yield double
+    finally:
+        double.stop()
+
+
+def node_annotation(api: KubeApiDouble) -> nodestate.NodeGpuState | None:
+    node = api.get("Node", NODE) or {}
+    text = (node.get("metadata", {}).get("annotations") or {}).get("gpushare.io/gpus")
+    return nodestate.decode(text) if text else None
+
+
+def add_pod(api: KubeApiDouble, node: Node, name: str, requests: dict[str, int]) -> None:
+    pod = node.pod(name, requests)
+    pod["spec"]["nodeName"] = NODE
+    pod["apiVersion"], pod["kind"] = "v1", "Pod"
+    api.add(pod)
+
+
+def test_node_annotation_and_labels_describe_every_card(node: Node, api: KubeApiDouble) -> None:
+    node.start(cards(TESLA_P4, 2), node_name=NODE)
+    state = eventually(lambda: node_annotation(api))
+    assert state.memory_unit_mib == 256 and state.generation >= 1
+    assert [
+        (c.uuid, c.index, c.name, c.memory_mib, c.memory_units, c.core_units, c.healthy)
+        for c in state.cards
+    ] == [
+        (gpu_uuid(0), 0, "Tesla P4", 7611, 29, 100, True),
+        (gpu_uuid(1), 1, "Tesla P4", 7611, 29, 100, True),
+    ]
+    assert state.updated.endswith("Z")
+    labels = api.get("Node", NODE)["metadata"]["labels"]
+    assert labels == {
+        "gpushare.io/gpu.product": "Tesla-P4",
+        "gpushare.io/gpu.count": "2",
+        "gpushare.io/gpu.memory": "7611",
+    }
+
+
+def test_admitted_pods_are_annotated_and_use_is_published(node: Node, api: KubeApiDouble) -> None:
+    node.start(cards(TESLA_P4, 2), node_name=NODE)
+    eventually(lambda: node_annotation(api))
+    patches_before = len(api.calls("PATCH", f"/nodes/{NODE}"))
+    for name in ("a", "b", "c"):
+        add_pod(api, node, name, {node.memory: 5, node.core: 10})
+    admitted = {
+        n: node.kubelet.admit(n, "main", {node.memory: 5, node.core: 10}) for n in ("a", "b", "c")
+    }
+    for name, record in admitted.items():
+        eventually(
+            lambda n=name: (api.get("Pod", n, "default")["metadata"].get("annotations") or {}).get(
+                "gpushare.io/gpu.main"
+            )
+        )
+        annotations = api.get("Pod", name, "default")["metadata"]["annotations"]
+        assert annotations["gpushare.io/gpu.main"] == record.card()
+    state = eventually(
+        lambda: (
+            (s := node_annotation(api)) and sum(c.memory_units_used for c in s.cards) == 15 and s
+        )
+    )
+    assert sum(c.core_units_used for c in state.cards) == 30
+    # Six allocations in a burst: debounced into far fewer Node updates.
+    assert len(api.calls("PATCH", f"/nodes/{NODE}")) - patches_before <= 3
+
+
+def test_allocate_is_unaffected_while_the_api_is_down(node: Node, api: KubeApiDouble) -> None:
+    api.fail_next(1000, status=500)
+    node.start(cards(TESLA_P4, 1), node_name=NODE)
+    started = time.monotonic()
+    record = node.kubelet.admit("a", "main", {node.memory: 4})
+    assert record.card() == gpu_uuid(0)
+    assert time.monotonic() - started < 1.0
+    assert node_annotation(api) is None
+    eventually(lambda: api.calls("PATCH") or api.calls("GET"))
+    api.fail_next(0)
+    with api._lock:
+        api._failures.clear()  # the API server comes back
+    state = eventually(
+        lambda: (s := node_annotation(api)) and s.cards[0].memory_units_used == 4 and s
+    )
+    assert state.cards[0].uuid == gpu_uuid(0)
+
+
+def test_generation_continues_from_the_existing_annotation(node: Node, api: KubeApiDouble) -> None:
+    old = nodestate.NodeGpuState(41, "2026-01-01T00:00:00Z", 256, ())
+    node_obj = api.get("Node", NODE)
+    node_obj["metadata"]["annotations"] = {"gpushare.io/gpus": nodestate.encode(old)}
+    api.add(node_obj)
+    node.start(cards(TESLA_P4, 1), node_name=NODE)
+    assert eventually(lambda: (s := node_annotation(api)) and s.generation > 41)
+
+
+@pytest.mark.parametrize("core_first", [True, False])
+def test_pod_specs_from_the_api_place_a_pair_after_a_single_resource_container(
+    node: Node, api: KubeApiDouble, core_first: bool
+) -> None:
+    node.start(cards(CARD_4GIB, 2), node_name=NODE)
+    add_pod(api, node, "a", {node.memory: 10})
+    a = node.kubelet.admit("a", "main", {node.memory: 10})
+    add_pod(api, node, "b", {node.memory: 10, node.core: 50})  # bound just before admission
+    order = [node.core, node.memory] if core_first else [node.memory, node.core]
+    b = node.kubelet.admit("b", "main", {node.memory: 10, node.core: 50}, order=order)
+    assert b.card() != a.card()
+    assert {d.split("::")[0] for ids in b.devices.values() for d in ids} == {b.card()}
+
+
+def test_annotation_is_valid_json_with_the_documented_keys(node: Node, api: KubeApiDouble) -> None:
+    node.start(cards(TESLA_P4, 1), node_name=NODE)
+    eventually(lambda: node_annotation(api))
+    raw = json.loads(api.get("Node", NODE)["metadata"]["annotations"]["gpushare.io/gpus"])
+    assert set(raw) == {"version", "generation", "updated", "memoryUnitMiB", "gpus"}
+    assert set(raw["gpus"][0]) == {
+        "uuid",
+        "index",
+        "name",
+        "memory_mib",
+        "memory_units",
+        "memory_units_used",
+        "core_units",
+        "core_units_used",
+        "healthy",
+    }
+
+
+def test_pod_annotation_keys_stay_valid_for_long_container_names() -> None:
+    long_name = "a-container-name-that-is-as-long-as-kubernetes-allows-it-to-bee"
+    assert len(long_name) == 63
+    key = nodestate.pod_annotation_key("gpushare.io", long_name)
+    prefix, _, name = key.partition("/")
+    assert prefix == "gpushare.io" and len(name) <= 63 and name.startswith("gpu.a-container")
+    assert key != nodestate.pod_annotation_key("gpushare.io", long_name[:-1] + "y")
+    assert nodestate.pod_annotation_key("gpushare.io", "main") == "gpushare.io/gpu.main"

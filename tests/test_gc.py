@@ -38,6 +38,9 @@ def test_released_cache_dirs_go_after_the_grace_period_held_ones_stay(node: Node
     a = node.kubelet.admit("a", "main", {node.memory: 2})
     b = node.kubelet.admit("b", "main", {node.memory: 3, node.core: 10})
     assert cache_dir(a).is_dir() and cache_dir(b).is_dir()
+    # Let a collection see both held: one that ran between Allocate and the kubelet's
+    # record of it would otherwise start a's grace period before its release.
+    assert reads_after(daemon, 4)
     node.kubelet.release("a")
     released = time.monotonic()
     assert poll(lambda: not cache_dir(a).exists(), 5.0)

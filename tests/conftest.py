@@ -27,6 +27,17 @@ CARD_4GIB = {"name": "Test 4GiB", "memory_mib": 4096}
 H200 = {"name": "NVIDIA H200", "memory_mib": 143771}
 
 
+def nvml_loads() -> bool:
+    """Whether a real NVIDIA driver answers here (tests marked ``gpu`` need one)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return False
+    return True
+
+
 def gpu_uuid(i: int) -> str:
     return f"GPU-{i:08x}-0000-4000-8000-{i:012x}"
 

@@ -38,10 +38,10 @@ def scrape(port: int, path: str = "/metrics") -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
-def daemon_process(node: Node, port: int, *extra: str) -> subprocess.Popen[bytes]:
-    """``gpushare-device-plugin`` on the node's files, spread placement, metrics on ``port``."""
+def daemon_command(node: Node, *extra: str, port: int = 0) -> list[str]:
+    """The ``gpushare-device-plugin`` command line for the node's files, JSON logs."""
     s = node.settings
-    command = [
+    return [
         sys.executable,
         "-m",
         "gpushare.daemon",
@@ -55,8 +55,6 @@ def daemon_process(node: Node, port: int, *extra: str) -> subprocess.Popen[bytes
         s.library,
         "--host-lib-dir",
         s.host_lib_dir,
-        "--placement",
-        "spread",
         "--metrics-port",
         str(port),
         "--metrics-address",
@@ -65,6 +63,11 @@ def daemon_process(node: Node, port: int, *extra: str) -> subprocess.Popen[bytes
         "json",
         *extra,
     ]
+
+
+def daemon_process(node: Node, port: int, *extra: str) -> subprocess.Popen[bytes]:
+    """The daemon on the node's files, spread placement, metrics on ``port``."""
+    command = daemon_command(node, "--placement", "spread", *extra, port=port)
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

@@ -11,24 +11,13 @@ import subprocess
 import threading
 
 import pytest
-from conftest import Node
+from conftest import Node, nvml_loads
 
 from gpushare.gpus import GpuEvent, NvmlBackend
 
-
-def _nvml_loads() -> bool:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        return False
-    return True
-
-
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not _nvml_loads(), reason="no NVIDIA driver or GPU on this machine"),
+    pytest.mark.skipif(not nvml_loads(), reason="no NVIDIA driver or GPU on this machine"),
 ]
 
 

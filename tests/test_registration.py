@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import RTX_3090, TESLA_P4, Node, cards, gpu_uuid
+from conftest import RTX_3090, TESLA_P4, Node, cards, gpu_uuid, nvml_loads
+from procs import daemon_command
 
 from gpushare.devices import Resource
 
@@ -73,31 +74,10 @@ def test_serves_again_when_its_own_socket_disappears(node: Node) -> None:
     assert node.kubelet.admit("p", "c", {node.core: 5}).envs["CUDA_DEVICE_SM_LIMIT"] == "5"
 
 
-def _daemon_command(node: Node) -> list[str]:
-    s = node.settings
-    return [
-        sys.executable,
-        "-m",
-        "gpushare.daemon",
-        "--kubelet-dir",
-        s.kubelet_dir,
-        "--simulate",
-        s.simulate,
-        "--library",
-        s.library,
-        "--host-lib-dir",
-        s.host_lib_dir,
-        "--metrics-port",
-        "0",
-        "--log-format",
-        "json",
-    ]
-
-
 def test_sigterm_stops_streams_removes_sockets_and_exits_zero(node: Node) -> None:
     node.write_gpus(cards(TESLA_P4, 1))
     node.kubelet.start()
-    proc = subprocess.Popen(_daemon_command(node), stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(daemon_command(node), stderr=subprocess.PIPE, text=True)
     try:
         assert node.wait_registered(10.0)
         proc.send_signal(signal.SIGTERM)
@@ -109,17 +89,7 @@ def test_sigterm_stops_streams_removes_sockets_and_exits_zero(node: Node) -> Non
     assert '"event": "stopped"' in err
 
 
-def _nvml_loads() -> bool:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        return False
-    return True
-
-
-@pytest.mark.skipif(_nvml_loads(), reason="a real NVIDIA driver is present")
+@pytest.mark.skipif(nvml_loads(), reason="a real NVIDIA driver is present")
 def test_without_a_gpu_the_nvml_backend_fails_with_one_line(short_tmp: Path) -> None:
     library = short_tmp / "libvgpu.so"
     library.write_bytes(b"x")
@@ -149,7 +119,7 @@ def test_without_a_gpu_the_nvml_backend_fails_with_one_line(short_tmp: Path) -> 
 
 def test_a_missing_library_stops_the_daemon_with_one_line(node: Node) -> None:
     node.write_gpus(cards(TESLA_P4, 1))
-    command = _daemon_command(node)
+    command = daemon_command(node)
     command[command.index("--library") + 1] = "/nonexistent/libvgpu.so"
     result = subprocess.run(command, capture_output=True, text=True, timeout=30)
     assert result.returncode == 1

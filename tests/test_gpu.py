@@ -30,9 +30,7 @@ def _smi_cards() -> dict[str, int]:
         check=True,
         timeout=30,
     ).stdout
-    return {
-        uuid.strip(): int(mib) for uuid, mib in (line.split(",") for line in out.splitlines())
-    }
+    return {uuid.strip(): int(mib) for uuid, mib in (line.split(",") for line in out.splitlines())}
 
 
 def test_nvml_discovery_reads_every_card() -> None:

@@ -166,12 +166,15 @@ class GarbageCollector:
             now_created = record.get("created") if record else None
             if isinstance(now_created, int | float) and now_created != created:
                 return False  # prepared again for a new container since we looked
-            shutil.rmtree(self.root / key, ignore_errors=True)
+            # The record goes first and the directory last, so that a directory seen
+            # gone means the whole entry is gone. A directory left behind by a failure
+            # in between is still a key on disk and is collected on a later pass.
             try:
                 record_file.unlink(missing_ok=True)
             except OSError as exc:
                 log.warning("cache_record_not_removed", key=key, error=str(exc))
                 return False
+            shutil.rmtree(self.root / key, ignore_errors=True)
         log.info(
             "cache_dir_removed",
             key=key,

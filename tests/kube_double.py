@@ -120,7 +120,9 @@ class KubeApiDouble:
             do_GET = do_POST = do_PATCH = do_DELETE = do_PUT = _serve
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        ).start()
         return self.url
 
     @property

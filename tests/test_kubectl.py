@@ -284,3 +284,14 @@ def test_console_script_dispatches_inspect_and_fails_in_one_line_without_a_clust
         assert done.returncode == 2
         assert done.stderr.count("\n") == 1
         assert done.stderr.startswith(f"kubectl gpushare {prog}: ")
+
+
+def test_an_api_error_is_one_line_and_exit_1(
+    api: KubeApiDouble, capsys: pytest.CaptureFixture[str]
+) -> None:
+    api.fail_next(1, status=403)
+    assert main(["install", "--node", "gpu-a"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("kubectl gpushare install: 403 Forbidden: injected failure")
+    assert api.calls("PATCH") == []

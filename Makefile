@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROTOS := $(shell find proto -name '*.proto')
 
-.PHONY: demo test lint bench simulate image clean
+.PHONY: demo test lint bench simulate image manifests clean
 
 demo: $(VENV)/.installed  ## run the daemon on a simulated node with a simulated kubelet
 	$(BIN)/gpushare-demo
@@ -24,8 +24,15 @@ bench: $(VENV)/.installed-test  ## measure latency, start time and footprint
 simulate: $(VENV)/.installed  ## trace-driven placement simulation
 	$(BIN)/python -m gpushare.sim.trace
 
+IMAGE ?= gpushare:0.1.0
+HAMI_VERSION ?= v2.4.1
+
 image:  ## build the container image (needs a Docker engine)
-	docker build -t gpushare:dev .
+	docker build --build-arg HAMI_VERSION=$(HAMI_VERSION) -t $(IMAGE) .
+
+manifests:  ## copy daemonset/*.yaml into the package, for kubectl gpushare install
+	rm -f src/gpushare/manifests/*.yaml
+	cp daemonset/*.yaml src/gpushare/manifests/
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

@@ -2,7 +2,10 @@
 
 Small and in-process: objects are stored by URL path, and the verbs the project's
 code uses are served (GET one or a list with label/field selectors, POST, PATCH as
-JSON merge patch, strategic merge patch or server-side apply, DELETE). Every request
+JSON merge patch, strategic merge patch or server-side apply, DELETE), for the kinds
+in :data:`KINDS`. Server-side apply checks what the real server checks of a request
+(a fieldManager, a body naming the URL's object) and is a no-op, keeping the
+resourceVersion, when it changes nothing. Every request
 is recorded, and the next requests can be made to fail.
 """
 
@@ -20,7 +23,18 @@ from urllib.parse import parse_qs, urlparse
 
 import yaml
 
-KINDS = {"nodes": "Node", "pods": "Pod", "namespaces": "Namespace", "configmaps": "ConfigMap"}
+KINDS = {
+    "nodes": "Node",
+    "pods": "Pod",
+    "namespaces": "Namespace",
+    "configmaps": "ConfigMap",
+    "serviceaccounts": "ServiceAccount",
+    "clusterroles": "ClusterRole",
+    "clusterrolebindings": "ClusterRoleBinding",
+    "daemonsets": "DaemonSet",
+}
+#: Stamps the server keeps on an object; an apply that changes nothing else is a no-op.
+_SERVER_FIELDS = ("resourceVersion", "uid", "managedFields", "creationTimestamp")
 
 
 @dataclass
@@ -106,7 +120,9 @@ class KubeApiDouble:
             do_GET = do_POST = do_PATCH = do_DELETE = do_PUT = _serve
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        ).start()
         return self.url
 
     @property
@@ -153,12 +169,15 @@ class KubeApiDouble:
             self.objects[f"{collection}/{meta['name']}"] = obj
         return obj
 
-    def get(self, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+    def get(
+        self, kind: str, name: str, namespace: str | None = None, api_version: str = "v1"
+    ) -> dict[str, Any] | None:
         plural = next(p for p, k in KINDS.items() if k == kind)
+        base = "/api/v1" if "/" not in api_version else f"/apis/{api_version}"
         path = (
-            f"/api/v1/namespaces/{namespace}/{plural}/{name}"
+            f"{base}/namespaces/{namespace}/{plural}/{name}"
             if namespace
-            else f"/api/v1/{plural}/{name}"
+            else f"{base}/{plural}/{name}"
         )
         with self._lock:
             return deepcopy(self.objects.get(path))
@@ -259,10 +278,10 @@ class KubeApiDouble:
                 return 404, self._status(404, f"{parts[-1]} not found")
             del self.objects[key]
             return 200, self._status(200, "deleted") | {"status": "Success"}
+        if method == "PATCH" and "apply-patch" in content_type:
+            return self._apply(parts, key, current, query, body)
         if method == "PATCH":
-            if "apply-patch" in content_type:
-                merged = merge_patch(current or {}, body)
-            elif current is None:
+            if current is None:
                 return 404, self._status(404, f"{parts[-1]} not found")
             elif "json-patch" in content_type:
                 return 400, self._status(400, "json-patch is not supported by the double")
@@ -272,6 +291,51 @@ class KubeApiDouble:
             self.objects[key] = merged
             return 200, deepcopy(merged)
         return 400, self._status(400, f"{method} {path} is not supported by the double")
+
+    def _apply(
+        self,
+        parts: list[str],
+        key: str,
+        current: dict[str, Any] | None,
+        query: dict[str, list[str]],
+        body: Any,
+    ) -> tuple[int, Any]:
+        """Server-side apply, as far as a double can: the checks the real server makes on
+        the request, create-or-merge, and no new resourceVersion when nothing changed."""
+        manager = (query.get("fieldManager") or [""])[0]
+        if not manager:
+            return 400, self._status(400, "PATCH: fieldManager is required for apply requests")
+        group_version = "/".join(parts[2:4]) if parts[1] == "apis" else parts[2]
+        plural = parts[-2]
+        meta = body.get("metadata") if isinstance(body, dict) else None
+        if (
+            not isinstance(meta, dict)
+            or body.get("apiVersion") != group_version
+            or body.get("kind") != KINDS.get(plural)
+            or meta.get("name") != parts[-1]
+        ):
+            return 400, self._status(400, "apply body does not match the URL")
+        namespace = parts[parts.index("namespaces") + 1] if "namespaces" in parts[:-2] else None
+        if meta.get("namespace", namespace) != namespace:
+            return 400, self._status(400, "the namespace of the body does not match the URL")
+        merged = merge_patch(current or {}, body)
+        merged_meta = merged.setdefault("metadata", {})
+        if namespace:
+            merged_meta["namespace"] = namespace
+        managers = [m for m in merged_meta.get("managedFields", []) if m["manager"] != manager]
+        merged_meta["managedFields"] = [*managers, {"manager": manager, "operation": "Apply"}]
+
+        def content(obj: dict[str, Any]) -> dict[str, Any]:
+            view = deepcopy(obj)
+            for name in _SERVER_FIELDS:
+                view.get("metadata", {}).pop(name, None)
+            return view
+
+        if current is not None and content(merged) == content(current):
+            return 200, deepcopy(current)
+        self._stamp(merged)
+        self.objects[key] = merged
+        return (201 if current is None else 200), deepcopy(merged)
 
     @staticmethod
     def _reply(request: BaseHTTPRequestHandler, status: int, answer: Any) -> None:

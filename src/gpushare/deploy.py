@@ -1,0 +1,158 @@
+"""Install and uninstall gpushare on a cluster: the shipped manifests and node labels.
+
+The manifests are ``daemonset/*.yaml``, shipped in the package as
+``gpushare/manifests/`` (``make manifests`` copies them; a test fails when they
+differ). Every object is applied with the label :data:`MANAGED_BY`, and only objects
+carrying it are ever deleted: what an operator applied by ``kubectl apply -k`` or Helm
+is left alone. The opt-in node label is read from the DaemonSet's nodeSelector, so it
+cannot drift from the manifests.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from gpushare import nodestate
+from gpushare.config import Settings
+from gpushare.kubeapi import Cluster, describe
+
+MANAGED_BY = {"app.kubernetes.io/managed-by": "kubectl-gpushare"}
+#: Labels that NVIDIA's GPU feature discovery (or the GPU operator) puts on GPU nodes.
+GPU_PRESENT_LABEL = "nvidia.com/gpu.present"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+
+Say = Callable[[str], None]
+
+
+class DeployError(Exception):
+    """Install or uninstall cannot go on; the message is one line for the operator."""
+
+
+def manifest_texts() -> dict[str, str]:
+    """File name -> text of every shipped manifest (the kustomization included)."""
+    folder = resources.files("gpushare") / "manifests"
+    return {
+        entry.name: entry.read_text() for entry in folder.iterdir() if entry.name.endswith(".yaml")
+    }
+
+
+def load_objects() -> list[dict[str, Any]]:
+    """The objects of the shipped kustomization, in its order."""
+    texts = manifest_texts()
+    kustomization = yaml.safe_load(texts["kustomization.yaml"])
+    objects: list[dict[str, Any]] = []
+    for name in kustomization["resources"]:
+        objects.extend(doc for doc in yaml.safe_load_all(texts[name]) if doc)
+    return objects
+
+
+def opt_in_label(objects: Iterable[Mapping[str, Any]]) -> tuple[str, str]:
+    """The (key, value) of the label that makes the DaemonSet run on a node."""
+    for obj in objects:
+        if obj.get("kind") == "DaemonSet":
+            selector = obj["spec"]["template"]["spec"]["nodeSelector"]
+            ((key, value),) = selector.items()
+            return str(key), str(value)
+    raise DeployError("the shipped manifests hold no DaemonSet")
+
+
+def managed(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """``obj`` with the :data:`MANAGED_BY` label added."""
+    result = copy.deepcopy(dict(obj))
+    labels = result.setdefault("metadata", {}).setdefault("labels", {})
+    labels.update(MANAGED_BY)
+    return result
+
+
+def is_ours(stored: Mapping[str, Any] | None) -> bool:
+    labels = ((stored or {}).get("metadata") or {}).get("labels") or {}
+    return all(labels.get(key) == value for key, value in MANAGED_BY.items())
+
+
+def has_gpu(node: Mapping[str, Any]) -> bool:
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    return labels.get(GPU_PRESENT_LABEL) == "true" or GPU_PRODUCT_LABEL in labels
+
+
+def node_name(node: Mapping[str, Any]) -> str:
+    return str((node.get("metadata") or {}).get("name"))
+
+
+def gpu_nodes(cluster: Cluster) -> list[str]:
+    """Names of the nodes that report an NVIDIA GPU, sorted."""
+    return sorted(node_name(node) for node in cluster.nodes() if has_gpu(node))
+
+
+def install(cluster: Cluster, nodes: Sequence[str], say: Say) -> None:
+    """Apply the manifests, then label ``nodes``. Idempotent; checks all before changing any."""
+    objects = load_objects()
+    key, value = opt_in_label(objects)
+    missing = [name for name in nodes if cluster.node(name) is None]
+    if missing:
+        raise DeployError(f"no such node: {', '.join(missing)}")
+    stored = [cluster.read(obj) for obj in objects]
+    pairs = list(zip(objects, stored, strict=True))
+    foreign = [describe(obj) for obj, now in pairs if now is not None and not is_ours(now)]
+    if foreign:
+        raise DeployError(
+            f"{', '.join(foreign)} already exist and were not created by kubectl-gpushare "
+            "(kubectl apply -k or Helm?); leaving them alone"
+        )
+    for obj, before in pairs:
+        after = cluster.apply(managed(obj))
+        version = (after.get("metadata") or {}).get("resourceVersion")
+        if before is None:
+            say(f"created {describe(obj)}")
+        elif version == (before.get("metadata") or {}).get("resourceVersion"):
+            say(f"unchanged {describe(obj)}")
+        else:
+            say(f"configured {describe(obj)}")
+    for name in nodes:
+        node = cluster.node(name) or {}
+        labels = (node.get("metadata") or {}).get("labels") or {}
+        if labels.get(key) == value:
+            say(f"node {name} already labelled {key}={value}")
+        else:
+            cluster.patch_node_metadata(name, {key: value}, {})
+            say(f"labelled node {name} {key}={value}")
+
+
+def uninstall(cluster: Cluster, nodes: Sequence[str], say: Say) -> None:
+    """Unlabel ``nodes`` (all labelled nodes when empty); when none keeps the label,
+    delete the objects kubectl-gpushare created, and only those."""
+    objects = load_objects()
+    key, value = opt_in_label(objects)
+    selector = f"{key}={value}"
+    labelled = {node_name(node) for node in cluster.nodes(selector)}
+    targets = list(nodes) or sorted(labelled)
+    missing = [name for name in targets if name not in labelled and cluster.node(name) is None]
+    if missing:
+        raise DeployError(f"no such node: {', '.join(missing)}")
+    # What the daemon published on the node goes with the label (see node.py).
+    prefix = Settings().resource_prefix
+    daemon_labels = {nodestate.label_key(prefix, w): None for w in ("product", "count", "memory")}
+    daemon_annotations = {nodestate.annotation_key(prefix): None}
+    for name in targets:
+        if name in labelled:
+            cluster.patch_node_metadata(name, {key: None, **daemon_labels}, daemon_annotations)
+            say(f"unlabelled node {name}")
+        else:
+            say(f"node {name} was not labelled {selector}")
+    remaining = sorted(node_name(node) for node in cluster.nodes(selector))
+    if remaining:
+        say(f"kept the gpushare objects: still labelled: {', '.join(remaining)}")
+        return
+    for obj in reversed(objects):
+        stored = cluster.read(obj)
+        if stored is None:
+            continue
+        if not is_ours(stored):
+            say(f"kept {describe(obj)}: not created by kubectl-gpushare")
+            continue
+        if cluster.delete(obj):
+            say(f"deleted {describe(obj)}")

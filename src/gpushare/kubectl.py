@@ -1,0 +1,136 @@
+"""``kubectl gpushare``: a kubectl plugin with three subcommands.
+
+* ``inspect``   per-card use of gpushare nodes (:mod:`gpushare.inspect`);
+* ``install``   apply the shipped manifests and opt nodes in by label;
+* ``uninstall`` opt nodes out; with none left, delete what ``install`` created.
+
+Without a usable kubeconfig or a reachable API server every subcommand prints one
+line on stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from gpushare import deploy, inspect
+from gpushare.inspect import EXIT_NO_CLUSTER, NoCluster
+from gpushare.kubeapi import ApiError, Cluster
+
+PROG = "kubectl gpushare"
+#: Refusals that need the operator to say more (no --node without a terminal).
+EXIT_USAGE = 2
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _fail(command: str, message: str, code: int) -> int:
+    print(f"{PROG} {command}: {message}".replace("\n", " "), file=sys.stderr)
+    return code
+
+
+def choose_nodes(candidates: Sequence[str], answer: str) -> list[str]:
+    """The nodes an operator picked: numbers (1-based) or names, or ``all``."""
+    picked: list[str] = []
+    for word in answer.replace(",", " ").split():
+        if word.lower() == "all":
+            return list(candidates)
+        if word.isdigit() and 1 <= int(word) <= len(candidates):
+            name = candidates[int(word) - 1]
+        elif word in candidates:
+            name = word
+        else:
+            raise ValueError(f"{word!r} is not one of the listed nodes")
+        if name not in picked:
+            picked.append(name)
+    return picked
+
+
+def _ask_for_nodes(cluster: Cluster) -> list[str]:
+    candidates = deploy.gpu_nodes(cluster)
+    if not candidates:
+        raise deploy.DeployError(
+            f"no node reports an NVIDIA GPU (label {deploy.GPU_PRESENT_LABEL}=true or "
+            f"{deploy.GPU_PRODUCT_LABEL}); name nodes with --node"
+        )
+    print("Nodes with NVIDIA GPUs:")
+    for number, name in enumerate(candidates, 1):
+        print(f"  {number}  {name}")
+    answer = input("Install gpushare on which nodes? (numbers or names, 'all'; empty to cancel): ")
+    return choose_nodes(candidates, answer)
+
+
+def _install(args: argparse.Namespace) -> int:
+    nodes: list[str] = list(dict.fromkeys(args.node or []))
+    if not nodes and not sys.stdin.isatty():
+        return _fail(
+            "install",
+            "no --node given and stdin is not a terminal to ask on; name nodes with --node NAME",
+            EXIT_USAGE,
+        )
+    cluster = Cluster()
+    if not nodes:
+        try:
+            nodes = _ask_for_nodes(cluster)
+        except (ValueError, EOFError) as exc:
+            return _fail("install", str(exc) or "no answer", 1)
+        if not nodes:
+            return _fail("install", "no node chosen; nothing done", 1)
+    deploy.install(cluster, nodes, _say)
+    return 0
+
+
+def _uninstall(args: argparse.Namespace) -> int:
+    deploy.uninstall(Cluster(), list(dict.fromkeys(args.node or [])), _say)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Share NVIDIA GPUs between containers: inspect, install, uninstall."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser(
+        "inspect", help="per-card GPU memory and core use (kubectl gpushare inspect -h)"
+    )
+    install = commands.add_parser(
+        "install",
+        help="apply the gpushare manifests and label nodes",
+        description="Server-side apply the gpushare DaemonSet and its RBAC (kube-system), then "
+        "label the chosen nodes so the DaemonSet runs there. Without --node, lists the nodes "
+        "that report NVIDIA GPUs and asks (only on a terminal).",
+    )
+    install.add_argument("--node", action="append", metavar="NAME", help="opt this node in")
+    uninstall = commands.add_parser(
+        "uninstall",
+        help="unlabel nodes; with none left, delete what install created",
+        description="Remove the opt-in label from the named nodes (all when none is named). "
+        "When no node keeps it, delete the objects kubectl gpushare install created; objects "
+        "it did not create are never touched.",
+    )
+    uninstall.add_argument("--node", action="append", metavar="NAME", help="opt this node out")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "inspect":
+        return inspect.main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "install":
+            return _install(args)
+        return _uninstall(args)
+    except NoCluster as exc:
+        return _fail(args.command, str(exc), EXIT_NO_CLUSTER)
+    except (deploy.DeployError, ApiError) as exc:
+        return _fail(args.command, str(exc), 1)
+    except KeyboardInterrupt:
+        return _fail(args.command, "interrupted", 130)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -20,7 +20,7 @@ import structlog
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from gpushare.answers import Answer
 from gpushare.binding import Binder, BindingError, Refusal
-from gpushare.devices import Resource, format_device_id
+from gpushare.devices import Inventory, Resource, format_device_id
 from gpushare.health import HealthBoard
 
 log = structlog.get_logger(__name__)
@@ -51,6 +51,24 @@ def answer_to_proto(answer: Answer) -> api_pb2.ContainerAllocateResponse:
     )
 
 
+def device_list_message(
+    inventory: Inventory, resource: Resource, healthy: Callable[[str], bool]
+) -> api_pb2.ListAndWatchResponse:
+    """Every unit of ``resource`` on every card, as one ListAndWatch message."""
+    devices: list[api_pb2.Device] = []
+    for card in inventory.cards.values():
+        health = HEALTHY if healthy(card.uuid) else UNHEALTHY
+        numa = card.gpu.numa_node
+        topology = (
+            api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=numa)]) if numa is not None else None
+        )
+        devices.extend(
+            api_pb2.Device(ID=format_device_id(card.uuid, n), health=health, topology=topology)
+            for n in range(card.units(resource))
+        )
+    return api_pb2.ListAndWatchResponse(devices=devices)
+
+
 class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[misc]
     def __init__(
         self,
@@ -78,22 +96,9 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
             version = self.health.version
             if self._cache is not None and self._cache[0] == version:
                 return self._cache[1]
-            devices: list[api_pb2.Device] = []
-            for card in self.binder.inventory.cards.values():
-                health = HEALTHY if self.health.is_healthy(card.uuid) else UNHEALTHY
-                numa = card.gpu.numa_node
-                topology = (
-                    api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=numa)])
-                    if numa is not None
-                    else None
-                )
-                devices.extend(
-                    api_pb2.Device(
-                        ID=format_device_id(card.uuid, n), health=health, topology=topology
-                    )
-                    for n in range(card.units(self.resource))
-                )
-            response = api_pb2.ListAndWatchResponse(devices=devices)
+            response = device_list_message(
+                self.binder.inventory, self.resource, self.health.is_healthy
+            )
             self._cache = (version, response)
             return response
 

@@ -15,7 +15,8 @@ configuration without a cluster.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,9 @@ from gpushare._proto.podresources.v1 import api_pb2 as pr_pb2
 from gpushare._proto.podresources.v1 import api_pb2_grpc as pr_pb2_grpc
 
 DIAL_TIMEOUT = 10.0
+
+#: Called after each admission RPC with (resource, method, seconds); the benchmark times calls.
+CallObserver = Callable[[str, str, float], None]
 
 
 class AdmissionError(Exception):
@@ -73,9 +77,15 @@ class Admitted:
 
 
 class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourcesListerServicer):  # type: ignore[misc]
-    def __init__(self, plugin_dir: Path, pod_resources_socket: Path | None = None) -> None:
+    def __init__(
+        self,
+        plugin_dir: Path,
+        pod_resources_socket: Path | None = None,
+        observe: CallObserver | None = None,
+    ) -> None:
         self.plugin_dir = Path(plugin_dir)
         self.pod_resources_socket = pod_resources_socket
+        self.observe = observe
         self.endpoints: dict[str, Endpoint] = {}
         self.registrations: list[tuple[str, str]] = []  # (resource, endpoint)
         self.admitted: dict[tuple[str, str, str], Admitted] = {}
@@ -237,8 +247,10 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
                 "OutOfResources", f"Insufficient {resource}: {len(available)} free, {units} asked"
             )
         chosen = available[:units]
+        clock = time.perf_counter
         try:
             if endpoint.options.get_preferred_allocation_available:
+                started = clock()
                 reply = endpoint.stub.GetPreferredAllocation(
                     api_pb2.PreferredAllocationRequest(
                         container_requests=[
@@ -249,6 +261,8 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
                     ),
                     timeout=DIAL_TIMEOUT,
                 )
+                if self.observe is not None:
+                    self.observe(resource, "GetPreferredAllocation", clock() - started)
                 offered = set(available)
                 preferred = [d for d in reply.container_responses[0].deviceIDs if d in offered][
                     :units
@@ -257,12 +271,15 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
                 chosen = (
                     preferred + [d for d in available if d not in picked][: units - len(preferred)]
                 )
+            started = clock()
             response = endpoint.stub.Allocate(
                 api_pb2.AllocateRequest(
                     container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=chosen)]
                 ),
                 timeout=DIAL_TIMEOUT,
             ).container_responses[0]
+            if self.observe is not None:
+                self.observe(resource, "Allocate", clock() - started)
         except grpc.RpcError as exc:
             raise AdmissionError("UnexpectedAdmissionError", exc.details(), exc.code()) from None
         record.devices[resource] = chosen

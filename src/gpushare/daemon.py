@@ -6,6 +6,7 @@ listen before anything registers, because the kubelet dials back at once.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import signal
 import sys
@@ -340,7 +341,23 @@ class Daemon:
         log.info("stopped")
 
 
+#: glibc's mallopt parameter for the number of malloc arenas.
+_M_ARENA_MAX = -8
+
+
+def limit_malloc_arenas(arenas: int = 2) -> bool:
+    """Ask glibc for at most ``arenas`` malloc arenas (it makes up to 8 per core, one per
+    busy thread, each keeping freed memory). The gRPC worker threads otherwise grow
+    the idle footprint by megabytes. True if glibc took it; a no-op elsewhere."""
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_ARENA_MAX, arenas))
+    except (OSError, AttributeError):
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    limit_malloc_arenas()
     try:
         settings = load_settings(argv)
     except ConfigError as exc:

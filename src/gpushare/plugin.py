@@ -34,6 +34,10 @@ _STATUS = {
     Refusal.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 
+#: A ListAndWatch stream is woken by every health change and by its own end; this is
+#: only a safety net for a wake-up that went missing.
+STREAM_CHECK_SECONDS = 30.0
+
 #: Called after each RPC: (resource, method, result, seconds).
 Observer = Callable[[Resource, str, str, float], None]
 
@@ -88,6 +92,8 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
         self._streams_lock = threading.Lock()
         self.active_streams = 0
         self.streams_changed_at = time.monotonic()
+        #: Called when a ListAndWatch stream ends (the kubelet link looks again then).
+        self.on_stream_closed: Callable[[], None] | None = None
 
     # ---------------------------------------------------------------- device list
     def device_list(self) -> api_pb2.ListAndWatchResponse:
@@ -122,10 +128,12 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
                 if self.health.version != seen:
                     seen = self.health.version
                     yield self.device_list()
-                self.health.wait_for_change(seen, timeout=5.0, give_up=finished)
+                self.health.wait_for_change(seen, timeout=STREAM_CHECK_SECONDS, give_up=finished)
         finally:
             self._count_stream(-1)
             log.info("list_and_watch_closed", resource=self.resource.value)
+            if self.on_stream_closed is not None:
+                self.on_stream_closed()
 
     def _count_stream(self, delta: int) -> None:
         with self._streams_lock:

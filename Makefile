@@ -22,7 +22,7 @@ bench: $(VENV)/.installed-test  ## measure latency, start time and footprint
 	$(BIN)/python -m gpushare.bench --write docs/benchmarks.md
 
 simulate: $(VENV)/.installed  ## trace-driven placement simulation
-	$(BIN)/python -m gpushare.sim.trace
+	$(BIN)/python -m gpushare.sim.trace --section docs/benchmarks.md
 
 IMAGE ?= gpushare:0.1.0
 HAMI_VERSION ?= v2.4.1

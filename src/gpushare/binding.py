@@ -124,23 +124,28 @@ class Binder:
 
     # -- shared helpers -----------------------------------------------------------
     def _group(self, resource: Resource, device_ids: Sequence[str]) -> dict[str, list[int]]:
-        index = self._index[resource]
-        grouped: dict[str, list[int]] = {}
+        # One Python string per ID (a protobuf field makes a new one on every access),
+        # so each is hashed once: by the lookups, then reused by the duplicate check.
+        ids = list(device_ids)
         try:
-            for device_id in device_ids:
-                uuid, n = index[device_id]
-                grouped.setdefault(uuid, []).append(n)
+            located = list(map(self._index[resource].__getitem__, ids))
         except (KeyError, TypeError):
             # Slow path, only to explain what is wrong (and catch duplicates below).
             try:
-                self.inventory.resolve(resource, device_ids)
+                self.inventory.resolve(resource, ids)
             except InvalidDeviceIds as exc:
                 raise BindingError(Refusal.INVALID, str(exc)) from None
             raise BindingError(Refusal.INVALID, "unknown device ID") from None
-        if sum(len(v) for v in grouped.values()) != len(set(device_ids)):
+        if len(set(ids)) != len(ids):
             seen: set[str] = set()
-            twice = next(d for d in device_ids if d in seen or seen.add(d))  # type: ignore[func-returns-value]
+            twice = next(d for d in ids if d in seen or seen.add(d))  # type: ignore[func-returns-value]
             raise BindingError(Refusal.INVALID, f"{twice!r} is listed twice")
+        grouped: dict[str, list[int]] = {}
+        for uuid, n in located:
+            numbers = grouped.get(uuid)
+            if numbers is None:
+                grouped[uuid] = numbers = []
+            numbers.append(n)
         return grouped
 
     def _partner(self, resource: Resource, snapshot: Snapshot | None) -> _Binding | None:
@@ -160,8 +165,15 @@ class Binder:
             return last if wanted.get(resource, 0) > 0 else None
         return last
 
-    def _snapshot(self) -> Snapshot | None:
-        if self.records is None or self._last is None:
+    def _snapshot(self, resource: Resource) -> Snapshot | None:
+        """The kubelet's records, read only when a decision below will look at them:
+        the partner rule (a binding of the other resource within the window) or the
+        pod specs' hint. A read is a gRPC call to the kubelet, rate-limited."""
+        last = self._last
+        if self.records is None or last is None:
+            return None
+        pairing = last.resource is not resource and self._clock() - last.at <= PAIR_WINDOW
+        if not pairing and self.specs is None:
             return None
         return self.records()
 
@@ -193,7 +205,7 @@ class Binder:
                 )
         healthy = self.health.healthy_cards()
         self.usage.observe_available(resource, free, healthy)
-        snapshot = self._snapshot()
+        snapshot = self._snapshot(resource)
         with self._lock:
             partner = self._partner(resource, snapshot)
             self._decided[resource] = (self._last, partner)
@@ -250,7 +262,7 @@ class Binder:
         with self._lock:
             last_seen, partner = self._decided.pop(resource, (None, None))
         if last_seen is not self._last:  # no GetPreferredAllocation just before: decide now
-            snapshot = self._snapshot()
+            snapshot = self._snapshot(resource)
             with self._lock:
                 partner = self._partner(resource, snapshot)
         with self._lock:

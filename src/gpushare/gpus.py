@@ -18,6 +18,8 @@ from typing import Any, Protocol
 import structlog
 import yaml
 
+from gpushare.dirwatch import DirWatch, StopEvent
+
 log = structlog.get_logger(__name__)
 
 #: NVML XID events that the card itself reports; delivered to the health monitor.
@@ -162,23 +164,40 @@ class SimulatedBackend:
         return [card.gpu for card in self._cards.values()]
 
     def watch(self, deliver: Callable[[GpuEvent], None], stop: threading.Event) -> None:
-        while not stop.wait(self.poll_seconds):
-            if self._file_stamp() == self._stamp:
-                continue
-            before = self._cards
-            try:
-                self._load()
-            except GpuError:
-                continue  # a half-written file; the next change re-reads it
-            for uuid in before:
-                if uuid not in self._cards:
-                    deliver(GpuEvent(uuid, gone=True))
-            for uuid, card in self._cards.items():
-                old = before.get(uuid)
-                if old is None:
-                    deliver(GpuEvent(uuid, gone=False))
-                if card.xid is not None and (old is None or old.xid != card.xid):
-                    deliver(GpuEvent(uuid, xid=card.xid))
+        # Sleeps until the file's directory changes (inotify) when ``stop`` can wake it
+        # (a StopEvent); else looks at the file every ``poll_seconds``.
+        watcher = DirWatch(self.path.parent, self.poll_seconds)
+        wakes = isinstance(stop, StopEvent)
+        if isinstance(stop, StopEvent):
+            stop.on_set(watcher.wake)
+        try:
+            while not stop.is_set():
+                watcher.wait(None if wakes else self.poll_seconds)
+                if not stop.is_set():
+                    self._look(deliver)
+        finally:
+            if isinstance(stop, StopEvent):
+                stop.remove(watcher.wake)
+            watcher.close()
+
+    def _look(self, deliver: Callable[[GpuEvent], None]) -> None:
+        """Deliver what changed in the file since it was last read."""
+        if self._file_stamp() == self._stamp:
+            return
+        before = self._cards
+        try:
+            self._load()
+        except GpuError:
+            return  # a half-written file; the next change re-reads it
+        for uuid in before:
+            if uuid not in self._cards:
+                deliver(GpuEvent(uuid, gone=True))
+        for uuid, card in self._cards.items():
+            old = before.get(uuid)
+            if old is None:
+                deliver(GpuEvent(uuid, gone=False))
+            if card.xid is not None and (old is None or old.xid != card.xid):
+                deliver(GpuEvent(uuid, xid=card.xid))
 
     def close(self) -> None:
         pass

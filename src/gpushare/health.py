@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from gpushare.dirwatch import StopEvent
 from gpushare.gpus import GpuBackend, GpuEvent
 
 log = structlog.get_logger(__name__)
@@ -204,7 +205,7 @@ class HealthMonitor:
         self._clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._stop = StopEvent()  # also wakes a backend blocked on a file descriptor
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:

@@ -17,6 +17,7 @@ import grpc
 import structlog
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from gpushare.dirwatch import DirWatch
 from gpushare.plugin import PluginServer
 
 log = structlog.get_logger(__name__)
@@ -24,6 +25,8 @@ log = structlog.get_logger(__name__)
 API_VERSION = "v1beta1"
 REGISTER_TIMEOUT = 5.0
 POLL_SECONDS = 0.1
+#: With inotify watching the kubelet's directory, still look this often (a safety net).
+WATCHED_CHECK_SECONDS = 10.0
 MAX_BACKOFF = 5.0
 #: A registered resource whose kubelet stream stays closed this long is registered again.
 UNWATCHED_GRACE = 2.0
@@ -84,7 +87,13 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 
 class KubeletLink:
-    """Keeps every plugin server serving and registered, for as long as it runs."""
+    """Keeps every plugin server serving and registered, for as long as it runs.
+
+    It sleeps until something may have changed: an entry of the kubelet's directory
+    (inotify: ``kubelet.sock`` re-created, one of our sockets removed), a ListAndWatch
+    stream closing, or a deadline of its own (a backoff, the grace given to a closed
+    stream). Without inotify it looks every :data:`POLL_SECONDS`.
+    """
 
     def __init__(self, kubelet_socket: Path, servers: Sequence[tuple[PluginServer, str]]) -> None:
         self.kubelet_socket = kubelet_socket
@@ -96,6 +105,9 @@ class KubeletLink:
         self._registered_with: tuple[int, int] | None = None
         self._unwatched_grace = UNWATCHED_GRACE
         self._unregistered_since: float | None = time.monotonic()
+        self._watch = DirWatch(kubelet_socket.parent, POLL_SECONDS)
+        for server, _name in self.servers:
+            server.servicer.on_stream_closed = self._watch.wake
 
     def alive(self) -> bool:
         """True while the watch thread runs."""
@@ -117,8 +129,10 @@ class KubeletLink:
 
     def stop(self) -> None:
         self._stop.set()
+        self._watch.wake()
         if self._thread is not None:
             self._thread.join()
+        self._watch.close()
 
     def _run(self) -> None:
         backoff = POLL_SECONDS
@@ -138,15 +152,27 @@ class KubeletLink:
                 self._wait_unless_kubelet_changes(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
                 continue
-            self._stop.wait(POLL_SECONDS)
+            self._watch.wait(self._next_check())
+
+    def _next_check(self) -> float:
+        """Seconds until a look is due even if nothing wakes the link."""
+        wait = WATCHED_CHECK_SECONDS
+        if self._registered_with is not None:
+            for server, _name in self.servers:
+                unwatched = server.servicer.unwatched_for()
+                if unwatched > 0.0:  # its stream closed: look again when the grace ends
+                    wait = min(wait, max(0.0, self._unwatched_grace - unwatched) + 0.01)
+        return wait
 
     def _wait_unless_kubelet_changes(self, seconds: float) -> None:
         """Back off, but retry at once when a new kubelet socket appears."""
         failed_with = _identity(self.kubelet_socket)
         deadline = time.monotonic() + seconds
-        while not self._stop.wait(min(POLL_SECONDS, max(0.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline or _identity(self.kubelet_socket) != failed_with:
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or _identity(self.kubelet_socket) != failed_with:
                 return
+            self._watch.wait(left)
 
     def _changed_since(self, kubelet: tuple[int, int] | None) -> Callable[[], bool]:
         def changed() -> bool:

@@ -9,10 +9,12 @@ small record beside it so that garbage collection knows whose it was.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -97,6 +99,22 @@ def cache_key(device_ids: Iterable[str]) -> str:
 CACHE_LOCK = threading.Lock()
 
 
+def _empty_directory(path: Path) -> None:
+    """Remove what is in ``path`` (keeping the directory: cheaper than re-creating it);
+    anything there that is not a real directory is replaced by one."""
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        path.unlink()
+        os.mkdir(path)
+        return
+    with os.scandir(path) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+
+
 def prepare_cache_dir(host_dir: Path, device_ids: list[str]) -> Path:
     """A fresh, empty, world-writable cache directory for the container holding these units.
 
@@ -106,12 +124,19 @@ def prepare_cache_dir(host_dir: Path, device_ids: list[str]) -> Path:
     root = host_dir / CACHE_ROOT_NAME
     key = cache_key(device_ids)
     path = root / key
+    record = json.dumps({"device_ids": sorted(device_ids), "created": time.time()})
     with CACHE_LOCK:
-        root.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            shutil.rmtree(path, ignore_errors=True)
-        path.mkdir()
+        try:
+            os.mkdir(path)
+        except FileNotFoundError:
+            root.mkdir(parents=True, exist_ok=True)
+            os.mkdir(path)
+        except FileExistsError:
+            _empty_directory(path)
         os.chmod(path, 0o777)  # non-root containers write their accounting file here
-        record = {"device_ids": sorted(device_ids), "created": time.time()}
-        (root / f"{key}.json").write_text(json.dumps(record))
+        fd = os.open(root / f"{key}.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, record.encode())
+        finally:
+            os.close(fd)
     return path

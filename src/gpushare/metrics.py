@@ -13,6 +13,8 @@ which the plugin is briefly unregistered, never makes it fail.
 from __future__ import annotations
 
 import json
+import os
+import selectors
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -186,6 +188,7 @@ class MetricsServer:
         self.port = port
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._wake_read = self._wake_write = -1
 
     def start(self) -> None:
         """Listen; raises OSError when the address cannot be bound."""
@@ -219,14 +222,33 @@ class MetricsServer:
         httpd.daemon_threads = True
         self._httpd = httpd
         self.port = httpd.server_address[1]
-        self._thread = threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True)
+        self._wake_read, self._wake_write = os.pipe2(os.O_CLOEXEC)
+        self._thread = threading.Thread(
+            target=self._serve, args=(httpd, self._wake_read), name="metrics", daemon=True
+        )
         self._thread.start()
         log.info("metrics_serving", address=self.address, port=self.port)
 
+    @staticmethod
+    def _serve(httpd: ThreadingHTTPServer, wake: int) -> None:
+        """Like ``serve_forever``, but sleeps until a connection or :meth:`stop` instead
+        of waking every half second to look for a shutdown request."""
+        with selectors.DefaultSelector() as selector:
+            selector.register(httpd, selectors.EVENT_READ)
+            selector.register(wake, selectors.EVENT_READ)
+            while True:
+                ready = selector.select()
+                if any(key.fileobj == wake for key, _ in ready):
+                    return
+                httpd._handle_request_noblock()  # type: ignore[attr-defined]
+
     def stop(self) -> None:
+        if self._thread is not None:
+            os.write(self._wake_write, b"!")
+            self._thread.join(timeout=5.0)
+            self._thread = None
+            for fd in (self._wake_read, self._wake_write):
+                os.close(fd)
         if self._httpd is not None:
-            self._httpd.shutdown()
             self._httpd.server_close()
             self._httpd = None
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)

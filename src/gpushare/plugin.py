@@ -20,7 +20,7 @@ import structlog
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from gpushare.answers import Answer
 from gpushare.binding import Binder, BindingError, Refusal
-from gpushare.devices import Resource, format_device_id
+from gpushare.devices import Inventory, Resource, format_device_id
 from gpushare.health import HealthBoard
 
 log = structlog.get_logger(__name__)
@@ -33,6 +33,10 @@ _STATUS = {
     Refusal.PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
     Refusal.INTERNAL: grpc.StatusCode.INTERNAL,
 }
+
+#: A ListAndWatch stream is woken by every health change and by its own end; this is
+#: only a safety net for a wake-up that went missing.
+STREAM_CHECK_SECONDS = 30.0
 
 #: Called after each RPC: (resource, method, result, seconds).
 Observer = Callable[[Resource, str, str, float], None]
@@ -49,6 +53,24 @@ def answer_to_proto(answer: Answer) -> api_pb2.ContainerAllocateResponse:
         ],
         annotations=answer.annotations,
     )
+
+
+def device_list_message(
+    inventory: Inventory, resource: Resource, healthy: Callable[[str], bool]
+) -> api_pb2.ListAndWatchResponse:
+    """Every unit of ``resource`` on every card, as one ListAndWatch message."""
+    devices: list[api_pb2.Device] = []
+    for card in inventory.cards.values():
+        health = HEALTHY if healthy(card.uuid) else UNHEALTHY
+        numa = card.gpu.numa_node
+        topology = (
+            api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=numa)]) if numa is not None else None
+        )
+        devices.extend(
+            api_pb2.Device(ID=format_device_id(card.uuid, n), health=health, topology=topology)
+            for n in range(card.units(resource))
+        )
+    return api_pb2.ListAndWatchResponse(devices=devices)
 
 
 class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[misc]
@@ -70,6 +92,8 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
         self._streams_lock = threading.Lock()
         self.active_streams = 0
         self.streams_changed_at = time.monotonic()
+        #: Called when a ListAndWatch stream ends (the kubelet link looks again then).
+        self.on_stream_closed: Callable[[], None] | None = None
 
     # ---------------------------------------------------------------- device list
     def device_list(self) -> api_pb2.ListAndWatchResponse:
@@ -78,22 +102,9 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
             version = self.health.version
             if self._cache is not None and self._cache[0] == version:
                 return self._cache[1]
-            devices: list[api_pb2.Device] = []
-            for card in self.binder.inventory.cards.values():
-                health = HEALTHY if self.health.is_healthy(card.uuid) else UNHEALTHY
-                numa = card.gpu.numa_node
-                topology = (
-                    api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=numa)])
-                    if numa is not None
-                    else None
-                )
-                devices.extend(
-                    api_pb2.Device(
-                        ID=format_device_id(card.uuid, n), health=health, topology=topology
-                    )
-                    for n in range(card.units(self.resource))
-                )
-            response = api_pb2.ListAndWatchResponse(devices=devices)
+            response = device_list_message(
+                self.binder.inventory, self.resource, self.health.is_healthy
+            )
             self._cache = (version, response)
             return response
 
@@ -117,10 +128,12 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
                 if self.health.version != seen:
                     seen = self.health.version
                     yield self.device_list()
-                self.health.wait_for_change(seen, timeout=5.0, give_up=finished)
+                self.health.wait_for_change(seen, timeout=STREAM_CHECK_SECONDS, give_up=finished)
         finally:
             self._count_stream(-1)
             log.info("list_and_watch_closed", resource=self.resource.value)
+            if self.on_stream_closed is not None:
+                self.on_stream_closed()
 
     def _count_stream(self, delta: int) -> None:
         with self._streams_lock:

@@ -15,7 +15,8 @@ configuration without a cluster.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,9 @@ from gpushare._proto.podresources.v1 import api_pb2 as pr_pb2
 from gpushare._proto.podresources.v1 import api_pb2_grpc as pr_pb2_grpc
 
 DIAL_TIMEOUT = 10.0
+
+#: Called after each admission RPC with (resource, method, seconds); the benchmark times calls.
+CallObserver = Callable[[str, str, float], None]
 
 
 class AdmissionError(Exception):
@@ -50,6 +54,7 @@ class Endpoint:
     stub: api_pb2_grpc.DevicePluginStub
     options: Any
     devices: dict[str, Any] = field(default_factory=dict)  # ID -> Device, in order
+    healthy: list[str] = field(default_factory=list)  # IDs of the healthy devices, in order
     updates: int = 0
     stream: Any = None
 
@@ -73,9 +78,15 @@ class Admitted:
 
 
 class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourcesListerServicer):  # type: ignore[misc]
-    def __init__(self, plugin_dir: Path, pod_resources_socket: Path | None = None) -> None:
+    def __init__(
+        self,
+        plugin_dir: Path,
+        pod_resources_socket: Path | None = None,
+        observe: CallObserver | None = None,
+    ) -> None:
         self.plugin_dir = Path(plugin_dir)
         self.pod_resources_socket = pod_resources_socket
+        self.observe = observe
         self.endpoints: dict[str, Endpoint] = {}
         self.registrations: list[tuple[str, str]] = []  # (resource, endpoint)
         self.admitted: dict[tuple[str, str, str], Admitted] = {}
@@ -159,8 +170,11 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
         endpoint.stream = endpoint.stub.ListAndWatch(api_pb2.Empty())
         try:
             for response in endpoint.stream:
+                devices = {d.ID: d for d in response.devices}
+                healthy = [i for i, d in devices.items() if d.health == "Healthy"]
                 with self._lock:
-                    endpoint.devices = {d.ID: d for d in response.devices}
+                    endpoint.devices = devices
+                    endpoint.healthy = healthy
                     endpoint.updates += 1
                     self._lock.notify_all()
         except grpc.RpcError:
@@ -170,6 +184,7 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
             if self.endpoints.get(endpoint.resource) is endpoint:
                 for device in endpoint.devices.values():
                     device.health = "Unhealthy"
+                endpoint.healthy = []
             self._lock.notify_all()
 
     @staticmethod
@@ -226,29 +241,29 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
             endpoint = self.endpoints.get(resource)
         if endpoint is None:
             raise AdmissionError("UnexpectedAdmissionError", f"no plugin registered for {resource}")
-        taken = self.allocated(resource)
-        available = [
-            d.ID
-            for d in self.devices(resource).values()
-            if d.health == "Healthy" and d.ID not in taken
-        ]
+        with self._lock:
+            taken = {d for a in self.admitted.values() for d in a.devices.get(resource, ())}
+            healthy = endpoint.healthy
+        available = [d for d in healthy if d not in taken]
         if len(available) < units:
             raise AdmissionError(
                 "OutOfResources", f"Insufficient {resource}: {len(available)} free, {units} asked"
             )
         chosen = available[:units]
+        clock = time.perf_counter
         try:
             if endpoint.options.get_preferred_allocation_available:
-                reply = endpoint.stub.GetPreferredAllocation(
-                    api_pb2.PreferredAllocationRequest(
-                        container_requests=[
-                            api_pb2.ContainerPreferredAllocationRequest(
-                                available_deviceIDs=available, allocation_size=units
-                            )
-                        ]
-                    ),
-                    timeout=DIAL_TIMEOUT,
+                request = api_pb2.PreferredAllocationRequest(
+                    container_requests=[
+                        api_pb2.ContainerPreferredAllocationRequest(
+                            available_deviceIDs=available, allocation_size=units
+                        )
+                    ]
                 )
+                started = clock()
+                reply = endpoint.stub.GetPreferredAllocation(request, timeout=DIAL_TIMEOUT)
+                if self.observe is not None:
+                    self.observe(resource, "GetPreferredAllocation", clock() - started)
                 offered = set(available)
                 preferred = [d for d in reply.container_responses[0].deviceIDs if d in offered][
                     :units
@@ -257,12 +272,13 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
                 chosen = (
                     preferred + [d for d in available if d not in picked][: units - len(preferred)]
                 )
-            response = endpoint.stub.Allocate(
-                api_pb2.AllocateRequest(
-                    container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=chosen)]
-                ),
-                timeout=DIAL_TIMEOUT,
-            ).container_responses[0]
+            allocate = api_pb2.AllocateRequest(
+                container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=chosen)]
+            )
+            started = clock()
+            response = endpoint.stub.Allocate(allocate, timeout=DIAL_TIMEOUT).container_responses[0]
+            if self.observe is not None:
+                self.observe(resource, "Allocate", clock() - started)
         except grpc.RpcError as exc:
             raise AdmissionError("UnexpectedAdmissionError", exc.details(), exc.code()) from None
         record.devices[resource] = chosen

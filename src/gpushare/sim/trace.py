@@ -32,6 +32,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from gpushare.extender.fit import (
     BINPACK,
@@ -42,6 +43,7 @@ from gpushare.extender.fit import (
     fit_pod,
     score,
 )
+from gpushare.mdsection import replace_section
 
 UNIT_MIB = 256
 
@@ -297,6 +299,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--load", type=float, default=1.0, help="offered memory load (1.0 = the cluster's memory)"
     )
     parser.add_argument("--write", metavar="PATH", help="also write the markdown report here")
+    parser.add_argument(
+        "--section",
+        metavar="PATH",
+        help="also put the report, with the command, into PATH's 'simulate' section "
+        "(e.g. docs/benchmarks.md)",
+    )
     args = parser.parse_args(argv)
     if args.pods < 20 or args.load <= 0:
         parser.error("--pods must be at least 20 and --load greater than 0")
@@ -307,6 +315,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.write:
         with open(args.write, "w") as out:
             out.write(report)
+    if args.section:
+        command = f"python -m gpushare.sim.trace --pods {args.pods} --seed {args.seed}"
+        if args.load != 1.0:
+            command += f" --load {args.load}"
+        body = f"Produced by `make simulate` (`{command}`).\n\n{report}"
+        replace_section(Path(args.section), "simulate", body)
     failures = sum(r.admission_failures for r in results if r.extender)
     if failures:
         print(f"FAILED: {failures} admission failures with the extender", file=sys.stderr)

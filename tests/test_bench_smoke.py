@@ -1,0 +1,64 @@
+"""The benchmark runs end to end in its quick mode and prints every row (no timing
+is asserted: CI times nothing); its --write keeps the rest of the file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from gpushare.mdsection import replace_section
+
+ROWS = [
+    "ListAndWatch message serialised",
+    "largest message, 16 x 192 GiB",
+    "start: process start to both resources registered",
+    "baseline: empty unary call",
+    "GetPreferredAllocation vcuda-memory",
+    "GetPreferredAllocation vcuda-core",
+    "Allocate vcuda-memory",
+    "Allocate vcuda-core",
+    "throughput:",
+    "RSS growth after",
+    "open descriptors after",
+    "containers whose memory and core landed on two cards",
+    "admissions refused",
+    "idle RSS",
+    "idle CPU over",
+]
+
+
+def test_quick_bench_prints_one_table_with_every_row(tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nHand-written notes.\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "gpushare.bench", "--quick", "--write", str(doc)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode in (0, 1), result.stderr  # 1: a target missed, 2: it broke
+    table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| figure | measured | target |")
+    body = table[1:]
+    assert len(body) == len(ROWS)
+    for row, name in zip(body, ROWS, strict=True):
+        assert name in row, (name, row)
+        assert row.rstrip().endswith(("| yes |", "| **NO** |", "| - |")), row
+    assert "| containers whose memory and core landed on two cards | 0 |" in result.stdout
+    written = doc.read_text()
+    assert written.startswith("# Benchmarks\n\nHand-written notes.\n")
+    assert "<!-- bench:start -->" in written and "<!-- bench:end -->" in written
+    assert all(name in written for name in ROWS)
+
+
+def test_a_section_is_replaced_in_place(tmp_path: Path) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text("before\n")
+    replace_section(doc, "s", "first")
+    replace_section(doc, "s", "second")
+    replace_section(doc, "t", "other")
+    assert doc.read_text() == (
+        "before\n\n<!-- s:start -->\nsecond\n<!-- s:end -->\n"
+        "\n<!-- t:start -->\nother\n<!-- t:end -->\n"
+    )

@@ -59,7 +59,12 @@ def test_starting_the_daemon_does_not_import_the_kubernetes_client(node: Node) -
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "True []"  # registered; nothing of kubernetes
-    assert node.wait_registered(5.0)
+    # The daemon stopped right after registering, perhaps before the kubelet opened
+    # ListAndWatch: what the kubelet must have seen is the two registrations.
+    resources = {node.memory, node.core}
+    assert node.kubelet.wait_for(
+        lambda k: {resource for resource, _ in k.registrations} == resources, 5.0
+    )
 
 
 def big_node(count: int, memory_mib: int) -> list[dict[str, object]]:

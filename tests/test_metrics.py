@@ -51,6 +51,7 @@ def test_metrics_report_cards_allocations_and_latency(node: Node) -> None:
     assert got[("gpushare_core_units_allocated", (("gpu", other),))] == 0
     assert got[("gpushare_gpu_healthy", (("gpu", a.card()),))] == 1
     assert got[("gpushare_gpu_healthy", (("gpu", other),))] == 0
+    assert got[("gpushare_ready", ())] == 1
     memory = (("resource", node.memory),)
     assert got[("gpushare_allocations_total", (*memory, ("result", "ok")))] == 2
     assert got[("gpushare_allocations_total", (*memory, ("result", "precondition")))] == 1

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import RTX_3090, TESLA_P4, Node, cards, gpu_uuid, nvml_loads
-from procs import daemon_command
+from procs import daemon_command, free_port, poll, reachable, scrape
 
 from gpushare.devices import Resource
 
@@ -90,31 +90,49 @@ def test_sigterm_stops_streams_removes_sockets_and_exits_zero(node: Node) -> Non
 
 
 @pytest.mark.skipif(nvml_loads(), reason="a real NVIDIA driver is present")
-def test_without_a_gpu_the_nvml_backend_fails_with_one_line(short_tmp: Path) -> None:
+def test_without_nvml_the_daemon_waits_alive_and_says_why_not_a_crash_loop(
+    short_tmp: Path,
+) -> None:
     library = short_tmp / "libvgpu.so"
     library.write_bytes(b"x")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gpushare.daemon",
-            "--kubelet-dir",
-            str(short_tmp / "dp"),
-            "--library",
-            str(library),
-            "--host-lib-dir",
-            str(short_tmp / "vgpu"),
-            "--metrics-port",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert result.returncode == 1
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "cannot initialise NVML" in lines[0] and "NVIDIA driver" in lines[0]
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "gpushare.daemon",
+        "--kubelet-dir",
+        str(short_tmp / "dp"),
+        "--library",
+        str(library),
+        "--host-lib-dir",
+        str(short_tmp / "vgpu"),
+        "--metrics-port",
+        str(port),
+        "--metrics-address",
+        "127.0.0.1",
+        "--log-format",
+        "json",
+    ]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        # Retried with growing delays (0.5 s, then 1 s): the probe stays alive meanwhile.
+        assert poll(lambda: reachable(port), 10.0)
+        status, body = scrape(port, "/healthz")
+        assert status == 200 and "cannot initialise NVML" in body
+        status, text = scrape(port)
+        assert status == 200 and "gpushare_ready 0.0" in text
+        assert poll(lambda: "attempt 2 failed, next in 1 s" in scrape(port, "/healthz")[1], 5.0)
+        assert proc.poll() is None
+        assert not (short_tmp / "dp").exists()  # nothing served without GPUs
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    failures = [line for line in err.splitlines() if '"gpu_discovery_failed"' in line]
+    assert len(failures) >= 2, err
+    assert "NVIDIA driver" in failures[0] and '"retry_seconds": 0.5' in failures[0]
+    assert '"retry_seconds": 1.0' in failures[1]
 
 
 def test_a_missing_library_stops_the_daemon_with_one_line(node: Node) -> None:

@@ -27,7 +27,7 @@ from gpushare.health import HealthBoard, HealthMonitor, HealthPolicy
 from gpushare.kubelet import KubeletLink
 from gpushare.library import LibraryError, ensure_lock_dir, install_library, install_preload_file
 from gpushare.logs import configure_logging
-from gpushare.metrics import LinkState, Metrics, MetricsServer, liveness
+from gpushare.metrics import LinkState, Metrics, MetricsServer, liveness, render_not_ready
 from gpushare.node import ApiLink
 from gpushare.plugin import DevicePluginServicer, PluginServer, device_list_message
 from gpushare.podresources import PodResourcesClient
@@ -150,17 +150,29 @@ class Daemon:
         self.refresher: UsageRefresher | None = None
         self.metrics: Metrics | None = None
         self.metrics_server: MetricsServer | None = None
+        self.waiting_for = ""  # why the GPUs could not be read, while starting
 
-    def _discover(self, backend: GpuBackend) -> list[Gpu]:
-        """The usable GPUs. NVML came up, so a failure to list them is retried with
-        growing delays (each one logged) until it works or the daemon is stopped."""
+    def _open_gpus(self) -> tuple[GpuBackend, list[Gpu]]:
+        """NVML (or the simulated node) and the usable GPUs. Neither being readable is
+        fatal: a driver still loading, or a card not yet ready, is retried with growing
+        delays (each failure logged) until it works or the daemon is stopped. A crash
+        loop would help nothing, so /healthz stays alive meanwhile and ``gpushare_ready``
+        is 0."""
+        if self.backend is None and self.settings.simulate:
+            try:  # a file someone wrote: a mistake in it will not go away by waiting
+                self.backend = open_backend(self.settings.simulate)
+            except GpuError as exc:
+                raise StartupError(str(exc)) from None
         delay, longest = DISCOVERY_RETRY_SECONDS
         attempt = 0
         while True:
             try:
-                return usable_gpus(backend.discover())
+                if self.backend is None:
+                    self.backend = open_backend(self.settings.simulate)
+                return self.backend, usable_gpus(self.backend.discover())
             except GpuError as exc:
                 attempt += 1
+                self.waiting_for = f"attempt {attempt} failed, next in {delay:g} s: {exc}"
                 log.error(
                     "gpu_discovery_failed", error=str(exc), attempt=attempt, retry_seconds=delay
                 )
@@ -171,6 +183,9 @@ class Daemon:
     def liveness(self) -> tuple[bool, str]:
         """What /healthz answers (see :func:`gpushare.metrics.liveness`)."""
         link = self.link
+        if link is None and not self.stopping.is_set():
+            # Still starting: waiting for NVML or the GPUs, which a restart would not fix.
+            return True, f"starting; {self.waiting_for}" if self.waiting_for else "starting"
         # The link thread restarts a server whose socket vanished; a server down for
         # that moment is not a reason to be restarted, a dead link thread is.
         serving = not self.stopping.is_set() and link is not None and link.alive()
@@ -183,13 +198,21 @@ class Daemon:
         return liveness(state)
 
     def start(self) -> None:
-        settings = self.settings
+        """Serve both resources and register them. Returns once serving (registration
+        goes on in the background); waits, with /healthz alive, while the GPUs cannot be
+        read. Raises :class:`StartupError`, everything started so far stopped again,
+        when the configuration cannot work or the daemon is stopped while waiting."""
         try:
-            backend = self.backend or open_backend(settings.simulate)
-        except GpuError as exc:
-            raise StartupError(str(exc)) from None
-        self.backend = backend
-        gpus = self._discover(backend)
+            self._start()
+        except StartupError:
+            self._stop()  # quietly: the caller reports the one line that matters
+            raise
+
+    def _start(self) -> None:
+        settings = self.settings
+        if settings.metrics_port:
+            self._serve_metrics()  # first, so that the probe is answered while waiting
+        backend, gpus = self._open_gpus()
         try:
             inventory = Inventory(gpus, settings.memory_unit_mib)
         except ValueError as exc:
@@ -284,26 +307,30 @@ class Daemon:
             for server in self.servers:
                 server.start()
         except (OSError, RuntimeError) as exc:
-            self.stop()
             raise StartupError(f"cannot serve in {kubelet_dir}: {exc}") from None
         self.link = KubeletLink(settings.kubelet_socket, named_servers)
         self.link.start()
         if self.api_link is not None:
             self.api_link.start()
         refresher.start()
-        if self.metrics is not None:
-            self.metrics_server = MetricsServer(
-                self.metrics, self.liveness, settings.metrics_address, settings.metrics_port
-            )
-            try:
-                self.metrics_server.start()
-            except OSError as exc:
-                self.metrics_server = None
-                self.stop()
-                raise StartupError(
-                    f"cannot serve metrics on {settings.metrics_address}:{settings.metrics_port}:"
-                    f" {exc.strerror or exc}; set --metrics-port (0 = off)"
-                ) from None
+
+    def _serve_metrics(self) -> None:
+        settings = self.settings
+        server = MetricsServer(
+            self._render_metrics, self.liveness, settings.metrics_address, settings.metrics_port
+        )
+        try:
+            server.start()
+        except OSError as exc:
+            raise StartupError(
+                f"cannot serve metrics on {settings.metrics_address}:{settings.metrics_port}:"
+                f" {exc.strerror or exc}; set --metrics-port (0 = off)"
+            ) from None
+        self.metrics_server = server
+
+    def _render_metrics(self) -> bytes:
+        metrics = self.metrics
+        return metrics.render() if metrics is not None else render_not_ready()
 
     @staticmethod
     def _usage_summary(usage: UsageLedger) -> dict[str, dict[str, int]]:
@@ -319,6 +346,10 @@ class Daemon:
             self.api_link.notify_allocated(resource, uuid, device_ids[0])
 
     def stop(self) -> None:
+        self._stop()
+        log.info("stopped")
+
+    def _stop(self) -> None:
         self.stopping.set()
         if self.health is not None:
             self.health.wake()
@@ -338,7 +369,6 @@ class Daemon:
             self.pod_resources.close()
         if self.backend is not None:
             self.backend.close()
-        log.info("stopped")
 
 
 #: glibc's mallopt parameter for the number of malloc arenas.

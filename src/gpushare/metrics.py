@@ -156,8 +156,9 @@ class Metrics:
             self.allocations.labels(name, result).inc()
 
     def _extra(self) -> list[Metric]:
+        ready: list[Metric] = [_ready_family(1)]
         if self._pod_resources_reads is None:
-            return []
+            return ready
         ok, failed = self._pod_resources_reads()
         reads = CounterMetricFamily(
             "gpushare_pod_resources_reads",
@@ -166,10 +167,31 @@ class Metrics:
         )
         reads.add_metric(["ok"], ok)
         reads.add_metric(["failed"], failed)
-        return [reads]
+        return [*ready, reads]
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
+
+
+def _ready_family(value: int) -> GaugeMetricFamily:
+    return GaugeMetricFamily(
+        "gpushare_ready",
+        "1 once the GPUs are discovered and the daemon serves them; 0 while it "
+        "waits for NVML or for the GPUs to become readable",
+        value=value,
+    )
+
+
+class _NotReadyCollector:
+    def collect(self) -> Iterator[Metric]:
+        yield _ready_family(0)
+
+
+def render_not_ready() -> bytes:
+    """What ``/metrics`` serves before the GPUs are known: ``gpushare_ready 0``."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_NotReadyCollector())
+    return bytes(generate_latest(registry))
 
 
 class MetricsServer:
@@ -177,12 +199,12 @@ class MetricsServer:
 
     def __init__(
         self,
-        metrics: Metrics,
+        render: Callable[[], bytes],
         check: Callable[[], tuple[bool, str]],
         address: str,
         port: int,
     ) -> None:
-        self.metrics = metrics
+        self.render = render
         self.check = check
         self.address = address
         self.port = port
@@ -198,7 +220,7 @@ class MetricsServer:
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    self._send(200, CONTENT_TYPE_LATEST, server.metrics.render())
+                    self._send(200, CONTENT_TYPE_LATEST, server.render())
                 elif path in ("/healthz", "/livez"):
                     alive, why = server.check()
                     body = json.dumps({"alive": alive, "reason": why}).encode() + b"\n"

@@ -327,3 +327,11 @@ def test_unreachable_api_server_is_one_line_and_exit_2(
     assert err.startswith("kubectl gpushare inspect: cannot reach the API server at http://127")
     assert err.endswith(": [Errno 111] Connection refused\n")
     assert err.count("\n") == 1
+
+
+def test_an_api_error_is_one_line_and_exit_1(cluster: KubeApiDouble, capsys: Any) -> None:
+    cluster.fail_next(1, status=403)
+    assert main(["gpu-a"]) == 1
+    assert capsys.readouterr().err == (
+        "kubectl gpushare inspect: the API server answered 403 Forbidden: injected failure\n"
+    )

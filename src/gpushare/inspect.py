@@ -21,9 +21,9 @@ from typing import Any
 from gpushare import nodestate
 from gpushare.config import Settings
 from gpushare.extender.fit import PodSpecError, container_need
+from gpushare.kubeapi import EXIT_NO_CLUSTER, ApiError, Cluster, NoCluster
 
 TERMINAL_PHASES = ("Succeeded", "Failed")
-EXIT_NO_CLUSTER = 2
 
 
 @dataclass(frozen=True)
@@ -291,75 +291,19 @@ def render_json(view: ClusterView) -> str:
 # -- the cluster ---------------------------------------------------------------------
 
 
-class NoCluster(Exception):
-    """No kubeconfig, or the API server cannot be reached."""
-
-
 class NodeNotFound(Exception):
     pass
 
 
-def _root_cause(exc: BaseException) -> str:
-    """The innermost OS error of a chain (``[Errno 111] Connection refused``), else ``exc``."""
-    seen: set[int] = set()
-    todo: list[BaseException] = [exc]
-    found: OSError | None = None
-    while todo:
-        current = todo.pop(0)
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.strerror:
-            found = current
-        for linked in (getattr(current, "reason", None), current.__cause__, current.__context__):
-            if isinstance(linked, BaseException):
-                todo.append(linked)
-    if found is not None:
-        return f"[Errno {found.errno}] {found.strerror}"
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-
-
 def fetch(node_name: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Nodes and pods as plain JSON objects, from the current kubeconfig (or in-cluster)."""
-    try:
-        from kubernetes import client, config
-    except ImportError as exc:  # pragma: no cover - a dependency
-        raise NoCluster(f"the kubernetes package is missing: {exc}") from None
-    configuration = client.Configuration()
-    try:
-        if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
-            config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-        else:
-            # KUBECONFIG is read here, not at import time as the client's default is.
-            kubeconfig = os.environ.get("KUBECONFIG") or "~/.kube/config"
-            config.load_kube_config(  # type: ignore[no-untyped-call]
-                config_file=kubeconfig, client_configuration=configuration
-            )
-    except Exception as exc:
-        raise NoCluster(f"no usable kubeconfig: {exc}") from None
-    configuration.retries = 1
-    api = client.CoreV1Api(client.ApiClient(configuration))
-
-    def call(method: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            response = method(*args, _preload_content=False, _request_timeout=15, **kwargs)
-            return json.loads(response.data)
-        except client.ApiException as exc:
-            if exc.status == 404 and node_name:
-                raise NodeNotFound(node_name) from None
-            raise NoCluster(f"the API server answered {exc.status} {exc.reason}") from None
-        except Exception as exc:
-            raise NoCluster(
-                f"cannot reach the API server at {configuration.host}: {_root_cause(exc)}"
-            ) from None
-
+    cluster = Cluster()
     if node_name:
-        nodes = [call(api.read_node, node_name)]
-        pods = call(api.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node_name}")
-    else:
-        nodes = call(api.list_node)["items"]
-        pods = call(api.list_pod_for_all_namespaces)
-    return nodes, list(pods.get("items") or [])
+        node = cluster.node(node_name)
+        if node is None:
+            raise NodeNotFound(node_name)
+        return [node], cluster.pods(field_selector=f"spec.nodeName={node_name}")
+    return cluster.nodes(), cluster.pods()
 
 
 def main(argv: Sequence[str]) -> int:
@@ -385,6 +329,9 @@ def main(argv: Sequence[str]) -> int:
         return EXIT_NO_CLUSTER
     except NodeNotFound:
         print(f"kubectl gpushare inspect: node {args.node!r} not found", file=sys.stderr)
+        return 1
+    except ApiError as exc:
+        print(f"kubectl gpushare inspect: the API server answered {exc}", file=sys.stderr)
         return 1
     view = build_view(nodes, pods, args.resource_prefix)
     if args.node and not view.nodes:

@@ -1,9 +1,9 @@
-"""The few API server calls ``kubectl gpushare install|uninstall`` makes, as plain JSON.
+"""The few API server calls ``kubectl gpushare`` makes, as plain JSON.
 
 Objects are read, server-side applied and deleted by kind through the typed clients of
 the ``kubernetes`` package; answers are kept as the server's JSON (``_preload_content``
 off), so nothing here depends on the client's model classes. Every failure becomes one
-readable line: :class:`~gpushare.inspect.NoCluster` when there is no usable kubeconfig
+readable line: :class:`NoCluster` when there is no usable kubeconfig
 or the server cannot be reached, :class:`ApiError` when it answered with an error.
 """
 
@@ -14,8 +14,6 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
-
-from gpushare.inspect import NoCluster, _root_cause
 
 FIELD_MANAGER = "kubectl-gpushare"
 TIMEOUT_SECONDS = 15
@@ -37,8 +35,36 @@ KINDS: dict[tuple[str, str], tuple[str, str, bool]] = {
 }
 
 
+#: Exit status of every ``kubectl gpushare`` command without a usable cluster.
+EXIT_NO_CLUSTER = 2
+
+
+class NoCluster(Exception):
+    """No kubeconfig, or the API server cannot be reached."""
+
+
 class ApiError(Exception):
     """The API server answered a request with an error status."""
+
+
+def root_cause(exc: BaseException) -> str:
+    """The innermost OS error of a chain (``[Errno 111] Connection refused``), else ``exc``."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    found: OSError | None = None
+    while todo:
+        current = todo.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.strerror:
+            found = current
+        for linked in (getattr(current, "reason", None), current.__cause__, current.__context__):
+            if isinstance(linked, BaseException):
+                todo.append(linked)
+    if found is not None:
+        return f"[Errno {found.errno}] {found.strerror}"
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def describe(obj: Mapping[str, Any]) -> str:
@@ -87,7 +113,7 @@ class Cluster:
             raise ApiError(_api_message(exc)) from None
         except Exception as exc:
             raise NoCluster(
-                f"cannot reach the API server at {self._host}: {_root_cause(exc)}"
+                f"cannot reach the API server at {self._host}: {root_cause(exc)}"
             ) from None
         data = response.data
         return json.loads(data) if data else {}
@@ -130,6 +156,11 @@ class Cluster:
     # ------------------------------------------------------------------ nodes
     def nodes(self, label_selector: str = "") -> list[dict[str, Any]]:
         answer = self._call(self.core.list_node, label_selector=label_selector)
+        return list((answer or {}).get("items") or [])
+
+    def pods(self, field_selector: str = "") -> list[dict[str, Any]]:
+        """Pods of every namespace."""
+        answer = self._call(self.core.list_pod_for_all_namespaces, field_selector=field_selector)
         return list((answer or {}).get("items") or [])
 
     def node(self, name: str) -> dict[str, Any] | None:

@@ -15,8 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from gpushare import deploy, inspect
-from gpushare.inspect import EXIT_NO_CLUSTER, NoCluster
-from gpushare.kubeapi import ApiError, Cluster
+from gpushare.kubeapi import EXIT_NO_CLUSTER, ApiError, Cluster, NoCluster
 
 PROG = "kubectl gpushare"
 #: Refusals that need the operator to say more (no --node without a terminal).

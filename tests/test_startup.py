@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 from conftest import H200, Node, cards, gpu_uuid
+from procs import daemon_command
 
 from gpushare.daemon import ConfigurationTooLarge, check_message_sizes
 from gpushare.devices import Inventory
@@ -32,31 +33,9 @@ START_AND_REPORT = textwrap.dedent(
 def test_starting_the_daemon_does_not_import_the_kubernetes_client(node: Node) -> None:
     node.write_gpus(cards(H200, 8))
     node.kubelet.start()
-    s = node.settings
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            START_AND_REPORT,
-            "--kubelet-dir",
-            s.kubelet_dir,
-            "--pod-resources-socket",
-            s.pod_resources_socket,
-            "--simulate",
-            s.simulate,
-            "--library",
-            s.library,
-            "--host-lib-dir",
-            s.host_lib_dir,
-            "--metrics-port",
-            "0",
-            "--log-level",
-            "error",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    command = daemon_command(node, "--log-level", "error")
+    command[1:3] = ["-c", START_AND_REPORT]  # the daemon's start, then a report
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "True []"  # registered; nothing of kubernetes
     # The daemon stopped right after registering, perhaps before the kubelet opened

@@ -119,6 +119,19 @@ def test_without_nvml_the_daemon_waits_alive_and_says_why_not_a_crash_loop(
     assert '"retry_seconds": 1.0' in failures[1]
 
 
+@pytest.mark.skipif(nvml_loads(), reason="a real NVIDIA driver is present")
+def test_without_nvml_fail_on_init_error_exits_1_with_one_line(node: Node) -> None:
+    command = daemon_command(node, "--fail-on-init-error")
+    at = command.index("--simulate")
+    del command[at : at + 2]  # the real NVML, on a machine without a driver
+    result = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("gpushare-device-plugin: cannot initialise NVML")
+    assert "NVIDIA driver" in lines[0]
+
+
 def test_a_missing_library_stops_the_daemon_with_one_line(node: Node) -> None:
     node.write_gpus(cards(TESLA_P4, 1))
     command = daemon_command(node)

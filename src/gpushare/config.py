@@ -73,6 +73,10 @@ class Settings:
     no_enforcement: bool = _opt(
         False, "run without the interposer library: limits are passed as env only (not enforced)"
     )
+    fail_on_init_error: bool = _opt(
+        False,
+        "exit 1 when NVML or the GPUs cannot be read at start, instead of retrying with backoff",
+    )
     simulate: str = _opt("", "YAML file describing simulated GPUs; used instead of NVML")
     node_name: str = _opt(
         "", "name of this node, for the Node and Pod annotations (downward API)", env="NODE_NAME"

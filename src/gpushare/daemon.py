@@ -157,7 +157,7 @@ class Daemon:
         fatal: a driver still loading, or a card not yet ready, is retried with growing
         delays (each failure logged) until it works or the daemon is stopped. A crash
         loop would help nothing, so /healthz stays alive meanwhile and ``gpushare_ready``
-        is 0."""
+        is 0. With ``--fail-on-init-error`` the first failure ends the start instead."""
         if self.backend is None and self.settings.simulate:
             try:  # a file someone wrote: a mistake in it will not go away by waiting
                 self.backend = open_backend(self.settings.simulate)
@@ -171,6 +171,8 @@ class Daemon:
                     self.backend = open_backend(self.settings.simulate)
                 return self.backend, usable_gpus(self.backend.discover())
             except GpuError as exc:
+                if self.settings.fail_on_init_error:
+                    raise StartupError(str(exc)) from None
                 attempt += 1
                 self.waiting_for = f"attempt {attempt} failed, next in {delay:g} s: {exc}"
                 log.error(

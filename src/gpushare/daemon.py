@@ -41,7 +41,7 @@ log = structlog.get_logger(__name__)
 KUBELET_MESSAGE_LIMIT = 4 << 20
 #: ...so a device list may take three quarters of it at most.
 MESSAGE_SIZE_ALLOWED = KUBELET_MESSAGE_LIMIT * 3 // 4
-#: Delays between attempts to list the GPUs when NVML initialised but cannot list them.
+#: Delays between attempts to initialise NVML and list the GPUs at start: first, longest.
 DISCOVERY_RETRY_SECONDS = (0.5, 30.0)
 
 
@@ -153,13 +153,15 @@ class Daemon:
         self.waiting_for = ""  # why the GPUs could not be read, while starting
 
     def _open_gpus(self) -> tuple[GpuBackend, list[Gpu]]:
-        """NVML (or the simulated node) and the usable GPUs. Neither being readable is
-        fatal: a driver still loading, or a card not yet ready, is retried with growing
-        delays (each failure logged) until it works or the daemon is stopped. A crash
-        loop would help nothing, so /healthz stays alive meanwhile and ``gpushare_ready``
-        is 0. With ``--fail-on-init-error`` the first failure ends the start instead."""
+        """NVML (or the simulated node) and the usable GPUs. NVML that cannot be
+        initialised, or that lists no usable card, is not fatal: a driver still loading
+        or a card not yet ready is retried with growing delays (each failure logged)
+        until it works or the daemon is stopped. A crash loop would help nothing, so
+        /healthz stays alive meanwhile and ``gpushare_ready`` is 0. With
+        ``--fail-on-init-error`` the first failure ends the start instead. A simulated
+        node file with a mistake in it is fatal at once."""
         if self.backend is None and self.settings.simulate:
-            try:  # a file someone wrote: a mistake in it will not go away by waiting
+            try:  # a file someone wrote: waiting will not fix it
                 self.backend = open_backend(self.settings.simulate)
             except GpuError as exc:
                 raise StartupError(str(exc)) from None

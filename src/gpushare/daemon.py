@@ -154,7 +154,7 @@ class Daemon:
 
     def _open_gpus(self) -> tuple[GpuBackend, list[Gpu]]:
         """NVML (or the simulated node) and the usable GPUs. NVML that cannot be
-        initialised, or that lists no usable card, is not fatal: a driver still loading
+        initialised, or that fails to list the cards, is not fatal: a driver still loading
         or a card not yet ready is retried with growing delays (each failure logged)
         until it works or the daemon is stopped. A crash loop would help nothing, so
         /healthz stays alive meanwhile and ``gpushare_ready`` is 0. With

@@ -167,8 +167,8 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
         return api_pb2.Empty()
 
     def _watch(self, endpoint: Endpoint) -> None:
-        endpoint.stream = endpoint.stub.ListAndWatch(api_pb2.Empty())
         try:
+            endpoint.stream = endpoint.stub.ListAndWatch(api_pb2.Empty())
             for response in endpoint.stream:
                 devices = {d.ID: d for d in response.devices}
                 healthy = [i for i, d in devices.items() if d.health == "Healthy"]
@@ -179,6 +179,8 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
                     self._lock.notify_all()
         except grpc.RpcError:
             pass
+        except ValueError:
+            pass  # "Channel closed": the plugin registered again (or we stopped) meanwhile
         with self._lock:
             # The real kubelet marks the resource's devices unhealthy when the stream ends.
             if self.endpoints.get(endpoint.resource) is endpoint:

@@ -233,6 +233,9 @@ def test_daemonset_env_probe_and_resources(source: str) -> None:
     probe = container["livenessProbe"]["httpGet"]
     assert probe["path"] == "/healthz"
     assert probe["port"] == port["name"]
+    probe = container["readinessProbe"]["httpGet"]
+    assert probe["path"] == "/readyz"
+    assert probe["port"] == port["name"]
     resources = container["resources"]
     assert set(resources["requests"]) == {"cpu", "memory"}
     assert "memory" in resources["limits"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TESLA_P4, Node, cards, gpu_uuid
-from procs import free_port, scrape
+from procs import free_port, poll, scrape
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpushare.daemon import Daemon, StartupError
@@ -63,7 +63,24 @@ def test_metrics_report_cards_allocations_and_latency(node: Node) -> None:
 
     status, body = scrape(port, "/healthz")
     assert status == 200 and json.loads(body) == {"alive": True, "reason": "serving and registered"}
+    status, body = scrape(port, "/readyz")
+    assert status == 200 and json.loads(body) == {"ready": True, "reason": "serving and registered"}
     assert scrape(port, "/nothing")[0] == 404
+
+
+def test_readyz_follows_registration_while_healthz_stays_alive(node: Node) -> None:
+    port = free_port()
+    node.start(cards(TESLA_P4, 1), metrics_port=port, metrics_address="127.0.0.1")
+    assert scrape(port, "/readyz")[0] == 200
+    node.kubelet.stop()  # kubelet.sock gone: the registration is lost
+    assert poll(lambda: scrape(port, "/readyz")[0] == 503, 5.0)
+    assert json.loads(scrape(port, "/readyz")[1]) == {
+        "ready": False,
+        "reason": "serving; not registered with the kubelet",
+    }
+    assert scrape(port, "/healthz")[0] == 200  # a restart of ours would not help
+    node.kubelet.start()
+    assert poll(lambda: scrape(port, "/readyz")[0] == 200, 5.0)
 
 
 def test_healthz_does_not_flap_during_kubelet_restarts(node: Node) -> None:

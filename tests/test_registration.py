@@ -103,6 +103,7 @@ def test_without_nvml_the_daemon_waits_alive_and_says_why_not_a_crash_loop(
         assert poll(lambda: reachable(port), 10.0)
         assert poll(lambda: "cannot initialise NVML" in scrape(port, "/healthz")[1], 5.0)
         assert scrape(port, "/healthz")[0] == 200
+        assert scrape(port, "/readyz")[0] == 503  # a rollout waits for this node
         status, text = scrape(port)
         assert status == 200 and "gpushare_ready 0.0" in text
         assert poll(lambda: "attempt 2 failed, next in 1 s" in scrape(port, "/healthz")[1], 5.0)

@@ -201,6 +201,18 @@ class Daemon:
         )
         return liveness(state)
 
+    def readiness(self) -> tuple[bool, str]:
+        """What /readyz answers: ready while the GPUs are served and both resources are
+        registered with the kubelet. A rollout waits for this; liveness does not."""
+        link = self.link
+        if self.stopping.is_set():
+            return False, "stopping"
+        if link is None:
+            return False, f"starting; {self.waiting_for}" if self.waiting_for else "starting"
+        if not link.registered.is_set():
+            return False, "serving; not registered with the kubelet"
+        return True, "serving and registered"
+
     def start(self) -> None:
         """Serve both resources and register them. Returns once serving (registration
         goes on in the background); waits, with /healthz alive, while the GPUs cannot be
@@ -321,7 +333,11 @@ class Daemon:
     def _serve_metrics(self) -> None:
         settings = self.settings
         server = MetricsServer(
-            self._render_metrics, self.liveness, settings.metrics_address, settings.metrics_port
+            self._render_metrics,
+            self.liveness,
+            settings.metrics_address,
+            settings.metrics_port,
+            ready=self.readiness,
         )
         try:
             server.start()

@@ -203,9 +203,11 @@ class MetricsServer:
         check: Callable[[], tuple[bool, str]],
         address: str,
         port: int,
+        ready: Callable[[], tuple[bool, str]] | None = None,
     ) -> None:
         self.render = render
         self.check = check
+        self.ready = ready or check
         self.address = address
         self.port = port
         self._httpd: ThreadingHTTPServer | None = None
@@ -225,8 +227,12 @@ class MetricsServer:
                     alive, why = server.check()
                     body = json.dumps({"alive": alive, "reason": why}).encode() + b"\n"
                     self._send(200 if alive else 503, "application/json", body)
+                elif path == "/readyz":
+                    ready, why = server.ready()
+                    body = json.dumps({"ready": ready, "reason": why}).encode() + b"\n"
+                    self._send(200 if ready else 503, "application/json", body)
                 else:
-                    self._send(404, "text/plain", b"not found: try /metrics or /healthz\n")
+                    self._send(404, "text/plain", b"not found: try /metrics, /healthz or /readyz\n")
 
             def _send(self, code: int, content_type: str, body: bytes) -> None:
                 self.send_response(code)

@@ -108,6 +108,32 @@ def test_install_twice_changes_nothing_the_second_time(
     assert "node gpu-a already labelled" in out
 
 
+def test_install_sets_image_and_runtime_class_and_a_later_install_keeps_them(
+    api: KubeApiDouble, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (shipped,) = [obj for obj in OBJECTS if obj["kind"] == "DaemonSet"]
+
+    def pod_spec() -> dict[str, Any]:
+        stored = _stored(api, shipped)
+        assert stored is not None
+        spec: dict[str, Any] = stored["spec"]["template"]["spec"]
+        return spec
+
+    image = "registry.example.com/gpushare:0.1.0"
+    assert main(["install", "--node", "gpu-a", "--image", image, "--runtime-class", "nvidia"]) == 0
+    assert pod_spec()["containers"][0]["image"] == image
+    assert pod_spec()["runtimeClassName"] == "nvidia"
+    capsys.readouterr()
+    assert main(["install", "--node", "gpu-b"]) == 0  # one more node: nothing reverted
+    assert pod_spec()["containers"][0]["image"] == image
+    assert pod_spec()["runtimeClassName"] == "nvidia"
+    assert "unchanged DaemonSet kube-system/gpushare" in capsys.readouterr().out
+    assert (
+        main(["install", "--image", "registry.example.com/gpushare:0.2.0", "--node", "gpu-a"]) == 0
+    )
+    assert pod_spec()["containers"][0]["image"] == "registry.example.com/gpushare:0.2.0"
+
+
 def test_install_refuses_to_take_over_objects_it_did_not_create(
     api: KubeApiDouble, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -88,8 +88,44 @@ def gpu_nodes(cluster: Cluster) -> list[str]:
     return sorted(node_name(node) for node in cluster.nodes() if has_gpu(node))
 
 
-def install(cluster: Cluster, nodes: Sequence[str], say: Say) -> None:
-    """Apply the manifests, then label ``nodes``. Idempotent; checks all before changing any."""
+def _pod_spec(daemonset: Mapping[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = daemonset["spec"]["template"]["spec"]
+    return spec
+
+
+def customise(
+    daemonset: Mapping[str, Any],
+    stored: Mapping[str, Any] | None,
+    image: str | None,
+    runtime_class: str | None,
+) -> dict[str, Any]:
+    """The DaemonSet to apply: ``image`` and ``runtime_class`` when given, else what an
+    earlier install set on the stored one (so that ``install --node`` of one more node
+    never reverts them), else the shipped manifest's."""
+    result = copy.deepcopy(dict(daemonset))
+    pod = _pod_spec(result)
+    before = _pod_spec(stored) if stored else {}
+    if image is None and before.get("containers"):
+        image = before["containers"][0].get("image")
+    if image:
+        pod["containers"][0]["image"] = image
+    if runtime_class is None:
+        runtime_class = before.get("runtimeClassName")
+    if runtime_class:
+        pod["runtimeClassName"] = runtime_class
+    return result
+
+
+def install(
+    cluster: Cluster,
+    nodes: Sequence[str],
+    say: Say,
+    *,
+    image: str | None = None,
+    runtime_class: str | None = None,
+) -> None:
+    """Apply the manifests, then label ``nodes``. Idempotent; checks all before changing any.
+    ``image`` and ``runtime_class`` replace the DaemonSet's (see :func:`customise`)."""
     objects = load_objects()
     key, value = opt_in_label(objects)
     missing = [name for name in nodes if cluster.node(name) is None]
@@ -103,6 +139,10 @@ def install(cluster: Cluster, nodes: Sequence[str], say: Say) -> None:
             f"{', '.join(foreign)} already exist and were not created by kubectl-gpushare "
             "(kubectl apply -k or Helm?); leaving them alone"
         )
+    pairs = [
+        (customise(obj, now, image, runtime_class) if obj.get("kind") == "DaemonSet" else obj, now)
+        for obj, now in pairs
+    ]
     for obj, before in pairs:
         after = cluster.apply(managed(obj))
         version = (after.get("metadata") or {}).get("resourceVersion")

@@ -78,7 +78,7 @@ def _install(args: argparse.Namespace) -> int:
             return _fail("install", str(exc) or "no answer", 1)
         if not nodes:
             return _fail("install", "no node chosen; nothing done", 1)
-    deploy.install(cluster, nodes, _say)
+    deploy.install(cluster, nodes, _say, image=args.image, runtime_class=args.runtime_class)
     return 0
 
 
@@ -103,6 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
         "that report NVIDIA GPUs and asks (only on a terminal).",
     )
     install.add_argument("--node", action="append", metavar="NAME", help="opt this node in")
+    install.add_argument(
+        "--image",
+        metavar="REF",
+        help="the gpushare image the DaemonSet runs (default: what an earlier install set, "
+        "else the shipped manifest's)",
+    )
+    install.add_argument(
+        "--runtime-class",
+        metavar="NAME",
+        help="RuntimeClass of the NVIDIA runtime (e.g. nvidia), where it is not the default "
+        "runtime (default: what an earlier install set, else none)",
+    )
     uninstall = commands.add_parser(
         "uninstall",
         help="unlabel nodes; with none left, delete what install created",

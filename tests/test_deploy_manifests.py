@@ -469,3 +469,13 @@ def test_dockerignore_keeps_the_context_small() -> None:
     assert "*" in lines  # everything is out unless named
     kept = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
     assert kept == {"pyproject.toml", "setup.py", "README.md", "proto", "src"}
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "::1", "localhost"])
+def test_the_chart_refuses_a_loopback_metrics_address_the_probes_cannot_reach(
+    address: str,
+) -> None:
+    with pytest.raises(helm_python.HelmRenderError, match=r"config\.metricsAddress is a loopback"):
+        render_chart({"config": {"metricsAddress": address}})
+    # Without the endpoint there are no probes, and nothing to refuse.
+    assert chart_objects({"config": {"metricsAddress": address, "metricsPort": 0}})

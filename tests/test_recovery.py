@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -116,6 +117,21 @@ def test_kubelet_restart_loops_end_registered_with_both_resources(node: Node) ->
             5.0,
         ), f"not registered after restart {i}"
     assert node.kubelet.admit("p", "main", {node.memory: 2, node.core: 10}).card()
+
+
+def test_a_kubelet_back_from_a_long_outage_gets_one_registration_not_two(node: Node) -> None:
+    node.start(cards(TESLA_P4, 1))
+    node.kubelet.stop(keep_pod_resources=True)
+    node.kubelet.socket.unlink(missing_ok=True)
+    time.sleep(2.5)  # the outage itself: longer than the grace for a closed stream
+    node.kubelet.watch_delay = 0.5  # and the kubelet back is slow to dial the plugins
+    count = len(node.kubelet.registrations)
+    node.kubelet.start()
+    assert node.kubelet.wait_for(
+        lambda k: k.healthy_count(node.memory) == 29 and k.healthy_count(node.core) == 100, 5.0
+    )
+    # The streams that closed with the outage must not count against the new kubelet.
+    assert len(node.kubelet.registrations) == count + 2, node.kubelet.registrations[count:]
 
 
 class FlakyNvml:

@@ -74,6 +74,20 @@ def test_serves_again_when_its_own_socket_disappears(node: Node) -> None:
     assert node.kubelet.admit("p", "c", {node.core: 5}).envs["CUDA_DEVICE_SM_LIMIT"] == "5"
 
 
+def test_a_socket_path_it_cannot_bind_is_retried_not_fatal(node: Node) -> None:
+    daemon = node.start(cards(TESLA_P4, 1))
+    assert daemon.link is not None
+    count = len(node.kubelet.registrations)
+    socket = Path(node.settings.kubelet_dir, Resource.CORE.socket_name)
+    socket.unlink()
+    socket.mkdir()  # something else took the path: binding fails until it goes
+    assert poll(lambda: not daemon.link.registered.is_set(), 3.0)
+    assert daemon.link.alive()
+    socket.rmdir()
+    assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 5.0)
+    assert node.kubelet.admit("p", "c", {node.core: 5}).envs["CUDA_DEVICE_SM_LIMIT"] == "5"
+
+
 def test_sigterm_stops_streams_removes_sockets_and_exits_zero(node: Node) -> None:
     node.write_gpus(cards(TESLA_P4, 1))
     node.kubelet.start()

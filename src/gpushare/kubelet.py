@@ -103,6 +103,7 @@ class KubeletLink:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._registered_with: tuple[int, int] | None = None
+        self._registered_at = time.monotonic()
         self._unwatched_grace = UNWATCHED_GRACE
         self._unregistered_since: float | None = time.monotonic()
         self._watch = DirWatch(kubelet_socket.parent, POLL_SECONDS)
@@ -152,14 +153,30 @@ class KubeletLink:
                 self._wait_unless_kubelet_changes(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
                 continue
+            except Exception:  # e.g. a plugin socket that cannot be re-created: keep trying
+                log.exception("kubelet_link_error", retry_seconds=backoff)
+                self._lost()
+                self._registered_with = None
+                self._wait_unless_kubelet_changes(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF)
+                continue
             self._watch.wait(self._next_check())
+
+    def _unwatched_for(self, server: PluginServer) -> float:
+        """Seconds the kubelet has left ``server`` unwatched since we last registered.
+
+        A stream that closed during a kubelet outage counts from the registration
+        that followed it, so the kubelet gets the full grace to open a new one.
+        """
+        since_registered = time.monotonic() - self._registered_at
+        return min(server.servicer.unwatched_for(), since_registered)
 
     def _next_check(self) -> float:
         """Seconds until a look is due even if nothing wakes the link."""
         wait = WATCHED_CHECK_SECONDS
         if self._registered_with is not None:
             for server, _name in self.servers:
-                unwatched = server.servicer.unwatched_for()
+                unwatched = self._unwatched_for(server)
                 if unwatched > 0.0:  # its stream closed: look again when the grace ends
                     wait = min(wait, max(0.0, self._unwatched_grace - unwatched) + 0.01)
         return wait
@@ -199,7 +216,7 @@ class KubeletLink:
                 self._lost()
             return
         unwatched = any(
-            server.servicer.unwatched_for() > self._unwatched_grace for server, _ in self.servers
+            self._unwatched_for(server) > self._unwatched_grace for server, _ in self.servers
         )
         if kubelet == self._registered_with and not resurrected and not unwatched:
             return
@@ -215,6 +232,7 @@ class KubeletLink:
             )
             log.info("registered", resource=name, endpoint=server.socket_path.name)
         self._registered_with = kubelet
+        self._registered_at = time.monotonic()
         self.registrations += 1
         self._unregistered_since = None
         self.registered.set()

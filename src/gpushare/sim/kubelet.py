@@ -87,6 +87,7 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
         self.plugin_dir = Path(plugin_dir)
         self.pod_resources_socket = pod_resources_socket
         self.observe = observe
+        self.watch_delay = 0.0  # seconds between a registration and its ListAndWatch
         self.endpoints: dict[str, Endpoint] = {}
         self.registrations: list[tuple[str, str]] = []  # (resource, endpoint)
         self.admitted: dict[tuple[str, str, str], Admitted] = {}
@@ -167,6 +168,8 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
         return api_pb2.Empty()
 
     def _watch(self, endpoint: Endpoint) -> None:
+        if self.watch_delay:
+            time.sleep(self.watch_delay)  # a busy kubelet takes a moment to dial back
         try:
             endpoint.stream = endpoint.stub.ListAndWatch(api_pb2.Empty())
             for response in endpoint.stream:

@@ -101,6 +101,22 @@ def test_admitted_pods_are_annotated_and_use_is_published(node: Node, api: KubeA
     assert len(api.calls("PATCH", f"/nodes/{NODE}")) - patches_before <= 3
 
 
+def test_a_pod_deleted_before_its_annotation_does_not_hold_up_the_others(
+    node: Node, api: KubeApiDouble
+) -> None:
+    node.start(cards(TESLA_P4, 1), node_name=NODE)
+    eventually(lambda: node_annotation(api))
+    node.kubelet.admit("gone", "main", {node.memory: 2})  # never in the API: patch gets 404
+    add_pod(api, node, "b", {node.memory: 2})
+    node.kubelet.admit("b", "main", {node.memory: 2})
+    eventually(
+        lambda: (api.get("Pod", "b", "default")["metadata"].get("annotations") or {}).get(
+            "gpushare.io/gpu.main"
+        )
+    )
+    assert len(api.calls("PATCH", "/pods/gone")) == 1
+
+
 def test_allocate_is_unaffected_while_the_api_is_down(node: Node, api: KubeApiDouble) -> None:
     api.fail_next(1000, status=500)
     node.start(cards(TESLA_P4, 1), node_name=NODE)

@@ -43,6 +43,8 @@ API_TIMEOUT = 5.0
 ON_DEMAND_TIMEOUT = 1.0
 ON_DEMAND_MIN_INTERVAL = 0.2
 POD_ANNOTATION_TRIES = 10
+#: Answers to a pod patch that another try will not change (pod gone, RBAC, invalid).
+FINAL_POD_PATCH_STATUSES = frozenset({403, 404, 422})
 
 
 def label_value(text: str) -> str:
@@ -247,7 +249,19 @@ class ApiLink:
                 self._api.patch_namespaced_pod(
                     holder.pod, holder.namespace, body, _request_timeout=API_TIMEOUT
                 )
-            except Exception:
+            except Exception as exc:
+                item.tries += 1
+                status = getattr(exc, "status", None)
+                if status in FINAL_POD_PATCH_STATUSES or item.tries >= POD_ANNOTATION_TRIES:
+                    # Gone, forbidden or refused: no retry will change that; move on.
+                    log.warning(
+                        "pod_annotation_dropped",
+                        pod=holder.pod,
+                        namespace=holder.namespace,
+                        error=_short(exc),
+                        tries=item.tries,
+                    )
+                    continue
                 self._pending.extendleft(reversed([item, *retry]))
                 raise
             log.info(

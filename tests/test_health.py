@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
 import time
 from typing import Any
 
+import pytest
 from conftest import TESLA_P4, Node, cards, gpu_uuid
 
 from gpushare.config import parse_xids
-from gpushare.gpus import GpuEvent
+from gpushare.gpus import GpuEvent, handle_address
 from gpushare.health import HealthPolicy
 
 A, B = gpu_uuid(0), gpu_uuid(1)
@@ -170,3 +172,12 @@ def test_a_removed_card_goes_unhealthy_and_comes_back_when_seen_again(node: Node
     del gpus[0]["xid"]
     write(node, gpus)  # seen again (after a reset): the fatal XID is forgotten
     assert wait_health(node, A, "Healthy", 1.0)
+
+
+def test_an_event_handle_is_matched_to_its_card_by_address_not_identity() -> None:
+    pynvml = pytest.importorskip("pynvml")
+    device = pynvml.struct_c_nvmlDevice_t()
+    known, from_event = ctypes.pointer(device), ctypes.pointer(device)
+    assert known is not from_event and known != from_event  # what ctypes does
+    assert handle_address(known) == handle_address(from_event) is not None
+    assert handle_address(ctypes.pointer(pynvml.struct_c_nvmlDevice_t())) != handle_address(known)

@@ -14,7 +14,7 @@ from procs import free_port, poll, scrape
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpushare.daemon import Daemon, StartupError
-from gpushare.metrics import LinkState, liveness
+from gpushare.metrics import LinkState, MetricsServer, liveness
 from gpushare.sim.kubelet import AdmissionError
 
 
@@ -142,3 +142,16 @@ def test_a_taken_metrics_port_stops_the_start_with_one_clear_line(node: Node) ->
         with pytest.raises(StartupError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
             Daemon(settings).start()
     assert list(Path(settings.kubelet_dir).glob("gpushare-*.sock")) == []
+
+
+def test_a_silent_connection_is_closed_and_the_server_keeps_answering() -> None:
+    server = MetricsServer(
+        lambda: b"ok\n", lambda: (True, "ok"), "127.0.0.1", 0, request_timeout=0.3
+    )
+    server.start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5.0) as silent:
+            assert silent.recv(1) == b""  # closed by the server, not by our own timeout
+        assert scrape(server.port, "/healthz") == (200, '{"alive": true, "reason": "ok"}\n')
+    finally:
+        server.stop()

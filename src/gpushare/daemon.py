@@ -371,6 +371,8 @@ class Daemon:
 
     def _stop(self) -> None:
         self.stopping.set()
+        if self.link is not None:  # first: streams end below, which must not re-register
+            self.link.stop()
         if self.health is not None:
             self.health.wake()
         if self.monitor is not None:
@@ -379,8 +381,6 @@ class Daemon:
             self.refresher.stop()
         if self.api_link is not None:
             self.api_link.stop()
-        if self.link is not None:
-            self.link.stop()
         for server in self.servers:
             server.stop()
         if self.metrics_server is not None:

@@ -7,6 +7,7 @@ run the same code on a laptop as on a GPU node. Only this module imports ``pynvm
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
 import time
@@ -312,11 +313,14 @@ class NvmlBackend:
                     if stop.wait(1.0):
                         break
                     continue
-                uuid = self._uuid_of(data.device)
+                source = self._uuid_of(data.device)
+                if source is None:
+                    log.error("gpu_event_unattributed", event_type=int(data.eventType))
+                    continue  # the next probe sees a card that stopped answering
                 if data.eventType == nvml.nvmlEventTypeDoubleBitEccError:
-                    deliver(GpuEvent(uuid, xid=48))  # XID 48: double-bit ECC error
+                    deliver(GpuEvent(source, xid=48))  # XID 48: double-bit ECC error
                 else:
-                    deliver(GpuEvent(uuid, xid=int(data.eventData)))
+                    deliver(GpuEvent(source, xid=int(data.eventData)))
         finally:
             nvml.nvmlEventSetFree(events)
 
@@ -339,15 +343,29 @@ class NvmlBackend:
                 self._handles[uuid] = handle
                 deliver(GpuEvent(uuid, gone=False))
 
-    def _uuid_of(self, handle: Any) -> str:
+    def _uuid_of(self, handle: Any) -> str | None:
+        """The UUID of the card an event came from; None if no longer readable."""
+        address = handle_address(handle)
         for uuid, known in self._handles.items():
-            if known == handle:
+            if address is not None and handle_address(known) == address:
                 return uuid
-        return _text(self._nvml.nvmlDeviceGetUUID(handle))
+        try:
+            return _text(self._nvml.nvmlDeviceGetUUID(handle))
+        except self._nvml.NVMLError:
+            return None
 
     def close(self) -> None:
         with contextlib.suppress(self._nvml.NVMLError):
             self._nvml.nvmlShutdown()
+
+
+def handle_address(handle: Any) -> int | None:
+    """The device an NVML handle points at. An event carries a new ctypes pointer
+    object for the same device, and ctypes pointers compare by identity."""
+    try:
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    except (TypeError, ctypes.ArgumentError):
+        return None
 
 
 def open_backend(simulate: str) -> GpuBackend:

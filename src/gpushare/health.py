@@ -223,10 +223,10 @@ class HealthMonitor:
     def deliver(self, event: GpuEvent) -> None:
         """Apply one event to the board (called from the backend's watch)."""
         log.info("gpu_event", gpu=event.uuid, xid=event.xid, gone=event.gone)
-        with self._lock:
+        with self._lock:  # decide and record together, so a recovery cannot undo it
             verdict = self._policy.on_event(event, self._clock())
-        if verdict is not None:
-            self._board.set(verdict.uuid, verdict.healthy, verdict.reason)
+            if verdict is not None:
+                self._board.set(verdict.uuid, verdict.healthy, verdict.reason)
         self._wake.set()
 
     def _watch(self) -> None:
@@ -251,6 +251,5 @@ class HealthMonitor:
             if self._stop.is_set():
                 return
             with self._lock:
-                recovered = self._policy.tick(self._clock())
-            for verdict in recovered:
-                self._board.set(verdict.uuid, verdict.healthy, verdict.reason)
+                for verdict in self._policy.tick(self._clock()):
+                    self._board.set(verdict.uuid, verdict.healthy, verdict.reason)

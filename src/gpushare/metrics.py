@@ -194,6 +194,10 @@ def render_not_ready() -> bytes:
     return bytes(generate_latest(registry))
 
 
+#: Seconds a connection may stay silent before its thread closes it.
+REQUEST_TIMEOUT = 10.0
+
+
 class MetricsServer:
     """``/metrics`` and ``/healthz`` on ``address:port``, served from one thread."""
 
@@ -204,8 +208,10 @@ class MetricsServer:
         address: str,
         port: int,
         ready: Callable[[], tuple[bool, str]] | None = None,
+        request_timeout: float = REQUEST_TIMEOUT,
     ) -> None:
         self.render = render
+        self.request_timeout = request_timeout
         self.check = check
         self.ready = ready or check
         self.address = address
@@ -219,6 +225,8 @@ class MetricsServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = self.request_timeout  # a client that sends nothing is let go
+
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":

@@ -41,6 +41,10 @@ def container_requests(container: Mapping[str, Any], prefix: str) -> dict[Resour
     }
 
 
+#: (namespace, name, phase, {container: requests}) of one pod.
+_Entry = tuple[str, str, str, dict[str, dict[Resource, int]]]
+
+
 class PodSpecBook:
     """Thread-safe record of the GPU containers of pods on this node."""
 
@@ -49,42 +53,47 @@ class PodSpecBook:
         #: Called when no known pod can be the one asking; re-reads the pods, True if done.
         self.on_miss: Callable[[], bool] | None = None
         self._lock = threading.Lock()
-        # pod uid -> (namespace, name, phase, {container: requests})
-        self._pods: dict[str, tuple[str, str, str, dict[str, dict[Resource, int]]]] = {}
+        self._pods: dict[str, _Entry] = {}  # by pod uid
 
-    def update(self, pod: Mapping[str, Any]) -> None:
-        """Record (or replace) a pod as the API server shows it."""
+    def _entry(self, pod: Mapping[str, Any]) -> tuple[str, _Entry | None]:
+        """(uid, what to keep of the pod, or None when it holds no live GPU container)."""
         meta = pod.get("metadata") or {}
         spec = pod.get("spec") or {}
         uid = str(meta.get("uid", ""))
-        if not uid:
-            return
         containers = {}
         for container in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
             wanted = container_requests(container, self.prefix)
             if any(wanted.values()):
                 containers[str(container.get("name", ""))] = wanted
         phase = str((pod.get("status") or {}).get("phase", "Pending"))
+        if not uid or not containers or phase in TERMINAL_PHASES:
+            return uid, None
+        return uid, (meta.get("namespace", ""), meta.get("name", ""), phase, containers)
+
+    def update(self, pod: Mapping[str, Any]) -> None:
+        """Record (or replace) a pod as the API server shows it."""
+        uid, entry = self._entry(pod)
+        if not uid:
+            return
         with self._lock:
-            if containers and phase not in TERMINAL_PHASES:
-                self._pods[uid] = (
-                    meta.get("namespace", ""),
-                    meta.get("name", ""),
-                    phase,
-                    containers,
-                )
-            else:
+            if entry is None:
                 self._pods.pop(uid, None)
+            else:
+                self._pods[uid] = entry
 
     def remove(self, uid: str) -> None:
         with self._lock:
             self._pods.pop(uid, None)
 
     def replace_all(self, pods: list[Mapping[str, Any]]) -> None:
-        with self._lock:
-            self._pods.clear()
+        """Swap in a fresh list at once: a reader never sees a half-filled book."""
+        fresh = {}
         for pod in pods:
-            self.update(pod)
+            uid, entry = self._entry(pod)
+            if uid and entry is not None:
+                fresh[uid] = entry
+        with self._lock:
+            self._pods = fresh
 
     def __len__(self) -> int:
         with self._lock:

@@ -282,6 +282,8 @@ class Binder:
             try:
                 cache_dir = prepare_cache_dir(self.host_lib_dir, list(device_ids))
             except OSError as exc:
+                with self._lock:
+                    self._last = None  # refused: nothing for the other resource to join
                 raise BindingError(
                     Refusal.INTERNAL, f"cannot create the container's cache directory: {exc}"
                 ) from None

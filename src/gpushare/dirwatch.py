@@ -77,6 +77,7 @@ class DirWatch:
         self.directory = Path(directory)
         self.fallback_seconds = fallback_seconds
         self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._close_lock = threading.Lock()
         self._fd = -1
         self._watching = False
         libc = _inotify()
@@ -135,17 +136,21 @@ class DirWatch:
             offset += _EVENT_HEADER + length
 
     def wake(self) -> None:
-        """Make a current or the next :meth:`wait` return at once."""
-        with contextlib.suppress(OSError):
-            os.write(self._wake_write, b"!")
+        """Make a current or the next :meth:`wait` return at once; a no-op once closed."""
+        with self._close_lock:  # never write to a closed descriptor's reused number
+            if self._wake_write >= 0:
+                with contextlib.suppress(OSError):
+                    os.write(self._wake_write, b"!")
 
     def close(self) -> None:
-        for fd in (self._fd, self._wake_read, self._wake_write):
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-        self._fd = self._wake_read = self._wake_write = -1
-        self._watching = False
+        """Release the descriptors; call once no thread waits any more."""
+        with self._close_lock:
+            for fd in (self._fd, self._wake_read, self._wake_write):
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            self._fd = self._wake_read = self._wake_write = -1
+            self._watching = False
 
 
 class StopEvent(threading.Event):

@@ -1,0 +1,44 @@
+"""DirWatch: the wake-up used by the kubelet link and the simulated NVML backend."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from gpushare.dirwatch import DirWatch
+
+
+def test_a_new_file_wakes_a_waiting_thread(tmp_path: Path) -> None:
+    watch = DirWatch(tmp_path, fallback_seconds=30.0)
+    woke = threading.Event()
+
+    def waiter() -> None:
+        if watch.wait(10.0):
+            woke.set()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    try:
+        (tmp_path / "kubelet.sock").touch()
+        assert woke.wait(5.0)
+    finally:
+        watch.wake()
+        thread.join()
+        watch.close()
+
+
+def test_a_wake_after_close_writes_nowhere(tmp_path: Path) -> None:
+    watch = DirWatch(tmp_path, fallback_seconds=1.0)
+    watch.close()
+    read, write = os.pipe2(os.O_NONBLOCK)  # most likely takes a number the watch held
+    try:
+        watch.wake()  # e.g. a plugin stream ending during shutdown
+        try:
+            leaked = os.read(read, 1)
+        except BlockingIOError:
+            leaked = b""
+        assert leaked == b""
+    finally:
+        os.close(read)
+        os.close(write)

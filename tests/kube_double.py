@@ -169,18 +169,26 @@ class KubeApiDouble:
             self.objects[f"{collection}/{meta['name']}"] = obj
         return obj
 
+    @staticmethod
+    def _path(kind: str, name: str, namespace: str | None, api_version: str) -> str:
+        plural = next(p for p, k in KINDS.items() if k == kind)
+        base = "/api/v1" if "/" not in api_version else f"/apis/{api_version}"
+        if namespace:
+            return f"{base}/namespaces/{namespace}/{plural}/{name}"
+        return f"{base}/{plural}/{name}"
+
     def get(
         self, kind: str, name: str, namespace: str | None = None, api_version: str = "v1"
     ) -> dict[str, Any] | None:
-        plural = next(p for p, k in KINDS.items() if k == kind)
-        base = "/api/v1" if "/" not in api_version else f"/apis/{api_version}"
-        path = (
-            f"{base}/namespaces/{namespace}/{plural}/{name}"
-            if namespace
-            else f"{base}/{plural}/{name}"
-        )
         with self._lock:
-            return deepcopy(self.objects.get(path))
+            return deepcopy(self.objects.get(self._path(kind, name, namespace, api_version)))
+
+    def delete(
+        self, kind: str, name: str, namespace: str | None = None, api_version: str = "v1"
+    ) -> None:
+        """Remove an object as a controller would (not recorded as a request)."""
+        with self._lock:
+            del self.objects[self._path(kind, name, namespace, api_version)]
 
     def calls(self, method: str, path_part: str = "") -> list[Recorded]:
         with self._lock:

@@ -249,6 +249,47 @@ def test_uninstall_keeps_the_objects_while_a_node_is_labelled_then_removes_them(
     assert len(api.calls("DELETE")) == deletes
 
 
+def _daemon_pod(node: str) -> dict[str, Any]:
+    (daemonset,) = [obj for obj in OBJECTS if obj["kind"] == "DaemonSet"]
+    return {
+        "kind": "Pod",
+        "apiVersion": "v1",
+        "metadata": {
+            "name": f"gpushare-{node}",
+            "namespace": daemonset["metadata"]["namespace"],
+            "labels": dict(daemonset["spec"]["template"]["metadata"]["labels"]),
+        },
+        "spec": {"nodeName": node},
+    }
+
+
+def test_uninstall_clears_what_the_daemon_published_only_once_its_pod_has_gone(
+    api: KubeApiDouble, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["install", "--node", "gpu-a", "--node", "gpu-b"]) == 0
+    product = nodestate.label_key(PREFIX, "product")
+    for name in ("gpu-a", "gpu-b"):
+        node = api.get("Node", name)
+        node["metadata"]["labels"][product] = "Tesla-P4"  # type: ignore[index]
+        api.add(node)  # type: ignore[arg-type]
+    api.add(_daemon_pod("gpu-a"))  # the DaemonSet controller has not removed it yet
+    api.add(_daemon_pod("gpu-b"))
+    capsys.readouterr()
+
+    assert main(["uninstall", "--node", "gpu-a", "--wait", "0.3"]) == 0
+    out = capsys.readouterr().out
+    assert KEY not in _labels(api, "gpu-a")
+    assert _labels(api, "gpu-a")[product] == "Tesla-P4"  # a running daemon could restore it
+    assert "the gpushare pod still runs on gpu-a" in out and "run uninstall again" in out
+
+    pod = _daemon_pod("gpu-a")["metadata"]
+    api.delete("Pod", pod["name"], pod["namespace"])
+    assert main(["uninstall", "--node", "gpu-a", "--wait", "0.3"]) == 0
+    assert product not in _labels(api, "gpu-a")
+    assert "removed what the daemon published on gpu-a" in capsys.readouterr().out
+    assert _labels(api, "gpu-b")[product] == "Tesla-P4"  # its pod still runs: untouched
+
+
 def test_uninstall_never_deletes_objects_it_did_not_create(
     api: KubeApiDouble, capsys: pytest.CaptureFixture[str]
 ) -> None:

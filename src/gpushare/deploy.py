@@ -11,6 +11,7 @@ cannot drift from the manifests.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from importlib import resources
 from typing import Any
@@ -27,6 +28,8 @@ GPU_PRESENT_LABEL = "nvidia.com/gpu.present"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 
 Say = Callable[[str], None]
+#: How long ``uninstall`` waits for a daemon pod to leave a node it unlabelled.
+UNINSTALL_WAIT_SECONDS = 60.0
 
 
 class DeployError(Exception):
@@ -58,6 +61,15 @@ def opt_in_label(objects: Iterable[Mapping[str, Any]]) -> tuple[str, str]:
             selector = obj["spec"]["template"]["spec"]["nodeSelector"]
             ((key, value),) = selector.items()
             return str(key), str(value)
+    raise DeployError("the shipped manifests hold no DaemonSet")
+
+
+def daemon_pod_selector(objects: Iterable[Mapping[str, Any]]) -> str:
+    """A label selector for the DaemonSet's pods."""
+    for obj in objects:
+        if obj.get("kind") == "DaemonSet":
+            labels = obj["spec"]["template"]["metadata"]["labels"]
+            return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
     raise DeployError("the shipped manifests hold no DaemonSet")
 
 
@@ -162,9 +174,21 @@ def install(
             say(f"labelled node {name} {key}={value}")
 
 
-def uninstall(cluster: Cluster, nodes: Sequence[str], say: Say) -> None:
+def uninstall(
+    cluster: Cluster,
+    nodes: Sequence[str],
+    say: Say,
+    *,
+    wait_seconds: float = UNINSTALL_WAIT_SECONDS,
+    poll_seconds: float = 1.0,
+) -> None:
     """Unlabel ``nodes`` (all labelled nodes when empty); when none keeps the label,
-    delete the objects kubectl-gpushare created, and only those."""
+    delete the objects kubectl-gpushare created, and only those.
+
+    What the daemon published on a node (its ``gpu.*`` labels and the per-card
+    annotation) is removed once its pod has left the node, which it does soon after
+    the opt-in label goes; a daemon still running could publish them again.
+    """
     objects = load_objects()
     key, value = opt_in_label(objects)
     selector = f"{key}={value}"
@@ -173,20 +197,21 @@ def uninstall(cluster: Cluster, nodes: Sequence[str], say: Say) -> None:
     missing = [name for name in targets if name not in labelled and cluster.node(name) is None]
     if missing:
         raise DeployError(f"no such node: {', '.join(missing)}")
-    # What the daemon published on the node goes with the label (see node.py).
-    prefix = Settings().resource_prefix
-    daemon_labels = {nodestate.label_key(prefix, w): None for w in ("product", "count", "memory")}
-    daemon_annotations = {nodestate.annotation_key(prefix): None}
     for name in targets:
         if name in labelled:
-            cluster.patch_node_metadata(name, {key: None, **daemon_labels}, daemon_annotations)
+            cluster.patch_node_metadata(name, {key: None}, {})
             say(f"unlabelled node {name}")
         else:
             say(f"node {name} was not labelled {selector}")
     remaining = sorted(node_name(node) for node in cluster.nodes(selector))
+    if not remaining:
+        _delete_ours(cluster, objects, say)
+    _forget_published_state(cluster, objects, targets, say, wait_seconds, poll_seconds)
     if remaining:
         say(f"kept the gpushare objects: still labelled: {', '.join(remaining)}")
-        return
+
+
+def _delete_ours(cluster: Cluster, objects: Sequence[Mapping[str, Any]], say: Say) -> None:
     for obj in reversed(objects):
         stored = cluster.read(obj)
         if stored is None:
@@ -196,3 +221,48 @@ def uninstall(cluster: Cluster, nodes: Sequence[str], say: Say) -> None:
             continue
         if cluster.delete(obj):
             say(f"deleted {describe(obj)}")
+
+
+def _forget_published_state(
+    cluster: Cluster,
+    objects: Sequence[Mapping[str, Any]],
+    nodes: Sequence[str],
+    say: Say,
+    wait_seconds: float,
+    poll_seconds: float,
+) -> None:
+    """Remove the daemon's labels and annotation from ``nodes`` once no gpushare pod runs
+    there (waiting up to ``wait_seconds``); name the nodes where one still does."""
+    prefix = Settings().resource_prefix
+    labels = {nodestate.label_key(prefix, w): None for w in ("product", "count", "memory")}
+    annotations = {nodestate.annotation_key(prefix): None}
+    pods = daemon_pod_selector(objects)
+
+    def still_running(name: str) -> bool:
+        return bool(cluster.pods(f"spec.nodeName={name}", label_selector=pods))
+
+    deadline = time.monotonic() + wait_seconds
+    waiting = [name for name in nodes if still_running(name)]
+    if waiting:
+        say(
+            f"waiting up to {wait_seconds:.0f} s for the gpushare pod to leave {', '.join(waiting)}"
+        )
+    while waiting and time.monotonic() < deadline:
+        time.sleep(poll_seconds)
+        waiting = [name for name in waiting if still_running(name)]
+    for name in nodes:
+        if name in waiting:
+            say(
+                f"the gpushare pod still runs on {name}: its {prefix}/gpu.* labels and "
+                "annotation are left; run uninstall again once it has gone"
+            )
+            continue
+        node = cluster.node(name) or {}
+        meta = node.get("metadata") or {}
+        present_labels = {k: v for k, v in labels.items() if k in (meta.get("labels") or {})}
+        present_annotations = {
+            k: v for k, v in annotations.items() if k in (meta.get("annotations") or {})
+        }
+        if present_labels or present_annotations:
+            cluster.patch_node_metadata(name, present_labels, present_annotations)
+            say(f"removed what the daemon published on {name}")

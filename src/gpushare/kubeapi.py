@@ -158,9 +158,13 @@ class Cluster:
         answer = self._call(self.core.list_node, label_selector=label_selector)
         return list((answer or {}).get("items") or [])
 
-    def pods(self, field_selector: str = "") -> list[dict[str, Any]]:
+    def pods(self, field_selector: str = "", label_selector: str = "") -> list[dict[str, Any]]:
         """Pods of every namespace."""
-        answer = self._call(self.core.list_pod_for_all_namespaces, field_selector=field_selector)
+        answer = self._call(
+            self.core.list_pod_for_all_namespaces,
+            field_selector=field_selector,
+            label_selector=label_selector,
+        )
         return list((answer or {}).get("items") or [])
 
     def node(self, name: str) -> dict[str, Any] | None:

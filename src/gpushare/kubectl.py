@@ -83,7 +83,8 @@ def _install(args: argparse.Namespace) -> int:
 
 
 def _uninstall(args: argparse.Namespace) -> int:
-    deploy.uninstall(Cluster(), list(dict.fromkeys(args.node or [])), _say)
+    nodes = list(dict.fromkeys(args.node or []))
+    deploy.uninstall(Cluster(), nodes, _say, wait_seconds=args.wait)
     return 0
 
 
@@ -123,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
         "it did not create are never touched.",
     )
     uninstall.add_argument("--node", action="append", metavar="NAME", help="opt this node out")
+    uninstall.add_argument(
+        "--wait",
+        type=float,
+        default=deploy.UNINSTALL_WAIT_SECONDS,
+        metavar="SECONDS",
+        help="how long to wait for the daemon pod to leave a node before removing what it "
+        "published there (default: %(default).0f)",
+    )
     return parser
 
 

@@ -70,7 +70,9 @@ def test_serves_again_when_its_own_socket_disappears(node: Node) -> None:
     node.start(cards(TESLA_P4, 1))
     count = len(node.kubelet.registrations)
     Path(node.settings.kubelet_dir, Resource.CORE.socket_name).unlink()
-    assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 2.0)
+    assert node.kubelet.wait_for(
+        lambda k: len(k.registrations) >= count + 2 and k.healthy_count(node.core) == 100, 2.0
+    )
     assert node.kubelet.admit("p", "c", {node.core: 5}).envs["CUDA_DEVICE_SM_LIMIT"] == "5"
 
 
@@ -84,7 +86,9 @@ def test_a_socket_path_it_cannot_bind_is_retried_not_fatal(node: Node) -> None:
     assert poll(lambda: not daemon.link.registered.is_set(), 3.0)
     assert daemon.link.alive()
     socket.rmdir()
-    assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 5.0)
+    assert node.kubelet.wait_for(
+        lambda k: len(k.registrations) >= count + 2 and k.healthy_count(node.core) == 100, 5.0
+    )
     assert node.kubelet.admit("p", "c", {node.core: 5}).envs["CUDA_DEVICE_SM_LIMIT"] == "5"
 
 

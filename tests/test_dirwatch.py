@@ -6,6 +6,8 @@ import os
 import threading
 from pathlib import Path
 
+import pytest
+
 from gpushare.dirwatch import DirWatch
 
 
@@ -42,3 +44,29 @@ def test_a_wake_after_close_writes_nowhere(tmp_path: Path) -> None:
     finally:
         os.close(read)
         os.close(write)
+
+
+def test_close_waits_for_a_wake_that_is_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    watch = DirWatch(tmp_path, fallback_seconds=1.0)
+    writing, release = threading.Event(), threading.Event()
+    real_write = os.write
+
+    def slow_write(fd: int, data: bytes) -> int:
+        writing.set()
+        release.wait(5.0)  # the waking thread is preempted between the check and the write
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", slow_write)
+    waker = threading.Thread(target=watch.wake)
+    waker.start()
+    assert writing.wait(5.0)
+    closer = threading.Thread(target=watch.close)
+    closer.start()
+    closer.join(0.2)
+    closed_too_early = not closer.is_alive()  # would free the number the write is about to use
+    release.set()
+    waker.join()
+    closer.join()
+    assert not closed_too_early

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from conftest import TESLA_P4, Node, cards, gpu_uuid
 
 from gpushare.config import parse_xids
-from gpushare.gpus import GpuEvent, handle_address
+from gpushare.gpus import GpuEvent, NvmlBackend, handle_address
 from gpushare.health import HealthPolicy
 
 A, B = gpu_uuid(0), gpu_uuid(1)
@@ -174,10 +176,62 @@ def test_a_removed_card_goes_unhealthy_and_comes_back_when_seen_again(node: Node
     assert wait_health(node, A, "Healthy", 1.0)
 
 
-def test_an_event_handle_is_matched_to_its_card_by_address_not_identity() -> None:
+class FakeNvml:
+    """NVML at the hardware edge for the event watch: one card whose events arrive
+    with a fresh ctypes pointer (as NVML's do), then one from a device that can no
+    longer be read (fallen off the bus)."""
+
+    def __init__(self, pynvml: Any, stop: threading.Event) -> None:
+        self.pynvml = pynvml
+        self.stop = stop
+        self.card = pynvml.struct_c_nvmlDevice_t()
+        self.lost = pynvml.struct_c_nvmlDevice_t()
+        self.events = [
+            (self.lost, pynvml.nvmlEventTypeXidCriticalError, 79),
+            (self.card, pynvml.nvmlEventTypeXidCriticalError, 79),
+        ]
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        nvml = self.pynvml
+        for name, value in {
+            "nvmlInit": lambda: None,
+            "nvmlEventSetCreate": lambda: object(),
+            "nvmlEventSetFree": lambda events: None,
+            "nvmlDeviceRegisterEvents": lambda handle, wanted, events: None,
+            "nvmlEventSetWait_v2": self.wait,
+            "nvmlDeviceGetUUID": self.uuid,
+            "nvmlDeviceGetCount": lambda: 1,
+            "nvmlDeviceGetHandleByIndex": lambda index: ctypes.pointer(self.card),
+            "nvmlDeviceGetPciInfo": lambda handle: SimpleNamespace(busId=b"0000:00:1e.0"),
+            "nvmlDeviceGetMigMode": lambda handle: (0, 0),
+            "nvmlDeviceGetMinorNumber": lambda handle: 0,
+            "nvmlDeviceGetName": lambda handle: b"Tesla P4",
+            "nvmlDeviceGetMemoryInfo": lambda handle: SimpleNamespace(total=7611 << 20),
+        }.items():
+            monkeypatch.setattr(nvml, name, value)
+
+    def wait(self, events: Any, timeout_ms: int) -> Any:
+        if not self.events:
+            self.stop.set()
+            raise self.pynvml.NVMLError(self.pynvml.NVML_ERROR_TIMEOUT)
+        device, kind, data = self.events.pop(0)
+        return self.pynvml.c_nvmlEventData_t(ctypes.pointer(device), kind, data, 0, 0)
+
+    def uuid(self, handle: Any) -> str:
+        if handle_address(handle) == handle_address(ctypes.pointer(self.card)):
+            return gpu_uuid(0)
+        raise self.pynvml.NVMLError(self.pynvml.NVML_ERROR_GPU_IS_LOST)
+
+
+def test_nvml_events_reach_their_card_and_an_unreadable_source_is_skipped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     pynvml = pytest.importorskip("pynvml")
-    device = pynvml.struct_c_nvmlDevice_t()
-    known, from_event = ctypes.pointer(device), ctypes.pointer(device)
-    assert known is not from_event and known != from_event  # what ctypes does
-    assert handle_address(known) == handle_address(from_event) is not None
-    assert handle_address(ctypes.pointer(pynvml.struct_c_nvmlDevice_t())) != handle_address(known)
+    stop = threading.Event()
+    fake = FakeNvml(pynvml, stop)
+    fake.install(monkeypatch)
+    backend = NvmlBackend()
+    assert [gpu.uuid for gpu in backend.discover()] == [gpu_uuid(0)]
+    delivered: list[GpuEvent] = []
+    backend.watch(delivered.append, stop)  # returns once the fake has no events left
+    assert delivered == [GpuEvent(gpu_uuid(0), xid=79)]

@@ -268,26 +268,31 @@ def test_uninstall_clears_what_the_daemon_published_only_once_its_pod_has_gone(
 ) -> None:
     assert main(["install", "--node", "gpu-a", "--node", "gpu-b"]) == 0
     product = nodestate.label_key(PREFIX, "product")
+    count = nodestate.label_key(PREFIX, "count")
     for name in ("gpu-a", "gpu-b"):
         node = api.get("Node", name)
-        node["metadata"]["labels"][product] = "Tesla-P4"  # type: ignore[index]
+        node["metadata"]["labels"].update({product: "Tesla-P4", count: "1"})  # type: ignore[index]
         api.add(node)  # type: ignore[arg-type]
     api.add(_daemon_pod("gpu-a"))  # the DaemonSet controller has not removed it yet
-    api.add(_daemon_pod("gpu-b"))
+    finished = _daemon_pod("gpu-b")
+    finished["status"] = {"phase": "Succeeded"}  # stopped: it publishes nothing any more
+    api.add(finished)
     capsys.readouterr()
 
-    assert main(["uninstall", "--node", "gpu-a", "--wait", "0.3"]) == 0
+    assert main(["uninstall", "--wait", "0.3"]) == 0
     out = capsys.readouterr().out
-    assert KEY not in _labels(api, "gpu-a")
+    assert KEY not in _labels(api, "gpu-a") and KEY not in _labels(api, "gpu-b")
     assert _labels(api, "gpu-a")[product] == "Tesla-P4"  # a running daemon could restore it
     assert "the gpushare pod still runs on gpu-a" in out and "run uninstall again" in out
+    assert product not in _labels(api, "gpu-b")
+    assert "removed what the daemon published on gpu-b" in out
+    assert all(_stored(api, obj) is None for obj in OBJECTS)
 
     pod = _daemon_pod("gpu-a")["metadata"]
     api.delete("Pod", pod["name"], pod["namespace"])
-    assert main(["uninstall", "--node", "gpu-a", "--wait", "0.3"]) == 0
-    assert product not in _labels(api, "gpu-a")
+    assert main(["uninstall", "--wait", "0.3"]) == 0  # again, as the message says
+    assert product not in _labels(api, "gpu-a") and count not in _labels(api, "gpu-a")
     assert "removed what the daemon published on gpu-a" in capsys.readouterr().out
-    assert _labels(api, "gpu-b")[product] == "Tesla-P4"  # its pod still runs: untouched
 
 
 def test_uninstall_never_deletes_objects_it_did_not_create(

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpushare.daemon import Daemon
 from gpushare.devices import Resource
 from gpushare.gpus import Gpu, GpuError, GpuEvent, SimulatedBackend
+from gpushare.kubelet import UNWATCHED_GRACE
 
 
 def per_card_metrics(text: str) -> dict[str, dict[str, float]]:
@@ -123,7 +124,7 @@ def test_a_kubelet_back_from_a_long_outage_gets_one_registration_not_two(node: N
     node.start(cards(TESLA_P4, 1))
     node.kubelet.stop(keep_pod_resources=True)
     node.kubelet.socket.unlink(missing_ok=True)
-    time.sleep(2.5)  # the outage itself: longer than the grace for a closed stream
+    time.sleep(UNWATCHED_GRACE + 0.5)  # the outage: longer than a closed stream's grace
     node.kubelet.watch_delay = 0.5  # and the kubelet back is slow to dial the plugins
     count = len(node.kubelet.registrations)
     node.kubelet.start()

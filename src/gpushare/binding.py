@@ -274,16 +274,18 @@ class Binder:
                     f"{self._describe(partner.uuid)}, but its {resource.value} units are on "
                     f"{self._describe(uuid)}: no single card holds both requests",
                 )
-            self._last = _Binding(
+            binding = _Binding(
                 resource, uuid, device_ids[0], self._clock(), completed_pair=partner is not None
             )
+            self._last = binding
         cache_dir = None
         if resource is Resource.MEMORY and self.enforcement.library is not None:
             try:
                 cache_dir = prepare_cache_dir(self.host_lib_dir, list(device_ids))
             except OSError as exc:
                 with self._lock:
-                    self._last = None  # refused: nothing for the other resource to join
+                    if self._last is binding:  # refused: nothing for the other to join
+                        self._last = None
                 raise BindingError(
                     Refusal.INTERNAL, f"cannot create the container's cache directory: {exc}"
                 ) from None

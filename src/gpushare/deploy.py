@@ -20,7 +20,7 @@ import yaml
 
 from gpushare import nodestate
 from gpushare.config import Settings
-from gpushare.kubeapi import Cluster, describe
+from gpushare.kubeapi import ApiError, Cluster, describe
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kubectl-gpushare"}
 #: Labels that NVIDIA's GPU feature discovery (or the GPU operator) puts on GPU nodes.
@@ -193,7 +193,11 @@ def uninstall(
     key, value = opt_in_label(objects)
     selector = f"{key}={value}"
     labelled = {node_name(node) for node in cluster.nodes(selector)}
-    targets = list(nodes) or sorted(labelled)
+    prefix = Settings().resource_prefix
+    # Without names: every opted-in node, and those an earlier uninstall had to leave
+    # the daemon's labels on (its pod was still there).
+    published = {node_name(node) for node in cluster.nodes(nodestate.label_key(prefix, "count"))}
+    targets = list(nodes) or sorted(labelled | published)
     missing = [name for name in targets if name not in labelled and cluster.node(name) is None]
     if missing:
         raise DeployError(f"no such node: {', '.join(missing)}")
@@ -236,20 +240,33 @@ def _forget_published_state(
     prefix = Settings().resource_prefix
     labels = {nodestate.label_key(prefix, w): None for w in ("product", "count", "memory")}
     annotations = {nodestate.annotation_key(prefix): None}
-    pods = daemon_pod_selector(objects)
+    selector = daemon_pod_selector(objects)
 
-    def still_running(name: str) -> bool:
-        return bool(cluster.pods(f"spec.nodeName={name}", label_selector=pods))
+    def still_running(among: Sequence[str]) -> set[str]:
+        hosts = {
+            str((pod.get("spec") or {}).get("nodeName", ""))
+            for pod in cluster.pods(label_selector=selector)
+            if (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        }
+        return hosts & set(among)
 
-    deadline = time.monotonic() + wait_seconds
-    waiting = [name for name in nodes if still_running(name)]
-    if waiting:
+    try:
+        waiting = still_running(nodes)
+        deadline = time.monotonic() + wait_seconds
+        if waiting:
+            say(
+                f"waiting up to {wait_seconds:g} s for the gpushare pod to leave "
+                f"{', '.join(sorted(waiting))}"
+            )
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(poll_seconds, left))
+            waiting = still_running(sorted(waiting))
+    except ApiError as exc:
         say(
-            f"waiting up to {wait_seconds:.0f} s for the gpushare pod to leave {', '.join(waiting)}"
+            f"cannot tell whether the gpushare pods have gone ({exc}); the "
+            f"{prefix}/gpu.* labels and annotation are left on {', '.join(nodes)}"
         )
-    while waiting and time.monotonic() < deadline:
-        time.sleep(poll_seconds)
-        waiting = [name for name in waiting if still_running(name)]
+        return
     for name in nodes:
         if name in waiting:
             say(

@@ -154,7 +154,9 @@ class KubeletLink:
                 backoff = min(backoff * 2, MAX_BACKOFF)
                 continue
             except Exception:  # e.g. a plugin socket that cannot be re-created: keep trying
-                log.exception("kubelet_link_error", retry_seconds=backoff)
+                if not waiting_logged:
+                    log.exception("kubelet_link_error", retry_seconds=backoff)
+                    waiting_logged = True
                 self._lost()
                 self._registered_with = None
                 self._wait_unless_kubelet_changes(backoff)

@@ -250,18 +250,16 @@ class ApiLink:
                     holder.pod, holder.namespace, body, _request_timeout=API_TIMEOUT
                 )
             except Exception as exc:
-                item.tries += 1
-                status = getattr(exc, "status", None)
-                if status in FINAL_POD_PATCH_STATUSES or item.tries >= POD_ANNOTATION_TRIES:
+                if getattr(exc, "status", None) in FINAL_POD_PATCH_STATUSES:
                     # Gone, forbidden or refused: no retry will change that; move on.
                     log.warning(
                         "pod_annotation_dropped",
                         pod=holder.pod,
                         namespace=holder.namespace,
                         error=_short(exc),
-                        tries=item.tries,
                     )
                     continue
+                # The API server is down or busy: keep it (and the rest) for later.
                 self._pending.extendleft(reversed([item, *retry]))
                 raise
             log.info(

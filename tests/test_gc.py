@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -10,6 +11,9 @@ from procs import poll
 
 from gpushare.answers import CONTAINER_CACHE_DIR, CONTAINER_LIBRARY
 from gpushare.daemon import Daemon
+from gpushare.gc import GarbageCollector
+from gpushare.library import prepare_cache_dir
+from gpushare.podresources import Snapshot
 from gpushare.sim.kubelet import Admitted
 
 GRACE = 0.3
@@ -93,3 +97,28 @@ def test_an_old_library_goes_once_no_container_from_its_time_remains(node: Node)
     assert poll(lambda: not old_library.exists() and not preload_old.exists(), 5.0)
     assert new_library.exists()
     assert node.library.exists()
+
+
+def test_a_directory_prepared_again_while_unheld_gets_a_full_grace_period(
+    tmp_path: Path,
+) -> None:
+    ids = ["GPU-x::0", "GPU-x::1"]
+    now = [time.time() + 1.0]
+    collector = GarbageCollector(
+        tmp_path, grace_seconds=10.0, current_library=None, clock=lambda: now[0]
+    )
+    nobody = Snapshot(taken_at=0.0)
+    path = prepare_cache_dir(tmp_path, ids)
+    missed = now[0]
+    assert collector.collect(nobody).records == []  # missing from here on
+    now[0] += 5.0
+    prepare_cache_dir(tmp_path, ids)  # a new container got the same units, and left
+    record = path.with_name(path.name + ".json")
+    record.write_text(json.dumps({**json.loads(record.read_text()), "created": now[0]}))
+    again = now[0]
+    now[0] = missed + 10.5  # the first preparation's grace is over, not the second's
+    assert collector.collect(nobody).records == [] and path.is_dir()
+    now[0] = again + 9.5
+    assert collector.collect(nobody).records == [] and path.is_dir()
+    now[0] = again + 10.5
+    assert collector.collect(nobody).records == [path.name] and not path.exists()

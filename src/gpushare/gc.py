@@ -105,7 +105,8 @@ class GarbageCollector:
         self.grace_seconds = grace_seconds
         self.current_library = current_library
         self._clock = clock
-        self._missing_since: dict[str, float] = {}
+        # key -> (first pass that missed it, its record's creation time)
+        self._missing_since: dict[str, tuple[float, float]] = {}
         self._last_run: float | None = None
 
     def maybe_collect(self, snapshot: Snapshot) -> Collected | None:
@@ -127,16 +128,17 @@ class GarbageCollector:
             if key not in keys or key in live:
                 del self._missing_since[key]
         for key in sorted(keys - live):
-            missing_since = self._missing_since.setdefault(key, now)
-            record = _read_record(self.root / f"{key}.json")
-            created = record.get("created") if record else None
-            if not isinstance(created, int | float):
-                created = self._mtime(key)
-            if now - max(float(created), missing_since) <= self.grace_seconds:
+            seen = self._missing_since.get(key)
+            if seen is None:  # read once per absence: a busy node has thousands of these
+                seen = self._missing_since[key] = (now, self._created(key))
+            missing_since, created = seen
+            if now - max(created, missing_since) <= self.grace_seconds:
                 continue
             if self._remove(key, created):
-                del self._missing_since[key]
                 collected.records.append(key)
+                del self._missing_since[key]
+            else:  # prepared again since it was read (or not removable): read it again
+                self._missing_since[key] = (missing_since, self._created(key))
         self._collect_libraries(snapshot, collected)
         return collected
 
@@ -151,6 +153,13 @@ class GarbageCollector:
             if _KEY.match(key):
                 keys.add(key)
         return keys
+
+    def _created(self, key: str) -> float:
+        record = _read_record(self.root / f"{key}.json")
+        created = record.get("created") if record else None
+        if isinstance(created, int | float):
+            return float(created)
+        return self._mtime(key)
 
     def _mtime(self, key: str) -> float:
         times = []

@@ -105,8 +105,9 @@ class GarbageCollector:
         self.grace_seconds = grace_seconds
         self.current_library = current_library
         self._clock = clock
-        # key -> (first pass that missed it, its record's creation time)
-        self._missing_since: dict[str, tuple[float, float]] = {}
+        # key -> when its grace period started: the later of its record's creation and
+        # the first pass that found no container holding it
+        self._waiting_from: dict[str, float] = {}
         self._last_run: float | None = None
 
     def maybe_collect(self, snapshot: Snapshot) -> Collected | None:
@@ -124,21 +125,21 @@ class GarbageCollector:
         collected = Collected()
         live = live_keys(snapshot)
         keys = self._keys_on_disk()
-        for key in list(self._missing_since):
+        for key in list(self._waiting_from):
             if key not in keys or key in live:
-                del self._missing_since[key]
+                del self._waiting_from[key]
         for key in sorted(keys - live):
-            seen = self._missing_since.get(key)
-            if seen is None:  # read once per absence: a busy node has thousands of these
-                seen = self._missing_since[key] = (now, self._created(key))
-            missing_since, created = seen
-            if now - max(created, missing_since) <= self.grace_seconds:
+            waiting_from = self._waiting_from.get(key)
+            if waiting_from is None:  # read once per absence: a busy node has thousands
+                waiting_from = self._waiting_from[key] = max(now, self._created(key))
+            if now - waiting_from <= self.grace_seconds:
                 continue
-            if self._remove(key, created):
+            removed, waiting_from = self._remove(key, waiting_from, now)
+            if removed:
                 collected.records.append(key)
-                del self._missing_since[key]
-            else:  # prepared again since it was read (or not removable): read it again
-                self._missing_since[key] = (missing_since, self._created(key))
+                del self._waiting_from[key]
+            else:
+                self._waiting_from[key] = waiting_from
         self._collect_libraries(snapshot, collected)
         return collected
 
@@ -168,13 +169,17 @@ class GarbageCollector:
                 times.append(path.stat().st_mtime)
         return max(times, default=0.0)
 
-    def _remove(self, key: str, created: float) -> bool:
+    def _remove(self, key: str, waiting_from: float, now: float) -> tuple[bool, float]:
+        """Remove the entry if its grace period is still over once its record is read
+        again under the lock; else (False, when the grace period now starts)."""
         record_file = self.root / f"{key}.json"
         with CACHE_LOCK:
             record = _read_record(record_file)
-            now_created = record.get("created") if record else None
-            if isinstance(now_created, int | float) and now_created != created:
-                return False  # prepared again for a new container since we looked
+            created = record.get("created") if record else None
+            if isinstance(created, int | float) and created > waiting_from:
+                waiting_from = float(created)  # prepared again for a new container
+            if now - waiting_from <= self.grace_seconds:
+                return False, waiting_from
             # The record goes first and the directory last, so that a directory seen
             # gone means the whole entry is gone. A directory left behind by a failure
             # in between is still a key on disk and is collected on a later pass.
@@ -182,7 +187,7 @@ class GarbageCollector:
                 record_file.unlink(missing_ok=True)
             except OSError as exc:
                 log.warning("cache_record_not_removed", key=key, error=str(exc))
-                return False
+                return False, waiting_from
             shutil.rmtree(self.root / key, ignore_errors=True)
         log.info(
             "cache_dir_removed",
@@ -190,7 +195,7 @@ class GarbageCollector:
             device_ids=(record or {}).get("device_ids", []),
             grace_seconds=self.grace_seconds,
         )
-        return True
+        return True, waiting_from
 
     def _load_retired(self) -> dict[str, dict[str, Any]]:
         data = _read_record(self.host_dir / RETIRED_FILE)

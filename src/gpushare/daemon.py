@@ -30,7 +30,7 @@ from gpushare.logs import configure_logging
 from gpushare.metrics import LinkState, Metrics, MetricsServer, liveness, render_not_ready
 from gpushare.node import ApiLink
 from gpushare.plugin import DevicePluginServicer, PluginServer, device_list_message
-from gpushare.podresources import PodResourcesClient
+from gpushare.podresources import PodResourcesClient, Snapshot
 from gpushare.podspecs import PodSpecBook
 from gpushare.refresh import UsageRefresher
 from gpushare.usage import UsageLedger
@@ -247,11 +247,15 @@ class Daemon:
         collector = GarbageCollector(
             Path(settings.host_lib_dir), settings.gc_grace_seconds, enforcement.library
         )
+        def after_read(snapshot: Snapshot) -> None:
+            if collector.maybe_collect(snapshot) is not None:
+                return_free_memory()  # at most once a minute: after a burst, not during
+
         refresher = UsageRefresher(
             self.pod_resources.list,
             usage,
             settings.pod_resources_interval_seconds,
-            after_read=collector.maybe_collect,
+            after_read=after_read,
         )
         self.refresher = refresher
         if settings.node_name:
@@ -402,6 +406,16 @@ def limit_malloc_arenas(arenas: int = 2) -> bool:
     try:
         libc = ctypes.CDLL(None)
         return bool(libc.mallopt(_M_ARENA_MAX, arenas))
+    except (OSError, AttributeError):
+        return False
+
+
+def return_free_memory() -> bool:
+    """Give the heap's free pages back to the system (glibc ``malloc_trim``): after a
+    burst of requests they would otherwise stay in the resident size for good. True
+    if glibc released some; a no-op elsewhere."""
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
     except (OSError, AttributeError):
         return False
 

@@ -210,7 +210,7 @@ def uninstall(
     remaining = sorted(node_name(node) for node in cluster.nodes(selector))
     if not remaining:
         _delete_ours(cluster, objects, say)
-    _forget_published_state(cluster, objects, targets, say, wait_seconds, poll_seconds)
+    _forget_published_state(cluster, objects, targets, prefix, say, wait_seconds, poll_seconds)
     if remaining:
         say(f"kept the gpushare objects: still labelled: {', '.join(remaining)}")
 
@@ -231,14 +231,14 @@ def _forget_published_state(
     cluster: Cluster,
     objects: Sequence[Mapping[str, Any]],
     nodes: Sequence[str],
+    prefix: str,
     say: Say,
     wait_seconds: float,
     poll_seconds: float,
 ) -> None:
     """Remove the daemon's labels and annotation from ``nodes`` once no gpushare pod runs
     there (waiting up to ``wait_seconds``); name the nodes where one still does."""
-    prefix = Settings().resource_prefix
-    labels = {nodestate.label_key(prefix, w): None for w in ("product", "count", "memory")}
+    labels = {nodestate.label_key(prefix, name): None for name in nodestate.LABEL_NAMES}
     annotations = {nodestate.annotation_key(prefix): None}
     selector = daemon_pod_selector(objects)
 

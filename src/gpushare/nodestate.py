@@ -66,8 +66,12 @@ def pod_annotation_key(prefix: str, container: str) -> str:
     return f"{prefix}/{name}"
 
 
+#: The node labels the daemon publishes, ``<prefix>/gpu.<name>``.
+LABEL_NAMES = ("product", "count", "memory")
+
+
 def label_key(prefix: str, what: str) -> str:
-    """``product``, ``count`` or ``memory``."""
+    """``what`` is one of :data:`LABEL_NAMES`."""
     return f"{prefix}/gpu.{what}"
 
 

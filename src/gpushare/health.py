@@ -26,7 +26,27 @@ class HealthBoard:
         self._healthy = dict.fromkeys(uuids, True)
         self._reasons: dict[str, str] = {}
         self._changed = threading.Condition()
+        self._listeners: list[Callable[[], None]] = []
         self.version = 0
+
+    def listen(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` (quick, non-blocking) after every change and every
+        :meth:`wake`, from the thread that made it; returns the function that stops it."""
+        with self._changed:
+            self._listeners.append(callback)
+
+        def forget() -> None:
+            with self._changed:
+                if callback in self._listeners:
+                    self._listeners.remove(callback)
+
+        return forget
+
+    def _tell(self) -> None:
+        with self._changed:
+            listeners = list(self._listeners)
+        for callback in listeners:
+            callback()
 
     def is_healthy(self, uuid: str) -> bool:
         return self._healthy.get(uuid, False)
@@ -53,6 +73,7 @@ class HealthBoard:
                 self._reasons[uuid] = reason
             self.version += 1
             self._changed.notify_all()
+        self._tell()
         log.warning("gpu_health_changed", gpu=uuid, healthy=healthy, reason=reason)
         return True
 
@@ -60,6 +81,7 @@ class HealthBoard:
         """Wake every waiter to re-check its own reason to stop; changes nothing."""
         with self._changed:
             self._changed.notify_all()
+        self._tell()
 
     def wait_for_change(
         self, seen: int, timeout: float, give_up: Callable[[], bool] = lambda: False

@@ -7,16 +7,18 @@ With ``NODE_NAME`` set, :class:`ApiLink` runs one background thread that
   every change and at least every :data:`REFRESH_SECONDS`;
 * annotates each admitted pod with the card each of its containers got
   (``<prefix>/gpu.<container>: <uuid>``), for people and for ``kubectl gpushare inspect``;
-* keeps the :class:`~gpushare.podspecs.PodSpecBook` of this node's pods, the placement
-  hints, and re-reads it on demand when a request matches no known pod.
+* starts the :class:`~gpushare.podwatch.PodWatch` that keeps the
+  :class:`~gpushare.podspecs.PodSpecBook` of this node's pods (the placement hints)
+  current, and re-reads it on demand when a request matches no known pod.
 
-API errors are logged and retried with backoff. Nothing here ever blocks Allocate,
-except the bounded, rate-limited on-demand pod list.
+It talks to the API server through :mod:`gpushare.kubeclient` (HTTP/JSON, standard
+library), never through the ``kubernetes`` package. API errors are logged and retried
+with backoff. Nothing here ever blocks Allocate, except the bounded, rate-limited
+on-demand pod list.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
@@ -29,19 +31,18 @@ import structlog
 from gpushare import nodestate
 from gpushare.devices import CORE_UNITS_PER_CARD, Inventory, Resource
 from gpushare.health import HealthBoard
+from gpushare.kubeclient import ApiClient, ApiStatusError, load_endpoint
 from gpushare.podresources import PodResourcesClient
 from gpushare.podspecs import PodSpecBook
+from gpushare.podwatch import PodWatch
 from gpushare.usage import UsageLedger
 
 log = structlog.get_logger(__name__)
 
 DEBOUNCE_SECONDS = 1.0
 REFRESH_SECONDS = 30.0
-RELIST_SECONDS = 15.0
 MAX_BACKOFF = 60.0
 API_TIMEOUT = 5.0
-ON_DEMAND_TIMEOUT = 1.0
-ON_DEMAND_MIN_INTERVAL = 0.2
 POD_ANNOTATION_TRIES = 10
 #: Answers to a pod patch that another try will not change (pod gone, RBAC, invalid).
 FINAL_POD_PATCH_STATUSES = frozenset({403, 404, 422})
@@ -51,18 +52,6 @@ def label_value(text: str) -> str:
     """``NVIDIA GeForce RTX 3090`` -> ``NVIDIA-GeForce-RTX-3090`` (a valid label value)."""
     value = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-._")[:63]
     return value.rstrip("-._")
-
-
-def connect_api() -> Any:
-    """A CoreV1Api from the in-cluster config, else the current kubeconfig (slow import)."""
-    from kubernetes import client, config
-
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-    else:
-        # KUBECONFIG is read now, not when the client was first imported.
-        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # type: ignore[no-untyped-call]
-    return client.CoreV1Api()
 
 
 @dataclass
@@ -93,35 +82,31 @@ class ApiLink:
         self.records = records
         self.generation = 0
         self.published = threading.Event()  # set after each successful Node update
-        self._api: Any = None
-        self._api_lock = threading.Lock()
+        self._api: ApiClient | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pending: deque[_PendingPodAnnotation] = deque()
-        self._last_on_demand = 0.0
-        book.on_miss = self.refresh_pods_now
+        self._forget_health: Any = None
+        self.pods = PodWatch(lambda: self._api, node_name, book)
+        book.on_miss = self.pods.refresh_now
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        self._forget_health = self.health.listen(self._wake.set)  # publish health changes
         self._thread = threading.Thread(target=self._run, name="api-link", daemon=True)
         self._thread.start()
-        threading.Thread(target=self._follow_health, name="api-link-health", daemon=True).start()
-
-    def _follow_health(self) -> None:
-        seen = self.health.version
-        while not self._stop.is_set():
-            version = self.health.wait_for_change(seen, timeout=5.0, give_up=self._stop.is_set)
-            if version != seen:
-                seen = version
-                self._wake.set()
 
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
-        self.health.wake()
+        if self._forget_health is not None:
+            self._forget_health()
+        self.pods.stop()
         if self._thread is not None:
             self._thread.join(timeout=API_TIMEOUT + 1)
+        if self._api is not None:
+            self._api.close()
 
     def notify_allocated(self, resource: Resource, uuid: str, first_id: str) -> None:
         """Called after every Allocate: annotate the pod, publish the new use."""
@@ -134,19 +119,17 @@ class ApiLink:
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
         backoff = 1.0
-        last_publish = last_relist = float("-inf")
+        last_publish = float("-inf")
+        connected = False
         while not self._stop.is_set():
             try:
                 if self._api is None:
-                    api = connect_api()
-                    with self._api_lock:
-                        self._api = api
+                    self._api = ApiClient(load_endpoint())
+                    self.pods.start()
+                if not connected:
                     self._read_generation()
+                    connected = True
                     log.info("api_connected", node=self.node_name)
-                now = time.monotonic()
-                if now - last_relist >= RELIST_SECONDS:
-                    self._relist_pods(API_TIMEOUT)
-                    last_relist = now
                 self._publish_node()
                 last_publish = time.monotonic()
                 self._annotate_pods()
@@ -157,22 +140,21 @@ class ApiLink:
                     break
                 backoff = min(backoff * 2, MAX_BACKOFF)
                 continue
-            wait = max(
-                0.0,
-                min(
-                    REFRESH_SECONDS - (time.monotonic() - last_publish),
-                    RELIST_SECONDS - (time.monotonic() - last_relist),
-                ),
-            )
+            wait = max(0.0, REFRESH_SECONDS - (time.monotonic() - last_publish))
             if self._pending:
                 wait = min(wait, DEBOUNCE_SECONDS)
             if self._wake.wait(wait) and not self._stop.is_set():
                 self._stop.wait(DEBOUNCE_SECONDS)  # let a burst of changes settle
             self._wake.clear()
 
+    @property
+    def _node_path(self) -> str:
+        return f"/api/v1/nodes/{self.node_name}"
+
     def _read_generation(self) -> None:
-        node = self._api.read_node(self.node_name, _request_timeout=API_TIMEOUT)
-        annotations = (node.metadata.annotations or {}) if node.metadata else {}
+        assert self._api is not None
+        node = self._api.get(self._node_path, timeout=API_TIMEOUT)
+        annotations = (node.get("metadata") or {}).get("annotations") or {}
         text = annotations.get(nodestate.annotation_key(self.prefix))
         if text:
             try:
@@ -224,7 +206,8 @@ class ApiLink:
                 "annotations": {nodestate.annotation_key(self.prefix): nodestate.encode(state)},
             }
         }
-        self._api.patch_node(self.node_name, body, _request_timeout=API_TIMEOUT)
+        assert self._api is not None
+        self._api.merge_patch(self._node_path, body, timeout=API_TIMEOUT)
         self.generation = state.generation
         self.published.set()
         log.debug("node_published", node=self.node_name, generation=state.generation)
@@ -245,12 +228,12 @@ class ApiLink:
                 continue
             key = nodestate.pod_annotation_key(self.prefix, holder.container)
             body = {"metadata": {"annotations": {key: item.uuid}}}
+            path = f"/api/v1/namespaces/{holder.namespace}/pods/{holder.pod}"
             try:
-                self._api.patch_namespaced_pod(
-                    holder.pod, holder.namespace, body, _request_timeout=API_TIMEOUT
-                )
+                assert self._api is not None
+                self._api.merge_patch(path, body, timeout=API_TIMEOUT)
             except Exception as exc:
-                if getattr(exc, "status", None) in FINAL_POD_PATCH_STATUSES:
+                if isinstance(exc, ApiStatusError) and exc.status in FINAL_POD_PATCH_STATUSES:
                     # Gone, forbidden or refused: no retry will change that; move on.
                     log.warning(
                         "pod_annotation_dropped",
@@ -271,30 +254,9 @@ class ApiLink:
             )
         self._pending.extend(retry)
 
-    # ------------------------------------------------------------------ pod specs
-    def _relist_pods(self, timeout: float) -> None:
-        with self._api_lock:
-            api = self._api
-        if api is None:
-            return
-        pods = api.list_pod_for_all_namespaces(
-            field_selector=f"spec.nodeName={self.node_name}", _request_timeout=timeout
-        )
-        serialize = api.api_client.sanitize_for_serialization
-        self.book.replace_all([serialize(pod) for pod in pods.items])
-
     def refresh_pods_now(self) -> bool:
         """Re-read this node's pods now (bounded and rate-limited); True if it did."""
-        now = time.monotonic()
-        if self._api is None or now - self._last_on_demand < ON_DEMAND_MIN_INTERVAL:
-            return False
-        self._last_on_demand = now
-        try:
-            self._relist_pods(ON_DEMAND_TIMEOUT)
-        except Exception as exc:
-            log.warning("pod_list_failed", error=_short(exc))
-            return False
-        return True
+        return self.pods.refresh_now()
 
 
 def _short(exc: Exception) -> str:

@@ -3,13 +3,23 @@
 The servicer only translates: it checks the shape of a request, asks the
 :class:`~gpushare.binding.Binder`, and turns the result or the refusal into the
 kubelet's messages or a gRPC status. A request can fail; the server never does.
+
+Every server of the process runs on one asyncio event loop (``grpc.aio``), in one
+thread: grpcio's sync server keeps a thread per server polling its completion queue
+ten times a second, and runs each ListAndWatch stream on a worker of its pool, so that
+a few extra streams took every worker and Allocate waited for a deadline. Here a
+stream is a coroutine on the loop, waiting for a health change without a thread, and
+the unary calls (plain functions: the binder does blocking work) run on a small pool
+of :data:`UNARY_WORKERS` threads that no stream can occupy.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -37,6 +47,9 @@ _STATUS = {
 #: A ListAndWatch stream is woken by every health change and by its own end; this is
 #: only a safety net for a wake-up that went missing.
 STREAM_CHECK_SECONDS = 30.0
+
+#: Threads for the unary calls of every server (the kubelet admits one container at a time).
+UNARY_WORKERS = 4
 
 #: Called after each RPC: (resource, method, result, seconds).
 Observer = Callable[[Resource, str, str, float], None]
@@ -114,22 +127,30 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
             pre_start_required=False, get_preferred_allocation_available=True
         )
 
-    def ListAndWatch(self, request: Any, context: Any) -> Iterator[Any]:
+    async def ListAndWatch(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        """A coroutine on the servers' event loop: it holds no thread while it waits.
+        A cancelled stream (the kubelet went away, the server stops) ends at its await."""
         self._count_stream(+1)
         log.info("list_and_watch_opened", resource=self.resource.value)
-        context.add_callback(self.health.wake)  # a cancelled stream stops waiting at once
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
 
-        def finished() -> bool:
-            return self.stopping.is_set() or not context.is_active()
+        def wake() -> None:
+            loop.call_soon_threadsafe(changed.set)
 
+        forget = self.health.listen(wake)
         try:
             seen = -1
-            while not finished():
+            while not self.stopping.is_set():
+                changed.clear()
                 if self.health.version != seen:
                     seen = self.health.version
                     yield self.device_list()
-                self.health.wait_for_change(seen, timeout=STREAM_CHECK_SECONDS, give_up=finished)
+                    continue
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), STREAM_CHECK_SECONDS)
         finally:
+            forget()
             self._count_stream(-1)
             log.info("list_and_watch_closed", resource=self.resource.value)
             if self.on_stream_closed is not None:
@@ -198,29 +219,64 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
         return None  # unreachable: abort raises
 
 
+class ServerLoop:
+    """The one event loop thread all plugin servers of the process run on, and the pool
+    their unary calls run in. Started on first use; idle, it sleeps in ``epoll``."""
+
+    _shared: ServerLoop | None = None
+    _shared_lock = threading.Lock()
+
+    def __init__(self, workers: int = UNARY_WORKERS) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc")
+        self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def shared(cls) -> ServerLoop:
+        with cls._shared_lock:
+            if cls._shared is None:
+                cls._shared = cls()
+            return cls._shared
+
+    def run(self, coroutine: Awaitable[Any], timeout: float | None = 30.0) -> Any:
+        """Run ``coroutine`` on the loop from another thread; its result."""
+
+        async def wrapper() -> Any:
+            return await coroutine
+
+        return asyncio.run_coroutine_threadsafe(wrapper(), self.loop).result(timeout)
+
+
 class PluginServer:
     """A gRPC server for one resource, bound to ``<kubelet dir>/<socket name>``."""
 
-    def __init__(self, servicer: DevicePluginServicer, socket_path: Path) -> None:
+    def __init__(
+        self, servicer: DevicePluginServicer, socket_path: Path, loop: ServerLoop | None = None
+    ) -> None:
         self.servicer = servicer
         self.socket_path = socket_path
+        self.loop = loop or ServerLoop.shared()
         self._server: Any = None
         self._inode: int | None = None
 
     def start(self) -> None:
         self.socket_path.unlink(missing_ok=True)
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="grpc"),
-            options=[("grpc.max_receive_message_length", 64 << 20)],
-        )
-        api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
-        server.add_insecure_port(f"unix://{self.socket_path}")
-        server.start()
-        self._server = server
+        self._server = self.loop.run(self._start())
         self._inode = self.socket_path.stat().st_ino
         log.info(
             "plugin_serving", resource=self.servicer.resource.value, socket=str(self.socket_path)
         )
+
+    async def _start(self) -> Any:
+        server = grpc.aio.server(
+            migration_thread_pool=self.loop.pool,
+            options=[("grpc.max_receive_message_length", 64 << 20)],
+        )
+        api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
+        server.add_insecure_port(f"unix://{self.socket_path}")
+        await server.start()
+        return server
 
     def socket_intact(self) -> bool:
         """False when our socket file was removed or replaced (a kubelet restart does this)."""
@@ -231,8 +287,8 @@ class PluginServer:
 
     def stop(self, grace: float = 0.5) -> None:
         if self._server is not None:
-            self._server.stop(grace).wait()
-            self._server = None
+            server, self._server = self._server, None
+            self.loop.run(server.stop(grace), timeout=grace + 10)
         if self.socket_intact():
             self.socket_path.unlink(missing_ok=True)
 

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -27,13 +28,15 @@ from gpushare.health import HealthBoard, HealthMonitor, HealthPolicy
 from gpushare.kubelet import KubeletLink
 from gpushare.library import LibraryError, ensure_lock_dir, install_library, install_preload_file
 from gpushare.logs import configure_logging
-from gpushare.metrics import LinkState, Metrics, MetricsServer, liveness, render_not_ready
-from gpushare.node import ApiLink
 from gpushare.plugin import DevicePluginServicer, PluginServer, device_list_message
 from gpushare.podresources import PodResourcesClient, Snapshot
 from gpushare.podspecs import PodSpecBook
 from gpushare.refresh import UsageRefresher
 from gpushare.usage import UsageLedger
+
+if TYPE_CHECKING:  # imported when used: the metrics server and the API link are optional
+    from gpushare.metrics import Metrics, MetricsServer
+    from gpushare.node import ApiLink
 
 log = structlog.get_logger(__name__)
 
@@ -186,6 +189,8 @@ class Daemon:
 
     def liveness(self) -> tuple[bool, str]:
         """What /healthz answers (see :func:`gpushare.metrics.liveness`)."""
+        from gpushare.metrics import LinkState, liveness
+
         link = self.link
         if link is None and not self.stopping.is_set():
             # Still starting: waiting for NVML or the GPUs, which a restart would not fix.
@@ -247,6 +252,7 @@ class Daemon:
         collector = GarbageCollector(
             Path(settings.host_lib_dir), settings.gc_grace_seconds, enforcement.library
         )
+
         def after_read(snapshot: Snapshot) -> None:
             if collector.maybe_collect(snapshot) is not None:
                 return_free_memory()  # at most once a minute: after a burst, not during
@@ -260,6 +266,8 @@ class Daemon:
         self.refresher = refresher
         if settings.node_name:
             self.specs = self.specs or PodSpecBook(settings.resource_prefix)
+            from gpushare.node import ApiLink  # HTTP client and pod watch: only with a node
+
             self.api_link = ApiLink(
                 settings.node_name,
                 settings.resource_prefix,
@@ -302,6 +310,8 @@ class Daemon:
         )
         self.monitor.start()
         if settings.metrics_port:
+            from gpushare.metrics import Metrics
+
             self.metrics = Metrics(
                 inventory,
                 usage,
@@ -335,6 +345,8 @@ class Daemon:
         refresher.start()
 
     def _serve_metrics(self) -> None:
+        from gpushare.metrics import MetricsServer  # prometheus_client, http.server
+
         settings = self.settings
         server = MetricsServer(
             self._render_metrics,
@@ -354,7 +366,11 @@ class Daemon:
 
     def _render_metrics(self) -> bytes:
         metrics = self.metrics
-        return metrics.render() if metrics is not None else render_not_ready()
+        if metrics is not None:
+            return metrics.render()
+        from gpushare.metrics import render_not_ready
+
+        return render_not_ready()
 
     @staticmethod
     def _usage_summary(usage: UsageLedger) -> dict[str, dict[str, int]]:

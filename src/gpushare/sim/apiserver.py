@@ -505,3 +505,18 @@ class KubeApiDouble:
         except OSError:
             pass  # the client went away
         request.close_connection = True
+
+
+def main() -> None:
+    """``python -m gpushare.sim.apiserver``: serve the double on 127.0.0.1, print its URL,
+    and stop when standard input closes (``make bench`` runs it in its own process)."""
+    import sys
+
+    double = KubeApiDouble()
+    print(double.start(), flush=True)
+    sys.stdin.read()
+    double.stop()
+
+
+if __name__ == "__main__":
+    main()

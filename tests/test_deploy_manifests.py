@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -260,32 +262,68 @@ def test_daemonset_runs_with_the_least_privileges(source: str) -> None:
 
 # -- RBAC: the verbs of the calls the daemon makes, and nothing more --------------------
 
-#: kubernetes client method -> (resource, verb)
-CLIENT_CALLS = {
-    "read_node": ("nodes", "get"),
-    "patch_node": ("nodes", "patch"),
-    "list_pod_for_all_namespaces": ("pods", "list"),
-    "patch_namespaced_pod": ("pods", "patch"),
-}
+def _verb(method: str, path: str, query: dict[str, list[str]]) -> tuple[str, str]:
+    """(resource, RBAC verb) of one HTTP request to the API server."""
+    parts = path.strip("/").split("/")  # api v1 [namespaces ns] resource [name]
+    rest = parts[2:]
+    if len(rest) >= 3 and rest[0] == "namespaces":
+        rest = rest[2:]
+    if method == "GET" and len(rest) == 1:
+        return rest[0], "watch" if query.get("watch") else "list"
+    return rest[0], {"GET": "get", "PATCH": "patch", "POST": "create", "DELETE": "delete"}[method]
 
 
-def _daemon_api_calls() -> set[str]:
-    """Client methods called on the API object in the daemon's modules."""
-    calls: set[str] = set()
-    for module in ("node.py", "podspecs.py"):
-        text = (ROOT / "src" / "gpushare" / module).read_text()
-        calls |= set(re.findall(r"\b_?api\.(\w+)\(", text))
-    return calls
+@pytest.fixture(scope="module")
+def daemon_api_verbs() -> set[tuple[str, str]]:
+    """What the daemon asks of the API server, recorded at the double's HTTP boundary
+    while it publishes its Node, watches its pods and annotates an admitted one."""
+    from conftest import TESLA_P4, Node, cards
+    from kube_double import KubeApiDouble
+    from procs import poll
+
+    double = KubeApiDouble()
+    double.start()
+    root = Path(tempfile.mkdtemp(prefix="gs-", dir="/tmp"))
+    node = Node(root)
+    saved = {k: os.environ.get(k) for k in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
+    try:
+        os.environ["KUBECONFIG"] = str(double.kubeconfig(root / "kubeconfig"))
+        os.environ.pop("KUBERNETES_SERVICE_HOST", None)
+        double.add({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n"}})
+        pod = node.pod("a", {node.memory: 2}) | {"apiVersion": "v1", "kind": "Pod"}
+        pod["spec"]["nodeName"] = "n"
+        double.add(pod)
+        daemon = node.start(cards(TESLA_P4, 1), node_name="n")
+        node.kubelet.admit("a", "main", {node.memory: 2})
+        assert daemon.api_link is not None
+        assert poll(lambda: bool(double.calls("PATCH", "/pods/a")), 15.0)
+        assert poll(lambda: bool(double.calls("GET", "/api/v1/pods")), 15.0)
+        assert poll(lambda: any("watch" in r.query for r in double.requests), 15.0)
+    finally:
+        node.stop()
+        double.stop()
+        shutil.rmtree(root, ignore_errors=True)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return {_verb(r.method, r.path, r.query) for r in double.requests}
 
 
 @pytest.mark.parametrize("source", ["daemonset/", "chart"])
-def test_cluster_role_grants_exactly_what_the_daemon_calls(source: str) -> None:
+def test_cluster_role_grants_exactly_what_the_daemon_calls(
+    source: str, daemon_api_verbs: set[tuple[str, str]]
+) -> None:
     objects = plain_objects() if source == "daemonset/" else chart_objects()
-    calls = _daemon_api_calls()
-    assert calls, "no API calls found in node.py: the pattern is stale"
-    unknown = calls - set(CLIENT_CALLS)
-    assert not unknown, f"the daemon makes calls the RBAC test does not know: {unknown}"
-    needed = {CLIENT_CALLS[call] for call in calls}
+    needed = daemon_api_verbs
+    assert needed == {
+        ("nodes", "get"),
+        ("nodes", "patch"),
+        ("pods", "list"),
+        ("pods", "watch"),
+        ("pods", "patch"),
+    }
     granted = {
         (resource, verb)
         for rule in one(objects, "ClusterRole")["rules"]

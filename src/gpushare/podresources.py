@@ -24,6 +24,8 @@ from gpushare.usage import Holder
 log = structlog.get_logger(__name__)
 
 LIST_TIMEOUT = 2.0
+#: First pause before asking again when the kubelet's rate limit refused a read.
+EXHAUSTED_PAUSE = 0.01
 
 
 @dataclass(frozen=True)
@@ -147,17 +149,29 @@ class PodResourcesClient:
                 self._channel = grpc.insecure_channel(f"unix://{self.socket}")
                 self._stub = api_pb2_grpc.PodResourcesListerStub(self._channel)
             stub = self._stub
-        try:
-            response = stub.List(api_pb2.ListPodResourcesRequest(), timeout=timeout)
-        except grpc.RpcError as exc:
-            code = exc.code()
-            error = f"{code.name}: {exc.details()}"
-            if code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
-                with self._cond:
-                    self._reset()
-            return None, self._report_failure(error)
-        except ValueError as exc:  # the channel was closed under us (shutdown)
-            return None, self._report_failure(str(exc))
+        deadline = self._clock() + timeout
+        pause = EXHAUSTED_PAUSE
+        while True:
+            try:
+                response = stub.List(
+                    api_pb2.ListPodResourcesRequest(), timeout=max(0.01, deadline - self._clock())
+                )
+                break
+            except grpc.RpcError as exc:
+                code = exc.code()
+                error = f"{code.name}: {exc.details()}"
+                if code is grpc.StatusCode.RESOURCE_EXHAUSTED and self._clock() + pause < deadline:
+                    # The kubelet's limiter refills a token every 10 ms: the same fresh
+                    # read is asked again, never an older answer handed out.
+                    time.sleep(pause)
+                    pause *= 2
+                    continue
+                if code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    with self._cond:
+                        self._reset()
+                return None, self._report_failure(error)
+            except ValueError as exc:  # the channel was closed under us (shutdown)
+                return None, self._report_failure(str(exc))
         if self._failing:
             log.info("pod_resources_readable", socket=str(self.socket))
             self._failing = False

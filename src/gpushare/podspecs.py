@@ -156,6 +156,27 @@ class PodSpecBook:
                 return dict(container.needs)
         return {resource: 0 for resource in Resource}  # a container with no GPU units
 
+    def init_waiting(
+        self, bound: Resource, bound_size: int, resource: Resource, size: int
+    ) -> bool:
+        """Whether a pending pod has an ordinary init container asking ``bound_size`` of
+        ``bound`` and ``size`` of ``resource`` (PodResources never lists those, so one
+        may be mid-admission although the records do not show it). A miss re-reads the
+        pods once (bounded) before answering no."""
+
+        def found() -> bool:
+            with self._lock:
+                return any(
+                    c.init and c.needs.get(bound, 0) == bound_size and c.needs.get(resource) == size
+                    for entry in self._pods.values()
+                    if entry.phase == "Pending"
+                    for c in entry.containers
+                )
+
+        if found():
+            return True
+        return bool(self.on_miss is not None and self.on_miss() and found())
+
     def asking(
         self,
         resource: Resource,

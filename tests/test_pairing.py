@@ -204,6 +204,7 @@ class RealNode(RuleBasedStateMachine):
     are known, no pod is refused that some assignment of its containers could hold."""
 
     specs_on = True
+    records_on = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -211,6 +212,8 @@ class RealNode(RuleBasedStateMachine):
         self.node = Node(self.root)
         if self.specs_on:
             self.node.with_pod_specs()
+        if not self.records_on:
+            self.node.kubelet.pod_resources_socket = None
         self.node.start(cards(CARD_4GIB, 2))
         self.pods: list[str] = []
         self.count = 0
@@ -281,7 +284,8 @@ class RealNode(RuleBasedStateMachine):
         if node.specs is not None:  # the watch reports the rejected pod as Failed
             specs = [ContainerSpec(c, r) for c, r, _ in containers]
             node.specs.update(pod_object(name, specs, phase="Failed"))
-        if refused.reason != "OutOfResources" and self.specs_on and not self.facts_degraded:
+        facts = self.specs_on and self.records_on and not self.facts_degraded
+        if refused.reason != "OutOfResources" and facts:
             assert not could_fit, f"{name} {needs} refused needlessly: {refused}"
 
     @precondition(lambda self: bool(self.pods))
@@ -309,12 +313,18 @@ class RealNodeWithoutSpecs(RealNode):
     specs_on = False
 
 
+class RealNodeWithoutPodResources(RealNode):
+    records_on = False
+
+
 RealNode.TestCase.settings = settings(
-    max_examples=5, stateful_step_count=10, deadline=None, suppress_health_check=list(HealthCheck)
+    max_examples=4, stateful_step_count=10, deadline=None, suppress_health_check=list(HealthCheck)
 )
 RealNodeWithoutSpecs.TestCase.settings = RealNode.TestCase.settings
+RealNodeWithoutPodResources.TestCase.settings = RealNode.TestCase.settings
 TestRealNode = RealNode.TestCase
 TestRealNodeWithoutSpecs = RealNodeWithoutSpecs.TestCase
+TestRealNodeWithoutPodResources = RealNodeWithoutPodResources.TestCase
 
 
 # -- the sequences that split containers before, over real sockets --------------------

@@ -1,11 +1,18 @@
-"""What the pods bound to this node ask for, as placement hints.
+"""What the pods bound to this node ask for: facts for pairing, hints for placement.
 
-The kubelet's GetPreferredAllocation does not say which container is being admitted
-or what else it will ask for. The pod specs do: a watch on the pods of this node
-(see ``node.py``) feeds :class:`PodSpecBook`, and the binder asks it two questions:
-does the container holding a binding want the other resource, and how much of the
-other resource does the container now asking want. The answers only steer; a
-container still never spans two cards without them.
+The kubelet's GetPreferredAllocation and Allocate do not say which container is being
+admitted or what else it will ask for. The pod specs do: a watch on the pods of this
+node (see ``node.py``) feeds :class:`PodSpecBook`, and the binder asks it:
+
+* what a container asks for (:meth:`PodSpecBook.requests_of`): the partner decision
+  of ``pairing.py`` needs it for the container the kubelet's records name;
+* whether an ordinary init container may be mid-admission (:meth:`~PodSpecBook.init_waiting`):
+  PodResources never lists those;
+* which container is asking now, and what of its pod remains to be placed
+  (:meth:`PodSpecBook.asking`): the placement hint that lets a pod be placed whole.
+
+A pod the book does not know is re-read once from the API server (bounded); what the
+book cannot tell is reported as unknown, never guessed.
 """
 
 from __future__ import annotations

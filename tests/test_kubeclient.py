@@ -26,6 +26,7 @@ from gpushare.kubeclient import (
 )
 from gpushare.podspecs import PodSpecBook
 from gpushare.podwatch import PodWatch
+from gpushare.usage import Holder
 
 NODE = "gpu-node-1"
 
@@ -251,9 +252,8 @@ def test_the_watch_follows_pods_of_this_node_from_the_lists_version(
     eventually(lambda: len(book) == 2)
     api.delete("Pod", "before", "default")
     api.add(pod("b"))
-    eventually(
-        lambda: len(book) == 2 and not any(n == "before" for _, n, *_ in book._pods.values())
-    )
+    gone = Holder("default", "before", "main")
+    eventually(lambda: len(book) == 2 and book.requests_of(gone) is None)
     lists = [r for r in api.calls("GET", "/api/v1/pods") if "watch" not in r.query]
     watches = [r for r in api.calls("GET", "/api/v1/pods") if "watch" in r.query]
     assert len(lists) == 1  # changes arrive by the watch, not by listing again

@@ -11,7 +11,8 @@ import gc
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -154,6 +155,21 @@ class Daemon:
         self.metrics: Metrics | None = None
         self.metrics_server: MetricsServer | None = None
         self.waiting_for = ""  # why the GPUs could not be read, while starting
+        #: (name, stop) of every part started, in start order; stopped in reverse.
+        self._parts: list[tuple[str, Callable[[], object]]] = []
+        self._start_ms: dict[str, float] = {}
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The parts running, in start order (optional ones are absent when off)."""
+        return tuple(name for name, _stop in self._parts)
+
+    def _launch(self, name: str, start: Callable[[], object], stop: Callable[[], object]) -> None:
+        """Start one part, timed, and remember how to stop it."""
+        began = time.perf_counter()
+        start()
+        self._parts.append((name, stop))
+        self._start_ms[name] = round((time.perf_counter() - began) * 1000, 1)
 
     def _open_gpus(self) -> tuple[GpuBackend, list[Gpu]]:
         """NVML (or the simulated node) and the usable GPUs. NVML that cannot be
@@ -231,6 +247,7 @@ class Daemon:
 
     def _start(self) -> None:
         settings = self.settings
+        began = time.perf_counter()
         if settings.metrics_port:
             self._serve_metrics()  # first, so that the probe is answered while waiting
         backend, gpus = self._open_gpus()
@@ -245,10 +262,12 @@ class Daemon:
         self.health = health
         usage = UsageLedger(inventory)
         self.usage = usage
-        self.pod_resources = PodResourcesClient(
+        pod_resources = PodResourcesClient(
             Path(settings.pod_resources_socket),
             {resource.name_with(settings.resource_prefix): resource for resource in Resource},
         )
+        self.pod_resources = pod_resources
+        self._launch("pod-resources", lambda: None, pod_resources.close)
         collector = GarbageCollector(
             Path(settings.host_lib_dir), settings.gc_grace_seconds, enforcement.library
         )
@@ -308,7 +327,7 @@ class Daemon:
                 inventory.cards, settings.ignored_xid_set(), settings.health_recovery_seconds
             ),
         )
-        self.monitor.start()
+        self._launch("health-monitor", self.monitor.start, self.monitor.stop)
         if settings.metrics_port:
             from gpushare.metrics import Metrics
 
@@ -335,14 +354,22 @@ class Daemon:
         try:
             kubelet_dir.mkdir(parents=True, exist_ok=True)
             for server in self.servers:
-                server.start()
+                self._launch(f"server:{server.socket_path.name}", server.start, server.stop)
         except (OSError, RuntimeError) as exc:
             raise StartupError(f"cannot serve in {kubelet_dir}: {exc}") from None
-        self.link = KubeletLink(settings.kubelet_socket, named_servers)
-        self.link.start()
+        link = KubeletLink(settings.kubelet_socket, named_servers)
+        self.link = link
+        # Stopped before the servers: their streams end then, which must not re-register.
+        self._launch("kubelet-link", link.start, link.stop)
         if self.api_link is not None:
-            self.api_link.start()
-        refresher.start()
+            self._launch("api-link", self.api_link.start, self.api_link.stop)
+        self._launch("usage-refresher", refresher.start, refresher.stop)
+        log.info(
+            "daemon_started",
+            parts=list(self.parts),
+            start_ms=self._start_ms,
+            total_ms=round((time.perf_counter() - began) * 1000, 1),
+        )
 
     def _serve_metrics(self) -> None:
         from gpushare.metrics import MetricsServer  # prometheus_client, http.server
@@ -356,7 +383,7 @@ class Daemon:
             ready=self.readiness,
         )
         try:
-            server.start()
+            self._launch("metrics-server", server.start, server.stop)
         except OSError as exc:
             raise StartupError(
                 f"cannot serve metrics on {settings.metrics_address}:{settings.metrics_port}:"
@@ -390,23 +417,13 @@ class Daemon:
         log.info("stopped")
 
     def _stop(self) -> None:
+        """Stop every part started, in the reverse order, then close the GPUs."""
         self.stopping.set()
-        if self.link is not None:  # first: streams end below, which must not re-register
-            self.link.stop()
         if self.health is not None:
-            self.health.wake()
-        if self.monitor is not None:
-            self.monitor.stop()
-        if self.refresher is not None:
-            self.refresher.stop()
-        if self.api_link is not None:
-            self.api_link.stop()
-        for server in self.servers:
-            server.stop()
-        if self.metrics_server is not None:
-            self.metrics_server.stop()
-        if self.pod_resources is not None:
-            self.pod_resources.close()
+            self.health.wake()  # waiters see ``stopping`` at once
+        while self._parts:
+            _name, stop = self._parts.pop()
+            stop()
         if self.backend is not None:
             self.backend.close()
 

@@ -96,6 +96,11 @@ class Settings:
     gc_grace_seconds: float = _opt(
         300.0, "a container cache directory unseen in PodResources this long is removed"
     )
+    cache_dir_limit_mib: int = _opt(
+        64,
+        "a container cache directory larger than this is logged (cache_dir_over_limit) "
+        "and counted in gpushare_cache_dirs_over_limit; it holds one file of about 1 MiB",
+    )
     log_format: str = _opt(
         "auto",
         "json (for the DaemonSet), console, or auto: console on a terminal",
@@ -191,6 +196,8 @@ def _validate(settings: Settings, origins: Mapping[str, str]) -> None:
 
     if not 1 <= settings.memory_unit_mib <= 1 << 20:
         fail("memory_unit_mib", "must be between 1 and 1048576")
+    if not 1 <= settings.cache_dir_limit_mib <= 1 << 20:
+        fail("cache_dir_limit_mib", "must be between 1 and 1048576")
     if not 0 <= settings.metrics_port <= 65535:
         fail("metrics_port", "must be between 0 and 65535")
     prefix = settings.resource_prefix

@@ -26,7 +26,7 @@ from typing import BinaryIO
 import structlog
 
 from gpushare.answers import CONTAINER_LIBRARY
-from gpushare.tombstones import bury, trash_of, wake
+from gpushare.tombstones import bury, wake
 
 log = structlog.get_logger(__name__)
 
@@ -94,7 +94,7 @@ def install_preload_file(library: Path) -> Path:
 
 def cache_root(host_dir: Path) -> Path:
     """``<host_dir>/containers``: the daemon's private directory (0700 root) holding the
-    cache directories, their records, the lock directory and the trash."""
+    cache directories, their records, the lock directory and the tombstones."""
     return host_dir / CACHE_ROOT_NAME
 
 
@@ -117,7 +117,6 @@ def ensure_cache_root(host_dir: Path) -> Path:
         )
     if stat.S_IMODE(info.st_mode) != PRIVATE_MODE:
         os.chmod(root, PRIVATE_MODE)
-    os.makedirs(trash_of(root), PRIVATE_MODE, exist_ok=True)
     return root
 
 
@@ -149,11 +148,12 @@ def ensure_lock_dir(host_dir: Path) -> Path:
     if problem is None:
         return path
     try:
+        ensure_cache_root(host_dir)
         if problem != "missing":
             bury(root, LOCK_DIR_NAME)
         os.mkdir(path, LOCK_DIR_MODE)
         os.chmod(path, LOCK_DIR_MODE)  # past the umask; ours, in our private root
-    except OSError as exc:
+    except (OSError, LibraryError) as exc:
         log.error("lock_dir_unusable", path=str(path), problem=problem, error=str(exc))
         return path
     if problem != "missing":

@@ -1,12 +1,15 @@
-"""Deleting what tenants wrote: rename it into a trash directory, delete it in the background.
+"""Deleting what tenants wrote: rename it to a tombstone, delete it in the background.
 
 A directory a container could write is never emptied in place nor handed to another
-container. It is *buried*: renamed into ``<parent>/.trash`` (one ``rename``, however
-large the tree: the only work done on the admission path), and a :class:`Reaper`
-thread deletes the trash:
+container. It is *buried*: renamed to ``<parent>/.tomb-<name>.<run>.<n>`` in the same
+parent (one ``rename``, however large the tree: the only work done on the admission
+path). The parent is the daemon's own directory and the rename stays inside it, so it
+needs no permission on the tenant's directory at all: moving a directory to ANOTHER
+parent would need write access to it, which a tenant can take away. A
+:class:`Reaper` thread then deletes the tombstones:
 
 * **No recursion, one descriptor.** A non-empty sub-directory met inside a tombstone is
-  renamed up into the trash as a tombstone of its own, so a tree 100 000 levels deep
+  renamed up into the parent as a tombstone of its own, so a tree 100 000 levels deep
   costs what 100 000 siblings cost, with one directory open at a time.
 * **Never through a link.** Everything is addressed relative to its parent's
   descriptor; directories are opened with ``O_NOFOLLOW``; a symbolic link is unlinked,
@@ -14,12 +17,12 @@ thread deletes the trash:
   swapped for a link in between is not followed either.
 * **Bounded steps.** One step does at most ``budget`` operations and holds no lock
   anyone else takes; the thread pauses between steps and sleeps without a timeout
-  when the trash is empty.
+  when there are no tombstones.
 * **Permission games.** An entry the daemon cannot enter, empty or move is made
-  accessible first (mode 0700, or 0777 when another uid owns it: the trash is 0700
+  accessible first (mode 0700, or 0777 when another uid owns it: the parent is 0700
   root, no one else can reach it). Changing the mode of another uid's entry takes
   ``CAP_FOWNER``, entering it ``CAP_DAC_OVERRIDE``: the DaemonSet keeps both. Without
-  them, what cannot be removed stays in the trash, out of everyone's reach, and is
+  them, what cannot be removed stays a tombstone, out of everyone's reach, and is
   reported once (``tombstone_stuck``); it is tried again when :meth:`Reaper.retry`
   is called (every garbage-collection pass).
 """
@@ -40,8 +43,8 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
-TRASH_NAME = ".trash"
-#: Operations per step (an unlink, rmdir, rename or listing entry each).
+TOMB_PREFIX = ".tomb-"
+#: Operations per step (an unlink, rmdir, rename or listed entry each).
 STEP_BUDGET = 512
 #: Pause between two steps of a long deletion, so other threads get the interpreter.
 STEP_PAUSE_SECONDS = 0.002
@@ -55,36 +58,34 @@ _reapers: dict[str, Reaper] = {}
 _reapers_lock = threading.Lock()
 
 
-def trash_of(parent: Path) -> Path:
-    return parent / TRASH_NAME
+def is_tombstone(name: str) -> bool:
+    return name.startswith(TOMB_PREFIX)
+
+
+def tombstones(parent: Path) -> list[str]:
+    return sorted(name for name in os.listdir(parent) if is_tombstone(name))
 
 
 def _tombstone_name(name: str) -> str:
-    return f"{name[:40]}.{_RUN}.{next(_SEQUENCE)}"
+    base = name.removeprefix(TOMB_PREFIX).split(".", 1)[0][:40]
+    return f"{TOMB_PREFIX}{base}.{_RUN}.{next(_SEQUENCE)}"
 
 
 def bury(parent: Path, name: str) -> str:
-    """Rename ``parent/name`` into ``parent/.trash`` (O(1)); returns its tombstone name.
+    """Rename ``parent/name`` to a tombstone beside it (O(1)); returns the new name.
 
     ``parent`` must be the daemon's own directory (no one else can write it): the
     rename then works whatever the entry's mode or owner, and moves a link, never
     what it points to. Call :func:`wake` afterwards, outside any lock."""
-    trash = trash_of(parent)
     tombstone = _tombstone_name(name)
-    try:
-        os.rename(parent / name, trash / tombstone)
-    except FileNotFoundError:
-        if not os.path.lexists(parent / name):
-            raise
-        os.makedirs(trash, 0o700, exist_ok=True)  # the first burial
-        os.rename(parent / name, trash / tombstone)
+    os.rename(parent / name, parent / tombstone)
     return tombstone
 
 
 def wake(parent: Path) -> None:
-    """Tell the reaper of ``parent``'s trash, if one runs, that there is work."""
+    """Tell the reaper of ``parent``, if one runs, that there is work."""
     with _reapers_lock:
-        reaper = _reapers.get(str(trash_of(parent)))
+        reaper = _reapers.get(str(parent))
     if reaper is not None:
         reaper.wake()
 
@@ -130,12 +131,12 @@ def _retry_granted(op: Callable[[], object], grant: tuple[int, str]) -> None:
 
 
 def remove_step(trash_fd: int, name: str, budget: int) -> tuple[bool, int]:
-    """Work on tombstone ``name`` in the trash: (gone, operations used).
+    """Work on tombstone ``name`` in directory ``trash_fd``: (gone, operations used).
 
     Files and links are unlinked; an empty directory is removed; a non-empty one has
-    its files unlinked and its sub-directories renamed up into the trash (where they
-    are tombstones of their own), at most ``budget`` entries per call. Raises OSError
-    for what cannot be done."""
+    its files unlinked and its sub-directories renamed up beside it (where they are
+    tombstones of their own), at most ``budget`` entries per call. Raises OSError for
+    what cannot be done."""
     info = os.stat(name, dir_fd=trash_fd, follow_symlinks=False)
     if not stat.S_ISDIR(info.st_mode):
         os.unlink(name, dir_fd=trash_fd)
@@ -162,7 +163,7 @@ def remove_step(trash_fd: int, name: str, budget: int) -> tuple[bool, int]:
                     except OSError as exc:
                         if exc.errno not in _NOT_EMPTY + _DENIED:
                             raise
-                    up = _tombstone_name(name.split(".", 1)[0])
+                    up = _tombstone_name(name)
                     # moving a directory to another parent needs write access to it
                     _retry_granted(
                         functools.partial(os.rename, child, up, src_dir_fd=fd, dst_dir_fd=trash_fd),
@@ -176,12 +177,12 @@ def remove_step(trash_fd: int, name: str, budget: int) -> tuple[bool, int]:
 
 
 class Reaper:
-    """A thread deleting the tombstones of one trash directory, a bounded step at a time."""
+    """A thread deleting the tombstones in one directory, a bounded step at a time."""
 
     def __init__(
         self, parent: Path, *, budget: int = STEP_BUDGET, pause: float = STEP_PAUSE_SECONDS
     ) -> None:
-        self.trash = trash_of(parent)
+        self.parent = parent
         self.budget = budget
         self.pause = pause
         self._wake = threading.Event()
@@ -197,15 +198,15 @@ class Reaper:
 
     def start(self) -> None:
         with _reapers_lock:
-            _reapers[str(self.trash)] = self
+            _reapers[str(self.parent)] = self
         self._thread = threading.Thread(target=self._run, name="reaper", daemon=True)
         self._thread.start()
         self._wake.set()  # tombstones left by an earlier run
 
     def stop(self) -> None:
         with _reapers_lock:
-            if _reapers.get(str(self.trash)) is self:
-                del _reapers[str(self.trash)]
+            if _reapers.get(str(self.parent)) is self:
+                del _reapers[str(self.parent)]
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -224,9 +225,9 @@ class Reaper:
         """One bounded step; True while there is more to do (stuck tombstones aside)."""
         try:
             trash_fd = os.open(
-                self.trash, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+                self.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
             )
-        except FileNotFoundError:
+        except OSError:
             return False
         budget = self.budget
         more = False
@@ -236,7 +237,7 @@ class Reaper:
                     if budget <= 0:
                         return True
                     name = entry.name
-                    if name in self._stuck:
+                    if not is_tombstone(name) or name in self._stuck:
                         continue
                     try:
                         gone, used = remove_step(trash_fd, name, budget)
@@ -264,7 +265,7 @@ class Reaper:
             self._reported.add(name)
             log.warning(
                 "tombstone_stuck",
-                trash=str(self.trash),
+                parent=str(self.parent),
                 tombstone=name,
                 error=why,
                 hint="deleting entries of other uids needs CAP_DAC_OVERRIDE and CAP_FOWNER",
@@ -278,7 +279,7 @@ class Reaper:
                 try:
                     more = self.step()
                 except Exception:  # a reaper never dies of what a tenant left
-                    log.exception("reaper_step_failed", trash=str(self.trash))
+                    log.exception("reaper_step_failed", parent=str(self.parent))
                     more = False
                 if not more:
                     break

@@ -99,7 +99,7 @@ class Settings:
     cache_dir_limit_mib: int = _opt(
         64,
         "a container cache directory larger than this is logged (cache_dir_over_limit) "
-        "and counted in gpushare_cache_dirs_over_limit; it holds one file of about 1 MiB",
+        "and counted in gpushare_cache_dirs_over_limit; it holds one file of about 2 MiB",
     )
     log_format: str = _opt(
         "auto",

@@ -11,16 +11,28 @@ import gc
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 
 import structlog
 
-from gpushare.answers import Enforcement
+from gpushare.answers import DeviceListing, Enforcement
 from gpushare.binding import Binder
+from gpushare.cardmodes import CardMode, card_modes, parse_card_modes
 from gpushare.config import ConfigError, Settings, load_settings
 from gpushare.devices import Inventory, Resource
+from gpushare.exclusion import Exclusion
+from gpushare.exclusive import (
+    ExclusiveDevice,
+    ExclusiveLedger,
+    ExclusiveResource,
+    ExclusiveServicer,
+    Preference,
+    answer_builder,
+    in_order,
+    whole_cards,
+)
 from gpushare.gc import GarbageCollector
 from gpushare.gpus import Gpu, GpuBackend, GpuError, open_backend
 from gpushare.health import HealthBoard, HealthMonitor, HealthPolicy
@@ -50,6 +62,12 @@ class StartupError(Exception):
 
     #: The process exits with this: 2 for a configuration that cannot work, else 1.
     exit_code = 1
+
+
+class NodeConfigurationError(StartupError):
+    """The settings do not fit this node's GPUs (e.g. cardModes names no such card)."""
+
+    exit_code = 2
 
 
 class ConfigurationTooLarge(StartupError):
@@ -142,7 +160,13 @@ class Daemon:
         self.link: KubeletLink | None = None
         self.inventory: Inventory | None = None
         self.binder: Binder | None = None
-        self.health: HealthBoard | None = None
+        self.health: HealthBoard | None = None  # the cards' own health
+        self.offer: HealthBoard | None = None  # what the shared units are offered from
+        self.exclusion: Exclusion | None = None
+        self.exclusive_ledger = ExclusiveLedger()
+        self.listing = DeviceListing(
+            strategies=settings.device_list_strategies(), cdi_kind=settings.cdi_kind
+        )
         self.pod_resources: PodResourcesClient | None = None
         self.api_link: ApiLink | None = None
         self.usage: UsageLedger | None = None
@@ -230,24 +254,42 @@ class Daemon:
             self._serve_metrics()  # first, so that the probe is answered while waiting
         backend, gpus = self._open_gpus()
         try:
-            inventory = Inventory(gpus, settings.memory_unit_mib)
+            modes = card_modes(gpus, parse_card_modes(settings.card_modes))
+        except ValueError as exc:
+            raise NodeConfigurationError(str(exc)) from None
+        try:
+            inventory = Inventory(
+                [g for g in gpus if modes[g.uuid].shared], settings.memory_unit_mib
+            )
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         check_message_sizes(inventory)
         self.inventory = inventory
         enforcement = prepare_enforcement(settings)
-        health = HealthBoard(inventory.cards)
+        health = HealthBoard(g.uuid for g in gpus)  # the cards' own health
         self.health = health
         usage = UsageLedger(inventory)
         self.usage = usage
+        exclusive = self._exclusive_resources(gpus, modes)
+        # What the shared resources are offered from: the cards' health, and with whole
+        # cards also whether a card is held whole (see exclusion.py).
+        offer = HealthBoard(inventory.cards, event="gpu_offer_changed") if exclusive else health
+        self.offer = offer
         self.pod_resources = PodResourcesClient(
             Path(settings.pod_resources_socket),
             {resource.name_with(settings.resource_prefix): resource for resource in Resource},
+            exclusive=[name for name, _r, _b in exclusive],
         )
+        if exclusive:
+            self.exclusion = Exclusion(health, offer, usage, exclusive, self.exclusive_ledger)
         collector = GarbageCollector(
             Path(settings.host_lib_dir), settings.gc_grace_seconds, enforcement.library
         )
+
         def after_read(snapshot: Snapshot) -> None:
+            if self.exclusion is not None:
+                self.exclusive_ledger.replace(snapshot.exclusive, snapshot.taken_at)
+                self.exclusion.refresh()
             if collector.maybe_collect(snapshot) is not None:
                 return_free_memory()  # at most once a minute: after a burst, not during
 
@@ -265,14 +307,14 @@ class Daemon:
                 settings.resource_prefix,
                 inventory,
                 usage,
-                health,
+                offer,
                 self.specs,
                 self.pod_resources,
             )
         self.binder = Binder(
             inventory,
             usage,
-            health,
+            offer,
             policy=settings.placement,
             enforcement=enforcement,
             host_lib_dir=Path(settings.host_lib_dir),
@@ -280,6 +322,8 @@ class Daemon:
             specs=self.specs,
             on_allocated=self._allocated,
         )
+        if self.exclusion is not None:
+            self.exclusion.refresh()
         # The kubelet's records first: the first placement after a restart respects them.
         if refresher.refresh_once():
             log.info("usage_recovered", **self._usage_summary(usage))
@@ -297,7 +341,7 @@ class Daemon:
             backend,
             health,
             HealthPolicy(
-                inventory.cards, settings.ignored_xid_set(), settings.health_recovery_seconds
+                health.cards(), settings.ignored_xid_set(), settings.health_recovery_seconds
             ),
         )
         self.monitor.start()
@@ -315,13 +359,31 @@ class Daemon:
             servicer = DevicePluginServicer(
                 resource,
                 self.binder,
-                health,
+                offer,
                 self.stopping,
                 observe=self.metrics.observe if self.metrics is not None else None,
+                listing=self.listing,
             )
             server = PluginServer(servicer, kubelet_dir / resource.socket_name)
             self.servers.append(server)
             named_servers.append((server, resource.name_with(settings.resource_prefix)))
+        for name, devices, board in exclusive:
+            exclusive_servicer = ExclusiveServicer(
+                devices,
+                name,
+                board,
+                self.stopping,
+                answer=answer_builder(
+                    self.listing,
+                    enforcement=enforcement if settings.exclusive_enforcement else None,
+                    cdi_by_index=settings.cdi_name_strategy == "index",
+                ),
+                prefer=self._preference(devices, backend),
+                on_allocated=self._exclusive_allocated,
+            )
+            server = PluginServer(exclusive_servicer, kubelet_dir / devices.socket_name)
+            self.servers.append(server)
+            named_servers.append((server, name))
         try:
             kubelet_dir.mkdir(parents=True, exist_ok=True)
             for server in self.servers:
@@ -363,7 +425,32 @@ class Daemon:
             for resource in Resource
         }
 
+    def _exclusive_resources(
+        self, gpus: Sequence[Gpu], modes: Mapping[str, CardMode]
+    ) -> list[tuple[str, ExclusiveResource, HealthBoard]]:
+        """The exclusive resources to serve: (full name, resource, its offer board)."""
+        if not self.settings.whole_cards:
+            return []
+        resource = whole_cards(g for g in gpus if modes[g.uuid].exclusive)
+        board = HealthBoard(resource.devices, event="gpu_offer_changed")
+        return [(resource.name_with(self.settings.resource_prefix), resource, board)]
+
+    def _preference(self, resource: ExclusiveResource, backend: GpuBackend) -> Preference:
+        """Whole cards: NVLink, then NUMA, then PCIe switch (see topology.py)."""
+        return in_order
+
+    def _exclusive_allocated(self, name: str, devices: Sequence[ExclusiveDevice]) -> None:
+        self.exclusive_ledger.record(name, [d.id for d in devices])
+        if self.exclusion is not None:
+            self.exclusion.refresh()
+        if self.refresher is not None:
+            self.refresher.poke()
+        if self.api_link is not None:
+            self.api_link.notify_changed()
+
     def _allocated(self, resource: Resource, uuid: str, device_ids: Sequence[str]) -> None:
+        if self.exclusion is not None:
+            self.exclusion.refresh()
         if self.refresher is not None:
             self.refresher.poke()
         if self.api_link is not None:

@@ -23,14 +23,20 @@ log = structlog.get_logger(__name__)
 class HealthBoard:
     """Thread-safe map card UUID -> healthy, with change notification."""
 
-    def __init__(self, uuids: Iterable[str]) -> None:
+    def __init__(self, uuids: Iterable[str], event: str = "gpu_health_changed") -> None:
         self._healthy = dict.fromkeys(uuids, True)
         self._reasons: dict[str, str] = {}
         self._changed = threading.Condition()
+        self._event = event  # the log event of a change (boards derived from this one differ)
+        #: Called after every change, outside the lock (boards derived from this one).
+        self.listeners: list[Callable[[], None]] = []
         self.version = 0
 
     def is_healthy(self, uuid: str) -> bool:
         return self._healthy.get(uuid, False)
+
+    def cards(self) -> list[str]:
+        return list(self._healthy)
 
     def healthy_cards(self) -> list[str]:
         return [uuid for uuid, ok in self._healthy.items() if ok]
@@ -54,7 +60,9 @@ class HealthBoard:
                 self._reasons[uuid] = reason
             self.version += 1
             self._changed.notify_all()
-        log.warning("gpu_health_changed", gpu=uuid, healthy=healthy, reason=reason)
+        log.warning(self._event, gpu=uuid, healthy=healthy, reason=reason)
+        for listener in self.listeners:
+            listener()
         return True
 
     def wake(self) -> None:

@@ -1,5 +1,8 @@
 """The device-plugin gRPC servers: one per resource, each on its own unix socket.
 
+The shared resources (memory and core units) are served here; exclusive devices
+(whole cards, MIG instances) by :mod:`gpushare.exclusive` on the same base.
+
 The servicer only translates: it checks the shape of a request, asks the
 :class:`~gpushare.binding.Binder`, and turns the result or the refusal into the
 kubelet's messages or a gRPC status. A request can fail; the server never does.
@@ -18,7 +21,7 @@ import grpc
 import structlog
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from gpushare.answers import Answer
+from gpushare.answers import Answer, DeviceListing, with_device_list
 from gpushare.binding import Binder, BindingError, Refusal
 from gpushare.devices import Inventory, Resource, format_device_id
 from gpushare.health import HealthBoard
@@ -52,6 +55,7 @@ def answer_to_proto(answer: Answer) -> api_pb2.ContainerAllocateResponse:
             for m in answer.mounts
         ],
         annotations=answer.annotations,
+        cdi_devices=[api_pb2.CDIDevice(name=name) for name in answer.cdi_devices],
     )
 
 
@@ -73,20 +77,16 @@ def device_list_message(
     return api_pb2.ListAndWatchResponse(devices=devices)
 
 
-class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[misc]
-    def __init__(
-        self,
-        resource: Resource,
-        binder: Binder,
-        health: HealthBoard,
-        stopping: threading.Event,
-        observe: Observer | None = None,
-    ) -> None:
-        self.resource = resource
-        self.binder = binder
-        self.health = health
+class ListingServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[misc]
+    """What every resource's server shares: the ListAndWatch stream of whole device
+    lists (one per version of ``board``), the stream bookkeeping the kubelet link
+    reads, and turning a refusal into a gRPC status. Subclasses build the list and
+    answer GetPreferredAllocation and Allocate."""
+
+    def __init__(self, label: str, board: HealthBoard, stopping: threading.Event) -> None:
+        self.label = label  # the resource name without prefix, for logs
+        self.board = board
         self.stopping = stopping
-        self.observe = observe
         self._cache: tuple[int, api_pb2.ListAndWatchResponse] | None = None
         self._cache_lock = threading.Lock()
         self._streams_lock = threading.Lock()
@@ -96,15 +96,16 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
         self.on_stream_closed: Callable[[], None] | None = None
 
     # ---------------------------------------------------------------- device list
+    def build_device_list(self) -> api_pb2.ListAndWatchResponse:
+        raise NotImplementedError
+
     def device_list(self) -> api_pb2.ListAndWatchResponse:
         """The full device set at the board's current version (built once per version)."""
         with self._cache_lock:
-            version = self.health.version
+            version = self.board.version
             if self._cache is not None and self._cache[0] == version:
                 return self._cache[1]
-            response = device_list_message(
-                self.binder.inventory, self.resource, self.health.is_healthy
-            )
+            response = self.build_device_list()
             self._cache = (version, response)
             return response
 
@@ -116,8 +117,8 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
 
     def ListAndWatch(self, request: Any, context: Any) -> Iterator[Any]:
         self._count_stream(+1)
-        log.info("list_and_watch_opened", resource=self.resource.value)
-        context.add_callback(self.health.wake)  # a cancelled stream stops waiting at once
+        log.info("list_and_watch_opened", resource=self.label)
+        context.add_callback(self.board.wake)  # a cancelled stream stops waiting at once
 
         def finished() -> bool:
             return self.stopping.is_set() or not context.is_active()
@@ -125,13 +126,13 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
         try:
             seen = -1
             while not finished():
-                if self.health.version != seen:
-                    seen = self.health.version
+                if self.board.version != seen:
+                    seen = self.board.version
                     yield self.device_list()
-                self.health.wait_for_change(seen, timeout=STREAM_CHECK_SECONDS, give_up=finished)
+                self.board.wait_for_change(seen, timeout=STREAM_CHECK_SECONDS, give_up=finished)
         finally:
             self._count_stream(-1)
-            log.info("list_and_watch_closed", resource=self.resource.value)
+            log.info("list_and_watch_closed", resource=self.label)
             if self.on_stream_closed is not None:
                 self.on_stream_closed()
 
@@ -146,6 +147,56 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
             if self.active_streams:
                 return 0.0
             return time.monotonic() - self.streams_changed_at
+
+    def PreStartContainer(self, request: Any, context: Any) -> Any:
+        return api_pb2.PreStartContainerResponse()
+
+    def observed(self, method: str, result: str, seconds: float) -> None:
+        """Called after every request (metrics); nothing by default."""
+
+    def _serve(self, method: str, request: Any, context: Any, handle: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        result = "ok"
+        try:
+            return handle()
+        except BindingError as exc:
+            result = exc.kind.name.lower()
+            log.warning("request_refused", resource=self.label, method=method, reason=exc.message)
+            context.abort(_STATUS[exc.kind], exc.message)
+        except Exception as exc:  # never let a request take the server down
+            result = "error"
+            log.exception("request_failed", resource=self.label, method=method)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+        finally:
+            self.observed(method, result, time.perf_counter() - started)
+        return None  # unreachable: abort raises
+
+
+class DevicePluginServicer(ListingServicer):
+    """One of the two shared resources (memory or core units)."""
+
+    def __init__(
+        self,
+        resource: Resource,
+        binder: Binder,
+        health: HealthBoard,
+        stopping: threading.Event,
+        observe: Observer | None = None,
+        listing: DeviceListing | None = None,
+    ) -> None:
+        super().__init__(resource.value, health, stopping)
+        self.resource = resource
+        self.binder = binder
+        self.health = health
+        self.observe = observe
+        self.listing = listing
+
+    def build_device_list(self) -> api_pb2.ListAndWatchResponse:
+        return device_list_message(self.binder.inventory, self.resource, self.health.is_healthy)
+
+    def observed(self, method: str, result: str, seconds: float) -> None:
+        if self.observe is not None:
+            self.observe(self.resource, method, result, seconds)
 
     def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
         def handle() -> Any:
@@ -168,40 +219,19 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
                 raise BindingError(Refusal.INVALID, "the request holds no container requests")
             responses = []
             for container in request.container_requests:
-                _uuid, answer = self.binder.allocate(self.resource, container.devices_ids)
+                uuid, answer = self.binder.allocate(self.resource, container.devices_ids)
+                if self.listing is not None:
+                    answer = with_device_list(answer, [uuid], self.listing)
                 responses.append(answer_to_proto(answer))
             return api_pb2.AllocateResponse(container_responses=responses)
 
         return self._serve("Allocate", request, context, handle)
 
-    def PreStartContainer(self, request: Any, context: Any) -> Any:
-        return api_pb2.PreStartContainerResponse()
-
-    def _serve(self, method: str, request: Any, context: Any, handle: Callable[[], Any]) -> Any:
-        started = time.perf_counter()
-        result = "ok"
-        try:
-            return handle()
-        except BindingError as exc:
-            result = exc.kind.name.lower()
-            log.warning(
-                "request_refused", resource=self.resource.value, method=method, reason=exc.message
-            )
-            context.abort(_STATUS[exc.kind], exc.message)
-        except Exception as exc:  # never let a request take the server down
-            result = "error"
-            log.exception("request_failed", resource=self.resource.value, method=method)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
-        finally:
-            if self.observe is not None:
-                self.observe(self.resource, method, result, time.perf_counter() - started)
-        return None  # unreachable: abort raises
-
 
 class PluginServer:
     """A gRPC server for one resource, bound to ``<kubelet dir>/<socket name>``."""
 
-    def __init__(self, servicer: DevicePluginServicer, socket_path: Path) -> None:
+    def __init__(self, servicer: ListingServicer, socket_path: Path) -> None:
         self.servicer = servicer
         self.socket_path = socket_path
         self._server: Any = None
@@ -218,9 +248,7 @@ class PluginServer:
         server.start()
         self._server = server
         self._inode = self.socket_path.stat().st_ino
-        log.info(
-            "plugin_serving", resource=self.servicer.resource.value, socket=str(self.socket_path)
-        )
+        log.info("plugin_serving", resource=self.servicer.label, socket=str(self.socket_path))
 
     def socket_intact(self) -> bool:
         """False when our socket file was removed or replaced (a kubelet restart does this)."""

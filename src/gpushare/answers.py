@@ -40,6 +40,15 @@ class Mount:
 
 
 @dataclass(frozen=True)
+class DeviceSpec:
+    """A device node for the container (``ContainerAllocateResponse.devices``)."""
+
+    container_path: str
+    host_path: str
+    permissions: str = "rw"
+
+
+@dataclass(frozen=True)
 class Answer:
     """One ContainerAllocateResponse, as plain data."""
 
@@ -47,6 +56,7 @@ class Answer:
     mounts: list[Mount] = field(default_factory=list)
     annotations: dict[str, str] = field(default_factory=dict)
     cdi_devices: list[str] = field(default_factory=list)  # fully qualified CDI names
+    device_specs: list[DeviceSpec] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ CDI_NAME_STRATEGIES = ("uuid", "index")
 #: A CDI kind: ``<vendor>/<class>`` (CDI spec: vendor a domain-like name, class alphanumeric).
 CDI_KIND = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?/[a-zA-Z0-9]([a-zA-Z0-9_.-]*[a-zA-Z0-9])?")
 DEVICE_LIST_STRATEGIES = ("envvar", "cdi-cri", "cdi-annotations")
+MIG_STRATEGIES = ("none", "single", "mixed")
 
 #: XIDs that report an application's own fault, not the card's (NVIDIA's defaults).
 DEFAULT_IGNORED_XIDS = "13,31,43,45,68,109"
@@ -128,6 +129,23 @@ class Settings:
     )
     nvidia_product_label: bool = _opt(
         False, "also write nvidia.com/gpu.product (where GPU feature discovery is not installed)"
+    )
+    # MIG (docs/modes.md#mig) ------------------------------------------------------------
+    mig_strategy: str = _opt(
+        "none",
+        "cards in MIG mode: none (left out), single (every MIG device as <prefix>/gpu, one "
+        "profile per node) or mixed (<prefix>/mig-<profile>)",
+        choices=MIG_STRATEGIES,
+    )
+    mig_device_specs: bool = _opt(
+        False,
+        "MIG answers also pass the parent's /dev/nvidia<minor> and the MIG capability nodes "
+        "(/dev/nvidia-caps), for runtimes that do not add them",
+    )
+    mig_nvidia_names: bool = _opt(
+        False,
+        "register MIG resources as nvidia.com/mig-<profile> (single: nvidia.com/gpu) for "
+        "manifests written for NVIDIA's plugin; never with NVIDIA's plugin on the same node",
     )
     log_format: str = _opt(
         "auto",
@@ -262,6 +280,8 @@ def _validate(settings: Settings, origins: Mapping[str, str]) -> None:
         modes = parse_card_modes(settings.card_modes)
     except ValueError as exc:
         fail("card_modes", str(exc))
+    if settings.whole_cards and settings.mig_strategy == "single" and not settings.mig_nvidia_names:
+        fail("mig_strategy", "single and whole_cards would both advertise <prefix>/gpu")
     if not settings.whole_cards and CardMode.EXCLUSIVE in modes.values():
         fail("card_modes", "a card in exclusive mode needs whole_cards (--whole-cards) on")
 

@@ -17,6 +17,7 @@ from types import FrameType
 
 import structlog
 
+from gpushare import mig, migserve
 from gpushare.answers import DeviceListing, Enforcement
 from gpushare.binding import Binder
 from gpushare.cardmodes import CardMode, card_modes, parse_card_modes
@@ -40,6 +41,7 @@ from gpushare.kubelet import KubeletLink
 from gpushare.library import LibraryError, ensure_lock_dir, install_library, install_preload_file
 from gpushare.logs import configure_logging
 from gpushare.metrics import LinkState, Metrics, MetricsServer, liveness, render_not_ready
+from gpushare.mig import MigPlan, MigPlanError, MigStrategy
 from gpushare.node import ApiLink
 from gpushare.plugin import DevicePluginServicer, PluginServer, device_list_message
 from gpushare.podresources import PodResourcesClient, Snapshot
@@ -76,21 +78,28 @@ class ConfigurationTooLarge(StartupError):
     exit_code = 2
 
 
+def plan_gpus(gpus: Sequence[Gpu], strategy: str) -> MigPlan:
+    """The cards gpushare slices and the MIG devices it serves (see mig.py); each card
+    left out gets one log line. :class:`NodeConfigurationError` where the strategy
+    cannot serve this node (``single`` on MIG devices of several profiles)."""
+    try:
+        result = mig.plan(gpus, MigStrategy(strategy))
+    except MigPlanError as exc:
+        raise NodeConfigurationError(str(exc)) from None
+    for skipped in result.skipped:
+        log.warning(
+            "gpu_skipped",
+            gpu=skipped.gpu.uuid,
+            index=skipped.gpu.index,
+            name=skipped.gpu.name,
+            reason=skipped.reason,
+        )
+    return result
+
+
 def usable_gpus(gpus: Sequence[Gpu]) -> list[Gpu]:
-    """The cards gpushare slices: MIG cards are skipped, each with one log line."""
-    usable = []
-    for gpu in gpus:
-        if gpu.mig_enabled:
-            log.warning(
-                "gpu_skipped_mig",
-                gpu=gpu.uuid,
-                index=gpu.index,
-                name=gpu.name,
-                reason="MIG-enabled GPUs are not sliced by gpushare",
-            )
-            continue
-        usable.append(gpu)
-    return usable
+    """The cards gpushare slices without MIG support: MIG cards are left out."""
+    return list(plan_gpus(gpus, MigStrategy.NONE.value).shared)
 
 
 def prepare_enforcement(settings: Settings) -> Enforcement:
@@ -175,6 +184,9 @@ class Daemon:
         self.metrics: Metrics | None = None
         self.metrics_server: MetricsServer | None = None
         self.waiting_for = ""  # why the GPUs could not be read, while starting
+        self.mig_plan = MigPlan(MigStrategy(settings.mig_strategy), ())
+        self.not_served = ""  # why nothing at all is served on this node (all MIG, ...)
+        self.mig_health = HealthBoard(())  # MIG cards and devices, by UUID
 
     def _open_gpus(self) -> tuple[GpuBackend, list[Gpu]]:
         """NVML (or the simulated node) and the usable GPUs. NVML that cannot be
@@ -195,7 +207,10 @@ class Daemon:
             try:
                 if self.backend is None:
                     self.backend = open_backend(self.settings.simulate)
-                return self.backend, usable_gpus(self.backend.discover())
+                found = self.backend.discover()
+                self.mig_plan = plan_gpus(found, self.settings.mig_strategy)
+                self.not_served = self.mig_plan.not_served(found)
+                return self.backend, list(self.mig_plan.shared)
             except GpuError as exc:
                 if self.settings.fail_on_init_error:
                     raise StartupError(str(exc)) from None
@@ -235,6 +250,8 @@ class Daemon:
             return False, f"starting; {self.waiting_for}" if self.waiting_for else "starting"
         if not link.registered.is_set():
             return False, "serving; not registered with the kubelet"
+        if self.not_served:
+            return False, f"serving nothing: {self.not_served}"
         return True, "serving and registered"
 
     def start(self) -> None:
@@ -267,6 +284,8 @@ class Daemon:
         self.inventory = inventory
         enforcement = prepare_enforcement(settings)
         health = HealthBoard(g.uuid for g in gpus)  # the cards' own health
+        # MIG cards and devices: their own board (see health.expand), never sliced.
+        self.mig_health = HealthBoard(migserve.health_keys(self.mig_plan))
         self.health = health
         usage = UsageLedger(inventory)
         self.usage = usage
@@ -337,12 +356,21 @@ class Daemon:
                 memory_units=card.memory_units,
                 numa_node=card.gpu.numa_node,
             )
+        log.info(
+            "mig_strategy",
+            strategy=settings.mig_strategy,
+            mig_resources={n: len(d) for n, d in self.mig_plan.exclusive.items()},
+        )
         self.monitor = HealthMonitor(
             backend,
             health,
             HealthPolicy(
-                health.cards(), settings.ignored_xid_set(), settings.health_recovery_seconds
+                health.cards() + self.mig_health.cards(),
+                settings.ignored_xid_set(),
+                settings.health_recovery_seconds,
             ),
+            mig_of=self.mig_plan.mig_of(),
+            mig_board=self.mig_health,
         )
         self.monitor.start()
         if settings.metrics_port:
@@ -384,6 +412,9 @@ class Daemon:
             server = PluginServer(exclusive_servicer, kubelet_dir / devices.socket_name)
             self.servers.append(server)
             named_servers.append((server, name))
+        named_servers += self._mig_servers(self.mig_health, kubelet_dir)
+        if self.not_served:
+            log.error("nothing_served", reason=self.not_served)
         try:
             kubelet_dir.mkdir(parents=True, exist_ok=True)
             for server in self.servers:
@@ -434,6 +465,30 @@ class Daemon:
         resource = whole_cards(g for g in gpus if modes[g.uuid].exclusive)
         board = HealthBoard(resource.devices, event="gpu_offer_changed")
         return [(resource.name_with(self.settings.resource_prefix), resource, board)]
+
+    def _mig_servers(
+        self, health: HealthBoard, kubelet_dir: Path
+    ) -> list[tuple[PluginServer, str]]:
+        """One server per MIG resource of the plan, offered from the hardware board
+        (a MIG card is never sliced, so no other use competes for its devices)."""
+        settings = self.settings
+        prefix = migserve.NVIDIA_PREFIX if settings.mig_nvidia_names else settings.resource_prefix
+        specs = migserve.read_device_specs(self.mig_plan) if settings.mig_device_specs else None
+        named = []
+        for name, devices in migserve.resources(self.mig_plan, prefix):
+            servicer = ExclusiveServicer(
+                devices,
+                name,
+                health,
+                self.stopping,
+                answer=migserve.answer_builder(
+                    self.listing, cdi_by_index=settings.cdi_name_strategy == "index", specs=specs
+                ),
+            )
+            server = PluginServer(servicer, kubelet_dir / migserve.socket_name(devices))
+            self.servers.append(server)
+            named.append((server, name))
+        return named
 
     def _preference(self, resource: ExclusiveResource, backend: GpuBackend) -> Preference:
         """Whole cards: NVLink, then NUMA, then PCIe switch (see topology.py)."""

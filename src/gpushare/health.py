@@ -167,7 +167,7 @@ class HealthPolicy:
         if event.xid is None:
             if event.gone:
                 state.gone = True
-                reason = "the GPU is no longer visible (fallen off the bus?)"
+                reason = self._describe(state)
             elif state.gone:
                 # Seen again: a fresh card as far as we can tell, fatal history forgotten.
                 state.gone = False
@@ -242,11 +242,18 @@ class HealthMonitor:
         policy: HealthPolicy,
         clock: Callable[[], float] = time.monotonic,
         mig_of: Mapping[str, Sequence[MigDevice]] | None = None,
+        mig_board: HealthBoard | None = None,
     ) -> None:
         self._backend = backend
         self._board = board
         self._policy = policy
         self._mig_of = dict(mig_of or {})  # card UUID -> its MIG devices
+        # The MIG cards and devices have a board of their own (``board``'s keys are the
+        # cards the shared resources are built from).
+        self._mig_board = mig_board
+        self._mig_keys = set(mig_of or {}) | {
+            device.uuid for devices in (mig_of or {}).values() for device in devices
+        }
         self._clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -281,7 +288,7 @@ class HealthMonitor:
             for one in expand(event, self._mig_of):
                 verdict = self._policy.on_event(one, now)
                 if verdict is not None:
-                    self._board.set(verdict.uuid, verdict.healthy, verdict.reason)
+                    self._record(verdict)
         self._wake.set()
 
     def _watch(self) -> None:
@@ -307,4 +314,9 @@ class HealthMonitor:
                 return
             with self._lock:
                 for verdict in self._policy.tick(self._clock()):
-                    self._board.set(verdict.uuid, verdict.healthy, verdict.reason)
+                    self._record(verdict)
+
+    def _record(self, verdict: Verdict) -> None:
+        mig = self._mig_board is not None and verdict.uuid in self._mig_keys
+        board = self._mig_board if mig and self._mig_board is not None else self._board
+        board.set(verdict.uuid, verdict.healthy, verdict.reason)

@@ -55,6 +55,15 @@ class MigPlan:
     shared: tuple[Gpu, ...]
     exclusive: Mapping[str, tuple[MigDevice, ...]] = field(default_factory=dict)
     skipped: tuple[Skipped, ...] = ()
+    mig_cards: tuple[Gpu, ...] = ()  # the cards whose MIG devices are served
+
+    def mig_of(self) -> dict[str, tuple[MigDevice, ...]]:
+        """Card UUID -> its served MIG devices (what health maps a card's events to)."""
+        served = {device.uuid for device in self.mig_devices}
+        return {
+            gpu.uuid: tuple(d for d in gpu.mig_devices if d.uuid in served)
+            for gpu in self.mig_cards
+        }
 
     @property
     def mig_devices(self) -> list[MigDevice]:
@@ -118,7 +127,9 @@ def plan(gpus: Iterable[Gpu], strategy: MigStrategy) -> MigPlan:
                     continue
                 by_name.setdefault(name, []).append(device)
         exclusive = {name: tuple(found) for name, found in sorted(by_name.items())}
-    return MigPlan(strategy, tuple(shared), exclusive, tuple(skipped))
+    served = {device.parent_uuid for devices in exclusive.values() for device in devices}
+    cards = tuple(gpu for gpu in mig_cards if gpu.uuid in served)
+    return MigPlan(strategy, tuple(shared), exclusive, tuple(skipped), cards)
 
 
 def labels(plan: MigPlan, prefix: str) -> dict[str, str]:

@@ -56,6 +56,12 @@ def answer_to_proto(answer: Answer) -> api_pb2.ContainerAllocateResponse:
         ],
         annotations=answer.annotations,
         cdi_devices=[api_pb2.CDIDevice(name=name) for name in answer.cdi_devices],
+        devices=[
+            api_pb2.DeviceSpec(
+                container_path=d.container_path, host_path=d.host_path, permissions=d.permissions
+            )
+            for d in answer.device_specs
+        ],
     )
 
 

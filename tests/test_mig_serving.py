@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from conftest import RTX_3090, TESLA_P4, Node, gpu_uuid
 from mig_layouts import A100_UUID, mig_uuid, reference_a100, uniform_a100
 
 from gpushare.daemon import Daemon, NodeConfigurationError
+from gpushare.gpus import SimulatedBackend
+from gpushare.mig import MigStrategy, plan
 from gpushare.sim.kubelet import AdmissionError
 
 PREFIX = "gpushare.io"
@@ -180,10 +181,41 @@ def test_mixed_without_mig_cards_changes_nothing(node: Node) -> None:
     assert node.daemon is not None and node.daemon.not_served == ""
 
 
-def test_simulated_file_example_in_docs_parses(tmp_path: Path) -> None:
+def test_the_docs_example_node_file_serves_the_documented_resources(tmp_path: Path) -> None:
     text = (Path(__file__).parent.parent / "docs" / "modes.md").read_text()
-    block = text.split("## MIG", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
-    data = yaml.safe_load(block)
-    assert [i["profile"] for i in data["gpus"][0]["instances"]] == [
-        "3g.20gb", "2g.10gb", "1g.5gb", "1g.5gb"
-    ]
+    section = text.split("## MIG", 1)[1]
+    blocks = [b.split("```", 1)[0] for b in section.split("```yaml")[1:]]
+    (node_file,) = [b for b in blocks if b.lstrip().startswith("gpus:")]
+    path = tmp_path / "node.yaml"
+    path.write_text(node_file)
+    served = plan(SimulatedBackend(path).discover(), MigStrategy.MIXED)
+    documented = {
+        line.split(":")[0].strip().removeprefix("gpushare.io/"): int(line.split(":")[1])
+        for line in section.split("the node offers:", 1)[1].split("```")[1].strip().splitlines()
+    }
+    assert {name: len(d) for name, d in served.exclusive.items()} == documented
+
+
+def test_mig_labels_are_published_on_the_node(
+    node: Node, short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kube_double import KubeApiDouble
+    from test_node_api import eventually
+
+    api = KubeApiDouble()
+    api.start()
+    try:
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        monkeypatch.setenv("KUBECONFIG", str(api.kubeconfig(short_tmp / "kubeconfig")))
+        api.add({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1", "labels": {}}})
+        gpus = [reference_a100(), {"uuid": gpu_uuid(1), **TESLA_P4, "index": 1}]
+        start(node, gpus, mig_strategy="mixed", node_name="n1")
+        labels = eventually(lambda: (api.get("Node", "n1") or {})["metadata"]["labels"])
+        assert labels[f"{PREFIX}/mig.strategy"] == "mixed"
+        assert labels[f"{PREFIX}/mig-1g.5gb.count"] == "2"
+        assert labels[f"{PREFIX}/mig-3g.20gb.memory"] == "20096"
+        assert labels[f"{PREFIX}/gpu.product"] == "Tesla-P4"
+    finally:
+        node.stop()
+        node.daemon = None
+        api.stop()

@@ -329,6 +329,7 @@ class Daemon:
                 offer,
                 self.specs,
                 self.pod_resources,
+                extra_labels=mig.labels(self.mig_plan, settings.resource_prefix),
             )
         self.binder = Binder(
             inventory,

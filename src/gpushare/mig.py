@@ -132,6 +132,17 @@ def plan(gpus: Iterable[Gpu], strategy: MigStrategy) -> MigPlan:
     return MigPlan(strategy, tuple(shared), exclusive, tuple(skipped), cards)
 
 
+_LABEL_SUFFIXES = (".count", ".memory", ".multiprocessors")
+
+
+def is_label(prefix: str, key: str) -> bool:
+    """Whether a node label key is one :func:`labels` writes (uninstall removes them)."""
+    name = key.removeprefix(f"{prefix}/")
+    if name == key:
+        return False
+    return name == "mig.strategy" or (name.startswith("mig-") and name.endswith(_LABEL_SUFFIXES))
+
+
 def labels(plan: MigPlan, prefix: str) -> dict[str, str]:
     """Node labels in GPU feature discovery's style: ``<prefix>/mig.strategy`` and, per
     served profile, ``<prefix>/mig-<profile>.count``, ``.memory`` (MiB of one device)
@@ -145,7 +156,8 @@ def labels(plan: MigPlan, prefix: str) -> dict[str, str]:
             base = f"{prefix}/{resource_suffix(profile)}"
         except ProfileError:
             continue
-        result[f"{base}.count"] = str(len(devices))
-        result[f"{base}.memory"] = str(min(device.memory_mib for device in devices))
-        result[f"{base}.multiprocessors"] = str(min(device.sm_count for device in devices))
+        count, memory, sms = _LABEL_SUFFIXES
+        result[base + count] = str(len(devices))
+        result[base + memory] = str(min(device.memory_mib for device in devices))
+        result[base + sms] = str(min(device.sm_count for device in devices))
     return result

@@ -21,6 +21,7 @@ import re
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,7 +84,9 @@ class ApiLink:
         health: HealthBoard,
         book: PodSpecBook,
         records: PodResourcesClient,
+        extra_labels: Mapping[str, str] | None = None,
     ) -> None:
+        self.extra_labels = dict(extra_labels or {})  # fixed at start (MIG: mig.labels)
         self.node_name = node_name
         self.prefix = prefix
         self.inventory = inventory
@@ -208,12 +211,13 @@ class ApiLink:
     def labels(self) -> dict[str, str]:
         cards = list(self.inventory.cards.values())
         if not cards:
-            return {}
+            return dict(self.extra_labels)
         first = cards[0].gpu
         return {
             nodestate.label_key(self.prefix, "product"): label_value(first.name),
             nodestate.label_key(self.prefix, "count"): str(len(cards)),
             nodestate.label_key(self.prefix, "memory"): str(first.memory_mib),
+            **self.extra_labels,
         }
 
     def _publish_node(self) -> None:

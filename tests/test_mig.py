@@ -307,3 +307,37 @@ def test_policy_a_vanished_mig_device_is_unhealthy_until_back_and_a_changed_layo
     assert again is not None and not again.healthy  # back, but still the old layout
     policy.on_event(GpuEvent(mig_uuid(0), xid=94), 6.0)
     assert policy.tick(1000.0) == [] and policy.next_deadline() is None
+
+
+@pytest.mark.parametrize("strategy", list(MigStrategy))
+def test_mig_sharing_slices_mixed_mig_devices_as_cards_without_cores(
+    tmp_path: Path, strategy: MigStrategy
+) -> None:
+    from gpushare.devices import Inventory, Resource
+
+    gpus = gpus_of(tmp_path, [reference_a100(), shared_card(1)])
+    if strategy is MigStrategy.SINGLE:
+        with pytest.raises(MigPlanError):
+            plan(gpus, strategy, sharing=True)
+        return
+    result = plan(gpus, strategy, sharing=True)
+    if strategy is MigStrategy.NONE:
+        assert result.shared_mig == () and [g.uuid for g in result.shared_gpus()] == [gpu_uuid(1)]
+        return
+    assert result.exclusive == {} and result.mig_devices == []
+    sliced = result.shared_gpus()
+    assert [g.uuid for g in sliced] == [gpu_uuid(1)] + [mig_uuid(i) for i in range(4)]
+    first = sliced[1]
+    assert (first.parent_uuid, first.memory_mib, first.numa_node, first.name) == (
+        A100_UUID, 20096, 0, "A100-SXM4-40GB MIG 3g.20gb"
+    )
+    inventory = Inventory(sliced, 256)
+    assert inventory.cards[mig_uuid(0)].units(Resource.MEMORY) == 78
+    assert inventory.cards[mig_uuid(0)].units(Resource.CORE) == 0
+    assert inventory.cards[gpu_uuid(1)].units(Resource.CORE) == 100
+    assert result.mig_of() == {A100_UUID: a100_devices(gpus)}
+    assert result.not_served(gpus) == ""
+
+
+def a100_devices(gpus: list[Gpu]) -> tuple[MigDevice, ...]:
+    return next(g for g in gpus if g.uuid == A100_UUID).mig_devices

@@ -32,6 +32,12 @@ def start(node: Node, gpus: list[dict[str, Any]], **overrides: Any) -> Daemon:
     return node.daemon
 
 
+def registered(node: Node) -> list[str]:
+    """The resource names the daemon serves (and registers)."""
+    assert node.daemon is not None and node.daemon.link is not None
+    return [name for _server, name in node.daemon.link.servers]
+
+
 def counts(node: Node, *resources: str) -> dict[str, int]:
     return {r: node.kubelet.healthy_count(r) for r in resources}
 
@@ -43,6 +49,7 @@ def test_reference_a100_in_mixed_is_three_resources_and_pods_get_their_mig_uuids
     want = {MIG_3G: 1, MIG_2G: 1, MIG_1G: 2}
     assert node.kubelet.wait_for(lambda k: counts(node, *want) == want)
     assert list(node.kubelet.devices(MIG_1G)) == [mig_uuid(2), mig_uuid(3)]
+    assert node.kubelet.wait_for(lambda k: node.memory in k.endpoints)
     assert node.kubelet.devices(node.memory) == {}  # the A100 is not sliced
     two = node.kubelet.admit("smi", "nvidia-smi", {MIG_2G: 1})
     assert two.devices[MIG_2G] == [mig_uuid(1)]
@@ -116,7 +123,7 @@ def test_nvidia_names_and_cdi(node: Node) -> None:
     )
     nvidia = "nvidia.com/mig-2g.10gb"
     assert node.kubelet.wait_for(lambda k: k.healthy_count(nvidia) == 1)
-    assert node.kubelet.devices(MIG_2G) == {}
+    assert MIG_2G not in registered(node)
     admitted = node.kubelet.admit("a", "main", {nvidia: 1})
     response = admitted.responses[nvidia]
     assert [d.name for d in response.cdi_devices] == [f"nvidia.com/gpu={mig_uuid(1)}"]
@@ -219,3 +226,30 @@ def test_mig_labels_are_published_on_the_node(
         node.stop()
         node.daemon = None
         api.stop()
+
+
+def test_mig_sharing_slices_each_instance_into_memory_units_without_cores(node: Node) -> None:
+    start(node, [reference_a100()], mig_strategy="mixed", mig_sharing=True)
+    sizes = {mig_uuid(0): 20096 // 256, mig_uuid(1): 9984 // 256,
+             mig_uuid(2): 4864 // 256, mig_uuid(3): 4864 // 256}
+    assert node.kubelet.wait_for(lambda k: k.healthy_count(node.memory) == sum(sizes.values()))
+    ids = list(node.kubelet.devices(node.memory))
+    assert {i.split("::")[0] for i in ids} == set(sizes)
+    assert f"{mig_uuid(1)}::38" in ids and f"{mig_uuid(1)}::39" not in ids
+    assert node.kubelet.wait_for(lambda k: node.core in k.endpoints)
+    assert node.kubelet.devices(node.core) == {}  # no vcuda-core on MIG devices
+    assert MIG_2G not in registered(node)  # sliced instead of served whole
+    admitted = node.kubelet.admit("a", "main", {node.memory: 30})
+    assert admitted.card() == mig_uuid(1)  # binpack: the fullest instance that fits
+    assert admitted.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == f"{30 * 256}m"
+    assert admitted.envs.get("CUDA_DEVICE_SM_LIMIT", "100") == "100"  # not throttled
+    assert "LD_PRELOAD" in admitted.envs  # the interposer enforces the memory limit
+    with pytest.raises(AdmissionError, match="Insufficient"):
+        node.kubelet.admit("b", "main", {node.memory: 1, node.core: 10})
+    assert node.daemon is not None and node.daemon.not_served == ""
+    card = reference_a100()
+    card["instances"][1]["xid"] = 79  # the instance's XID reaches its units only
+    node.write_gpus([card])
+    assert node.kubelet.wait_for(
+        lambda k: k.healthy_count(node.memory) == sum(sizes.values()) - sizes[mig_uuid(1)]
+    )

@@ -142,6 +142,11 @@ class Settings:
         "MIG answers also pass the parent's /dev/nvidia<minor> and the MIG capability nodes "
         "(/dev/nvidia-caps), for runtimes that do not add them",
     )
+    mig_sharing: bool = _opt(
+        False,
+        "EXPERIMENTAL, with mig_strategy mixed: slice each MIG device into vcuda-memory "
+        "units (no vcuda-core) instead of serving it whole",
+    )
     mig_nvidia_names: bool = _opt(
         False,
         "register MIG resources as nvidia.com/mig-<profile> (single: nvidia.com/gpu) for "
@@ -282,6 +287,8 @@ def _validate(settings: Settings, origins: Mapping[str, str]) -> None:
         fail("card_modes", str(exc))
     if settings.whole_cards and settings.mig_strategy == "single" and not settings.mig_nvidia_names:
         fail("mig_strategy", "single and whole_cards would both advertise <prefix>/gpu")
+    if settings.mig_sharing and settings.mig_strategy != "mixed":
+        fail("mig_sharing", "needs mig_strategy mixed")
     if not settings.whole_cards and CardMode.EXCLUSIVE in modes.values():
         fail("card_modes", "a card in exclusive mode needs whole_cards (--whole-cards) on")
 

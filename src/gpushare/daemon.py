@@ -78,12 +78,12 @@ class ConfigurationTooLarge(StartupError):
     exit_code = 2
 
 
-def plan_gpus(gpus: Sequence[Gpu], strategy: str) -> MigPlan:
+def plan_gpus(gpus: Sequence[Gpu], strategy: str, sharing: bool = False) -> MigPlan:
     """The cards gpushare slices and the MIG devices it serves (see mig.py); each card
     left out gets one log line. :class:`NodeConfigurationError` where the strategy
     cannot serve this node (``single`` on MIG devices of several profiles)."""
     try:
-        result = mig.plan(gpus, MigStrategy(strategy))
+        result = mig.plan(gpus, MigStrategy(strategy), sharing=sharing)
     except MigPlanError as exc:
         raise NodeConfigurationError(str(exc)) from None
     for skipped in result.skipped:
@@ -208,9 +208,10 @@ class Daemon:
                 if self.backend is None:
                     self.backend = open_backend(self.settings.simulate)
                 found = self.backend.discover()
-                self.mig_plan = plan_gpus(found, self.settings.mig_strategy)
+                settings = self.settings
+                self.mig_plan = plan_gpus(found, settings.mig_strategy, settings.mig_sharing)
                 self.not_served = self.mig_plan.not_served(found)
-                return self.backend, list(self.mig_plan.shared)
+                return self.backend, self.mig_plan.shared_gpus()
             except GpuError as exc:
                 if self.settings.fail_on_init_error:
                     raise StartupError(str(exc)) from None
@@ -271,7 +272,10 @@ class Daemon:
             self._serve_metrics()  # first, so that the probe is answered while waiting
         backend, gpus = self._open_gpus()
         try:
-            modes = card_modes(gpus, parse_card_modes(settings.card_modes))
+            modes = card_modes(
+                [g for g in gpus if not g.parent_uuid], parse_card_modes(settings.card_modes)
+            )
+            modes.update({g.uuid: CardMode.SHARED for g in gpus if g.parent_uuid})  # migSharing
         except ValueError as exc:
             raise NodeConfigurationError(str(exc)) from None
         try:
@@ -361,6 +365,7 @@ class Daemon:
             "mig_strategy",
             strategy=settings.mig_strategy,
             mig_resources={n: len(d) for n, d in self.mig_plan.exclusive.items()},
+            mig_sliced=len(self.mig_plan.shared_mig),
         )
         self.monitor = HealthMonitor(
             backend,

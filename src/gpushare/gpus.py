@@ -75,6 +75,9 @@ class Gpu:
     #: NVML's pending MIG mode differs from the current one: it changes at the next reset.
     mig_pending: bool = False
     mig_devices: tuple[MigDevice, ...] = ()
+    #: Set when this record is a MIG device sliced like a card (``migSharing``): the
+    #: card it lives on. Such a "card" has memory units only, no core units.
+    parent_uuid: str = ""
 
 
 @dataclass(frozen=True)

@@ -251,9 +251,7 @@ class HealthMonitor:
         # The MIG cards and devices have a board of their own (``board``'s keys are the
         # cards the shared resources are built from).
         self._mig_board = mig_board
-        self._mig_keys = set(mig_of or {}) | {
-            device.uuid for devices in (mig_of or {}).values() for device in devices
-        }
+        self._mig_keys = set(mig_board.cards()) if mig_board is not None else set()
         self._clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Event()

@@ -56,10 +56,19 @@ class MigPlan:
     exclusive: Mapping[str, tuple[MigDevice, ...]] = field(default_factory=dict)
     skipped: tuple[Skipped, ...] = ()
     mig_cards: tuple[Gpu, ...] = ()  # the cards whose MIG devices are served
+    #: MIG devices sliced into memory units like cards (``migSharing``, experimental).
+    shared_mig: tuple[MigDevice, ...] = ()
+
+    def shared_gpus(self) -> list[Gpu]:
+        """The cards to slice: whole cards, then each shared MIG device as a card."""
+        return list(self.shared) + [as_card(self._parent(d), d) for d in self.shared_mig]
+
+    def _parent(self, device: MigDevice) -> Gpu:
+        return next(gpu for gpu in self.mig_cards if gpu.uuid == device.parent_uuid)
 
     def mig_of(self) -> dict[str, tuple[MigDevice, ...]]:
         """Card UUID -> its served MIG devices (what health maps a card's events to)."""
-        served = {device.uuid for device in self.mig_devices}
+        served = {device.uuid for device in self.mig_devices + list(self.shared_mig)}
         return {
             gpu.uuid: tuple(d for d in gpu.mig_devices if d.uuid in served)
             for gpu in self.mig_cards
@@ -72,7 +81,7 @@ class MigPlan:
     def not_served(self, gpus: Iterable[Gpu]) -> str:
         """Why nothing at all is served on a node with GPUs; "" when something is."""
         gpus = list(gpus)
-        if not gpus or self.shared or self.mig_devices:
+        if not gpus or self.shared or self.mig_devices or self.shared_mig:
             return ""
         if all(gpu.mig_enabled or gpu.mig_pending for gpu in gpus):
             none = self.strategy is MigStrategy.NONE
@@ -89,9 +98,25 @@ def _profiles(devices: Iterable[MigDevice]) -> str:
     return ", ".join(f"{profile} x{n}" for profile, n in sorted(counts.items()))
 
 
-def plan(gpus: Iterable[Gpu], strategy: MigStrategy) -> MigPlan:
+def as_card(parent: Gpu, device: MigDevice) -> Gpu:
+    """A MIG device as a card to slice (``migSharing``): its UUID, its memory, the
+    parent's minor and NUMA node; ``parent_uuid`` marks it (no core units)."""
+    return Gpu(
+        uuid=device.uuid,
+        name=f"{parent.name} MIG {device.profile}",
+        memory_mib=device.memory_mib,
+        index=parent.index,
+        minor=parent.minor,
+        numa_node=parent.numa_node,
+        pci_bus_id=parent.pci_bus_id,
+        parent_uuid=parent.uuid,
+    )
+
+
+def plan(gpus: Iterable[Gpu], strategy: MigStrategy, *, sharing: bool = False) -> MigPlan:
     """Sort the node's cards by the strategy; :class:`MigPlanError` for ``single`` on
-    a node whose MIG devices are not uniform."""
+    a node whose MIG devices are not uniform. With ``sharing`` (``mixed`` only) the MIG
+    devices are sliced into memory units like cards instead of served whole."""
     shared: list[Gpu] = []
     skipped: list[Skipped] = []
     mig_cards: list[Gpu] = []
@@ -127,9 +152,16 @@ def plan(gpus: Iterable[Gpu], strategy: MigStrategy) -> MigPlan:
                     continue
                 by_name.setdefault(name, []).append(device)
         exclusive = {name: tuple(found) for name, found in sorted(by_name.items())}
-    served = {device.parent_uuid for devices in exclusive.values() for device in devices}
+    shared_mig: tuple[MigDevice, ...] = ()
+    if sharing and strategy is MigStrategy.MIXED:
+        named = {d.uuid for devices in exclusive.values() for d in devices}
+        shared_mig = tuple(d for g in mig_cards for d in g.mig_devices if d.uuid in named)
+        exclusive = {}
+    served = {d.parent_uuid for d in shared_mig} | {
+        device.parent_uuid for devices in exclusive.values() for device in devices
+    }
     cards = tuple(gpu for gpu in mig_cards if gpu.uuid in served)
-    return MigPlan(strategy, tuple(shared), exclusive, tuple(skipped), cards)
+    return MigPlan(strategy, tuple(shared), exclusive, tuple(skipped), cards, shared_mig)
 
 
 _LABEL_SUFFIXES = (".count", ".memory", ".multiprocessors")

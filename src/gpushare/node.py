@@ -28,7 +28,7 @@ from typing import Any
 import structlog
 
 from gpushare import nodestate
-from gpushare.devices import CORE_UNITS_PER_CARD, Inventory, Resource
+from gpushare.devices import Inventory, Resource
 from gpushare.health import HealthBoard
 from gpushare.podresources import PodResourcesClient
 from gpushare.podspecs import PodSpecBook
@@ -195,7 +195,7 @@ class ApiLink:
                 memory_mib=card.gpu.memory_mib,
                 memory_units=card.memory_units,
                 memory_units_used=memory_used.get(card.uuid, 0),
-                core_units=CORE_UNITS_PER_CARD,
+                core_units=card.units(Resource.CORE),
                 core_units_used=core_used.get(card.uuid, 0),
                 healthy=self.health.is_healthy(card.uuid),
             )

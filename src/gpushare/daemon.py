@@ -20,6 +20,7 @@ import structlog
 from gpushare.answers import DeviceListing, Enforcement
 from gpushare.binding import Binder
 from gpushare.cardmodes import CardMode, card_modes, parse_card_modes
+from gpushare.cdi import CdiCheck
 from gpushare.config import ConfigError, Settings, load_settings
 from gpushare.devices import Inventory, Resource
 from gpushare.exclusion import Exclusion
@@ -116,6 +117,16 @@ def prepare_enforcement(settings: Settings) -> Enforcement:
     )
 
 
+def device_listing(settings: Settings, gpus: Sequence[Gpu]) -> DeviceListing:
+    """How answers name their cards (``--device-list-strategy`` and the CDI settings)."""
+    by_index = settings.cdi_name_strategy == "index"
+    return DeviceListing(
+        strategies=settings.device_list_strategies(),
+        cdi_kind=settings.cdi_kind,
+        cdi_ids={g.uuid: str(g.index) for g in gpus} if by_index else {},
+    )
+
+
 def check_message_sizes(inventory: Inventory) -> None:
     """Refuse a unit size whose device lists would not fit well inside the kubelet's
     4 MiB gRPC limit (a ListAndWatch message carries every unit of a resource)."""
@@ -164,9 +175,8 @@ class Daemon:
         self.offer: HealthBoard | None = None  # what the shared units are offered from
         self.exclusion: Exclusion | None = None
         self.exclusive_ledger = ExclusiveLedger()
-        self.listing = DeviceListing(
-            strategies=settings.device_list_strategies(), cdi_kind=settings.cdi_kind
-        )
+        self.listing = DeviceListing()
+        self.cdi: CdiCheck | None = None
         self.pod_resources: PodResourcesClient | None = None
         self.api_link: ApiLink | None = None
         self.usage: UsageLedger | None = None
@@ -235,6 +245,9 @@ class Daemon:
             return False, f"starting; {self.waiting_for}" if self.waiting_for else "starting"
         if not link.registered.is_set():
             return False, "serving; not registered with the kubelet"
+        missing = self.cdi.missing() if self.cdi is not None else []
+        if missing:
+            return False, f"serving, but these CDI devices are in no CDI spec: {', '.join(missing)}"
         return True, "serving and registered"
 
     def start(self) -> None:
@@ -265,6 +278,10 @@ class Daemon:
             raise StartupError(str(exc)) from None
         check_message_sizes(inventory)
         self.inventory = inventory
+        self.listing = listing = device_listing(settings, gpus)
+        if listing.uses_cdi:
+            self.cdi = CdiCheck(settings.cdi_spec_paths(), [listing.cdi_name(g.uuid) for g in gpus])
+            self.cdi.missing()  # logged now, at start
         enforcement = prepare_enforcement(settings)
         health = HealthBoard(g.uuid for g in gpus)  # the cards' own health
         self.health = health
@@ -376,7 +393,6 @@ class Daemon:
                 answer=answer_builder(
                     self.listing,
                     enforcement=enforcement if settings.exclusive_enforcement else None,
-                    cdi_by_index=settings.cdi_name_strategy == "index",
                 ),
                 prefer=self._preference(devices, backend),
                 on_allocated=self._exclusive_allocated,

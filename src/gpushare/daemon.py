@@ -31,7 +31,6 @@ from gpushare.exclusive import (
     ExclusiveServicer,
     Preference,
     answer_builder,
-    in_order,
     whole_cards,
 )
 from gpushare.gc import GarbageCollector
@@ -46,6 +45,7 @@ from gpushare.plugin import DevicePluginServicer, PluginServer, device_list_mess
 from gpushare.podresources import PodResourcesClient, Snapshot
 from gpushare.podspecs import PodSpecBook
 from gpushare.refresh import UsageRefresher
+from gpushare.topology import Topology, prefer
 from gpushare.usage import UsageLedger
 
 log = structlog.get_logger(__name__)
@@ -452,8 +452,31 @@ class Daemon:
         return [(resource.name_with(self.settings.resource_prefix), resource, board)]
 
     def _preference(self, resource: ExclusiveResource, backend: GpuBackend) -> Preference:
-        """Whole cards: NVLink, then NUMA, then PCIe switch (see topology.py)."""
-        return in_order
+        """Whole cards: NVLink, then NUMA, then PCIe switch (see topology.py). A backend
+        that cannot tell the topology leaves NUMA nodes and positions."""
+        numa = {d.id: d.numa_node for d in resource.devices.values()}
+        read = getattr(backend, "topology", None)
+        try:
+            known = read() if read is not None else Topology(numa=numa)
+        except GpuError as exc:
+            raise NodeConfigurationError(str(exc)) from None
+        except Exception as exc:  # NVML: no topology is better than no plugin
+            log.warning("gpu_topology_unreadable", error=str(exc))
+            known = Topology(numa=numa)
+        known = Topology(nvlinks=known.nvlinks, numa={**numa, **known.numa}, switch=known.switch)
+        log.info(
+            "gpu_topology",
+            nvlinks={"+".join(sorted(p)): n for p, n in known.nvlinks.items()},
+            pcie_switches=len(set(known.switch.values())),
+        )
+        position = {d.id: d.index for d in resource.devices.values()}
+
+        def preference(
+            available: Sequence[ExclusiveDevice], must: Sequence[ExclusiveDevice], size: int
+        ) -> list[str]:
+            return prefer([d.id for d in available], [d.id for d in must], size, known, position)
+
+        return preference
 
     def _exclusive_allocated(self, name: str, devices: Sequence[ExclusiveDevice]) -> None:
         self.exclusive_ledger.record(name, [d.id for d in devices])

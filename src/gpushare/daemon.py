@@ -37,6 +37,7 @@ from gpushare.gc import GarbageCollector
 from gpushare.gpus import Gpu, GpuBackend, GpuError, open_backend
 from gpushare.health import HealthBoard, HealthMonitor, HealthPolicy
 from gpushare.kubelet import KubeletLink
+from gpushare.labels import LabelFacts
 from gpushare.library import LibraryError, ensure_lock_dir, install_library, install_preload_file
 from gpushare.logs import configure_logging
 from gpushare.metrics import LinkState, Metrics, MetricsServer, liveness, render_not_ready
@@ -327,6 +328,12 @@ class Daemon:
                 offer,
                 self.specs,
                 self.pod_resources,
+            )
+            driver = getattr(backend, "cuda_driver_version", None)
+            self.api_link.label_facts = LabelFacts(
+                gpus=gpus,
+                cuda_driver=driver() if driver is not None else None,
+                nvidia_product=settings.nvidia_product_label,
             )
         self.binder = Binder(
             inventory,

@@ -247,7 +247,8 @@ def test_labels_in_gpu_feature_discovery_style(tmp_path: Path) -> None:
         "gpushare.io/mig-3g.20gb.memory": "20096",
         "gpushare.io/mig-3g.20gb.multiprocessors": "42",
     }
-    assert labels(plan(gpus, MigStrategy.NONE), "x.io") == {"x.io/mig.strategy": "none"}
+    assert labels(plan(gpus, MigStrategy.NONE), "x.io") == {}
+    assert labels(plan(gpus[1:], MigStrategy.SINGLE), "x.io") == {"x.io/mig.strategy": "single"}
 
 
 # ------------------------------------------------------------------ health mapping

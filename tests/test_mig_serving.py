@@ -221,7 +221,8 @@ def test_mig_labels_are_published_on_the_node(
         assert labels[f"{PREFIX}/mig.strategy"] == "mixed"
         assert labels[f"{PREFIX}/mig-1g.5gb.count"] == "2"
         assert labels[f"{PREFIX}/mig-3g.20gb.memory"] == "20096"
-        assert labels[f"{PREFIX}/gpu.product"] == "Tesla-P4"
+        assert labels[f"{PREFIX}/gpu.product"] == "A100-SXM4-40GB"  # the first card, as GFD
+        assert labels[f"{PREFIX}/gpu.count"] == "2"  # MIG cards count
     finally:
         node.stop()
         node.daemon = None

@@ -19,6 +19,7 @@ from gpushare.migserve import (
     read_device_specs,
     resources,
     socket_name,
+    with_mig_names,
 )
 
 # As the driver writes it for GPU minor 0 with GPU instances 2, 3, 9, 10 (CI 0 each).
@@ -104,8 +105,10 @@ def test_answer_names_the_mig_devices_and_adds_their_nodes_once(tmp_path: Path) 
     assert answer.cdi_devices == [f"nvidia.com/gpu={mig_uuid(2)}", f"nvidia.com/gpu={mig_uuid(3)}"]
     assert answer.device_specs == [specs[mig_uuid(2)][0], shared]
     assert answer.mounts == []
-    by_index = answer_builder(DeviceListing(strategies=frozenset({CDI_CRI})), cdi_by_index=True)
+    cdi_only = DeviceListing(strategies=frozenset({CDI_CRI}))
+    by_index = answer_builder(with_mig_names(cdi_only, reference_plan(tmp_path), True))
     indexed = by_index(devices[:1])
+    assert with_mig_names(cdi_only, reference_plan(tmp_path), False) == cdi_only
     assert indexed.cdi_devices == ["nvidia.com/gpu=0:2"] and indexed.device_specs == []
     assert indexed.envs == {"NVIDIA_VISIBLE_DEVICES": "void"}
 

@@ -17,7 +17,7 @@ unthrottled, core without memory may use the whole card's memory.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -164,10 +164,16 @@ class DeviceListing:
     strategies: frozenset[str] = frozenset({ENVVAR})
     cdi_kind: str = "nvidia.com/gpu"  # <vendor>/<class> of the CDI names
     annotation_plugin: str = "gpushare"  # the <plugin> part of the annotation key
+    #: device ID -> its CDI device name where that differs (the "index" name strategy)
+    cdi_ids: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def uses_cdi(self) -> bool:
+        return bool(self.strategies & {CDI_CRI, CDI_ANNOTATIONS})
 
     def cdi_name(self, device: str) -> str:
         """``nvidia.com/gpu=GPU-...``: a fully qualified CDI device name."""
-        return f"{self.cdi_kind}={device}"
+        return f"{self.cdi_kind}={self.cdi_ids.get(device, device)}"
 
     def annotation_key(self, first_device: str) -> str:
         """``cdi.k8s.io/<plugin>_<device>``, '/' replaced by '_', name part <= 63 chars."""

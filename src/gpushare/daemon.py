@@ -21,6 +21,7 @@ from gpushare import mig, migserve
 from gpushare.answers import DeviceListing, Enforcement
 from gpushare.binding import Binder
 from gpushare.cardmodes import CardMode, card_modes, parse_card_modes
+from gpushare.cdi import CdiCheck
 from gpushare.config import ConfigError, Settings, load_settings
 from gpushare.devices import Inventory, Resource
 from gpushare.exclusion import Exclusion
@@ -31,13 +32,13 @@ from gpushare.exclusive import (
     ExclusiveServicer,
     Preference,
     answer_builder,
-    in_order,
     whole_cards,
 )
 from gpushare.gc import GarbageCollector
 from gpushare.gpus import Gpu, GpuBackend, GpuError, open_backend
 from gpushare.health import HealthBoard, HealthMonitor, HealthPolicy
 from gpushare.kubelet import KubeletLink
+from gpushare.labels import LabelFacts
 from gpushare.library import LibraryError, ensure_lock_dir, install_library, install_preload_file
 from gpushare.logs import configure_logging
 from gpushare.metrics import LinkState, Metrics, MetricsServer, liveness, render_not_ready
@@ -47,6 +48,7 @@ from gpushare.plugin import DevicePluginServicer, PluginServer, device_list_mess
 from gpushare.podresources import PodResourcesClient, Snapshot
 from gpushare.podspecs import PodSpecBook
 from gpushare.refresh import UsageRefresher
+from gpushare.topology import Topology, prefer
 from gpushare.usage import UsageLedger
 
 log = structlog.get_logger(__name__)
@@ -125,6 +127,16 @@ def prepare_enforcement(settings: Settings) -> Enforcement:
     )
 
 
+def device_listing(settings: Settings, gpus: Sequence[Gpu]) -> DeviceListing:
+    """How answers name their cards (``--device-list-strategy`` and the CDI settings)."""
+    by_index = settings.cdi_name_strategy == "index"
+    return DeviceListing(
+        strategies=settings.device_list_strategies(),
+        cdi_kind=settings.cdi_kind,
+        cdi_ids={g.uuid: str(g.index) for g in gpus} if by_index else {},
+    )
+
+
 def check_message_sizes(inventory: Inventory) -> None:
     """Refuse a unit size whose device lists would not fit well inside the kubelet's
     4 MiB gRPC limit (a ListAndWatch message carries every unit of a resource)."""
@@ -173,9 +185,8 @@ class Daemon:
         self.offer: HealthBoard | None = None  # what the shared units are offered from
         self.exclusion: Exclusion | None = None
         self.exclusive_ledger = ExclusiveLedger()
-        self.listing = DeviceListing(
-            strategies=settings.device_list_strategies(), cdi_kind=settings.cdi_kind
-        )
+        self.listing = DeviceListing()
+        self.cdi: CdiCheck | None = None
         self.pod_resources: PodResourcesClient | None = None
         self.api_link: ApiLink | None = None
         self.usage: UsageLedger | None = None
@@ -253,6 +264,9 @@ class Daemon:
             return False, "serving; not registered with the kubelet"
         if self.not_served:
             return False, f"serving nothing: {self.not_served}"
+        missing = self.cdi.missing() if self.cdi is not None else []
+        if missing:
+            return False, f"serving, but these CDI devices are in no CDI spec: {', '.join(missing)}"
         return True, "serving and registered"
 
     def start(self) -> None:
@@ -286,6 +300,13 @@ class Daemon:
             raise StartupError(str(exc)) from None
         check_message_sizes(inventory)
         self.inventory = inventory
+        self.listing = listing = migserve.with_mig_names(
+            device_listing(settings, gpus), self.mig_plan, settings.cdi_name_strategy == "index"
+        )
+        if listing.uses_cdi:
+            named = [g.uuid for g in gpus] + [d.uuid for d in self.mig_plan.mig_devices]
+            self.cdi = CdiCheck(settings.cdi_spec_paths(), [listing.cdi_name(u) for u in named])
+            self.cdi.missing()  # logged now, at start
         enforcement = prepare_enforcement(settings)
         health = HealthBoard(g.uuid for g in gpus)  # the cards' own health
         # MIG cards and devices: their own board (see health.expand), never sliced.
@@ -334,6 +355,12 @@ class Daemon:
                 self.specs,
                 self.pod_resources,
                 extra_labels=mig.labels(self.mig_plan, settings.resource_prefix),
+            )
+            driver = getattr(backend, "cuda_driver_version", None)
+            self.api_link.label_facts = LabelFacts(
+                gpus=[g for g in gpus if not g.parent_uuid] + list(self.mig_plan.mig_cards),
+                cuda_driver=driver() if driver is not None else None,
+                nvidia_product=settings.nvidia_product_label,
             )
         self.binder = Binder(
             inventory,
@@ -410,7 +437,6 @@ class Daemon:
                 answer=answer_builder(
                     self.listing,
                     enforcement=enforcement if settings.exclusive_enforcement else None,
-                    cdi_by_index=settings.cdi_name_strategy == "index",
                 ),
                 prefer=self._preference(devices, backend),
                 on_allocated=self._exclusive_allocated,
@@ -487,9 +513,7 @@ class Daemon:
                 name,
                 health,
                 self.stopping,
-                answer=migserve.answer_builder(
-                    self.listing, cdi_by_index=settings.cdi_name_strategy == "index", specs=specs
-                ),
+                answer=migserve.answer_builder(self.listing, specs=specs),
             )
             server = PluginServer(servicer, kubelet_dir / migserve.socket_name(devices))
             self.servers.append(server)
@@ -497,8 +521,31 @@ class Daemon:
         return named
 
     def _preference(self, resource: ExclusiveResource, backend: GpuBackend) -> Preference:
-        """Whole cards: NVLink, then NUMA, then PCIe switch (see topology.py)."""
-        return in_order
+        """Whole cards: NVLink, then NUMA, then PCIe switch (see topology.py). A backend
+        that cannot tell the topology leaves NUMA nodes and positions."""
+        numa = {d.id: d.numa_node for d in resource.devices.values()}
+        read = getattr(backend, "topology", None)
+        try:
+            known = read() if read is not None else Topology(numa=numa)
+        except GpuError as exc:
+            raise NodeConfigurationError(str(exc)) from None
+        except Exception as exc:  # NVML: no topology is better than no plugin
+            log.warning("gpu_topology_unreadable", error=str(exc))
+            known = Topology(numa=numa)
+        known = Topology(nvlinks=known.nvlinks, numa={**numa, **known.numa}, switch=known.switch)
+        log.info(
+            "gpu_topology",
+            nvlinks={"+".join(sorted(p)): n for p, n in known.nvlinks.items()},
+            pcie_switches=len(set(known.switch.values())),
+        )
+        position = {d.id: d.index for d in resource.devices.values()}
+
+        def preference(
+            available: Sequence[ExclusiveDevice], must: Sequence[ExclusiveDevice], size: int
+        ) -> list[str]:
+            return prefer([d.id for d in available], [d.id for d in must], size, known, position)
+
+        return preference
 
     def _exclusive_allocated(self, name: str, devices: Sequence[ExclusiveDevice]) -> None:
         self.exclusive_ledger.record(name, [d.id for d in devices])

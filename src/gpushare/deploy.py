@@ -238,7 +238,7 @@ def _forget_published_state(
 ) -> None:
     """Remove the daemon's labels and annotation from ``nodes`` once no gpushare pod runs
     there (waiting up to ``wait_seconds``); name the nodes where one still does."""
-    labels = {nodestate.label_key(prefix, name): None for name in nodestate.LABEL_NAMES}
+    labels = dict.fromkeys(nodestate.label_keys(prefix))
     annotations = {nodestate.annotation_key(prefix): None}
     selector = daemon_pod_selector(objects)
 

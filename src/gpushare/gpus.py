@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import os
 import threading
 import time
@@ -29,6 +30,7 @@ from gpushare.migprofile import (
     parse_profile,
     profile_of,
 )
+from gpushare.topology import Topology, from_description
 
 log = structlog.get_logger(__name__)
 
@@ -78,6 +80,7 @@ class Gpu:
     #: Set when this record is a MIG device sliced like a card (``migSharing``): the
     #: card it lives on. Such a "card" has memory units only, no core units.
     parent_uuid: str = ""
+    compute_capability: tuple[int, int] | None = None  # (major, minor), for the labels
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,11 @@ def _parse_simulated_node(path: Path) -> list[_SimulatedCard]:
             raise GpuError(f"{where}: key 'xid' must be an integer, got {xid!r}")
         index = int(entry.get("index", position))
         instances, instance_xids = _parse_instances(entry, where, uuid, seen)
+        capability = entry.get("compute_capability")
+        if capability is not None:
+            major, dot, minor = str(capability).partition(".")
+            if not (major.isdigit() and dot and minor.isdigit()):
+                raise GpuError(f"{where}: key 'compute_capability' must be like '8.0'")
         gpu = Gpu(
             uuid=uuid,
             name=str(entry.get("name", "Simulated GPU")),
@@ -225,6 +233,7 @@ def _parse_simulated_node(path: Path) -> list[_SimulatedCard]:
             pci_bus_id=str(entry.get("pci_bus_id", "")),
             mig_pending=bool(entry.get("mig_pending", False)),
             mig_devices=instances,
+            compute_capability=(int(major), int(minor)) if capability is not None else None,
         )
         cards.append(_SimulatedCard(gpu, xid, instance_xids))
     return cards
@@ -331,6 +340,29 @@ class SimulatedBackend:
                     )
                 )
 
+    def _node_section(self, key: str) -> Any:
+        try:
+            data = yaml.safe_load(self.path.read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise GpuError(f"cannot read {key} from {self.path}: {exc}") from None
+        return data.get(key) if isinstance(data, dict) else None
+
+    def topology(self) -> Topology:
+        """The file's ``topology`` section (see :func:`gpushare.topology.from_description`)."""
+        gpus = self.discover()
+        by_key = {str(g.index): g.uuid for g in gpus} | {g.uuid: g.uuid for g in gpus}
+        try:
+            return from_description(
+                self._node_section("topology"), by_key, {g.uuid: g.numa_node for g in gpus}
+            )
+        except ValueError as exc:
+            raise GpuError(f"{self.path}: {exc}") from None
+
+    def cuda_driver_version(self) -> tuple[int, int] | None:
+        """The file's ``cuda_driver_version: "12.4"``, if any."""
+        major, _, minor = str(self._node_section("cuda_driver_version") or "").partition(".")
+        return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
+
     def close(self) -> None:
         pass
 
@@ -424,6 +456,11 @@ class NvmlBackend:
         numa = _numa_node(bus_id, self._sysfs)
         if numa is None:  # sysfs does not show the card (a VM, a container without /sys)
             numa = self._nvml_numa_node(handle)
+        try:
+            cc_major, cc_minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+            capability: tuple[int, int] | None = (int(cc_major), int(cc_minor))
+        except nvml.NVMLError:
+            capability = None
         gpu = Gpu(
             uuid=uuid,
             name=_text(nvml.nvmlDeviceGetName(handle)),
@@ -435,6 +472,7 @@ class NvmlBackend:
             pci_bus_id=bus_id,
             mig_pending=current != pending,
             mig_devices=self._read_mig_devices(handle, uuid, total) if current else (),
+            compute_capability=capability,
         )
         self._handles[uuid] = handle
         self._served[uuid] = gpu
@@ -660,6 +698,55 @@ class NvmlBackend:
             return _text(self._nvml.nvmlDeviceGetUUID(handle))
         except self._nvml.NVMLError:
             return None
+
+    def topology(self) -> Topology:
+        """PCIe switches and NVLinks between the discovered cards. Untested without a
+        GPU, so every NVML call is guarded: what cannot be read is left out (the
+        preference then falls back to NUMA and positions)."""
+        nvml = self._nvml
+        cards = [(uuid, h) for uuid, h in self._handles.items()]
+        bus_of: dict[str, str] = {}
+        for uuid, handle in cards:
+            with contextlib.suppress(nvml.NVMLError):
+                bus_of[_sysfs_bus_id(_text(nvml.nvmlDeviceGetPciInfo(handle).busId))] = uuid
+        switch: dict[str, str] = {}
+        for (a, ha), (b, hb) in itertools.combinations(cards, 2):
+            try:
+                level = int(nvml.nvmlDeviceGetTopologyCommonAncestor(ha, hb))
+            except nvml.NVMLError:
+                continue
+            if level <= nvml.NVML_TOPOLOGY_MULTIPLE:  # one board or PCIe switch tree
+                group = switch.get(a) or switch.get(b) or a
+                switch[a] = switch[b] = group
+        nvlinks: dict[frozenset[str], int] = {}
+        fabric: dict[str, int] = {}  # card -> its active links to an NVSwitch
+        for uuid, handle in cards:
+            for link in range(nvml.NVML_NVLINK_MAX_LINKS):
+                try:
+                    if nvml.nvmlDeviceGetNvLinkState(handle, link) != nvml.NVML_FEATURE_ENABLED:
+                        continue
+                    remote = _text(nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
+                except nvml.NVMLError:
+                    break  # no more links on this card (or NVLink not supported)
+                peer = bus_of.get(_sysfs_bus_id(remote))
+                if peer is None:
+                    fabric[uuid] = fabric.get(uuid, 0) + 1  # an NVSwitch (or a bridge)
+                elif peer != uuid:
+                    key = frozenset((uuid, peer))
+                    nvlinks[key] = nvlinks.get(key, 0) + 1
+        nvlinks = {k: max(1, n // 2) for k, n in nvlinks.items()}  # each link seen from both ends
+        for (a, na), (b, nb) in itertools.combinations(fabric.items(), 2):
+            key = frozenset((a, b))
+            nvlinks[key] = nvlinks.get(key, 0) + min(na, nb)
+        numa = {uuid: _numa_node(bus) for bus, uuid in bus_of.items()}
+        return Topology(nvlinks=nvlinks, numa=numa, switch=switch)
+
+    def cuda_driver_version(self) -> tuple[int, int] | None:
+        try:
+            version = int(self._nvml.nvmlSystemGetCudaDriverVersion())  # e.g. 12040
+        except self._nvml.NVMLError:
+            return None
+        return version // 1000, version % 1000 // 10
 
     def close(self) -> None:
         with contextlib.suppress(self._nvml.NVMLError):

@@ -178,7 +178,9 @@ def is_label(prefix: str, key: str) -> bool:
 def labels(plan: MigPlan, prefix: str) -> dict[str, str]:
     """Node labels in GPU feature discovery's style: ``<prefix>/mig.strategy`` and, per
     served profile, ``<prefix>/mig-<profile>.count``, ``.memory`` (MiB of one device)
-    and ``.multiprocessors``."""
+    and ``.multiprocessors``. None with the strategy ``none`` (MIG support off)."""
+    if plan.strategy is MigStrategy.NONE:
+        return {}
     result = {f"{prefix}/mig.strategy": plan.strategy.value}
     by_profile: dict[str, list[MigDevice]] = {}
     for device in plan.mig_devices:

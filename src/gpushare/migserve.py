@@ -130,10 +130,22 @@ def socket_name(resource: ExclusiveResource) -> str:
     return f"gpushare-{name}.sock"
 
 
+def with_mig_names(listing: DeviceListing, plan: MigPlan, by_index: bool) -> DeviceListing:
+    """``listing`` naming MIG devices as NVIDIA's CDI specs do under the ``index`` name
+    strategy, ``<card index>:<MIG index>`` (sliced ones too); unchanged by UUID."""
+    if not by_index:
+        return listing
+    cards = {gpu.uuid: gpu for gpu in plan.mig_cards}
+    names = {
+        d.uuid: f"{cards[d.parent_uuid].index}:{d.index}"
+        for d in plan.mig_devices + list(plan.shared_mig)
+    }
+    return replace(listing, cdi_ids={**listing.cdi_ids, **names})
+
+
 def answer_builder(
     listing: DeviceListing,
     *,
-    cdi_by_index: bool = False,
     specs: Mapping[str, Sequence[DeviceSpec]] | None = None,
 ) -> AnswerBuilder:
     """The Allocate answer of a MIG resource: the MIG devices named as ``listing`` says,
@@ -142,8 +154,7 @@ def answer_builder(
 
     def build(devices: Sequence[ExclusiveDevice]) -> Answer:
         ids = [d.id for d in devices]
-        cdi_ids = [d.cdi_id or d.id for d in devices] if cdi_by_index else None
-        answer = with_device_list(Answer(), ids, listing, cdi_ids)
+        answer = with_device_list(Answer(), ids, listing)
         if specs is None:
             return answer
         nodes: list[DeviceSpec] = []

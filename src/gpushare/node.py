@@ -17,7 +17,6 @@ except the bounded, rate-limited on-demand pod list.
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from collections import deque
@@ -30,6 +29,7 @@ import structlog
 from gpushare import nodestate
 from gpushare.devices import Inventory, Resource
 from gpushare.health import HealthBoard
+from gpushare.labels import LabelFacts, node_labels
 from gpushare.podresources import PodResourcesClient
 from gpushare.podspecs import PodSpecBook
 from gpushare.usage import UsageLedger
@@ -46,12 +46,6 @@ ON_DEMAND_MIN_INTERVAL = 0.2
 POD_ANNOTATION_TRIES = 10
 #: Answers to a pod patch that another try will not change (pod gone, RBAC, invalid).
 FINAL_POD_PATCH_STATUSES = frozenset({403, 404, 422})
-
-
-def label_value(text: str) -> str:
-    """``NVIDIA GeForce RTX 3090`` -> ``NVIDIA-GeForce-RTX-3090`` (a valid label value)."""
-    value = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-._")[:63]
-    return value.rstrip("-._")
 
 
 def connect_api() -> Any:
@@ -103,6 +97,8 @@ class ApiLink:
         self._thread: threading.Thread | None = None
         self._pending: deque[_PendingPodAnnotation] = deque()
         self._last_on_demand = 0.0
+        #: What the node labels say (the daemon adds the cards of every mode, the driver).
+        self.label_facts = LabelFacts(gpus=[card.gpu for card in inventory.cards.values()])
         book.on_miss = self.refresh_pods_now
 
     # ------------------------------------------------------------------ lifecycle
@@ -209,16 +205,7 @@ class ApiLink:
         )
 
     def labels(self) -> dict[str, str]:
-        cards = list(self.inventory.cards.values())
-        if not cards:
-            return dict(self.extra_labels)
-        first = cards[0].gpu
-        return {
-            nodestate.label_key(self.prefix, "product"): label_value(first.name),
-            nodestate.label_key(self.prefix, "count"): str(len(cards)),
-            nodestate.label_key(self.prefix, "memory"): str(first.memory_mib),
-            **self.extra_labels,
-        }
+        return node_labels(self.prefix, self.label_facts) | self.extra_labels
 
     def _publish_node(self) -> None:
         state = self.node_state()

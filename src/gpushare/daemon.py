@@ -35,6 +35,7 @@ from gpushare.exclusive import (
 )
 from gpushare.gc import GarbageCollector
 from gpushare.gpus import Gpu, GpuBackend, GpuError, open_backend
+from gpushare.gputype import CardChoice, ChoiceBook
 from gpushare.health import HealthBoard, HealthMonitor, HealthPolicy
 from gpushare.kubelet import KubeletLink
 from gpushare.labels import LabelFacts
@@ -47,7 +48,7 @@ from gpushare.podresources import PodResourcesClient, Snapshot
 from gpushare.podspecs import PodSpecBook
 from gpushare.refresh import UsageRefresher
 from gpushare.topology import Topology, prefer
-from gpushare.usage import UsageLedger
+from gpushare.usage import Holder, UsageLedger
 
 log = structlog.get_logger(__name__)
 
@@ -175,6 +176,7 @@ class Daemon:
         self.health: HealthBoard | None = None  # the cards' own health
         self.offer: HealthBoard | None = None  # what the shared units are offered from
         self.exclusion: Exclusion | None = None
+        self.choices: ChoiceBook | None = None
         self.exclusive_ledger = ExclusiveLedger()
         self.listing = DeviceListing()
         self.cdi: CdiCheck | None = None
@@ -329,6 +331,13 @@ class Daemon:
                 self.specs,
                 self.pod_resources,
             )
+            self.choices = ChoiceBook(
+                settings.resource_prefix,
+                [r.name_with(settings.resource_prefix) for r in Resource]
+                + [name for name, _r, _b in exclusive],
+            )
+            self.choices.on_miss = self.api_link.refresh_pods_now
+            self.api_link.pod_listeners.append(self.choices.replace_all)
             driver = getattr(backend, "cuda_driver_version", None)
             self.api_link.label_facts = LabelFacts(
                 gpus=gpus,
@@ -387,6 +396,7 @@ class Daemon:
                 self.stopping,
                 observe=self.metrics.observe if self.metrics is not None else None,
                 listing=self.listing,
+                choice=lambda r, n: self._choice(r.name_with(settings.resource_prefix), n),
             )
             server = PluginServer(servicer, kubelet_dir / resource.socket_name)
             self.servers.append(server)
@@ -403,6 +413,7 @@ class Daemon:
                 ),
                 prefer=self._preference(devices, backend),
                 on_allocated=self._exclusive_allocated,
+                choice=lambda n, name=name: self._choice(name, n),  # type: ignore[misc]
             )
             server = PluginServer(exclusive_servicer, kubelet_dir / devices.socket_name)
             self.servers.append(server)
@@ -484,6 +495,25 @@ class Daemon:
             return prefer([d.id for d in available], [d.id for d in must], size, known, position)
 
         return preference
+
+    def _choice(self, full_name: str, units: int) -> CardChoice | None:
+        """The use-gputype choice of the container now asking ``units`` of ``full_name``,
+        when the pending pods tell it (see gputype.py); the kubelet's last records say
+        which containers already hold theirs."""
+        if self.choices is None:
+            return None
+        snapshot = self.pod_resources.last if self.pod_resources is not None else None
+        shared = {r.name_with(self.settings.resource_prefix): r for r in Resource}
+
+        def holds(key: tuple[str, str, str]) -> bool:
+            if snapshot is None:
+                return False
+            holder = Holder(*key)
+            if full_name in shared:
+                return bool(snapshot.devices.get(holder, {}).get(shared[full_name]))
+            return holder in snapshot.exclusive.get(full_name, {}).values()
+
+        return self.choices.choice_for(full_name, units, holds)
 
     def _exclusive_allocated(self, name: str, devices: Sequence[ExclusiveDevice]) -> None:
         self.exclusive_ledger.record(name, [d.id for d in devices])

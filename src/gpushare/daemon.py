@@ -293,7 +293,11 @@ class Daemon:
         exclusive = self._exclusive_resources(gpus, modes)
         # What the shared resources are offered from: the cards' health, and with whole
         # cards also whether a card is held whole (see exclusion.py).
-        offer = HealthBoard(inventory.cards, event="gpu_offer_changed") if exclusive else health
+        offer = (
+            HealthBoard(inventory.cards, event="gpu_offer_changed", level="info")
+            if exclusive
+            else health
+        )
         self.offer = offer
         self.pod_resources = PodResourcesClient(
             Path(settings.pod_resources_socket),
@@ -466,7 +470,7 @@ class Daemon:
         if not self.settings.whole_cards:
             return []
         resource = whole_cards(g for g in gpus if modes[g.uuid].exclusive)
-        board = HealthBoard(resource.devices, event="gpu_offer_changed")
+        board = HealthBoard(resource.devices, event="gpu_offer_changed", level="info")
         return [(resource.name_with(self.settings.resource_prefix), resource, board)]
 
     def _preference(self, resource: ExclusiveResource, backend: GpuBackend) -> Preference:

@@ -166,3 +166,18 @@ def test_envvar_alone_never_looks_at_cdi_specs(node: Node) -> None:
     assert node.daemon is not None and node.daemon.cdi is None
     assert node.daemon.link is not None and node.daemon.link.registered.wait(5.0)
     assert node.daemon.readiness()[0]
+
+
+# ------------------------------------------------------------------ the chart
+
+
+def test_the_chart_mounts_the_cdi_spec_dirs_read_only_only_with_a_cdi_strategy() -> None:
+    from test_deploy_manifests import _host_mounts, chart_objects, chart_values, one
+
+    config = dict(chart_values()["config"])
+    plain = _host_mounts(one(chart_objects({"config": config}), "DaemonSet"))
+    assert "/etc/cdi" not in plain and "/var/run/cdi" not in plain
+    config.update(deviceListStrategy="envvar,cdi-cri", cdiSpecDirs="/etc/cdi, /run/cdi2")
+    mounts = _host_mounts(one(chart_objects({"config": config}), "DaemonSet"))
+    assert mounts["/etc/cdi"] == ("/etc/cdi", True)
+    assert mounts["/run/cdi2"] == ("/run/cdi2", True)

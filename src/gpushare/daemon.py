@@ -36,6 +36,7 @@ from gpushare.exclusive import (
 )
 from gpushare.gc import GarbageCollector
 from gpushare.gpus import Gpu, GpuBackend, GpuError, open_backend
+from gpushare.gputype import CardChoice, ChoiceBook
 from gpushare.health import HealthBoard, HealthMonitor, HealthPolicy
 from gpushare.kubelet import KubeletLink
 from gpushare.labels import LabelFacts
@@ -49,7 +50,7 @@ from gpushare.podresources import PodResourcesClient, Snapshot
 from gpushare.podspecs import PodSpecBook
 from gpushare.refresh import UsageRefresher
 from gpushare.topology import Topology, prefer
-from gpushare.usage import UsageLedger
+from gpushare.usage import Holder, UsageLedger
 
 log = structlog.get_logger(__name__)
 
@@ -184,6 +185,7 @@ class Daemon:
         self.health: HealthBoard | None = None  # the cards' own health
         self.offer: HealthBoard | None = None  # what the shared units are offered from
         self.exclusion: Exclusion | None = None
+        self.choices: ChoiceBook | None = None
         self.exclusive_ledger = ExclusiveLedger()
         self.listing = DeviceListing()
         self.cdi: CdiCheck | None = None
@@ -317,7 +319,11 @@ class Daemon:
         exclusive = self._exclusive_resources(gpus, modes)
         # What the shared resources are offered from: the cards' health, and with whole
         # cards also whether a card is held whole (see exclusion.py).
-        offer = HealthBoard(inventory.cards, event="gpu_offer_changed") if exclusive else health
+        offer = (
+            HealthBoard(inventory.cards, event="gpu_offer_changed", level="info")
+            if exclusive
+            else health
+        )
         self.offer = offer
         self.pod_resources = PodResourcesClient(
             Path(settings.pod_resources_socket),
@@ -356,6 +362,13 @@ class Daemon:
                 self.pod_resources,
                 extra_labels=mig.labels(self.mig_plan, settings.resource_prefix),
             )
+            self.choices = ChoiceBook(
+                settings.resource_prefix,
+                [r.name_with(settings.resource_prefix) for r in Resource]
+                + [name for name, _r, _b in exclusive],
+            )
+            self.choices.on_miss = self.api_link.refresh_pods_now
+            self.api_link.pod_listeners.append(self.choices.replace_all)
             driver = getattr(backend, "cuda_driver_version", None)
             self.api_link.label_facts = LabelFacts(
                 gpus=[g for g in gpus if not g.parent_uuid] + list(self.mig_plan.mig_cards),
@@ -424,6 +437,7 @@ class Daemon:
                 self.stopping,
                 observe=self.metrics.observe if self.metrics is not None else None,
                 listing=self.listing,
+                choice=lambda r, n: self._choice(r.name_with(settings.resource_prefix), n),
             )
             server = PluginServer(servicer, kubelet_dir / resource.socket_name)
             self.servers.append(server)
@@ -440,6 +454,7 @@ class Daemon:
                 ),
                 prefer=self._preference(devices, backend),
                 on_allocated=self._exclusive_allocated,
+                choice=lambda n, name=name: self._choice(name, n),  # type: ignore[misc]
             )
             server = PluginServer(exclusive_servicer, kubelet_dir / devices.socket_name)
             self.servers.append(server)
@@ -495,7 +510,7 @@ class Daemon:
         if not self.settings.whole_cards:
             return []
         resource = whole_cards(g for g in gpus if modes[g.uuid].exclusive)
-        board = HealthBoard(resource.devices, event="gpu_offer_changed")
+        board = HealthBoard(resource.devices, event="gpu_offer_changed", level="info")
         return [(resource.name_with(self.settings.resource_prefix), resource, board)]
 
     def _mig_servers(
@@ -546,6 +561,25 @@ class Daemon:
             return prefer([d.id for d in available], [d.id for d in must], size, known, position)
 
         return preference
+
+    def _choice(self, full_name: str, units: int) -> CardChoice | None:
+        """The use-gputype choice of the container now asking ``units`` of ``full_name``,
+        when the pending pods tell it (see gputype.py); the kubelet's last records say
+        which containers already hold theirs."""
+        if self.choices is None:
+            return None
+        snapshot = self.pod_resources.last if self.pod_resources is not None else None
+        shared = {r.name_with(self.settings.resource_prefix): r for r in Resource}
+
+        def holds(key: tuple[str, str, str]) -> bool:
+            if snapshot is None:
+                return False
+            holder = Holder(*key)
+            if full_name in shared:
+                return bool(snapshot.devices.get(holder, {}).get(shared[full_name]))
+            return holder in snapshot.exclusive.get(full_name, {}).values()
+
+        return self.choices.choice_for(full_name, units, holds)
 
     def _exclusive_allocated(self, name: str, devices: Sequence[ExclusiveDevice]) -> None:
         self.exclusive_ledger.record(name, [d.id for d in devices])

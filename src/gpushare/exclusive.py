@@ -33,6 +33,7 @@ from gpushare.answers import (
 from gpushare.binding import BindingError, Refusal
 from gpushare.devices import MAX_DEVICE_ID_LENGTH, InvalidDeviceIds
 from gpushare.gpus import Gpu
+from gpushare.gputype import CardChoice
 from gpushare.health import HealthBoard
 from gpushare.plugin import HEALTHY, UNHEALTHY, ListingServicer, answer_to_proto
 
@@ -212,8 +213,11 @@ class ExclusiveServicer(ListingServicer):
         prefer: Preference = in_order,
         on_allocated: Callable[[str, Sequence[ExclusiveDevice]], None] | None = None,
         observe: Callable[[str, str, str, float], None] | None = None,
+        choice: Callable[[int], CardChoice | None] | None = None,
     ) -> None:
         super().__init__(resource.name, board, stopping)
+        #: The asking pod's card choice (use-gputype annotations), if it can be told.
+        self.choice = choice
         self.resource = resource
         self.full_name = full_name
         self.answer = answer
@@ -263,6 +267,11 @@ class ExclusiveServicer(ListingServicer):
                     raise BindingError(
                         Refusal.INVALID, "must_include_deviceIDs are not all in available_deviceIDs"
                     )
+                choice = self.choice(size) if self.choice is not None else None
+                if choice is not None:
+                    allowed = [d for d in available if choice.allows(d.name, d.parent)]
+                    if len(allowed) >= size and set(required) <= set(allowed):
+                        available = allowed
                 offered = {d.id for d in available}
                 ids = [i for i in self.prefer(available, required, size) if i in offered][:size]
                 responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=ids))
@@ -280,7 +289,12 @@ class ExclusiveServicer(ListingServicer):
                 devices = self._resolve(container.devices_ids)
                 if not devices:
                     raise BindingError(Refusal.INVALID, "the request names no devices")
+                choice = self.choice(len(devices)) if self.choice is not None else None
                 for device in devices:
+                    if choice is not None and not choice.allows(device.name, device.parent):
+                        raise BindingError(
+                            Refusal.PRECONDITION, choice.why_not(device.name, device.parent)
+                        )
                     if not self.board.is_healthy(device.id):
                         reason = self.board.reason(device.id) or "unhealthy"
                         raise BindingError(

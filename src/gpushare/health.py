@@ -23,11 +23,14 @@ log = structlog.get_logger(__name__)
 class HealthBoard:
     """Thread-safe map card UUID -> healthy, with change notification."""
 
-    def __init__(self, uuids: Iterable[str], event: str = "gpu_health_changed") -> None:
+    def __init__(
+        self, uuids: Iterable[str], event: str = "gpu_health_changed", level: str = "warning"
+    ) -> None:
         self._healthy = dict.fromkeys(uuids, True)
         self._reasons: dict[str, str] = {}
         self._changed = threading.Condition()
-        self._event = event  # the log event of a change (boards derived from this one differ)
+        # The log event and level of a change (boards derived from this one differ).
+        self._event, self._level = event, level
         #: Called after every change, outside the lock (boards derived from this one).
         self.listeners: list[Callable[[], None]] = []
         self.version = 0
@@ -60,7 +63,7 @@ class HealthBoard:
                 self._reasons[uuid] = reason
             self.version += 1
             self._changed.notify_all()
-        log.warning(self._event, gpu=uuid, healthy=healthy, reason=reason)
+        getattr(log, self._level)(self._event, gpu=uuid, healthy=healthy, reason=reason)
         for listener in self.listeners:
             listener()
         return True

@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +99,8 @@ class ApiLink:
         self._last_on_demand = 0.0
         #: What the node labels say (the daemon adds the cards of every mode, the driver).
         self.label_facts = LabelFacts(gpus=[card.gpu for card in inventory.cards.values()])
+        #: Also given every pod list read (the use-gputype choices, gputype.py).
+        self.pod_listeners: list[Callable[[list[dict[str, Any]]], None]] = []
         book.on_miss = self.refresh_pods_now
 
     # ------------------------------------------------------------------ lifecycle
@@ -272,7 +274,10 @@ class ApiLink:
             field_selector=f"spec.nodeName={self.node_name}", _request_timeout=timeout
         )
         serialize = api.api_client.sanitize_for_serialization
-        self.book.replace_all([serialize(pod) for pod in pods.items])
+        items = [serialize(pod) for pod in pods.items]
+        self.book.replace_all(items)
+        for listener in self.pod_listeners:
+            listener(items)
 
     def refresh_pods_now(self) -> bool:
         """Re-read this node's pods now (bounded and rate-limited); True if it did."""

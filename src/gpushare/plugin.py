@@ -24,6 +24,7 @@ from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from gpushare.answers import Answer, DeviceListing, with_device_list
 from gpushare.binding import Binder, BindingError, Refusal
 from gpushare.devices import Inventory, Resource, format_device_id
+from gpushare.gputype import CardChoice
 from gpushare.health import HealthBoard
 
 log = structlog.get_logger(__name__)
@@ -189,6 +190,7 @@ class DevicePluginServicer(ListingServicer):
         stopping: threading.Event,
         observe: Observer | None = None,
         listing: DeviceListing | None = None,
+        choice: Callable[[Resource, int], CardChoice | None] | None = None,
     ) -> None:
         super().__init__(resource.value, health, stopping)
         self.resource = resource
@@ -196,6 +198,24 @@ class DevicePluginServicer(ListingServicer):
         self.health = health
         self.observe = observe
         self.listing = listing
+        #: The asking pod's card choice (use-gputype annotations), if it can be told.
+        self.choice = choice
+
+    def _allowed(self, size: int) -> Callable[[str], bool] | None:
+        choice = self.choice(self.resource, size) if self.choice is not None else None
+        if choice is None:
+            return None
+        cards = self.binder.inventory.cards
+        return lambda uuid: uuid in cards and choice.allows(cards[uuid].gpu.name, uuid)
+
+    def _check_choice(self, device_ids: Any) -> None:
+        """Refuse units on a card the asking pod's annotations exclude."""
+        choice = self.choice(self.resource, len(device_ids)) if self.choice is not None else None
+        if choice is None or not device_ids:
+            return
+        card = self.binder.inventory.cards.get(str(device_ids[0]).rpartition("::")[0])
+        if card is not None and not choice.allows(card.gpu.name, card.uuid):
+            raise BindingError(Refusal.PRECONDITION, choice.why_not(card.gpu.name, card.uuid))
 
     def build_device_list(self) -> api_pb2.ListAndWatchResponse:
         return device_list_message(self.binder.inventory, self.resource, self.health.is_healthy)
@@ -213,6 +233,7 @@ class DevicePluginServicer(ListingServicer):
                     container.available_deviceIDs,
                     container.must_include_deviceIDs,
                     container.allocation_size,
+                    allowed=self._allowed(container.allocation_size),
                 )
                 responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=ids))
             return api_pb2.PreferredAllocationResponse(container_responses=responses)
@@ -225,6 +246,7 @@ class DevicePluginServicer(ListingServicer):
                 raise BindingError(Refusal.INVALID, "the request holds no container requests")
             responses = []
             for container in request.container_requests:
+                self._check_choice(container.devices_ids)
                 uuid, answer = self.binder.allocate(self.resource, container.devices_ids)
                 if self.listing is not None:
                     answer = with_device_list(answer, [uuid], self.listing)

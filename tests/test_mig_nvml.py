@@ -108,3 +108,50 @@ def test_probe_sees_a_mig_device_vanish_and_return_and_a_layout_change_once(
     _fake.cards[1].mig = (0, 1)  # the plain card will be in MIG mode after a reset
     backend._probe(lost, seen.append)
     assert seen[3:] == [GpuEvent("GPU-plain", mig_changed=True)]
+
+
+def test_nvml_xid_events_carry_the_instance_only_on_mig_cards(
+    pynvml: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import threading
+    from types import SimpleNamespace
+
+    backend, _ = backend_with(
+        pynvml, monkeypatch, [reference_layout(), FakeCard("GPU-plain")], tmp_path
+    )
+    backend.discover()
+    stop = threading.Event()
+    xid = pynvml.nvmlEventTypeXidCriticalError
+    events = [
+        SimpleNamespace(device=("card", 0), eventType=xid, eventData=94,
+                        gpuInstanceId=9, computeInstanceId=0),
+        SimpleNamespace(device=("card", 0), eventType=xid, eventData=79,
+                        gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF),
+        SimpleNamespace(device=("card", 1), eventType=xid, eventData=79,
+                        gpuInstanceId=0, computeInstanceId=0),  # no MIG: ignored
+    ]
+    registered: list[tuple[Any, int]] = []
+
+    def wait(_events: Any, _timeout_ms: int) -> Any:
+        if not events:
+            stop.set()
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
+        return events.pop(0)
+
+    for name, value in {
+        "nvmlEventSetCreate": lambda: object(),
+        "nvmlEventSetFree": lambda _events: None,
+        "nvmlDeviceRegisterEvents": lambda h, kinds, _events: registered.append((h, kinds)),
+        "nvmlEventSetWait_v2": wait,
+    }.items():
+        monkeypatch.setattr(pynvml, name, value)
+    seen: list[GpuEvent] = []
+    backend.watch(seen.append, stop)
+    a100 = reference_layout().uuid
+    assert seen == [
+        GpuEvent(a100, xid=94, gpu_instance=9, compute_instance=0),
+        GpuEvent(a100, xid=79),
+        GpuEvent("GPU-plain", xid=79),
+    ]
+    assert (("card", 0), pynvml.nvmlEventMigConfigChange) in registered  # MIG card only
+    assert (("card", 1), pynvml.nvmlEventMigConfigChange) not in registered

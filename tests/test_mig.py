@@ -105,11 +105,21 @@ def test_simulated_mig_events(tmp_path: Path) -> None:
         GpuEvent(mig_uuid(9), gone=False),
     ]
     assert GpuEvent(A100_UUID, mig_changed=True) not in step([grown, shared_card(1)])
+    assert step([grown]) == [GpuEvent(gpu_uuid(1), gone=True)]
+    assert step([grown, {**shared_card(1), "mig": True}]) == [
+        GpuEvent(gpu_uuid(1), gone=False),
+        GpuEvent(gpu_uuid(1), mig_changed=True),  # back after a reset, in MIG mode now
+    ]
     pending = {**shared_card(1), "mig_pending": True}
     assert step([reference_a100(), pending]) == [
-        GpuEvent(mig_uuid(9), gone=True),  # not served, so harmless
-        GpuEvent(gpu_uuid(1), mig_changed=True),
+        GpuEvent(mig_uuid(9), gone=True),  # not served, so harmless; card 1 said so already
     ]
+    fresh = SimulatedBackend(write(tmp_path / "f.yaml", [shared_card(1)]))
+    fresh.discover()
+    write(tmp_path / "f.yaml", [pending])
+    seen.clear()
+    fresh._look(seen.append)
+    assert seen == [GpuEvent(gpu_uuid(1), mig_changed=True)]  # MIG mode pending
 
 
 # ------------------------------------------------------------------ strategies

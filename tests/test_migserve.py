@@ -120,3 +120,19 @@ def test_single_resource_socket_is_apart_from_whole_cards(tmp_path: Path) -> Non
     path.write_text(yaml.safe_dump({"gpus": [card]}))
     served = dict(resources(plan(SimulatedBackend(path).discover(), MigStrategy.SINGLE), "x.io"))
     assert socket_name(served["x.io/gpu"]) == "gpushare-mig-gpu.sock"
+
+
+def test_old_style_mig_uuids_of_the_reference_document_are_device_ids(tmp_path: Path) -> None:
+    """Drivers before R470 named MIG devices ``MIG-GPU-<uuid>/<gi>/<ci>`` (the reference
+    document's ``nvidia-smi -L`` shows one); they stay valid IDs and names."""
+    card = reference_a100()
+    for item in card["instances"]:
+        item["uuid"] = f"MIG-{A100_UUID}/{item['gi']}/{item['ci']}"
+    path = tmp_path / "n.yaml"
+    path.write_text(yaml.safe_dump({"gpus": [card]}))
+    served = dict(resources(plan(SimulatedBackend(path).discover(), MigStrategy.MIXED), "x.io"))
+    two = served["x.io/mig-2g.10gb"]
+    assert list(two.devices) == [f"MIG-{A100_UUID}/3/0"]
+    listing = DeviceListing(strategies=frozenset({ENVVAR, CDI_CRI}))
+    answer = answer_builder(listing)(list(two.devices.values()))
+    assert answer.envs["NVIDIA_VISIBLE_DEVICES"] == f"MIG-{A100_UUID}/3/0"

@@ -100,11 +100,6 @@ def plan_gpus(gpus: Sequence[Gpu], strategy: str, sharing: bool = False) -> MigP
     return result
 
 
-def usable_gpus(gpus: Sequence[Gpu]) -> list[Gpu]:
-    """The cards gpushare slices without MIG support: MIG cards are left out."""
-    return list(plan_gpus(gpus, MigStrategy.NONE.value).shared)
-
-
 def prepare_enforcement(settings: Settings) -> Enforcement:
     if settings.no_enforcement:
         log.warning(

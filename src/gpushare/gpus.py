@@ -311,6 +311,9 @@ class SimulatedBackend:
             old = before.get(uuid)
             if old is None:
                 deliver(GpuEvent(uuid, gone=False))
+                known = self._served.get(uuid)
+                if known is not None and _drifted(known, card.gpu):  # back, repartitioned
+                    deliver(GpuEvent(uuid, mig_changed=True))
             if card.xid is not None and (old is None or old.xid != card.xid):
                 deliver(GpuEvent(uuid, xid=card.xid))
             if old is not None:

@@ -8,7 +8,6 @@ acting on an older list) is driven by calling Allocate directly.
 from __future__ import annotations
 
 import itertools
-import os
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +169,7 @@ def expected_lists(node: Node, shared: bool, whole: bool) -> dict[tuple[str, str
 
 
 ALL_ORDERS = orders()
-#: By default the first order with the restart in each position; all 30 with GPUSHARE_SLOW=1.
+#: By default the first order with the restart in each position; all 30 with ``-m slow``.
 SOME_ORDERS = [next(o for o in ALL_ORDERS if o.index("restart") == i) for i in range(5)]
 
 
@@ -186,10 +185,7 @@ def test_the_orders_are_all_there() -> None:
         pytest.param(
             ALL_ORDERS,
             id="all",
-            marks=[
-                pytest.mark.slow,
-                pytest.mark.skipif(os.environ.get("GPUSHARE_SLOW") != "1", reason="slow"),
-            ],
+            marks=pytest.mark.slow,
         ),
     ],
 )

@@ -14,7 +14,7 @@ from kube_double import KubeApiDouble
 from procs import poll
 
 from gpushare import nodestate
-from gpushare.gputype import CardChoice, ChoiceBook, card_choice
+from gpushare.gputype import CardChoice, ChoiceBook, allowed_cards, card_choice
 from gpushare.sim.kubelet import AdmissionError
 
 NODE = "gpu-node-1"
@@ -188,3 +188,16 @@ def test_whole_cards_follow_uuid_and_type_choices(node: Node, api: KubeApiDouble
     assert known(node, "no-t4")
     with pytest.raises(AdmissionError, match="exclude"):
         node.kubelet.admit("no-t4", "main", {"gpushare.io/gpu": 1})
+
+
+def test_allowed_cards_for_the_extender() -> None:
+    cards = [(gpu_uuid(0), "Tesla T4"), (gpu_uuid(1), "NVIDIA A100-PCIE-40GB")]
+    assert card_allowed(pod("p", {}), cards) is None
+    picky = pod("p", {}, {"gpushare.io/nouse-gputype": "t4"})
+    assert card_allowed(picky, cards) == {gpu_uuid(1)}
+    none_left = pod("p", {}, {"nvidia.com/use-gpuuuid": gpu_uuid(7)})
+    assert card_allowed(none_left, cards) == set()
+
+
+def card_allowed(body: dict[str, Any], cards: list[tuple[str, str]]) -> set[str] | None:
+    return allowed_cards(body, "gpushare.io", cards)

@@ -162,3 +162,15 @@ class ChoiceBook:
             return None
         (choice,) = choices
         return choice or None
+
+
+def allowed_cards(
+    pod: Mapping[str, Any], prefix: str, cards: Iterable[tuple[str, str]]
+) -> set[str] | None:
+    """The UUIDs of ``cards`` ((uuid, name) pairs) the pod's annotations allow; None when
+    the pod makes no choice. For the scheduler extender: a node whose cards all fail
+    cannot take the pod (see docs/modes.md)."""
+    choice = card_choice((pod.get("metadata") or {}).get("annotations"), prefix)
+    if not choice:
+        return None
+    return {uuid for uuid, name in cards if choice.allows(name, uuid)}

@@ -19,7 +19,8 @@ import structlog
 
 from gpushare.answers import Enforcement
 from gpushare.binding import Binder
-from gpushare.config import ConfigError, Settings, load_settings
+from gpushare.buildinfo import build_info
+from gpushare.config import ConfigError, Settings, effective_config, load_settings_with_origins
 from gpushare.devices import Inventory, Resource
 from gpushare.gc import GarbageCollector
 from gpushare.gpus import Gpu, GpuBackend, GpuError, open_backend
@@ -33,6 +34,7 @@ from gpushare.plugin import DevicePluginServicer, PluginServer, device_list_mess
 from gpushare.podresources import PodResourcesClient, Snapshot
 from gpushare.podspecs import PodSpecBook
 from gpushare.refresh import UsageRefresher
+from gpushare.unitguard import UnitSizeChanged, guard_unit_size
 from gpushare.usage import UsageLedger
 
 log = structlog.get_logger(__name__)
@@ -247,6 +249,7 @@ class Daemon:
         collector = GarbageCollector(
             Path(settings.host_lib_dir), settings.gc_grace_seconds, enforcement.library
         )
+
         def after_read(snapshot: Snapshot) -> None:
             if collector.maybe_collect(snapshot) is not None:
                 return_free_memory()  # at most once a minute: after a burst, not during
@@ -281,7 +284,17 @@ class Daemon:
             on_allocated=self._allocated,
         )
         # The kubelet's records first: the first placement after a restart respects them.
-        if refresher.refresh_once():
+        recovered = refresher.refresh_once()
+        try:
+            guard_unit_size(
+                Path(settings.host_lib_dir),
+                settings.memory_unit_mib,
+                self.pod_resources.last if recovered else None,
+                {uuid: card.memory_units for uuid, card in inventory.cards.items()},
+            )
+        except UnitSizeChanged as exc:
+            raise ConfigurationTooLarge(str(exc)) from None
+        if recovered:
             log.info("usage_recovered", **self._usage_summary(usage))
         for card in inventory.cards.values():
             log.info(
@@ -423,11 +436,12 @@ def return_free_memory() -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     limit_malloc_arenas()
     try:
-        settings = load_settings(argv)
+        settings, origins = load_settings_with_origins(argv)
     except ConfigError as exc:
         print(f"gpushare-device-plugin: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_format, settings.log_level)
+    log.info("starting", **build_info(), config=effective_config(settings, origins))
     daemon = Daemon(settings)
     done = threading.Event()
 

@@ -3,7 +3,6 @@ simulated kubelet, with the three containers from the reference documents."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -11,7 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from gpushare.config import Settings
+from gpushare.cli import Parser, add_version
+from gpushare.config import LOG_LEVELS, Settings
 from gpushare.daemon import Daemon, StartupError
 from gpushare.devices import Resource
 from gpushare.logs import configure_logging
@@ -123,8 +123,14 @@ def run_demo(workdir: Path) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpushare-demo", description=__doc__)
-    parser.add_argument("--log-level", default="warning", help="daemon log level (default warning)")
+    parser = Parser(prog="gpushare-demo", description=__doc__)
+    add_version(parser)
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=LOG_LEVELS,
+        help="daemon log level (default warning)",
+    )
     args = parser.parse_args(argv)
     configure_logging("console", args.log_level)
     with tempfile.TemporaryDirectory(prefix="gpushare-demo-") as tmp:

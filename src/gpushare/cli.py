@@ -1,0 +1,37 @@
+"""What every gpushare command line has in common: one-line usage errors (exit 2) and
+``--version``.
+
+argparse prints its usage block before an error; an operator reading a crash-looping
+pod's log, or a script reading stderr, wants the one line that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+from gpushare import __version__
+
+#: Exit status of every refusal of a command line, a setting or a config file.
+EXIT_USAGE = 2
+
+
+def one_line(text: str, limit: int = 1000) -> str:
+    """``text`` on one line, cut to ``limit`` characters."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr (``prog: message``), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: {one_line(message)} (see {self.prog} --help)\n")
+        sys.exit(EXIT_USAGE)
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}", help="print the version"
+    )

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
+import yaml
 from conftest import TESLA_P4, Node, cards
 from procs import daemon_command
 
@@ -48,3 +51,58 @@ def test_version_flags_print_the_package_version() -> None:
         )
         assert result.returncode == 0
         assert result.stdout.strip() == f"{prog} {__version__}"
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_chart_image_manifests_and_makefile_carry_the_package_version() -> None:
+    chart = yaml.safe_load((ROOT / "charts" / "gpushare" / "Chart.yaml").read_text())
+    assert chart["version"] == chart["appVersion"] == __version__
+    for path in (ROOT / "daemonset").rglob("*.yaml"):
+        for image in re.findall(r"image:\s*(\S*gpushare:\S+)", path.read_text()):
+            assert image.rsplit(":", 1)[1] == __version__, path
+    make = subprocess.run(
+        ["make", "-s", "-C", str(ROOT), "version"], capture_output=True, text=True, timeout=30
+    )
+    assert make.stdout.strip() == __version__
+    dry_run = subprocess.run(
+        ["make", "-n", "-C", str(ROOT), "image"], capture_output=True, text=True, timeout=30
+    ).stdout
+    assert f"-t gpushare:{__version__}" in dry_run
+    assert f"--build-arg VERSION={__version__}" in dry_run
+
+
+def test_make_image_builds_both_architectures_with_buildx_and_falls_back_without() -> None:
+    def dry_run(*args: str) -> str:
+        done = subprocess.run(
+            ["make", "-n", "-C", str(ROOT), "image", *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    default = dry_run()
+    assert "docker buildx version" in default  # buildx where available
+    assert "--platform linux/amd64,linux/arm64" in default
+    assert "--output type=oci,dest=dist/gpushare-" in default  # no push unless asked
+    assert "--push" not in default
+    pushed = dry_run("PUSH=1", "IMAGE=registry.example.com/gpushare:1")
+    assert "--push" in pushed and "-t registry.example.com/gpushare:1" in pushed
+    assert "docker push registry.example.com/gpushare:1" in pushed  # the fallback pushes too
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "ARG VERSION" in dockerfile and "org.opencontainers.image.version" in dockerfile
+
+
+def test_the_distribution_is_gpushare_device_plugin_and_no_doc_says_install_gpushare() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["name"] == "gpushare-device-plugin"
+    assert "version" in project["dynamic"]  # read from gpushare.__version__
+    for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for line in path.read_text().splitlines():
+            if re.search(r"pip3? install\s+(?:-U\s+)?gpushare(?![-_\w])", line):
+                assert "Never" in line or "Do not" in line, f"{path.name}: {line}"

@@ -321,6 +321,9 @@ class Daemon:
                 health,
                 {resource: resource.name_with(settings.resource_prefix) for resource in Resource},
                 pod_resources_reads=lambda: (refresher.reads, refresher.failures),
+                node=settings.node_name,
+                ready=lambda: self.readiness()[0],
+                registered=self._registered_resources,
             )
         kubelet_dir = Path(settings.kubelet_dir)
         named_servers = []
@@ -364,6 +367,13 @@ class Daemon:
                 f" {exc.strerror or exc}; set --metrics-port (0 = off)"
             ) from None
         self.metrics_server = server
+
+    def _registered_resources(self) -> dict[str, bool]:
+        """Resource name -> registered with the kubelet now (all register together)."""
+        link = self.link
+        registered = link is not None and link.registered.is_set() and not self.stopping.is_set()
+        prefix = self.settings.resource_prefix
+        return {resource.name_with(prefix): registered for resource in Resource}
 
     def _render_metrics(self) -> bytes:
         metrics = self.metrics

@@ -38,7 +38,10 @@ CONFIG_FILE_LIMIT = 64 << 10
 QUOTE_LIMIT = 60
 
 #: A DNS subdomain (RFC 1123), as Kubernetes requires of a resource name's prefix.
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+_DNS_SUBDOMAIN = re.compile(DNS_SUBDOMAIN)
+#: What ``ignoredXids`` may say as a string (the chart's schema uses it too).
+XIDS_PATTERN = r"^\s*([Aa][Ll][Ll]|[0-9]+(\s*,\s*[0-9]+)*)?\s*$"
 
 
 def quote(value: Any) -> str:
@@ -255,7 +258,7 @@ def _validate(settings: Settings, origins: Mapping[str, str]) -> None:
     prefix = settings.resource_prefix
     if (
         len(prefix) > 253
-        or not _DNS_SUBDOMAIN.match(prefix)
+        or not _DNS_SUBDOMAIN.fullmatch(prefix)
         or prefix == "kubernetes.io"
         or prefix.endswith(".kubernetes.io")
     ):

@@ -39,6 +39,7 @@ import yaml
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2
 from gpushare.devices import Inventory, Resource
+from gpushare.elf import stand_in
 from gpushare.gpus import Gpu
 from gpushare.mdsection import replace_section
 from gpushare.plugin import device_list_message
@@ -184,7 +185,7 @@ class Node:
             )
         )
         self.library = root / "libvgpu.so"
-        self.library.write_bytes(b"\x7fELF stand-in interposer for the benchmark\n")
+        self.library.write_bytes(stand_in(b"stand-in interposer for the benchmark\n"))
         self.kubelet = SimulatedKubelet(root / "dp", root / "pr" / "kubelet.sock", observe)
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = root / "daemon.log"

@@ -22,6 +22,7 @@ from gpushare.binding import Binder
 from gpushare.buildinfo import build_info
 from gpushare.config import ConfigError, Settings, effective_config, load_settings_with_origins
 from gpushare.devices import Inventory, Resource
+from gpushare.elf import NotASharedObject, check_shared_object
 from gpushare.gc import GarbageCollector
 from gpushare.gpus import Gpu, GpuBackend, GpuError, open_backend
 from gpushare.health import HealthBoard, HealthMonitor, HealthPolicy
@@ -54,6 +55,12 @@ class StartupError(Exception):
     exit_code = 1
 
 
+class BadKubeletDir(StartupError):
+    """The kubelet's device-plugin directory is not there: a wrong path or mount."""
+
+    exit_code = 2
+
+
 class ConfigurationTooLarge(StartupError):
     """The settings cannot work on this node's GPUs (e.g. too many device IDs)."""
 
@@ -77,6 +84,27 @@ def usable_gpus(gpus: Sequence[Gpu]) -> list[Gpu]:
     return usable
 
 
+class BadLibrary(StartupError):
+    """``--library`` names a file that cannot enforce anything on this node."""
+
+    exit_code = 2
+
+
+def check_library(path: Path) -> None:
+    """Refuse an interposer that is not an ELF shared object of this node's machine; a
+    missing file is left to the installer's own message."""
+    try:
+        check_shared_object(path)
+    except OSError:
+        return
+    except NotASharedObject as exc:
+        raise BadLibrary(
+            f"--library {path} is {exc}: it would be preloaded and silently ignored, and "
+            "no limit enforced; point --library at HAMi-core's libvgpu.so for this "
+            "architecture, or run with --no-enforcement"
+        ) from None
+
+
 def prepare_enforcement(settings: Settings) -> Enforcement:
     if settings.no_enforcement:
         log.warning(
@@ -84,6 +112,7 @@ def prepare_enforcement(settings: Settings) -> Enforcement:
             detail="--no-enforcement: containers get limits as env only, nothing enforces them",
         )
         return Enforcement(library=None, preload_file=None, use_ld_preload_env=False)
+    check_library(Path(settings.library))
     try:
         library = install_library(Path(settings.library), Path(settings.host_lib_dir))
         preload_file = (
@@ -213,6 +242,8 @@ class Daemon:
             return False, f"starting; {self.waiting_for}" if self.waiting_for else "starting"
         if not link.registered.is_set():
             return False, "serving; not registered with the kubelet"
+        if self.inventory is not None and not len(self.inventory):
+            return False, "registered, but no usable GPU (none found, or all MIG-enabled)"
         return True, "serving and registered"
 
     def start(self) -> None:
@@ -237,6 +268,12 @@ class Daemon:
             raise StartupError(str(exc)) from None
         check_message_sizes(inventory)
         self.inventory = inventory
+        if not len(inventory):
+            log.warning(
+                "no_usable_gpus",
+                detail="no GPU to share: none found by NVML, or all MIG-enabled; "
+                "serving empty device lists, /readyz answers 503",
+            )
         enforcement = prepare_enforcement(settings)
         health = HealthBoard(inventory.cards)
         self.health = health
@@ -338,8 +375,14 @@ class Daemon:
             server = PluginServer(servicer, kubelet_dir / resource.socket_name)
             self.servers.append(server)
             named_servers.append((server, resource.name_with(settings.resource_prefix)))
+        if not kubelet_dir.is_dir():
+            raise BadKubeletDir(
+                f"--kubelet-dir {kubelet_dir} does not exist: it must be the kubelet's "
+                "device-plugins directory (<kubelet root-dir>/device-plugins, e.g. "
+                "/var/lib/kubelet/device-plugins; k0s: /var/lib/k0s/kubelet/device-plugins), "
+                "mounted at the same path"
+            )
         try:
-            kubelet_dir.mkdir(parents=True, exist_ok=True)
             for server in self.servers:
                 server.start()
         except (OSError, RuntimeError) as exc:

@@ -14,6 +14,7 @@ from gpushare.cli import Parser, add_version
 from gpushare.config import LOG_LEVELS, Settings
 from gpushare.daemon import Daemon, StartupError
 from gpushare.devices import Resource
+from gpushare.elf import stand_in
 from gpushare.logs import configure_logging
 from gpushare.sim.kubelet import AdmissionError, Admitted, SimulatedKubelet
 
@@ -54,7 +55,9 @@ def run_demo(workdir: Path) -> int:
     node_file = workdir / "node.yaml"
     node_file.write_text(yaml.safe_dump(TWO_TESLA_P4))
     library = workdir / "libvgpu.so"
-    library.write_bytes(b"placeholder for HAMi-core libvgpu.so (the demo enforces nothing)\n")
+    library.write_bytes(
+        stand_in(b"placeholder for HAMi-core libvgpu.so (the demo enforces nothing)\n")
+    )
     settings = Settings(
         kubelet_dir=str(workdir / "device-plugins"),
         pod_resources_socket=str(workdir / "pod-resources" / "kubelet.sock"),

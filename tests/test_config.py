@@ -247,3 +247,22 @@ def test_the_effective_configuration_names_every_key_and_its_origin(tmp_path: Pa
     assert effective["logLevel"] == {"value": "debug", "from": "env GPUSHARE_LOG_LEVEL"}
     assert effective["placement"] == {"value": "spread", "from": f"key placement in {config}"}
     assert effective["kubeletDir"]["from"] == "default"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["gpushare.extender.server", "--ledger-timeout-seconds=nan"],
+        ["gpushare.extender.server", "--ledger-timeout-seconds=inf"],
+        ["gpushare.extender.server", "--ledger-timeout-seconds=-1"],
+        ["gpushare.kubectl", "uninstall", "--wait=nan"],
+        ["gpushare.kubectl", "uninstall", "--wait=1e999"],
+    ],
+)
+def test_float_flags_of_the_other_commands_refuse_non_finite_values(command: list[str]) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", *command], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "is not between" in line

@@ -8,7 +8,9 @@ pod's log, or a script reading stderr, wants the one line that says what is wron
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 from gpushare import __version__
@@ -35,3 +37,19 @@ def add_version(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--version", action="version", version=f"%(prog)s {__version__}", help="print the version"
     )
+
+
+def bounded_float(low: float, high: float) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number in [low, high] (NaN and infinity refused:
+    a NaN interval makes a wait loop spin)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text[:40]!r}") from None
+        if not math.isfinite(value) or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not between {low:g} and {high:g}")
+        return value
+
+    return parse

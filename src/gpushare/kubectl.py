@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import yaml
 
 from gpushare import __version__, deploy, inspect
-from gpushare.cli import Parser, add_version
+from gpushare.cli import Parser, add_version, bounded_float
 from gpushare.kubeapi import EXIT_NO_CLUSTER, ApiError, Cluster, NoCluster
 
 PROG = "kubectl gpushare"
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_cluster_flags(uninstall)
     uninstall.add_argument(
         "--wait",
-        type=float,
+        type=bounded_float(0, 3600),
         default=deploy.UNINSTALL_WAIT_SECONDS,
         metavar="SECONDS",
         help="how long to wait for the daemon pod to leave a node before removing what it "

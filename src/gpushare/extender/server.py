@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from gpushare.cli import Parser, add_version
+from gpushare.cli import Parser, add_version, bounded_float
 from gpushare.config import LOG_FORMATS, LOG_LEVELS
 from gpushare.extender.fit import PLACEMENTS
 from gpushare.extender.ledger import AdmissionLedger
@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--ledger-timeout-seconds",
-        type=float,
+        type=bounded_float(0.001, 3600),
         default=defaults.ledger_timeout_seconds,
         help="the longest a pod let through is counted on top of its node's annotation",
     )

@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 PROTOS := $(shell find proto -name '*.proto')
 comma  := ,
 
-.PHONY: demo test lint bench simulate image image-local version manifests clean
+.PHONY: demo test lint bench simulate image image-local version manifests clean verify-pairing
 
 demo: $(VENV)/.installed  ## run the daemon on a simulated node with a simulated kubelet
 	$(BIN)/gpushare-demo
@@ -18,6 +18,9 @@ test: $(VENV)/.installed-test  ## lint, type-check and run the test suite
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
+
+verify-pairing: $(VENV)/.installed-test  ## every admission sequence of up to 5 containers, 3 regimes
+	$(BIN)/pytest -q -m slow tests/test_pairing.py
 
 bench: $(VENV)/.installed-test  ## measure latency, start time and footprint
 	$(BIN)/python -m gpushare.bench --write docs/benchmarks.md

@@ -55,16 +55,18 @@ class StartupError(Exception):
     exit_code = 1
 
 
-class BadKubeletDir(StartupError):
+class ConfigurationRefused(StartupError):
+    """The settings cannot work on this node: exit 2, like a bad value."""
+
+    exit_code = 2
+
+
+class BadKubeletDir(ConfigurationRefused):
     """The kubelet's device-plugin directory is not there: a wrong path or mount."""
 
-    exit_code = 2
 
-
-class ConfigurationTooLarge(StartupError):
+class ConfigurationTooLarge(ConfigurationRefused):
     """The settings cannot work on this node's GPUs (e.g. too many device IDs)."""
-
-    exit_code = 2
 
 
 def usable_gpus(gpus: Sequence[Gpu]) -> list[Gpu]:
@@ -84,10 +86,8 @@ def usable_gpus(gpus: Sequence[Gpu]) -> list[Gpu]:
     return usable
 
 
-class BadLibrary(StartupError):
+class BadLibrary(ConfigurationRefused):
     """``--library`` names a file that cannot enforce anything on this node."""
-
-    exit_code = 2
 
 
 def check_library(path: Path) -> None:
@@ -330,7 +330,7 @@ class Daemon:
                 {uuid: card.memory_units for uuid, card in inventory.cards.items()},
             )
         except UnitSizeChanged as exc:
-            raise ConfigurationTooLarge(str(exc)) from None
+            raise ConfigurationRefused(str(exc)) from None
         if recovered:
             log.info("usage_recovered", **self._usage_summary(usage))
         for card in inventory.cards.values():

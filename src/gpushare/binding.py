@@ -243,7 +243,12 @@ class Binder:
         ]
         prefer, other_need = None, None
         if decision.partner is None and self.specs is not None:
-            needs = self.specs.asking(resource, size, snapshot, decision.holder)
+            holder = decision.holder
+            if holder is None and snapshot is not None and last is not None:
+                # Whatever resource it was, the container bound last tells which pod is
+                # being admitted, and so which of its containers comes next.
+                holder = snapshot.holder_of(last.resource, last.device_ids[0])
+            needs = self.specs.asking(resource, size, snapshot, holder)
             if needs:
                 other_need = needs[0].of(resource.other)
                 rooms = [

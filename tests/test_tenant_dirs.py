@@ -90,7 +90,7 @@ def start_as_daemonset(
         "setpriv",
         f"--bounding-set={bounding(capabilities)}",
         *daemon_command(
-            node, "--gc-grace-seconds", "0.3", "--pod-resources-interval-seconds", "0.05"
+            node, "--gc-grace-seconds", "1", "--pod-resources-interval-seconds", "1"
         ),
     ]
     with log_file.open("wb") as out:

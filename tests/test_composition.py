@@ -45,6 +45,7 @@ def test_optional_parts_are_absent_when_off_and_everything_stops(node: Node) -> 
     sockets = [f"server:{server.socket_path.name}" for server in daemon.servers]
     assert daemon.parts == (
         "pod-resources",
+        "reaper",  # the interposer is installed: buried cache directories are deleted
         "health-monitor",
         *sockets,
         "kubelet-link",

@@ -12,28 +12,56 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
 import structlog
 
-from gpushare.answers import Enforcement
+from gpushare import mig, migserve
+from gpushare.answers import DeviceListing, Enforcement
 from gpushare.binding import Binder
-from gpushare.config import ConfigError, Settings, load_settings
+from gpushare.buildinfo import build_info
+from gpushare.cardmodes import CardMode, card_modes, parse_card_modes
+from gpushare.cdi import CdiCheck
+from gpushare.config import ConfigError, Settings, effective_config, load_settings_with_origins
 from gpushare.devices import Inventory, Resource
-from gpushare.gc import GarbageCollector
+from gpushare.elf import NotASharedObject, check_shared_object
+from gpushare.exclusion import Exclusion
+from gpushare.exclusive import (
+    ExclusiveDevice,
+    ExclusiveLedger,
+    ExclusiveResource,
+    ExclusiveServicer,
+    Preference,
+    answer_builder,
+    whole_cards,
+)
+from gpushare.gc import CacheDirMetrics, GarbageCollector
 from gpushare.gpus import Gpu, GpuBackend, GpuError, open_backend
+from gpushare.gputype import CardChoice, ChoiceBook
 from gpushare.health import HealthBoard, HealthMonitor, HealthPolicy
 from gpushare.kubelet import KubeletLink
-from gpushare.library import LibraryError, ensure_lock_dir, install_library, install_preload_file
+from gpushare.labels import LabelFacts
+from gpushare.library import (
+    LibraryError,
+    cache_root,
+    ensure_cache_root,
+    ensure_lock_dir,
+    install_library,
+    install_preload_file,
+)
 from gpushare.logs import configure_logging
+from gpushare.mig import MigPlan, MigPlanError, MigStrategy
 from gpushare.plugin import DevicePluginServicer, PluginServer, device_list_message
 from gpushare.podresources import PodResourcesClient, Snapshot
 from gpushare.podspecs import PodSpecBook
 from gpushare.refresh import UsageRefresher
-from gpushare.usage import UsageLedger
+from gpushare.tombstones import Reaper
+from gpushare.topology import Topology, prefer
+from gpushare.unitguard import UnitSizeChanged, guard_unit_size
+from gpushare.usage import Holder, UsageLedger
 
 if TYPE_CHECKING:  # imported when used: the metrics server and the API link are optional
     from gpushare.metrics import Metrics, MetricsServer
@@ -56,27 +84,60 @@ class StartupError(Exception):
     exit_code = 1
 
 
-class ConfigurationTooLarge(StartupError):
-    """The settings cannot work on this node's GPUs (e.g. too many device IDs)."""
+class ConfigurationRefused(StartupError):
+    """The settings cannot work on this node: exit 2, like a bad value."""
 
     exit_code = 2
 
 
-def usable_gpus(gpus: Sequence[Gpu]) -> list[Gpu]:
-    """The cards gpushare slices: MIG cards are skipped, each with one log line."""
-    usable = []
-    for gpu in gpus:
-        if gpu.mig_enabled:
-            log.warning(
-                "gpu_skipped_mig",
-                gpu=gpu.uuid,
-                index=gpu.index,
-                name=gpu.name,
-                reason="MIG-enabled GPUs are not sliced by gpushare",
-            )
-            continue
-        usable.append(gpu)
-    return usable
+class NodeConfigurationError(ConfigurationRefused):
+    """The settings do not fit this node's GPUs (e.g. cardModes names no such card)."""
+
+
+class BadKubeletDir(ConfigurationRefused):
+    """The kubelet's device-plugin directory is not there: a wrong path or mount."""
+
+
+class ConfigurationTooLarge(ConfigurationRefused):
+    """The settings cannot work on this node's GPUs (e.g. too many device IDs)."""
+
+
+def plan_gpus(gpus: Sequence[Gpu], strategy: str, sharing: bool = False) -> MigPlan:
+    """The cards gpushare slices and the MIG devices it serves (see mig.py); each card
+    left out gets one log line. :class:`NodeConfigurationError` where the strategy
+    cannot serve this node (``single`` on MIG devices of several profiles)."""
+    try:
+        result = mig.plan(gpus, MigStrategy(strategy), sharing=sharing)
+    except MigPlanError as exc:
+        raise NodeConfigurationError(str(exc)) from None
+    for skipped in result.skipped:
+        log.warning(
+            "gpu_skipped",
+            gpu=skipped.gpu.uuid,
+            index=skipped.gpu.index,
+            name=skipped.gpu.name,
+            reason=skipped.reason,
+        )
+    return result
+
+
+class BadLibrary(ConfigurationRefused):
+    """``--library`` names a file that cannot enforce anything on this node."""
+
+
+def check_library(path: Path) -> None:
+    """Refuse an interposer that is not an ELF shared object of this node's machine; a
+    missing file is left to the installer's own message."""
+    try:
+        check_shared_object(path)
+    except OSError:
+        return
+    except NotASharedObject as exc:
+        raise BadLibrary(
+            f"--library {path} is {exc}: it would be preloaded and silently ignored, and "
+            "no limit enforced; point --library at HAMi-core's libvgpu.so for this "
+            "architecture, or run with --no-enforcement"
+        ) from None
 
 
 def prepare_enforcement(settings: Settings) -> Enforcement:
@@ -86,19 +147,32 @@ def prepare_enforcement(settings: Settings) -> Enforcement:
             detail="--no-enforcement: containers get limits as env only, nothing enforces them",
         )
         return Enforcement(library=None, preload_file=None, use_ld_preload_env=False)
+    check_library(Path(settings.library))
     try:
         library = install_library(Path(settings.library), Path(settings.host_lib_dir))
         preload_file = (
             install_preload_file(library) if settings.preload in ("file", "both") else None
         )
-        ensure_lock_dir()
+        ensure_cache_root(Path(settings.host_lib_dir))
     except (LibraryError, OSError) as exc:
         raise StartupError(str(exc)) from None
+    lock_dir = ensure_lock_dir(Path(settings.host_lib_dir))  # never fails start
     log.info("library_installed", path=str(library), preload=settings.preload)
     return Enforcement(
         library=library,
         preload_file=preload_file,
         use_ld_preload_env=settings.preload in ("env", "both"),
+        lock_dir=lock_dir,
+    )
+
+
+def device_listing(settings: Settings, gpus: Sequence[Gpu]) -> DeviceListing:
+    """How answers name their cards (``--device-list-strategy`` and the CDI settings)."""
+    by_index = settings.cdi_name_strategy == "index"
+    return DeviceListing(
+        strategies=settings.device_list_strategies(),
+        cdi_kind=settings.cdi_kind,
+        cdi_ids={g.uuid: str(g.index) for g in gpus} if by_index else {},
     )
 
 
@@ -146,15 +220,27 @@ class Daemon:
         self.link: KubeletLink | None = None
         self.inventory: Inventory | None = None
         self.binder: Binder | None = None
-        self.health: HealthBoard | None = None
+        self.health: HealthBoard | None = None  # the cards' own health
+        self.offer: HealthBoard | None = None  # what the shared units are offered from
+        self.exclusion: Exclusion | None = None
+        self.choices: ChoiceBook | None = None
+        self.exclusive_ledger = ExclusiveLedger()
+        self.listing = DeviceListing()
+        self.cdi: CdiCheck | None = None
         self.pod_resources: PodResourcesClient | None = None
         self.api_link: ApiLink | None = None
         self.usage: UsageLedger | None = None
         self.monitor: HealthMonitor | None = None
         self.refresher: UsageRefresher | None = None
+        self.reaper: Reaper | None = None
+        self.collector: GarbageCollector | None = None
         self.metrics: Metrics | None = None
         self.metrics_server: MetricsServer | None = None
         self.waiting_for = ""  # why the GPUs could not be read, while starting
+        self.mig_plan = MigPlan(MigStrategy(settings.mig_strategy), ())
+        self.not_served = ""  # why nothing at all is served on this node (all MIG, ...)
+        self.no_gpus = False  # no card and no MIG device to serve at all
+        self.mig_health = HealthBoard(())  # MIG cards and devices, by UUID
         #: (name, stop) of every part started, in start order; stopped in reverse.
         self._parts: list[tuple[str, Callable[[], object]]] = []
         self._start_ms: dict[str, float] = {}
@@ -165,7 +251,7 @@ class Daemon:
         return tuple(name for name, _stop in self._parts)
 
     def _launch(self, name: str, start: Callable[[], object], stop: Callable[[], object]) -> None:
-        """Start one part, timed, and remember how to stop it."""
+        """Start one part, timed, and remember how to stop it (:meth:`_stop`)."""
         began = time.perf_counter()
         start()
         self._parts.append((name, stop))
@@ -190,7 +276,11 @@ class Daemon:
             try:
                 if self.backend is None:
                     self.backend = open_backend(self.settings.simulate)
-                return self.backend, usable_gpus(self.backend.discover())
+                found = self.backend.discover()
+                settings = self.settings
+                self.mig_plan = plan_gpus(found, settings.mig_strategy, settings.mig_sharing)
+                self.not_served = self.mig_plan.not_served(found)
+                return self.backend, self.mig_plan.shared_gpus()
             except GpuError as exc:
                 if self.settings.fail_on_init_error:
                     raise StartupError(str(exc)) from None
@@ -232,6 +322,13 @@ class Daemon:
             return False, f"starting; {self.waiting_for}" if self.waiting_for else "starting"
         if not link.registered.is_set():
             return False, "serving; not registered with the kubelet"
+        if self.not_served:
+            return False, f"serving nothing: {self.not_served}"
+        missing = self.cdi.missing() if self.cdi is not None else []
+        if missing:
+            return False, f"serving, but these CDI devices are in no CDI spec: {', '.join(missing)}"
+        if self.no_gpus:
+            return False, "registered, but no usable GPU (none found, or all MIG-enabled)"
         return True, "serving and registered"
 
     def start(self) -> None:
@@ -252,27 +349,78 @@ class Daemon:
             self._serve_metrics()  # first, so that the probe is answered while waiting
         backend, gpus = self._open_gpus()
         try:
-            inventory = Inventory(gpus, settings.memory_unit_mib)
+            modes = card_modes(
+                [g for g in gpus if not g.parent_uuid], parse_card_modes(settings.card_modes)
+            )
+            modes.update({g.uuid: CardMode.SHARED for g in gpus if g.parent_uuid})  # migSharing
+        except ValueError as exc:
+            raise NodeConfigurationError(str(exc)) from None
+        try:
+            inventory = Inventory(
+                [g for g in gpus if modes[g.uuid].shared], settings.memory_unit_mib
+            )
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         check_message_sizes(inventory)
         self.inventory = inventory
+        self.listing = listing = migserve.with_mig_names(
+            device_listing(settings, gpus), self.mig_plan, settings.cdi_name_strategy == "index"
+        )
+        if listing.uses_cdi:
+            named = [g.uuid for g in gpus] + [d.uuid for d in self.mig_plan.mig_devices]
+            self.cdi = CdiCheck(settings.cdi_spec_paths(), [listing.cdi_name(u) for u in named])
+            self.cdi.missing()  # logged now, at start
+        self.no_gpus = not gpus and not self.mig_plan.mig_devices
+        if self.no_gpus:
+            log.warning(
+                "no_usable_gpus",
+                detail="no GPU to serve: none found by NVML, or all in MIG mode and not "
+                "served; serving empty device lists, /readyz answers 503",
+            )
         enforcement = prepare_enforcement(settings)
-        health = HealthBoard(inventory.cards)
+        health = HealthBoard(g.uuid for g in gpus)  # the cards' own health
+        # MIG cards and devices: their own board (see health.expand), never sliced.
+        self.mig_health = HealthBoard(migserve.health_keys(self.mig_plan))
         self.health = health
         usage = UsageLedger(inventory)
         self.usage = usage
+        exclusive = self._exclusive_resources(gpus, modes)
+        # What the shared resources are offered from: the cards' health, and with whole
+        # cards also whether a card is held whole (see exclusion.py).
+        offer = (
+            HealthBoard(inventory.cards, event="gpu_offer_changed", level="info")
+            if exclusive
+            else health
+        )
+        self.offer = offer
         pod_resources = PodResourcesClient(
             Path(settings.pod_resources_socket),
             {resource.name_with(settings.resource_prefix): resource for resource in Resource},
+            exclusive=[name for name, _r, _b in exclusive],
         )
         self.pod_resources = pod_resources
         self._launch("pod-resources", lambda: None, pod_resources.close)
+        if enforcement.library is not None:
+            # deletes buried cache directories in the background (tombstones.py)
+            reaper = Reaper(cache_root(Path(settings.host_lib_dir)))
+            self.reaper = reaper
+            self._launch("reaper", reaper.start, reaper.stop)
+        if exclusive:
+            self.exclusion = Exclusion(health, offer, usage, exclusive, self.exclusive_ledger)
         collector = GarbageCollector(
-            Path(settings.host_lib_dir), settings.gc_grace_seconds, enforcement.library
+            Path(settings.host_lib_dir),
+            settings.gc_grace_seconds,
+            enforcement.library,
+            size_limit_bytes=settings.cache_dir_limit_mib << 20,
+            lock_dir=enforcement.library is not None,
+            on_pass=self.reaper.retry if self.reaper is not None else None,
         )
+        self.collector = collector
 
         def after_read(snapshot: Snapshot) -> None:
+            if self.exclusion is not None:
+                self.exclusive_ledger.replace(snapshot.exclusive, snapshot.taken_at)
+                self.exclusion.refresh()
             if collector.maybe_collect(snapshot) is not None:
                 return_free_memory()  # at most once a minute: after a burst, not during
 
@@ -292,14 +440,28 @@ class Daemon:
                 settings.resource_prefix,
                 inventory,
                 usage,
-                health,
+                offer,
                 self.specs,
                 self.pod_resources,
+                extra_labels=mig.labels(self.mig_plan, settings.resource_prefix),
+            )
+            self.choices = ChoiceBook(
+                settings.resource_prefix,
+                [r.name_with(settings.resource_prefix) for r in Resource]
+                + [name for name, _r, _b in exclusive],
+            )
+            self.choices.on_miss = self.api_link.refresh_pods_now
+            self.api_link.pod_listeners.append(self.choices.replace_all)
+            driver = getattr(backend, "cuda_driver_version", None)
+            self.api_link.label_facts = LabelFacts(
+                gpus=[g for g in gpus if not g.parent_uuid] + list(self.mig_plan.mig_cards),
+                cuda_driver=driver() if driver is not None else None,
+                nvidia_product=settings.nvidia_product_label,
             )
         self.binder = Binder(
             inventory,
             usage,
-            health,
+            offer,
             policy=settings.placement,
             enforcement=enforcement,
             host_lib_dir=Path(settings.host_lib_dir),
@@ -307,8 +469,20 @@ class Daemon:
             specs=self.specs,
             on_allocated=self._allocated,
         )
+        if self.exclusion is not None:
+            self.exclusion.refresh()
         # The kubelet's records first: the first placement after a restart respects them.
-        if refresher.refresh_once():
+        recovered = refresher.refresh_once()
+        try:
+            guard_unit_size(
+                Path(settings.host_lib_dir),
+                settings.memory_unit_mib,
+                self.pod_resources.last if recovered else None,
+                {uuid: card.memory_units for uuid, card in inventory.cards.items()},
+            )
+        except UnitSizeChanged as exc:
+            raise ConfigurationRefused(str(exc)) from None
+        if recovered:
             log.info("usage_recovered", **self._usage_summary(usage))
         for card in inventory.cards.values():
             log.info(
@@ -320,12 +494,22 @@ class Daemon:
                 memory_units=card.memory_units,
                 numa_node=card.gpu.numa_node,
             )
+        log.info(
+            "mig_strategy",
+            strategy=settings.mig_strategy,
+            mig_resources={n: len(d) for n, d in self.mig_plan.exclusive.items()},
+            mig_sliced=len(self.mig_plan.shared_mig),
+        )
         self.monitor = HealthMonitor(
             backend,
             health,
             HealthPolicy(
-                inventory.cards, settings.ignored_xid_set(), settings.health_recovery_seconds
+                health.cards() + self.mig_health.cards(),
+                settings.ignored_xid_set(),
+                settings.health_recovery_seconds,
             ),
+            mig_of=self.mig_plan.mig_of(),
+            mig_board=self.mig_health,
         )
         self._launch("health-monitor", self.monitor.start, self.monitor.stop)
         if settings.metrics_port:
@@ -337,22 +521,54 @@ class Daemon:
                 health,
                 {resource: resource.name_with(settings.resource_prefix) for resource in Resource},
                 pod_resources_reads=lambda: (refresher.reads, refresher.failures),
+                node=settings.node_name,
+                ready=lambda: self.readiness()[0],
+                registered=self._registered_resources,
             )
+            self.metrics.registry.register(CacheDirMetrics(collector))
         kubelet_dir = Path(settings.kubelet_dir)
         named_servers = []
         for resource in Resource:
             servicer = DevicePluginServicer(
                 resource,
                 self.binder,
-                health,
+                offer,
                 self.stopping,
                 observe=self.metrics.observe if self.metrics is not None else None,
+                listing=self.listing,
+                choice=lambda r, n: self._choice(r.name_with(settings.resource_prefix), n),
             )
             server = PluginServer(servicer, kubelet_dir / resource.socket_name)
             self.servers.append(server)
             named_servers.append((server, resource.name_with(settings.resource_prefix)))
+        if not kubelet_dir.is_dir():
+            raise BadKubeletDir(
+                f"--kubelet-dir {kubelet_dir} does not exist: it must be the kubelet's "
+                "device-plugins directory (<kubelet root-dir>/device-plugins, e.g. "
+                "/var/lib/kubelet/device-plugins; k0s: /var/lib/k0s/kubelet/device-plugins), "
+                "mounted at the same path"
+            )
+        for name, devices, board in exclusive:
+            exclusive_servicer = ExclusiveServicer(
+                devices,
+                name,
+                board,
+                self.stopping,
+                answer=answer_builder(
+                    self.listing,
+                    enforcement=enforcement if settings.exclusive_enforcement else None,
+                ),
+                prefer=self._preference(devices, backend),
+                on_allocated=self._exclusive_allocated,
+                choice=lambda n, name=name: self._choice(name, n),  # type: ignore[misc]
+            )
+            server = PluginServer(exclusive_servicer, kubelet_dir / devices.socket_name)
+            self.servers.append(server)
+            named_servers.append((server, name))
+        named_servers += self._mig_servers(self.mig_health, kubelet_dir)
+        if self.not_served:
+            log.error("nothing_served", reason=self.not_served)
         try:
-            kubelet_dir.mkdir(parents=True, exist_ok=True)
             for server in self.servers:
                 self._launch(f"server:{server.socket_path.name}", server.start, server.stop)
         except (OSError, RuntimeError) as exc:
@@ -391,6 +607,13 @@ class Daemon:
             ) from None
         self.metrics_server = server
 
+    def _registered_resources(self) -> dict[str, bool]:
+        """Resource name -> registered with the kubelet now (all register together)."""
+        link = self.link
+        registered = link is not None and link.registered.is_set() and not self.stopping.is_set()
+        prefix = self.settings.resource_prefix
+        return {resource.name_with(prefix): registered for resource in Resource}
+
     def _render_metrics(self) -> bytes:
         metrics = self.metrics
         if metrics is not None:
@@ -406,7 +629,96 @@ class Daemon:
             for resource in Resource
         }
 
+    def _exclusive_resources(
+        self, gpus: Sequence[Gpu], modes: Mapping[str, CardMode]
+    ) -> list[tuple[str, ExclusiveResource, HealthBoard]]:
+        """The exclusive resources to serve: (full name, resource, its offer board)."""
+        if not self.settings.whole_cards:
+            return []
+        resource = whole_cards(g for g in gpus if modes[g.uuid].exclusive)
+        board = HealthBoard(resource.devices, event="gpu_offer_changed", level="info")
+        return [(resource.name_with(self.settings.resource_prefix), resource, board)]
+
+    def _mig_servers(
+        self, health: HealthBoard, kubelet_dir: Path
+    ) -> list[tuple[PluginServer, str]]:
+        """One server per MIG resource of the plan, offered from the hardware board
+        (a MIG card is never sliced, so no other use competes for its devices)."""
+        settings = self.settings
+        prefix = migserve.NVIDIA_PREFIX if settings.mig_nvidia_names else settings.resource_prefix
+        specs = migserve.read_device_specs(self.mig_plan) if settings.mig_device_specs else None
+        named = []
+        for name, devices in migserve.resources(self.mig_plan, prefix):
+            servicer = ExclusiveServicer(
+                devices,
+                name,
+                health,
+                self.stopping,
+                answer=migserve.answer_builder(self.listing, specs=specs),
+            )
+            server = PluginServer(servicer, kubelet_dir / migserve.socket_name(devices))
+            self.servers.append(server)
+            named.append((server, name))
+        return named
+
+    def _preference(self, resource: ExclusiveResource, backend: GpuBackend) -> Preference:
+        """Whole cards: NVLink, then NUMA, then PCIe switch (see topology.py). A backend
+        that cannot tell the topology leaves NUMA nodes and positions."""
+        numa = {d.id: d.numa_node for d in resource.devices.values()}
+        read = getattr(backend, "topology", None)
+        try:
+            known = read() if read is not None else Topology(numa=numa)
+        except GpuError as exc:
+            raise NodeConfigurationError(str(exc)) from None
+        except Exception as exc:  # NVML: no topology is better than no plugin
+            log.warning("gpu_topology_unreadable", error=str(exc))
+            known = Topology(numa=numa)
+        known = Topology(nvlinks=known.nvlinks, numa={**numa, **known.numa}, switch=known.switch)
+        log.info(
+            "gpu_topology",
+            nvlinks={"+".join(sorted(p)): n for p, n in known.nvlinks.items()},
+            pcie_switches=len(set(known.switch.values())),
+        )
+        position = {d.id: d.index for d in resource.devices.values()}
+
+        def preference(
+            available: Sequence[ExclusiveDevice], must: Sequence[ExclusiveDevice], size: int
+        ) -> list[str]:
+            return prefer([d.id for d in available], [d.id for d in must], size, known, position)
+
+        return preference
+
+    def _choice(self, full_name: str, units: int) -> CardChoice | None:
+        """The use-gputype choice of the container now asking ``units`` of ``full_name``,
+        when the pending pods tell it (see gputype.py); the kubelet's last records say
+        which containers already hold theirs."""
+        if self.choices is None:
+            return None
+        snapshot = self.pod_resources.last if self.pod_resources is not None else None
+        shared = {r.name_with(self.settings.resource_prefix): r for r in Resource}
+
+        def holds(key: tuple[str, str, str]) -> bool:
+            if snapshot is None:
+                return False
+            holder = Holder(*key)
+            if full_name in shared:
+                return bool(snapshot.devices.get(holder, {}).get(shared[full_name]))
+            return holder in snapshot.exclusive.get(full_name, {}).values()
+
+        return self.choices.choice_for(full_name, units, holds)
+
+    def _exclusive_allocated(self, name: str, devices: Sequence[ExclusiveDevice]) -> None:
+        self.exclusive_ledger.record(name, [d.id for d in devices])
+        if self.exclusion is not None:
+            self.exclusion.refresh()
+        if self.refresher is not None:
+            self.refresher.poke()
+        if self.api_link is not None:
+            self.api_link.notify_changed()
+
     def _allocated(self, resource: Resource, uuid: str, device_ids: Sequence[str]) -> None:
+        if self.exclusion is not None:
+            self.exclusion.refresh()
         if self.refresher is not None:
             self.refresher.poke()
         if self.api_link is not None:
@@ -419,8 +731,9 @@ class Daemon:
     def _stop(self) -> None:
         """Stop every part started, in the reverse order, then close the GPUs."""
         self.stopping.set()
-        if self.health is not None:
-            self.health.wake()  # waiters see ``stopping`` at once
+        for board in (self.health, self.offer, self.mig_health):
+            if board is not None:
+                board.wake()  # waiters (streams included) see ``stopping`` at once
         while self._parts:
             _name, stop = self._parts.pop()
             stop()
@@ -456,11 +769,12 @@ def return_free_memory() -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     limit_malloc_arenas()
     try:
-        settings = load_settings(argv)
+        settings, origins = load_settings_with_origins(argv)
     except ConfigError as exc:
         print(f"gpushare-device-plugin: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_format, settings.log_level)
+    log.info("starting", **build_info(), config=effective_config(settings, origins))
     daemon = Daemon(settings)
     done = threading.Event()
 

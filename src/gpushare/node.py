@@ -19,19 +19,21 @@ on-demand pod list.
 
 from __future__ import annotations
 
-import re
+import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from gpushare import nodestate
-from gpushare.devices import CORE_UNITS_PER_CARD, Inventory, Resource
+from gpushare.devices import Inventory, Resource
 from gpushare.health import HealthBoard
-from gpushare.kubeclient import ApiClient, ApiStatusError, load_endpoint
+from gpushare.kubeclient import ApiClient, ApiStatusError, KubeConfigError, load_endpoint
+from gpushare.labels import LabelFacts, node_labels
 from gpushare.podresources import PodResourcesClient
 from gpushare.podspecs import PodSpecBook
 from gpushare.podwatch import PodWatch
@@ -48,10 +50,29 @@ POD_ANNOTATION_TRIES = 10
 FINAL_POD_PATCH_STATUSES = frozenset({403, 404, 422})
 
 
-def label_value(text: str) -> str:
-    """``NVIDIA GeForce RTX 3090`` -> ``NVIDIA-GeForce-RTX-3090`` (a valid label value)."""
-    value = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-._")[:63]
-    return value.rstrip("-._")
+class ApiConfigMissing(Exception):
+    """Neither the in-cluster service account nor a kubeconfig can be loaded."""
+
+
+def connect_api() -> ApiClient:
+    """The daemon's API client: the in-cluster service account, else the kubeconfig."""
+    in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and not os.environ.get(
+        "KUBECONFIG"
+    )
+    path = os.environ.get("KUBECONFIG")  # read now: tests and operators may change it
+    source = (
+        "the in-cluster service account"
+        if in_cluster
+        else f"the kubeconfig {path or '~/.kube/config'}"
+    )
+    try:
+        return ApiClient(load_endpoint())
+    except KubeConfigError as exc:
+        raise ApiConfigMissing(
+            f"cannot load {source} for the API link (Node/Pod annotations): {str(exc)[:160]}; "
+            "mount a service account token, set KUBECONFIG, or turn the link off with "
+            "--node-name '' (NODE_NAME unset)"
+        ) from None
 
 
 @dataclass
@@ -72,7 +93,9 @@ class ApiLink:
         health: HealthBoard,
         book: PodSpecBook,
         records: PodResourcesClient,
+        extra_labels: Mapping[str, str] | None = None,
     ) -> None:
+        self.extra_labels = dict(extra_labels or {})  # fixed at start (MIG: mig.labels)
         self.node_name = node_name
         self.prefix = prefix
         self.inventory = inventory
@@ -90,6 +113,12 @@ class ApiLink:
         self._forget_health: Any = None
         self.pods = PodWatch(lambda: self._api, node_name, book)
         book.on_miss = self.pods.refresh_now
+        #: What the node labels say (the daemon adds the cards of every mode, the driver).
+        self.label_facts = LabelFacts(gpus=[card.gpu for card in inventory.cards.values()])
+        #: Also given this node's pods after every list and watch event (the use-gputype
+        #: choices, gputype.py).
+        self.pod_listeners: list[Callable[[list[dict[str, Any]]], None]] = []
+        self.pods.on_pods = self._pods_changed
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -124,7 +153,7 @@ class ApiLink:
         while not self._stop.is_set():
             try:
                 if self._api is None:
-                    self._api = ApiClient(load_endpoint())
+                    self._api = connect_api()
                     self.pods.start()
                 if not connected:
                     self._read_generation()
@@ -135,7 +164,8 @@ class ApiLink:
                 self._annotate_pods()
                 backoff = 1.0
             except Exception as exc:  # the API server is down, RBAC is missing, ...
-                log.warning("api_error", error=_short(exc), retry_seconds=backoff)
+                error = str(exc) if isinstance(exc, ApiConfigMissing) else _short(exc)
+                log.warning("api_error", error=error, retry_seconds=backoff)
                 if self._stop.wait(backoff):
                     break
                 backoff = min(backoff * 2, MAX_BACKOFF)
@@ -174,7 +204,7 @@ class ApiLink:
                 memory_mib=card.gpu.memory_mib,
                 memory_units=card.memory_units,
                 memory_units_used=memory_used.get(card.uuid, 0),
-                core_units=CORE_UNITS_PER_CARD,
+                core_units=card.units(Resource.CORE),
                 core_units_used=core_used.get(card.uuid, 0),
                 healthy=self.health.is_healthy(card.uuid),
             )
@@ -188,15 +218,7 @@ class ApiLink:
         )
 
     def labels(self) -> dict[str, str]:
-        cards = list(self.inventory.cards.values())
-        if not cards:
-            return {}
-        first = cards[0].gpu
-        return {
-            nodestate.label_key(self.prefix, "product"): label_value(first.name),
-            nodestate.label_key(self.prefix, "count"): str(len(cards)),
-            nodestate.label_key(self.prefix, "memory"): str(first.memory_mib),
-        }
+        return node_labels(self.prefix, self.label_facts) | self.extra_labels
 
     def _publish_node(self) -> None:
         state = self.node_state()
@@ -253,6 +275,10 @@ class ApiLink:
                 gpu=item.uuid,
             )
         self._pending.extend(retry)
+
+    def _pods_changed(self, pods: list[dict[str, Any]]) -> None:
+        for listener in self.pod_listeners:
+            listener(pods)
 
     def refresh_pods_now(self) -> bool:
         """Re-read this node's pods now (bounded and rate-limited); True if it did."""

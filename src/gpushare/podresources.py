@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +19,7 @@ import grpc
 import structlog
 
 from gpushare._proto.podresources.v1 import api_pb2, api_pb2_grpc
-from gpushare.devices import SEPARATOR, Resource
+from gpushare.devices import SEPARATOR, Resource, parse_unit_number
 from gpushare.usage import Holder
 
 log = structlog.get_logger(__name__)
@@ -38,17 +38,21 @@ class Snapshot:
     holders: dict[tuple[Resource, str], Holder] = field(default_factory=dict)
     # container -> resource -> device IDs
     devices: dict[Holder, dict[Resource, list[str]]] = field(default_factory=dict)
+    # exclusive resources (whole cards, MIG): full resource name -> device ID -> holder
+    exclusive: dict[str, dict[str, Holder]] = field(default_factory=dict)
 
     def holder_of(self, resource: Resource, device_id: str) -> Holder | None:
         return self.holders.get((resource, device_id))
 
     def used_by_card(self) -> dict[Resource, dict[str, list[int]]]:
-        """Per resource and card, the unit numbers some container holds."""
+        """Per resource and card, the unit numbers some container holds (IDs that are not
+        gpushare's, e.g. with non-ASCII digits, are skipped: no card has them)."""
         used: dict[Resource, dict[str, list[int]]] = {r: {} for r in Resource}
         for resource, device_id in self.holders:
             uuid, _, number = device_id.rpartition(SEPARATOR)
-            if number.isdigit():
-                used[resource].setdefault(uuid, []).append(int(number))
+            n = parse_unit_number(number)
+            if n is not None:
+                used[resource].setdefault(uuid, []).append(n)
         return used
 
     @functools.cached_property
@@ -72,9 +76,13 @@ class Snapshot:
 
 
 def parse_list_response(
-    response: api_pb2.ListPodResourcesResponse, resources: Mapping[str, Resource], taken_at: float
+    response: api_pb2.ListPodResourcesResponse,
+    resources: Mapping[str, Resource],
+    taken_at: float,
+    exclusive: Collection[str] = (),
 ) -> Snapshot:
-    """Keep only the devices of our resources (``resources``: full name -> Resource)."""
+    """Keep only the devices of our resources (``resources``: full name -> Resource;
+    ``exclusive``: full names of the exclusive resources)."""
     snapshot = Snapshot(taken_at)
     for pod in response.pod_resources:
         for container in pod.containers:
@@ -82,6 +90,9 @@ def parse_list_response(
             for devices in container.devices:
                 resource = resources.get(devices.resource_name)
                 if resource is None:
+                    if devices.resource_name in exclusive:
+                        held = snapshot.exclusive.setdefault(devices.resource_name, {})
+                        held.update(dict.fromkeys(devices.device_ids, holder))
                     continue
                 ids = list(devices.device_ids)
                 snapshot.devices.setdefault(holder, {}).setdefault(resource, []).extend(ids)
@@ -107,9 +118,11 @@ class PodResourcesClient:
         resources: Mapping[str, Resource],
         *,
         clock: Callable[[], float] = time.monotonic,
+        exclusive: Collection[str] = (),
     ) -> None:
         self.socket = socket
         self.resources = dict(resources)
+        self.exclusive = frozenset(exclusive)
         self._clock = clock
         self._cond = threading.Condition()
         self._channel: grpc.Channel | None = None
@@ -186,7 +199,7 @@ class PodResourcesClient:
         if self._failing:
             log.info("pod_resources_readable", socket=str(self.socket))
             self._failing = False
-        return parse_list_response(response, self.resources, began), ""
+        return parse_list_response(response, self.resources, began, self.exclusive), ""
 
     def _report_failure(self, error: str) -> str:
         if not self._failing:

@@ -41,6 +41,10 @@ class Gone(Exception):
     """The watch's resourceVersion is too old: list again."""
 
 
+def _uid(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("uid") or "")
+
+
 def _version(obj: dict[str, Any]) -> str:
     return str((obj.get("metadata") or {}).get("resourceVersion") or "")
 
@@ -60,6 +64,9 @@ class PodWatch:
         self._stop = threading.Event()
         self._current: Watch | None = None
         self._thread: threading.Thread | None = None
+        self._objects: dict[str, dict[str, Any]] = {}  # this node's pods as listed, by uid
+        #: Called with every pod of the node after each list and each event.
+        self.on_pods: Callable[[list[dict[str, Any]]], None] | None = None
 
     @property
     def query(self) -> dict[str, str]:
@@ -80,13 +87,14 @@ class PodWatch:
     # ------------------------------------------------------------------ list
     def _list(self, api: ApiClient, timeout: float) -> None:
         answer = api.get(PODS, timeout=timeout, **self.query)
-        items: list[Mapping[str, Any]] = [
-            item for item in answer.get("items") or [] if isinstance(item, dict)
-        ]
+        items = [item for item in answer.get("items") or [] if isinstance(item, dict)]
         with self._lock:
-            self.book.replace_all(items)
+            specs: list[Mapping[str, Any]] = list(items)
+            self.book.replace_all(specs)
             self._epoch += 1
             self._resume = _version(answer)
+            self._objects = {_uid(item): item for item in items}
+            self._tell()
         self.listed.set()
         log.debug("pods_listed", node=self.node_name, pods=len(items))
 
@@ -103,6 +111,11 @@ class PodWatch:
             log.warning("pod_list_failed", error=str(exc)[:300])
             return False
         return True
+
+    def _tell(self) -> None:
+        """Hand every pod of the node to ``on_pods`` (lock held: calls stay in order)."""
+        if self.on_pods is not None:
+            self.on_pods(list(self._objects.values()))
 
     # ------------------------------------------------------------------ watch
     def _run(self) -> None:
@@ -166,8 +179,12 @@ class PodWatch:
                 return False  # resume from the newer list's version
             if kind in ("ADDED", "MODIFIED"):
                 self.book.update(obj)
+                self._objects[_uid(obj)] = obj
             elif kind == "DELETED":
-                self.book.remove(str((obj.get("metadata") or {}).get("uid") or ""))
+                self.book.remove(_uid(obj))
+                self._objects.pop(_uid(obj), None)
+            if kind != "BOOKMARK":
+                self._tell()
             version = _version(obj)
             if version:
                 self._resume = version

@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from gpushare.cli import Parser, add_version, bounded_float
 from gpushare.config import LOG_FORMATS, LOG_LEVELS
 from gpushare.extender.fit import PLACEMENTS
 from gpushare.extender.ledger import AdmissionLedger
@@ -141,7 +142,7 @@ async def start(app: web.Application, address: str, port: int) -> tuple[web.AppR
 
 def build_parser() -> argparse.ArgumentParser:
     defaults = ExtenderSettings()
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="gpushare-scheduler-extender",
         description="kube-scheduler extender: keeps a node only if each GPU container of the "
         "pod fits on one healthy card, and scores nodes binpack or spread.",
@@ -166,12 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--ledger-timeout-seconds",
-        type=float,
+        type=bounded_float(0.001, 3600),
         default=defaults.ledger_timeout_seconds,
         help="the longest a pod let through is counted on top of its node's annotation",
     )
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="auto")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    add_version(parser)
     return parser
 
 

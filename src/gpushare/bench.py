@@ -69,6 +69,9 @@ class Plan:
     latency_containers: int  # admitted per latency run
     allocations: int  # Allocate calls for the growth check
     idle_seconds: float
+    #: Wait before the idle measurement: the work a burst leaves (pod annotations retried
+    #: until the kubelet's records show the pod, a garbage-collection pass) runs first.
+    quiet_seconds: float
     window: int  # containers alive at once; the oldest is released beyond this
     serialize_reps: int
 
@@ -79,6 +82,7 @@ FULL = Plan(
     latency_containers=400,
     allocations=10_000,
     idle_seconds=60.0,
+    quiet_seconds=15.0,
     window=40,
     serialize_reps=300,
 )
@@ -88,6 +92,7 @@ QUICK = Plan(
     latency_containers=12,
     allocations=24,
     idle_seconds=0.5,
+    quiet_seconds=0.1,
     window=6,
     serialize_reps=5,
 )
@@ -567,6 +572,7 @@ def measure_daemon(plan: Plan, report: Report) -> None:
                 min(node.api.pods_created, node.api.pods_deleted) >= min(100, node.serial // 2),
             )
 
+            time.sleep(plan.quiet_seconds)
             cpu_before, switches_before = process.cpu_times(), wakeups_of(node.proc.pid)
             idle_started = time.monotonic()
             time.sleep(plan.idle_seconds)
@@ -575,7 +581,8 @@ def measure_daemon(plan: Plan, report: Report) -> None:
             busy = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
             wakeups = (switches_after - switches_before) / idle
             report.add(
-                f"idle wake-ups over {idle:.0f} s (voluntary switches, all threads)",
+                f"idle wake-ups over {idle:.0f} s, {plan.quiet_seconds:g} s after the work "
+                "(voluntary switches, all threads)",
                 f"{wakeups:.1f}/s",
                 "<= 2/s",
                 f"{process.num_threads()} threads",

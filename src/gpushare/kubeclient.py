@@ -32,7 +32,7 @@ import socket
 import ssl
 import tempfile
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -374,12 +374,3 @@ class Watch:
             with contextlib.suppress(OSError):
                 socket.socket.shutdown(sock, socket.SHUT_RDWR)  # wakes a waiting read
         self._conn.close()
-
-
-def pods_on_node(node_name: str) -> dict[str, str]:
-    """The list/watch query of the pods bound to ``node_name``."""
-    return {"fieldSelector": f"spec.nodeName={node_name}"}
-
-
-#: Type of a function that turns watch events into state (for node.py's pod watcher).
-EventSink = Callable[[str, dict[str, Any]], None]

@@ -69,8 +69,8 @@ class Plan:
     latency_containers: int  # admitted per latency run
     allocations: int  # Allocate calls for the growth check
     idle_seconds: float
-    #: Wait before the idle measurement: the work a burst leaves (pod annotations retried
-    #: until the kubelet's records show the pod, a garbage-collection pass) runs first.
+    #: Wait before the idle measurement: the work the warm-up leaves (pod annotations
+    #: retried until the kubelet's records show the pod) runs first.
     quiet_seconds: float
     window: int  # containers alive at once; the oldest is released beyond this
     serialize_reps: int
@@ -508,6 +508,16 @@ def measure_daemon(plan: Plan, report: Report) -> None:
                     split += memory_card != core_card
 
             admit(plan.window * 2)  # warm up: channels, caches, a full window
+            # Idle once it has served: measured before the long burst below, whose
+            # released cache directories the garbage collector removes for minutes after.
+            time.sleep(plan.quiet_seconds)
+            cpu_before, switches_before = process.cpu_times(), wakeups_of(node.proc.pid)
+            idle_started = time.monotonic()
+            time.sleep(plan.idle_seconds)
+            idle = time.monotonic() - idle_started
+            cpu_after, switches_after = process.cpu_times(), wakeups_of(node.proc.pid)
+            busy = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
+            wakeups = (switches_after - switches_before) / idle
             runs: list[dict[str, tuple[float, float]]] = []
             for _ in range(plan.runs):
                 samples.calls.clear()
@@ -572,16 +582,8 @@ def measure_daemon(plan: Plan, report: Report) -> None:
                 min(node.api.pods_created, node.api.pods_deleted) >= min(100, node.serial // 2),
             )
 
-            time.sleep(plan.quiet_seconds)
-            cpu_before, switches_before = process.cpu_times(), wakeups_of(node.proc.pid)
-            idle_started = time.monotonic()
-            time.sleep(plan.idle_seconds)
-            idle = time.monotonic() - idle_started
-            cpu_after, switches_after = process.cpu_times(), wakeups_of(node.proc.pid)
-            busy = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
-            wakeups = (switches_after - switches_before) / idle
             report.add(
-                f"idle wake-ups over {idle:.0f} s, {plan.quiet_seconds:g} s after the work "
+                f"idle wake-ups over {idle:.0f} s, {plan.quiet_seconds:g} s after the warm-up "
                 "(voluntary switches, all threads)",
                 f"{wakeups:.1f}/s",
                 "<= 2/s",

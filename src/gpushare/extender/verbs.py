@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpushare import nodestate
+from gpushare.extender.choice import card_choice_of, excluded_rooms
 from gpushare.extender.fit import (
     BINPACK,
     Fit,
@@ -26,6 +27,7 @@ from gpushare.extender.fit import (
     subtract,
 )
 from gpushare.extender.ledger import AdmissionLedger
+from gpushare.gputype import CardChoice
 
 
 class BadRequest(ValueError):
@@ -120,8 +122,10 @@ def judge_node(
     policy: ExtenderPolicy,
     ledger: AdmissionLedger,
     exclude_pod: str = "",
+    choice: CardChoice | None = None,
 ) -> NodeVerdict:
-    """Read one Node's published cards, take off what the ledger holds, and fit the pod."""
+    """Read one Node's published cards, take off what the ledger holds and the cards the
+    pod's annotations exclude (``choice``), and fit the pod."""
     name = _node_name(node)
     prefix = policy.resource_prefix
     key = nodestate.annotation_key(prefix)
@@ -144,8 +148,13 @@ def judge_node(
     except ValueError as exc:
         return NodeVerdict(name, Fit(None, f"the {key} annotation cannot be read: {exc}"), None)
     held = ledger.pending_use(name, state.generation, exclude_pod)
-    rooms = subtract(card_rooms(state), held)
+    rooms, excluded = excluded_rooms(subtract(card_rooms(state), held), state, choice)
+    if excluded and len(excluded) == len(rooms):
+        reason = f"the pod's card choice excludes every card: {', '.join(excluded)}"
+        return NodeVerdict(name, Fit(None, reason), None)
     fit = fit_pod(rooms, need, policy.placement)
+    if not fit.fits and excluded:
+        fit = Fit(None, f"{fit.reason} (excluded by the pod's card choice: {', '.join(excluded)})")
     if not fit.fits and held:
         pending = ledger.pending_pods(name, exclude_pod)
         fit = Fit(
@@ -172,8 +181,9 @@ def filter_verb(body: Any, policy: ExtenderPolicy, ledger: AdmissionLedger) -> d
     ledger.forget_pod(args.pod_uid)
     kept: list[Mapping[str, Any]] = []
     failed: dict[str, str] = {}
+    choice = card_choice_of(args.pod, policy.resource_prefix)
     for node in args.nodes:
-        verdict = judge_node(node, need, policy, ledger)
+        verdict = judge_node(node, need, policy, ledger, choice=choice)
         if verdict.fit.placement is None:
             failed[verdict.name] = verdict.fit.reason
             continue
@@ -196,7 +206,8 @@ def prioritize_verb(
     args = read_args(body)
     need = _need(args, policy)
     scores = []
+    choice = card_choice_of(args.pod, policy.resource_prefix)
     for node in args.nodes:
-        verdict = judge_node(node, need, policy, ledger, exclude_pod=args.pod_uid)
+        verdict = judge_node(node, need, policy, ledger, exclude_pod=args.pod_uid, choice=choice)
         scores.append({"Host": verdict.name, "Score": score(verdict.fit, policy.placement)})
     return scores

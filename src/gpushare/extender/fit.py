@@ -17,6 +17,7 @@ containers are placed together.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -126,21 +127,30 @@ class Fit:
 # -- reading the pod ---------------------------------------------------------------
 
 
+#: A whole number of units as the API server serialises it: ASCII digits, or a
+#: multiple of 1000 in its canonical form (``1k`` for 1000).
+_QUANTITY = re.compile(r"([0-9]{1,12})(k|M)?")
+_SUFFIX = {None: 1, "k": 1000, "M": 1000_000}
+
+
 def _units(resources: Mapping[str, Any], name: str, where: str) -> int:
     value = resources.get(name)
     if value is None:
         return 0
-    text = str(value).strip()
-    if isinstance(value, bool) or not text.isdigit():
-        raise PodSpecError(f"{where}: {name} must be a whole number of units, got {value!r}")
-    return int(text)
+    match = _QUANTITY.fullmatch(value) if isinstance(value, str) else None
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 10**12:
+        return value
+    if match is None:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise PodSpecError(f"{where}: {name} must be a whole number of units, got {shown}")
+    return int(match[1]) * _SUFFIX[match[2]]
 
 
 def container_need(container: Mapping[str, Any], prefix: str) -> ContainerNeed:
     """Units a container spec asks for: limits, else requests (extended resources)."""
     if not isinstance(container, Mapping):
         raise PodSpecError("a container must be an object")
-    name = str(container.get("name", ""))
+    name = str(container.get("name", ""))[:253]
     resources = container.get("resources") or {}
     if not isinstance(resources, Mapping):
         raise PodSpecError(f"container {name!r}: resources must be an object")
@@ -178,8 +188,18 @@ def pod_need(pod: Mapping[str, Any], prefix: str) -> PodNeed:
 # -- reading the node --------------------------------------------------------------
 
 
+#: Larger counts than any card has; a published value outside 0..this is not believed.
+MAX_COUNT = 1 << 30
+
+
 def card_rooms(state: NodeGpuState) -> tuple[CardRoom, ...]:
-    """Free room per card from the node's published state, in index order."""
+    """Free room per card from the node's published state, in index order.
+
+    A ValueError if a count is negative or absurdly large (it would poison arithmetic)."""
+    for card in state.cards:
+        counts = (card.index, card.memory_units, card.memory_units_used)
+        if not all(0 <= n <= MAX_COUNT for n in (*counts, card.core_units, card.core_units_used)):
+            raise ValueError(f"card {card.uuid[:64]!r} publishes a count out of range")
     rooms = (
         CardRoom(
             uuid=card.uuid,

@@ -53,7 +53,9 @@ def card(
     )
 
 
-def node(name: str, cards: list[nodestate.CardState] | None, generation: int = 1) -> dict[str, Any]:
+def node(
+    name: str, cards: list[nodestate.CardState] | None = None, generation: int = 1
+) -> dict[str, Any]:
     """A Node object as the API server serialises it (trimmed to what matters)."""
     annotations = {"node.alpha.kubernetes.io/ttl": "0"}
     cards = cards or []
@@ -181,8 +183,6 @@ def extender(extender_factory: Callable[..., RunningExtender]) -> RunningExtende
 
 def kept(answer: dict[str, Any]) -> list[str]:
     return [n["metadata"]["name"] for n in answer["Nodes"]["items"]]
-
-
 
 
 def get(server: RunningExtender, path: str) -> tuple[int, str]:

@@ -36,9 +36,7 @@ def api() -> Iterator[KubeApiDouble]:
 
 
 @pytest.fixture
-def binder(
-    api: KubeApiDouble, extender_factory: Callable[..., RunningExtender]
-) -> RunningExtender:
+def binder(api: KubeApiDouble, extender_factory: Callable[..., RunningExtender]) -> RunningExtender:
     """The extender, binding through the double (no token: the double takes none)."""
     return extender_factory(api_server=api.url, token_file="", ca_file="")
 
@@ -187,9 +185,7 @@ def test_a_forged_bind_for_a_pod_that_does_not_exist_holds_nothing(
     never = pod("never", container("main", memory=1))
     status, answer = binder.post("bind", bind_args(never, "n0"))
     assert "was not filtered by this extender" in answer["Error"]
-    assert [c.path for c in api.calls("POST")] == [
-        "/api/v1/namespaces/default/pods/forged/binding"
-    ]
+    assert [c.path for c in api.calls("POST")] == ["/api/v1/namespaces/default/pods/forged/binding"]
     real = stored_pod(api, "real", 1)
     assert kept(binder.filter(args(real, *nodes))) == ["n0"]
 

@@ -69,6 +69,10 @@ class ExtenderSettings:
     api_server: str = ""
     token_file: str = DEFAULT_TOKEN_FILE
     ca_file: str = DEFAULT_CA_FILE
+    #: a second listener serving only /healthz, /readyz and /metrics (0: none), for
+    #: the kubelet's probes when the verbs listen on 127.0.0.1 inside a pod
+    probe_address: str = "0.0.0.0"
+    probe_port: int = 0
 
     @property
     def policy(self) -> ExtenderPolicy:
@@ -96,6 +100,10 @@ async def _read_json(request: web.Request) -> Any:
 
 class _TooLarge(Exception):
     pass
+
+
+#: The app serving only the probes and metrics (see ``ExtenderSettings.probe_port``).
+PROBES = web.AppKey("probes", web.Application)
 
 
 def build_app(
@@ -184,15 +192,19 @@ def build_app(
         if binder is not None:
             await binder.close()
 
-    app = web.Application(client_max_size=settings.max_body_bytes)
+    def probe_routes(target: web.Application) -> web.Application:
+        target.router.add_get("/healthz", healthz)
+        target.router.add_get("/readyz", healthz)
+        target.router.add_get("/metrics", serve_metrics)
+        return target
+
+    app = probe_routes(web.Application(client_max_size=settings.max_body_bytes))
+    app[PROBES] = probe_routes(web.Application(client_max_size=1024))
     app.router.add_post(_route(settings.url_prefix, "filter"), verb_handler("filter", do_filter))
     app.router.add_post(
         _route(settings.url_prefix, "prioritize"), verb_handler("prioritize", do_prioritize)
     )
     app.router.add_post(_route(settings.url_prefix, "bind"), verb_handler("bind", do_bind))
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", healthz)
-    app.router.add_get("/metrics", serve_metrics)
     app.on_cleanup.append(close_binder)
     return app
 
@@ -254,6 +266,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="API server URL for the bind verb (default: the in-cluster address)",
     )
     parser.add_argument("--token-file", default=defaults.token_file, help="bearer token file")
+    parser.add_argument(
+        "--probe-port",
+        type=int,
+        default=defaults.probe_port,
+        help="also serve /healthz, /readyz and /metrics (only) on this port (0: off)",
+    )
+    parser.add_argument(
+        "--probe-address", default=defaults.probe_address, help="address of --probe-port"
+    )
     parser.add_argument("--ca-file", default=defaults.ca_file, help="the API server's CA")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="auto")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info")
@@ -263,8 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_settings(argv: Sequence[str] | None) -> tuple[ExtenderSettings, argparse.Namespace]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not 0 <= args.port <= 65535:
-        parser.error("--port must be between 0 and 65535")
+    for flag, port in (("--port", args.port), ("--probe-port", args.probe_port)):
+        if not 0 <= port <= 65535:
+            parser.error(f"{flag} must be between 0 and 65535")
     if not 0 < args.ledger_timeout_seconds <= 3600:
         parser.error("--ledger-timeout-seconds must be greater than 0 and at most 3600")
     if not 1024 <= args.max_body_bytes <= 1 << 30:
@@ -283,12 +305,21 @@ def parse_settings(argv: Sequence[str] | None) -> tuple[ExtenderSettings, argpar
         api_server=args.api_server,
         token_file=args.token_file,
         ca_file=args.ca_file,
+        probe_address=args.probe_address,
+        probe_port=args.probe_port,
     )
     return settings, args
 
 
 async def _serve(settings: ExtenderSettings) -> None:
-    runner, port = await start(build_app(settings), settings.address, settings.port)
+    app = build_app(settings)
+    runners = []
+    if settings.probe_port:
+        probes, probe_port = await start(app[PROBES], settings.probe_address, settings.probe_port)
+        runners.append(probes)
+        log.info("probes_listening", address=settings.probe_address, port=probe_port)
+    runner, port = await start(app, settings.address, settings.port)
+    runners.append(runner)
     log.info(
         "listening",
         address=settings.address,
@@ -302,7 +333,8 @@ async def _serve(settings: ExtenderSettings) -> None:
     try:
         await asyncio.Event().wait()
     finally:
-        await runner.cleanup()
+        for each in runners:
+            await each.cleanup()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+import itertools
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from gpushare.devices import Resource
-from gpushare.placement import BINPACK, SPREAD, CardView, Request, choose_card, preferred_units
+from gpushare.placement import (
+    BINPACK,
+    SPREAD,
+    CardView,
+    Need,
+    Policy,
+    Request,
+    Room,
+    choose_card,
+    place_containers,
+    preferred_units,
+    rank,
+)
 
 
 def card(i: int, free: int, memory_free: int, core_free: int, healthy: bool = True) -> CardView:
@@ -101,3 +116,79 @@ def test_first_placement_never_rules_out_a_card_that_holds_both(
     if feasible:
         assert chosen.memory_free >= memory_need and chosen.core_free >= core_need
         assert chosen.healthy
+
+
+# -- pods as a whole ---------------------------------------------------------------
+
+rooms_strategy = st.lists(
+    st.tuples(st.integers(0, 8), st.integers(0, 100), st.booleans()), min_size=1, max_size=3
+)
+needs_strategy = st.lists(
+    st.tuples(st.integers(0, 6), st.sampled_from([0, 10, 40, 70, 100])).filter(any),
+    min_size=1,
+    max_size=4,
+)
+
+
+def _rooms(spec: list[tuple[int, int, bool]]) -> list[Room]:
+    return [Room(f"GPU-{i}", i, m, c, h) for i, (m, c, h) in enumerate(spec)]
+
+
+def _valid(rooms: list[Room], needs: list[Need], cards: tuple[str, ...]) -> bool:
+    left = {r.uuid: [r.memory_free, r.core_free] for r in rooms if r.healthy}
+    for need, uuid in zip(needs, cards, strict=True):
+        if uuid not in left:
+            return False
+        left[uuid][0] -= need.memory
+        left[uuid][1] -= need.core
+    return all(m >= 0 and c >= 0 for m, c in left.values())
+
+
+@given(rooms_strategy, needs_strategy, st.sampled_from(list(Policy)))
+def test_a_pod_is_placed_whenever_any_assignment_exists(
+    spec: list[tuple[int, int, bool]], raw: list[tuple[int, int]], policy: Policy
+) -> None:
+    """Exhaustive over all assignments of this small world: the search finds one if any exists."""
+    rooms = _rooms(spec)
+    needs = [Need(m, c) for m, c in raw]
+    placed = place_containers(rooms, needs, policy)
+    exists = any(
+        _valid(rooms, needs, combo)
+        for combo in itertools.product([r.uuid for r in rooms], repeat=len(needs))
+    )
+    assert (placed is not None) == exists
+    if placed is not None:
+        assert _valid(rooms, needs, placed)
+
+
+@given(rooms_strategy, needs_strategy, st.sampled_from(list(Policy)))
+def test_placing_the_first_container_then_the_rest_gives_the_same_cards(
+    spec: list[tuple[int, int, bool]], raw: list[tuple[int, int]], policy: Policy
+) -> None:
+    """The daemon re-plans at every container; the extender plans once: they must agree."""
+    rooms = _rooms(spec)
+    needs = [Need(m, c) for m, c in raw]
+    placed = place_containers(rooms, needs, policy)
+    if placed is None:
+        return
+    current = rooms
+    for position, need in enumerate(needs):
+        again = place_containers(current, needs[position:], policy)
+        assert again == placed[position:]
+        current = [r.minus(need) if r.uuid == placed[position] else r for r in current]
+
+
+def test_two_identical_containers_are_placed_for_the_pod() -> None:
+    # Binpack alone would put c1 on GPU-0 (fullest that holds it), leaving no room for c2.
+    rooms = [Room("GPU-0", 0, 6, 100), Room("GPU-1", 1, 4, 100)]
+    needs = [Need(4, 10), Need(4, 95)]
+    assert place_containers(rooms, needs, Policy.BINPACK) == ("GPU-1", "GPU-0")
+    assert rank(rooms, needs[0], Policy.BINPACK)[0].uuid == "GPU-1"
+    rooms = [Room("GPU-0", 0, 6, 70), Room("GPU-1", 1, 20, 100)]
+    assert place_containers(rooms, needs, Policy.BINPACK) == ("GPU-0", "GPU-1")
+
+
+def test_policy_names_parse_and_refuse_nonsense() -> None:
+    assert Policy.parse("BinPack") is Policy.BINPACK
+    with pytest.raises(ValueError, match="unknown placement policy"):
+        Policy.parse("random")

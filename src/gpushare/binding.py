@@ -6,19 +6,17 @@ resource, "which units would you like?" (GetPreferredAllocation) and "bind these
 policy. It raises :class:`BindingError` for anything it must refuse; the servicer in
 ``plugin.py`` turns that into a gRPC status.
 
-Pairing (docs/placement.md): after Allocate binds one resource of a container to a
-card, the container's other resource, asked for right after, must land on the same
-card. The binder remembers the last binding for a short window (:data:`PAIR_WINDOW`)
-and decides whether the request in hand is that binding's partner:
+The invariant, enforced here and only here: a container never spans two cards.
+Whether a request is the second resource of the container bound last is decided by
+:class:`~gpushare.pairing.Pairing` from facts the binder gathers for it: the
+kubelet's PodResources records, read after the request arrived (never an older
+answer; the read is bounded by :data:`RECORDS_WAIT`), and the pod specs of the node.
+A partner is steered to its partner's card and refused in Allocate anywhere else.
+Without facts the same steering applies to the last binding of the other resource,
+which can refuse but never split (docs/placement.md).
 
-* the kubelet's records (PodResources) name the container holding the last binding;
-  if it already holds this resource too, it is complete and there is no partner;
-* if that container's pod spec is known, it says whether it wants this resource;
-* otherwise the last binding is taken as the partner, unless it itself completed a
-  pair.
-
-A request with a partner is steered to the partner's card, and refused in Allocate
-if it lands elsewhere: a container never spans two cards.
+No lock is held across I/O: the records are read, and the cache directory created,
+outside :attr:`Binder._lock`.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -37,14 +34,24 @@ from gpushare.answers import Answer, Enforcement, build_answer
 from gpushare.devices import InvalidDeviceIds, Inventory, Resource, format_device_id
 from gpushare.health import HealthBoard
 from gpushare.library import prepare_cache_dir
-from gpushare.placement import CardView, Request, choose_card, preferred_units
+from gpushare.pairing import Binding, Decision, Facts, Pairing
+from gpushare.placement import (
+    CardView,
+    Policy,
+    Request,
+    Room,
+    choose_card,
+    place_containers,
+    preferred_units,
+)
 from gpushare.podresources import Snapshot
-from gpushare.usage import Holder, UsageLedger
+from gpushare.podspecs import PodSpecBook
+from gpushare.usage import UsageLedger
 
 log = structlog.get_logger(__name__)
 
-#: The kubelet asks for a container's two resources back to back, within milliseconds.
-PAIR_WINDOW = 5.0
+#: How long a request waits for the kubelet's records before deciding without them.
+RECORDS_WAIT = 0.2
 
 
 class Refusal(enum.Enum):
@@ -60,26 +67,15 @@ class BindingError(Exception):
         self.message = message
 
 
-class PodSpecs(Protocol):
-    """What the pod specs on this node ask for (learned from the API server)."""
+class Records(Protocol):
+    """The kubelet's PodResources records (``podresources.PodResourcesClient``)."""
 
-    def requests_of(self, holder: Holder) -> dict[Resource, int] | None:
-        """Units of each resource the container asks for; None if unknown."""
+    last: Snapshot | None
+    last_error: str
+
+    def read_after(self, not_before: float, *, timeout: float) -> Snapshot | None:
+        """A snapshot whose read began at or after ``not_before``; None if none in time."""
         ...
-
-    def other_need(self, resource: Resource, size: int, snapshot: Snapshot | None) -> int | None:
-        """Units of ``resource.other`` wanted by the container now asking ``size`` of
-        ``resource``: 0 if it wants none, None if that cannot be told."""
-        ...
-
-
-@dataclass(frozen=True)
-class _Binding:
-    resource: Resource
-    uuid: str
-    first_id: str
-    at: float
-    completed_pair: bool
 
 
 class Binder:
@@ -89,28 +85,31 @@ class Binder:
         usage: UsageLedger,
         health: HealthBoard,
         *,
-        policy: str,
+        policy: Policy | str,
         enforcement: Enforcement,
         host_lib_dir: Path,
-        records: Callable[[], Snapshot | None] | None = None,
-        specs: PodSpecs | None = None,
+        records: Records | None = None,
+        specs: PodSpecBook | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_allocated: Callable[[Resource, str, Sequence[str]], None] | None = None,
+        records_wait: float = RECORDS_WAIT,
     ) -> None:
         self.inventory = inventory
         self.usage = usage
         self.health = health
-        self.policy = policy
+        self.policy = Policy.parse(policy)
         self.enforcement = enforcement
         self.host_lib_dir = host_lib_dir
         self.records = records
         self.specs = specs
+        self.records_wait = records_wait
         self._clock = clock
         self._on_allocated = on_allocated
         self._lock = threading.Lock()
-        self._last: _Binding | None = None
-        # The partner decided in GetPreferredAllocation, reused by the Allocate after it.
-        self._decided: dict[Resource, tuple[_Binding | None, _Binding | None]] = {}
+        self.pairing = Pairing()
+        # The decision taken in GetPreferredAllocation, reused by the Allocate after it
+        # (keyed by resource; valid while the last binding is still the one it saw).
+        self._decided: dict[Resource, tuple[Binding | None, Decision, Snapshot | None]] = {}
         # Precomputed ID -> (card, unit) for both resources: parsing tens of thousands
         # of IDs per request would dominate the request's cost.
         self._index: dict[Resource, dict[str, tuple[str, int]]] = {
@@ -148,34 +147,39 @@ class Binder:
             numbers.append(n)
         return grouped
 
-    def _partner(self, resource: Resource, snapshot: Snapshot | None) -> _Binding | None:
-        """The binding whose container is now asking for ``resource``, if any."""
-        last = self._last
-        if last is None or last.resource is resource or self._clock() - last.at > PAIR_WINDOW:
-            return None
-        holder = None
-        if snapshot is not None and snapshot.taken_at >= last.at:
-            holder = snapshot.holder_of(last.resource, last.first_id)
-        if holder is None:
-            return None if last.completed_pair else last
-        if snapshot is not None and snapshot.devices.get(holder, {}).get(resource):
-            return None  # that container holds this resource already: it is complete
-        wanted = self.specs.requests_of(holder) if self.specs else None
-        if wanted is not None:
-            return last if wanted.get(resource, 0) > 0 else None
-        return last
-
-    def _snapshot(self, resource: Resource) -> Snapshot | None:
-        """The kubelet's records, read only when a decision below will look at them:
-        the partner rule (a binding of the other resource within the window) or the
-        pod specs' hint. A read is a gRPC call to the kubelet, rate-limited."""
-        last = self._last
-        if self.records is None or last is None:
-            return None
-        pairing = last.resource is not resource and self._clock() - last.at <= PAIR_WINDOW
+    def _read_records(self, resource: Resource, arrival: float) -> tuple[Snapshot | None, str]:
+        """The kubelet's records as of after ``arrival``, when a decision will use them:
+        the pairing rule (a recent binding of the other resource) or, with pod specs,
+        the placement hint. Blocking I/O: never called under the lock."""
+        with self._lock:
+            pairing = self.pairing.wants_records(resource, arrival)
         if not pairing and self.specs is None:
-            return None
-        return self.records()
+            return None, "not needed"
+        if self.records is None:
+            return None, "no PodResources socket configured"
+        snapshot = self.records.read_after(arrival, timeout=self.records_wait)
+        if snapshot is None:
+            return None, f"PodResources: {self.records.last_error or 'no answer in time'}"
+        return snapshot, ""
+
+    def _decide(
+        self, resource: Resource, size: int, arrival: float
+    ) -> tuple[Binding | None, Decision, Snapshot | None]:
+        snapshot, missing = self._read_records(resource, arrival)
+        facts = Facts(
+            snapshot, missing, self.specs.requests_of if self.specs is not None else None
+        )
+        with self._lock:
+            last = self.pairing.last
+            decision = self.pairing.decide(resource, size, arrival, facts)
+        if decision.partner is not None and not decision.from_facts:
+            log.info(
+                "pairing_without_facts",
+                resource=resource.value,
+                steered_to=decision.partner.card,
+                lacking=decision.lacking,
+            )
+        return last, decision, snapshot
 
     def _describe(self, uuid: str) -> str:
         card = self.inventory.cards[uuid]
@@ -189,6 +193,7 @@ class Binder:
         must_include: Sequence[str],
         size: int,
     ) -> list[str]:
+        arrival = self._clock()
         if size <= 0:
             raise BindingError(Refusal.INVALID, f"allocation_size must be positive, got {size}")
         if size > len(available):
@@ -205,13 +210,9 @@ class Binder:
                 )
         healthy = self.health.healthy_cards()
         self.usage.observe_available(resource, free, healthy)
-        snapshot = self._snapshot(resource)
+        last, decision, snapshot = self._decide(resource, size, arrival)
         with self._lock:
-            partner = self._partner(resource, snapshot)
-            self._decided[resource] = (self._last, partner)
-        other_need = None
-        if partner is None and self.specs is not None:
-            other_need = self.specs.other_need(resource, size, snapshot)
+            self._decided[resource] = (last, decision, snapshot)
         other_free = self.usage.free_counts(resource.other)
         cards = [
             CardView(
@@ -228,11 +229,22 @@ class Binder:
             )
             for uuid, card in self.inventory.cards.items()
         ]
+        prefer, other_need = None, None
+        if decision.partner is None and self.specs is not None:
+            needs = self.specs.asking(resource, size, snapshot, decision.holder)
+            if needs:
+                other_need = needs[0].of(resource.other)
+                rooms = [
+                    Room(c.uuid, c.index, c.memory_free, c.core_free, c.healthy) for c in cards
+                ]
+                plan = place_containers(rooms, needs, self.policy)
+                prefer = plan[0] if plan else None
         request = Request(
             resource=resource,
             size=size,
             must_include=required,
-            partner=partner.uuid if partner else None,
+            partner=decision.partner.card if decision.partner else None,
+            prefer=prefer,
             other_need=other_need,
         )
         chosen = choose_card(cards, request, self.policy)
@@ -243,6 +255,7 @@ class Binder:
     # -- Allocate --------------------------------------------------------------------
     def allocate(self, resource: Resource, device_ids: Sequence[str]) -> tuple[str, Answer]:
         """Bind one container's units of ``resource``; returns the card and the answer."""
+        arrival = self._clock()
         if not device_ids:
             raise BindingError(Refusal.INVALID, "the request names no devices")
         grouped = self._group(resource, device_ids)
@@ -260,32 +273,43 @@ class Binder:
                 Refusal.PRECONDITION, f"{self._describe(uuid)} is unhealthy ({reason})"
             )
         with self._lock:
-            last_seen, partner = self._decided.pop(resource, (None, None))
-        if last_seen is not self._last:  # no GetPreferredAllocation just before: decide now
-            snapshot = self._snapshot(resource)
-            with self._lock:
-                partner = self._partner(resource, snapshot)
+            seen, decision, _snapshot = self._decided.pop(resource, (None, None, None))
+            fresh = decision is not None and seen is self.pairing.last
+        if not fresh:  # no GetPreferredAllocation just before: decide now
+            _last, decision, _snapshot = self._decide(resource, len(device_ids), arrival)
+        assert decision is not None
         with self._lock:
-            if partner is not None and partner.uuid != uuid:
-                self._last = None
-                raise BindingError(
-                    Refusal.PRECONDITION,
-                    f"this container's {resource.other.value} units were just bound to "
-                    f"{self._describe(partner.uuid)}, but its {resource.value} units are on "
-                    f"{self._describe(uuid)}: no single card holds both requests",
+            partner = decision.partner
+            if partner is not None and partner.card != uuid:
+                self.pairing.refused()
+                refusal = (
+                    f"this container's {partner.resource.value} units were just bound to "
+                    f"{self._describe(partner.card)}, but its {resource.value} units are on "
+                    f"{self._describe(uuid)}: no single card holds both requests"
                 )
-            binding = _Binding(
-                resource, uuid, device_ids[0], self._clock(), completed_pair=partner is not None
+            else:
+                refusal = None
+                binding = Binding(resource, uuid, tuple(device_ids), self._clock())
+                self.pairing.bound(binding)
+        if refusal is not None:
+            log.warning(
+                "pairing_refused",
+                resource=resource.value,
+                gpu=uuid,
+                partner_gpu=partner.card if partner else None,
+                basis=decision.basis.name.lower(),
+                holder=str(decision.holder) if decision.holder else None,
+                lacking=decision.lacking,
             )
-            self._last = binding
+            raise BindingError(Refusal.PRECONDITION, refusal)
         cache_dir = None
         if resource is Resource.MEMORY and self.enforcement.library is not None:
             try:
                 cache_dir = prepare_cache_dir(self.host_lib_dir, list(device_ids))
             except OSError as exc:
                 with self._lock:
-                    if self._last is binding:  # refused: nothing for the other to join
-                        self._last = None
+                    if self.pairing.last is binding:  # refused: nothing for the other to join
+                        self.pairing.refused()
                 raise BindingError(
                     Refusal.INTERNAL, f"cannot create the container's cache directory: {exc}"
                 ) from None
@@ -307,5 +331,6 @@ class Binder:
             index=self.inventory.cards[uuid].gpu.index,
             units=len(numbers),
             paired=partner is not None,
+            basis=decision.basis.name.lower(),
         )
         return uuid, answer

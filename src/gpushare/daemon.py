@@ -276,7 +276,7 @@ class Daemon:
             policy=settings.placement,
             enforcement=enforcement,
             host_lib_dir=Path(settings.host_lib_dir),
-            records=self.pod_resources.list,
+            records=self.pod_resources,
             specs=self.specs,
             on_allocated=self._allocated,
         )

@@ -233,7 +233,7 @@ class ApiLink:
     def _annotate_pods(self) -> None:
         if not self._pending:
             return
-        snapshot = self.records.list(max_age=0.0)
+        snapshot = self.records.list()
         retry: list[_PendingPodAnnotation] = []
         while self._pending:
             item = self._pending.popleft()

@@ -1,34 +1,169 @@
 """Which card a container gets: pure functions over plain data, no gRPC, no NVML.
 
-The kubelet asks for one resource at a time (``GetPreferredAllocation`` then
-``Allocate``), and for a container that wants both memory and core units it asks for
-them back to back, in no fixed order. Whatever is placed first decides the card for
-both, so the first placement must leave room for the second. See docs/placement.md.
+This is the ONE placement of gpushare: the node daemon's binder (``binding.py``) and
+the scheduler extender (``extender/``) both call it, so the extender predicts exactly
+the card the daemon will choose. See docs/placement.md.
 
-The rules, in order:
+Two levels:
 
-1. Only healthy cards that hold ``size`` free units of the resource (and every
-   ``must_include`` unit) are eligible.
-2. If the container's other resource was just bound to a card (``partner``) and that
-   card is eligible, it is the answer: both resources on one card.
-3. If we know how much of the other resource will follow (``other_need``, a hint
-   learned from the pod spec), choose by policy among the cards that hold both.
-4. If we do not know, choose the eligible card with the most free units of the other
-   resource. Then, if ANY card could hold both, this one can: that card has the most
-   room for the second request among all cards that hold the first. Policy breaks ties.
-5. If no card is eligible, answer the card with the most free units anyway; the
-   kubelet pads the answer with units of other cards and Allocate refuses it clearly.
+* **Containers and pods** (:func:`rank`, :func:`place_containers`): given each card's
+  free memory and core units and what the containers of a pod need, in the kubelet's
+  admission order, choose one card per container. A card is a candidate for a
+  container when it holds BOTH of its needs; candidates are ranked by the policy
+  (binpack: the fullest first; spread: the emptiest first; the GPU index breaks
+  ties). The pod is placed as a whole: the first container takes its best-ranked card
+  from which the remaining containers can still be placed (a bounded depth-first
+  search), so two containers of one pod never block each other needlessly.
+* **One kubelet request** (:func:`choose_card`): the kubelet asks for one resource at
+  a time (GetPreferredAllocation, then Allocate), in no fixed order. The binder
+  passes what it knows: the card the container is bound to already (``partner``), the
+  card its pod's plan gives it (``prefer``), or how much of the other resource will
+  follow (``other_need``). Rules, in order:
+
+  1. Only healthy cards holding ``size`` free units (and every ``must_include`` unit)
+     are eligible.
+  2. ``partner``: that card, if eligible (else Allocate will refuse the request).
+  3. ``prefer``: that card, if eligible.
+  4. ``other_need`` known: by policy among the eligible cards that hold both.
+  5. Nothing known: the eligible card with the most free units of the other resource;
+     if ANY card could hold both requests, this one can. Policy breaks ties.
+  6. No card is eligible: the card with the most free units, so that the kubelet pads
+     the answer and Allocate refuses it with a clear message.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpushare.devices import Resource
 
-BINPACK = "binpack"
-SPREAD = "spread"
+
+class Policy(enum.StrEnum):
+    """How cards are ranked for a container: pack them full, or spread the load."""
+
+    BINPACK = "binpack"
+    SPREAD = "spread"
+
+    @classmethod
+    def parse(cls, value: str | Policy) -> Policy:
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            choices = ", ".join(p.value for p in cls)
+            raise ValueError(f"unknown placement policy {value!r} (one of {choices})") from None
+
+
+BINPACK = Policy.BINPACK
+SPREAD = Policy.SPREAD
+
+#: Depth-first search over a pod's containers stops after this many card trials and
+#: keeps the greedy answer: pods have a handful of containers, nodes a handful of cards.
+SEARCH_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one container asks for, in units of each resource."""
+
+    memory: int
+    core: int
+
+    def of(self, resource: Resource) -> int:
+        return self.memory if resource is Resource.MEMORY else self.core
+
+
+@dataclass(frozen=True)
+class Room:
+    """One card's free units as placement sees them."""
+
+    uuid: str
+    index: int
+    memory_free: int
+    core_free: int
+    healthy: bool = True
+
+    def holds(self, need: Need) -> bool:
+        return self.healthy and self.memory_free >= need.memory and self.core_free >= need.core
+
+    def minus(self, need: Need) -> Room:
+        return Room(
+            self.uuid,
+            self.index,
+            self.memory_free - need.memory,
+            self.core_free - need.core,
+            self.healthy,
+        )
+
+
+def policy_key(
+    memory_free: int, core_free: int, index: int, uses_memory: bool, policy: Policy
+) -> tuple[int, ...]:
+    """Sort key of a card: memory then cores (only cores for a container without
+    memory), ascending for binpack, descending for spread, then the GPU index."""
+    key: tuple[int, ...] = (memory_free, core_free) if uses_memory else (core_free,)
+    if policy is Policy.SPREAD:
+        key = tuple(-k for k in key)
+    return (*key, index)
+
+
+def rank(rooms: Sequence[Room], need: Need, policy: Policy) -> list[Room]:
+    """The cards that hold ``need``, best first."""
+    uses_memory = need.memory > 0
+    return sorted(
+        (room for room in rooms if room.holds(need)),
+        key=lambda r: policy_key(r.memory_free, r.core_free, r.index, uses_memory, policy),
+    )
+
+
+def place_containers(
+    rooms: Sequence[Room], needs: Sequence[Need], policy: Policy
+) -> tuple[str, ...] | None:
+    """One card UUID per container (in order), the pod placed as a whole; None if no
+    assignment of whole containers to single cards exists (within the search limit).
+
+    The answer is the first feasible assignment in policy order: the first container
+    gets the best-ranked card from which the others still fit, and so on. Placing the
+    first container and calling again for the rest gives the same remaining cards.
+    """
+    trials = 0
+
+    def search(current: Sequence[Room], position: int) -> list[str] | None:
+        nonlocal trials
+        if position == len(needs):
+            return []
+        need = needs[position]
+        for room in rank(current, need, policy):
+            trials += 1
+            if trials > SEARCH_LIMIT:
+                return None
+            after = [r.minus(need) if r.uuid == room.uuid else r for r in current]
+            rest = search(after, position + 1)
+            if rest is not None:
+                return [room.uuid, *rest]
+        return None
+
+    found = search(list(rooms), 0)
+    if found is None and trials > SEARCH_LIMIT:
+        return _greedy(rooms, needs, policy)
+    return tuple(found) if found is not None else None
+
+
+def _greedy(rooms: Sequence[Room], needs: Sequence[Need], policy: Policy) -> tuple[str, ...] | None:
+    current = list(rooms)
+    chosen = []
+    for need in needs:
+        ranked = rank(current, need, policy)
+        if not ranked:
+            return None
+        uuid = ranked[0].uuid
+        chosen.append(uuid)
+        current = [r.minus(need) if r.uuid == uuid else r for r in current]
+    return tuple(chosen)
+
+
+# -- one kubelet request -----------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -51,6 +186,7 @@ class Request:
     size: int
     must_include: Mapping[str, Sequence[int]] = field(default_factory=dict)
     partner: str | None = None
+    prefer: str | None = None
     other_need: int | None = None
 
 
@@ -58,12 +194,9 @@ def _other_free(card: CardView, resource: Resource) -> int:
     return card.core_free if resource is Resource.MEMORY else card.memory_free
 
 
-def _policy_key(card: CardView, request: Request, policy: str) -> tuple[int, ...]:
+def _request_key(card: CardView, request: Request, policy: Policy) -> tuple[int, ...]:
     uses_memory = request.resource is Resource.MEMORY or request.other_need != 0
-    key: tuple[int, ...] = (card.memory_free, card.core_free) if uses_memory else (card.core_free,)
-    if policy == SPREAD:
-        key = tuple(-k for k in key)
-    return (*key, card.index)
+    return policy_key(card.memory_free, card.core_free, card.index, uses_memory, policy)
 
 
 def eligible_cards(cards: Sequence[CardView], request: Request) -> list[CardView]:
@@ -83,20 +216,27 @@ def eligible_cards(cards: Sequence[CardView], request: Request) -> list[CardView
     return eligible
 
 
-def choose_card(cards: Sequence[CardView], request: Request, policy: str) -> CardView | None:
+def choose_card(
+    cards: Sequence[CardView], request: Request, policy: Policy | str
+) -> CardView | None:
     """The card for this request by the rules above; None only when there are no cards."""
+    policy = Policy.parse(policy)
     eligible = eligible_cards(cards, request)
     if not eligible:
         return max(cards, key=lambda c: (c.healthy, len(c.free_units), -c.index), default=None)
-    for card in eligible:
-        if card.uuid == request.partner:
-            return card
+    for wanted in (request.partner, request.prefer):
+        if wanted is not None:
+            for card in eligible:
+                if card.uuid == wanted:
+                    return card
+            if wanted == request.partner:
+                break  # the partner's card cannot take it: Allocate will say so
     if request.other_need is not None:
         both = [c for c in eligible if _other_free(c, request.resource) >= request.other_need]
-        return min(both or eligible, key=lambda c: _policy_key(c, request, policy))
+        return min(both or eligible, key=lambda c: _request_key(c, request, policy))
     return min(
         eligible,
-        key=lambda c: (-_other_free(c, request.resource), *_policy_key(c, request, policy)),
+        key=lambda c: (-_other_free(c, request.resource), *_request_key(c, request, policy)),
     )
 
 

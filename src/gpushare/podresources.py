@@ -2,9 +2,8 @@
 
 This is gpushare's only source of truth about allocations: there is no private
 checkpoint, so a daemon restarted in the middle of a busy node (even by ``kill -9``)
-agrees with the kubelet at once. The kubelet rate-limits the API, so calls go
-through a small token bucket; a missing or failing socket yields ``None`` and a log
-line, never an exception.
+agrees with the kubelet at once. A missing, refusing or failing socket yields
+``None`` and a log line, never an exception.
 """
 
 from __future__ import annotations
@@ -25,16 +24,15 @@ from gpushare.usage import Holder
 log = structlog.get_logger(__name__)
 
 LIST_TIMEOUT = 2.0
-#: The kubelet allows about 100 requests per second with a burst of 10; stay well below.
-DEFAULT_RATE = 20.0
-DEFAULT_BURST = 5
+#: First pause before asking again when the kubelet's rate limit refused a read.
+EXHAUSTED_PAUSE = 0.01
 
 
 @dataclass(frozen=True)
 class Snapshot:
     """One List answer, restricted to gpushare's resources."""
 
-    taken_at: float
+    taken_at: float  # when the read began (clock time): it shows everything recorded before
     # (resource, device ID) -> the container holding it
     holders: dict[tuple[Resource, str], Holder] = field(default_factory=dict)
     # container -> resource -> device IDs
@@ -82,70 +80,108 @@ def parse_list_response(
 
 
 class PodResourcesClient:
-    """Reads the kubelet's PodResources List, politely."""
+    """Reads the kubelet's PodResources ``List``: always a read that began after the
+    caller asked, never an older answer.
+
+    Concurrent callers share one read in flight when it began after they asked; a
+    caller that arrived later than the read in flight waits for it to end and starts
+    its own. There is no client-side throttle: the kubelet limits the API itself
+    (about 100 requests a second, burst 10) and answers ``ResourceExhausted`` beyond
+    that, which reads here as "no fresh records" (None), like a missing socket.
+    """
 
     def __init__(
         self,
         socket: Path,
         resources: Mapping[str, Resource],
         *,
-        rate: float = DEFAULT_RATE,
-        burst: int = DEFAULT_BURST,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.socket = socket
         self.resources = dict(resources)
-        self._rate = rate
-        self._burst = float(burst)
-        self._tokens = float(burst)
-        self._refilled = clock()
         self._clock = clock
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._channel: grpc.Channel | None = None
         self._stub: api_pb2_grpc.PodResourcesListerStub | None = None
         self._failing = False
-        self.last: Snapshot | None = None
+        self._inflight: float | None = None  # when the read in flight began
+        self._done: tuple[float, Snapshot | None, str] | None = None  # last read: began, result
+        self.last: Snapshot | None = None  # the newest snapshot read successfully
+        self.last_error = ""
 
-    def _take_token(self) -> bool:
-        now = self._clock()
-        self._tokens = min(self._burst, self._tokens + (now - self._refilled) * self._rate)
-        self._refilled = now
-        if self._tokens < 1.0:
-            return False
-        self._tokens -= 1.0
-        return True
+    def list(self, *, timeout: float = LIST_TIMEOUT) -> Snapshot | None:
+        """A snapshot read from now on; None when the kubelet cannot be read."""
+        return self.read_after(self._clock(), timeout=timeout)
 
-    def list(self, *, max_age: float = 0.0) -> Snapshot | None:
-        """A fresh snapshot, or the last one if it is younger than ``max_age`` seconds or
-        the rate limit is reached; None when the kubelet cannot be read."""
-        with self._lock:
-            now = self._clock()
-            if self.last is not None and now - self.last.taken_at <= max_age:
-                return self.last
-            if not self._take_token():
-                return self.last
-            if not self.socket.exists():
-                self._report_failure("socket missing")
-                return None
+    def read_after(self, not_before: float, *, timeout: float = LIST_TIMEOUT) -> Snapshot | None:
+        """A snapshot whose read began at or after ``not_before`` (clock time), or None
+        when none could be had within ``timeout`` seconds (``last_error`` says why)."""
+        deadline = self._clock() + timeout
+        with self._cond:
+            while True:
+                done = self._done
+                if done is not None and done[0] >= not_before:
+                    return done[1]
+                if self._inflight is None:
+                    began = self._inflight = self._clock()
+                    break
+                left = deadline - self._clock()
+                if left <= 0:
+                    self.last_error = "the read in flight did not end in time"
+                    return None
+                self._cond.wait(left)
+        snapshot, error = self._call(began, max(0.01, deadline - self._clock()))
+        with self._cond:
+            self._inflight = None
+            self._done = (began, snapshot, error)
+            if snapshot is not None:
+                self.last = snapshot
+            self.last_error = error
+            self._cond.notify_all()
+        return snapshot
+
+    def _call(self, began: float, timeout: float) -> tuple[Snapshot | None, str]:
+        """One List call, outside every lock."""
+        if not self.socket.exists():
+            return None, self._report_failure("socket missing")
+        with self._cond:
             if self._stub is None:
                 self._channel = grpc.insecure_channel(f"unix://{self.socket}")
                 self._stub = api_pb2_grpc.PodResourcesListerStub(self._channel)
+            stub = self._stub
+        deadline = self._clock() + timeout
+        pause = EXHAUSTED_PAUSE
+        while True:
             try:
-                response = self._stub.List(api_pb2.ListPodResourcesRequest(), timeout=LIST_TIMEOUT)
+                response = stub.List(
+                    api_pb2.ListPodResourcesRequest(), timeout=max(0.01, deadline - self._clock())
+                )
+                break
             except grpc.RpcError as exc:
-                self._report_failure(f"{exc.code().name}: {exc.details()}")
-                self._reset()
-                return None
-            if self._failing:
-                log.info("pod_resources_readable", socket=str(self.socket))
-                self._failing = False
-            self.last = parse_list_response(response, self.resources, now)
-            return self.last
+                code = exc.code()
+                error = f"{code.name}: {exc.details()}"
+                if code is grpc.StatusCode.RESOURCE_EXHAUSTED and self._clock() + pause < deadline:
+                    # The kubelet's limiter refills a token every 10 ms: the same fresh
+                    # read is asked again, never an older answer handed out.
+                    time.sleep(pause)
+                    pause *= 2
+                    continue
+                if code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    with self._cond:
+                        self._reset()
+                return None, self._report_failure(error)
+            except ValueError as exc:  # the channel was closed under us (shutdown)
+                return None, self._report_failure(str(exc))
+        if self._failing:
+            log.info("pod_resources_readable", socket=str(self.socket))
+            self._failing = False
+        return parse_list_response(response, self.resources, began), ""
 
-    def _report_failure(self, error: str) -> None:
+    def _report_failure(self, error: str) -> str:
         if not self._failing:
             log.warning("pod_resources_unreadable", socket=str(self.socket), error=error)
             self._failing = True
+        return error
 
     def _reset(self) -> None:
         if self._channel is not None:
@@ -154,5 +190,5 @@ class PodResourcesClient:
         self._stub = None
 
     def close(self) -> None:
-        with self._lock:
+        with self._cond:
             self._reset()

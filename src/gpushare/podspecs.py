@@ -11,10 +11,12 @@ container still never spans two cards without them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from gpushare.devices import Resource
+from gpushare.placement import Need
 from gpushare.podresources import Snapshot
 from gpushare.usage import Holder
 
@@ -41,8 +43,35 @@ def container_requests(container: Mapping[str, Any], prefix: str) -> dict[Resour
     }
 
 
-#: (namespace, name, phase, {container: requests}) of one pod.
-_Entry = tuple[str, str, str, dict[str, dict[Resource, int]]]
+@dataclass(frozen=True)
+class SpecContainer:
+    """One GPU container of a pod, in the kubelet's admission order."""
+
+    name: str
+    needs: dict[Resource, int]
+    #: An ordinary (not restartable) init container: it runs alone, before the app
+    #: containers, and PodResources does not list it.
+    init: bool = False
+
+    @property
+    def need(self) -> Need:
+        return Need(self.needs.get(Resource.MEMORY, 0), self.needs.get(Resource.CORE, 0))
+
+
+@dataclass(frozen=True)
+class _Entry:
+    namespace: str
+    name: str
+    phase: str
+    containers: tuple[SpecContainer, ...]  # GPU containers only, in admission order
+
+
+def _plan_from(containers: Sequence[SpecContainer]) -> list[Need]:
+    """What to place together, starting with the first of ``containers``: an init
+    container alone, an app container with the app containers after it."""
+    if containers[0].init:
+        return [containers[0].need]
+    return [c.need for c in containers if not c.init]
 
 
 class PodSpecBook:
@@ -60,15 +89,23 @@ class PodSpecBook:
         meta = pod.get("metadata") or {}
         spec = pod.get("spec") or {}
         uid = str(meta.get("uid", ""))
-        containers = {}
-        for container in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
+        containers = []
+        for container in spec.get("initContainers") or []:
             wanted = container_requests(container, self.prefix)
             if any(wanted.values()):
-                containers[str(container.get("name", ""))] = wanted
+                restartable = container.get("restartPolicy") == "Always"
+                containers.append(
+                    SpecContainer(str(container.get("name", "")), wanted, init=not restartable)
+                )
+        for container in spec.get("containers") or []:
+            wanted = container_requests(container, self.prefix)
+            if any(wanted.values()):
+                containers.append(SpecContainer(str(container.get("name", "")), wanted))
         phase = str((pod.get("status") or {}).get("phase", "Pending"))
         if not uid or not containers or phase in TERMINAL_PHASES:
             return uid, None
-        return uid, (meta.get("namespace", ""), meta.get("name", ""), phase, containers)
+        namespace, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
+        return uid, _Entry(namespace, name, phase, tuple(containers))
 
     def update(self, pod: Mapping[str, Any]) -> None:
         """Record (or replace) a pod as the API server shows it."""
@@ -99,37 +136,88 @@ class PodSpecBook:
         with self._lock:
             return len(self._pods)
 
-    def requests_of(self, holder: Holder) -> dict[Resource, int] | None:
+    def _find(self, holder: Holder) -> _Entry | None:
         with self._lock:
-            for namespace, name, _phase, containers in self._pods.values():
-                if (namespace, name) == (holder.namespace, holder.pod):
-                    return dict(containers.get(holder.container, {})) or None
+            for entry in self._pods.values():
+                if (entry.namespace, entry.name) == (holder.namespace, holder.pod):
+                    return entry
         return None
 
-    def other_need(self, resource: Resource, size: int, snapshot: Snapshot | None) -> int | None:
-        """The other resource's units wanted by every container that could be asking now.
+    def requests_of(self, holder: Holder) -> dict[Resource, int] | None:
+        """Units of each resource the container asks for; None if its pod is unknown
+        (after one bounded re-read of the pods, when the book has a way to re-read)."""
+        entry = self._find(holder)
+        if entry is None and self.on_miss is not None and self.on_miss():
+            entry = self._find(holder)
+        if entry is None:
+            return None
+        for container in entry.containers:
+            if container.name == holder.container:
+                return dict(container.needs)
+        return {resource: 0 for resource in Resource}  # a container with no GPU units
 
-        Candidates are containers asking exactly ``size`` of ``resource`` that do not
-        hold it yet (per the kubelet's records, when known). If they all agree, that is
-        the answer; if they disagree or none is known, None.
+    def asking(
+        self,
+        resource: Resource,
+        size: int,
+        records: Snapshot | None,
+        last_holder: Holder | None = None,
+    ) -> list[Need] | None:
+        """The needs of the container now asking ``size`` units of ``resource``, first,
+        followed by those to be placed together with it (the app containers after it in
+        its pod); None when the pods on record do not say which container it is.
+
+        The kubelet admits one pod at a time and its containers in order (init
+        containers, then app containers). So if the pod of the container bound last has
+        a GPU container still holding nothing, that one is asking; otherwise it is the
+        first GPU container of a pod none of whose app containers holds units yet.
+        Candidates must ask exactly ``size`` of ``resource``; if they disagree on what
+        to place, the answer is only what they agree on (or nothing).
         """
-        answers = self._candidate_needs(resource, size, snapshot)
-        if not answers and self.on_miss is not None and self.on_miss():
-            answers = self._candidate_needs(resource, size, snapshot)
-        return answers.pop() if len(answers) == 1 else None
+        held = records.devices if records is not None else {}
+        candidates = self._candidates(resource, size, held, last_holder)
+        if not candidates and self.on_miss is not None and self.on_miss():
+            candidates = self._candidates(resource, size, held, last_holder)
+        if not candidates:
+            return None
+        first = candidates[0]
+        if all(c == first for c in candidates):
+            return first
+        if all(c[0] == first[0] for c in candidates):
+            return first[:1]
+        return None
 
-    def _candidate_needs(
-        self, resource: Resource, size: int, snapshot: Snapshot | None
-    ) -> set[int]:
-        answers = set()
+    def _candidates(
+        self,
+        resource: Resource,
+        size: int,
+        held: Mapping[Holder, Any],
+        last_holder: Holder | None,
+    ) -> list[list[Need]]:
         with self._lock:
             pods = list(self._pods.values())
-        for namespace, name, _phase, containers in pods:
-            for container, wanted in containers.items():
-                if wanted.get(resource, 0) != size:
+
+        def holds(entry: _Entry, container: SpecContainer) -> bool:
+            return Holder(entry.namespace, entry.name, container.name) in held
+
+        if last_holder is not None:
+            for entry in pods:
+                if (entry.namespace, entry.name) != (last_holder.namespace, last_holder.pod):
                     continue
-                holder = Holder(namespace, name, container)
-                if snapshot is not None and snapshot.devices.get(holder, {}).get(resource):
-                    continue
-                answers.add(wanted.get(resource.other, 0))
-        return answers
+                names = [c.name for c in entry.containers]
+                if last_holder.container not in names:
+                    break
+                after = entry.containers[names.index(last_holder.container) + 1 :]
+                rest = [c for c in after if not holds(entry, c)]
+                if rest and rest[0].needs.get(resource, 0) == size:
+                    return [_plan_from(rest)]
+                break
+        found = []
+        for entry in pods:
+            if entry.phase != "Pending":
+                continue
+            if any(holds(entry, c) for c in entry.containers if not c.init):
+                continue
+            if entry.containers[0].needs.get(resource, 0) == size:
+                found.append(_plan_from(entry.containers))
+        return found

@@ -1,19 +1,44 @@
 """A stand-in kubelet that drives a device plugin the way the real one does.
 
-It serves ``Registration`` on ``<dir>/kubelet.sock`` and, on Register, dials the
-plugin back, asks for its options and keeps a ListAndWatch stream open. ``admit``
-replays the kubelet's admission of one container: per resource, the free healthy
-devices are offered to GetPreferredAllocation, the answer is honoured only within
-them and padded when short, then Allocate is called; answers are merged as the
-kubelet merges them (the first value of an env key or mount path wins, conflicts are
-recorded). It also serves the PodResources API from its own records.
+It imitates the kubelet's device manager (``pkg/kubelet/cm/devicemanager``, v1.32) in
+everything a plugin can observe:
 
-Used by the demo, the tests and the benchmark; operators can use it to try a
-configuration without a cluster.
+* **Registration.** It serves ``Registration`` on ``<dir>/kubelet.sock`` and, on
+  Register, dials the plugin back, asks for its options and keeps a ListAndWatch
+  stream open; each message replaces the resource's device set, and a stream that
+  ends marks every device of the resource unhealthy (no redial).
+* **Admission** (``allocateContainerResources``). Pods one at a time, their containers
+  in spec order (init containers first). Per container, the resources come in the
+  iteration order of a Go map of its limits: the listing order about 7 times in 8,
+  another order otherwise (seedable, ``seed``). Per resource: the free healthy
+  devices are offered to GetPreferredAllocation (when the plugin advertises it), the
+  answer is honoured only within them and padded when short, then one Allocate; as
+  soon as it returns, the allocation is recorded (``podDevices.insert``) and visible
+  to PodResources before the next resource is asked for. Devices of ordinary init
+  containers are handed on to the later containers of the pod (``devicesToReuse``):
+  a container fully covered by them gets no GetPreferredAllocation, one partly
+  covered gets them as ``must_include_deviceIDs``.
+* **Rejection.** An Allocate error or too few free devices fails the whole pod. The
+  kubelet frees a rejected pod's devices in ``UpdateAllocatedDevices``, which runs
+  before the next admission allocates anything and at the start of every PodResources
+  ``List``: no plugin can observe them in between, so they are freed at once here.
+* **PodResources** (``server_v1.go``). ``List`` shows active pods only, their app
+  containers and restartable init containers (not ordinary init containers), and is
+  rate-limited like the kubelet's (``ResourceExhausted`` beyond ``list_rate`` per
+  second, burst ``list_burst``).
+* **Restart.** Every plugin stream ends, every socket in the directory is removed, and
+  the new ``kubelet.sock`` replaces the old one atomically (bound at a temporary path
+  and renamed over it), so the socket file never goes missing.
+
+Answers are merged as the kubelet merges them (the first value of an env key or mount
+path wins, conflicts are recorded). Used by the demo, the tests and the benchmark;
+operators can use it to try a configuration without a cluster.
 """
 
 from __future__ import annotations
 
+import os
+import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -29,6 +54,9 @@ from gpushare._proto.podresources.v1 import api_pb2 as pr_pb2
 from gpushare._proto.podresources.v1 import api_pb2_grpc as pr_pb2_grpc
 
 DIAL_TIMEOUT = 10.0
+#: The kubelet's PodResources limit (``podresources.DefaultQPS``/``DefaultBurstTokens``).
+LIST_RATE = 100.0
+LIST_BURST = 10
 
 #: Called after each admission RPC with (resource, method, seconds); the benchmark times calls.
 CallObserver = Callable[[str, str, float], None]
@@ -49,9 +77,9 @@ class Endpoint:
     """One registered resource: its channel, options and the latest device list."""
 
     resource: str
-    socket: Path
-    channel: grpc.Channel
-    stub: api_pb2_grpc.DevicePluginStub
+    socket: Path | None
+    channel: grpc.Channel | None
+    stub: Any  # api_pb2_grpc.DevicePluginStub, or anything with the same unary methods
     options: Any
     devices: dict[str, Any] = field(default_factory=dict)  # ID -> Device, in order
     healthy: list[str] = field(default_factory=list)  # IDs of the healthy devices, in order
@@ -72,9 +100,21 @@ class Admitted:
     annotations: dict[str, str]
     responses: dict[str, Any]  # resource -> ContainerAllocateResponse
     conflicts: list[str]
+    init: bool = False  # an ordinary init container: not listed by PodResources
+    restartable: bool = False  # a sidecar (init container with restartPolicy Always)
 
     def card(self) -> str:
         return self.envs.get("NVIDIA_VISIBLE_DEVICES", "")
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """One container of a pod as the kubelet admits it."""
+
+    name: str
+    requests: Mapping[str, int]
+    init: bool = False
+    restartable: bool = False  # an init container with ``restartPolicy: Always``
 
 
 class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourcesListerServicer):  # type: ignore[misc]
@@ -83,6 +123,10 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
         plugin_dir: Path,
         pod_resources_socket: Path | None = None,
         observe: CallObserver | None = None,
+        *,
+        seed: int | None = 0,
+        list_rate: float = LIST_RATE,
+        list_burst: int = LIST_BURST,
     ) -> None:
         self.plugin_dir = Path(plugin_dir)
         self.pod_resources_socket = pod_resources_socket
@@ -91,6 +135,15 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
         self.endpoints: dict[str, Endpoint] = {}
         self.registrations: list[tuple[str, str]] = []  # (resource, endpoint)
         self.admitted: dict[tuple[str, str, str], Admitted] = {}
+        self.rng = random.Random(seed)
+        #: Per container: the resource order the kubelet used, for tests to look at.
+        self.orders: list[tuple[str, list[str]]] = []
+        self._reuse: dict[tuple[str, str], dict[str, list[str]]] = {}  # pod -> reusable
+        self._list_rate = list_rate
+        self._list_burst = float(list_burst)
+        self._list_tokens = float(list_burst)
+        self._list_refilled = time.monotonic()
+        self.list_refusals = 0
         self._lock = threading.Condition()
         self._server: Any = None
         self._pr_server: Any = None
@@ -101,12 +154,16 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
         return self.plugin_dir / "kubelet.sock"
 
     def start(self) -> None:
+        """Listen on ``kubelet.sock``: bound at a temporary path and renamed over the
+        old socket file, so that ``kubelet.sock`` never goes missing."""
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
-        self.socket.unlink(missing_ok=True)
+        temporary = self.plugin_dir / f".kubelet-{os.getpid()}-{id(self):x}.sock"
+        temporary.unlink(missing_ok=True)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         api_pb2_grpc.add_RegistrationServicer_to_server(self, server)
-        server.add_insecure_port(f"unix://{self.socket}")
+        server.add_insecure_port(f"unix://{temporary}")
         server.start()
+        os.rename(temporary, self.socket)
         self._server = server
         if self.pod_resources_socket is not None and self._pr_server is None:
             self.pod_resources_socket.parent.mkdir(parents=True, exist_ok=True)
@@ -131,13 +188,15 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
             self._pr_server = None
 
     def restart(self) -> None:
-        """What a kubelet restart does: drop every plugin, delete every socket, listen again.
+        """What a kubelet restart does: drop every plugin, delete every other socket in
+        the directory, and replace ``kubelet.sock`` atomically.
 
         Allocations survive, as they do in the kubelet's checkpoint.
         """
         self.stop(keep_pod_resources=True)
         for path in self.plugin_dir.glob("*.sock"):
-            path.unlink(missing_ok=True)
+            if path != self.socket:
+                path.unlink(missing_ok=True)
         self.start()
 
     # ---------------------------------------------------------------- Registration
@@ -167,19 +226,31 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
         threading.Thread(target=self._watch, args=(endpoint,), daemon=True).start()
         return api_pb2.Empty()
 
+    def attach(self, resource: str, stub: Any, options: Any, devices: Iterable[Any]) -> None:
+        """Register a plugin reached without a socket (an in-process stub with the same
+        unary methods), with its device list: for exhaustive tests of admission
+        sequences, where gRPC transport would only cost time."""
+        endpoint = Endpoint(resource, None, None, stub, options)
+        self._adopt(endpoint, devices)
+        with self._lock:
+            self.endpoints[resource] = endpoint
+
+    def _adopt(self, endpoint: Endpoint, listed: Iterable[Any]) -> None:
+        devices = {d.ID: d for d in listed}
+        healthy = [i for i, d in devices.items() if d.health == "Healthy"]
+        with self._lock:
+            endpoint.devices = devices
+            endpoint.healthy = healthy
+            endpoint.updates += 1
+            self._lock.notify_all()
+
     def _watch(self, endpoint: Endpoint) -> None:
         if self.watch_delay:
             time.sleep(self.watch_delay)  # a busy kubelet takes a moment to dial back
         try:
             endpoint.stream = endpoint.stub.ListAndWatch(api_pb2.Empty())
             for response in endpoint.stream:
-                devices = {d.ID: d for d in response.devices}
-                healthy = [i for i, d in devices.items() if d.health == "Healthy"]
-                with self._lock:
-                    endpoint.devices = devices
-                    endpoint.healthy = healthy
-                    endpoint.updates += 1
-                    self._lock.notify_all()
+                self._adopt(endpoint, response.devices)
         except grpc.RpcError:
             pass
         except ValueError:
@@ -196,7 +267,8 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
     def _close(endpoint: Endpoint) -> None:
         if endpoint.stream is not None:
             endpoint.stream.cancel()
-        endpoint.channel.close()
+        if endpoint.channel is not None:
+            endpoint.channel.close()
 
     # ---------------------------------------------------------------- queries
     def wait_for(self, predicate: Any, timeout: float = 5.0) -> bool:
@@ -216,6 +288,15 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
         with self._lock:
             return {d for a in self.admitted.values() for d in a.devices.get(resource, ())}
 
+    def go_map_order(self, resources: Sequence[str]) -> list[str]:
+        """The order a Go map of these limits iterates in: the listing order about 7
+        times in 8 (a small map mostly iterates in insertion order), another otherwise."""
+        order = list(resources)
+        if len(order) > 1 and self.rng.random() < 1 / 8:
+            while order == list(resources):
+                self.rng.shuffle(order)
+        return order
+
     # ---------------------------------------------------------------- admission
     def admit(
         self,
@@ -225,43 +306,95 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
         *,
         namespace: str = "default",
         order: Sequence[str] | None = None,
+        init: bool = False,
+        restartable: bool = False,
     ) -> Admitted:
-        """Admit one container asking ``requests`` (resource name -> units)."""
-        order = list(order) if order is not None else list(requests)
+        """Admit one container asking ``requests`` (resource name -> units).
+
+        ``order`` fixes the order of its resources; by default it is a Go map's. On
+        failure the whole pod is rejected: every container of it admitted so far
+        gives its devices back.
+        """
+        resources = [r for r in requests if requests[r] > 0]
+        order = list(order) if order is not None else self.go_map_order(resources)
+        self.orders.append((container, order))
         record = Admitted(pod, container, namespace, {}, {}, {}, {}, {}, [])
+        record.init, record.restartable = init and not restartable, restartable
         key = (namespace, pod, container)
+        reusable = self._reuse.setdefault((namespace, pod), {})
+        for other in list(self._reuse):
+            if other != (namespace, pod):
+                del self._reuse[other]  # devicesToReuse keeps the pod being admitted only
         try:
             for resource in order:
-                self._allocate_one(record, resource, requests[resource])
+                self._allocate_one(record, resource, requests[resource], reusable.get(resource))
                 with self._lock:
                     self.admitted[key] = record  # visible to PodResources as it grows
         except AdmissionError:
-            with self._lock:
-                self.admitted.pop(key, None)
+            self._reject(namespace, pod)
             raise
+        for resource, ids in record.devices.items():
+            pool = reusable.setdefault(resource, [])
+            if record.init and not record.restartable:
+                pool.extend(d for d in ids if d not in pool)  # handed on to later containers
+            else:
+                reusable[resource] = [d for d in pool if d not in ids]
         return record
 
-    def _allocate_one(self, record: Admitted, resource: str, units: int) -> None:
+    def admit_pod(
+        self, pod: str, containers: Sequence[ContainerSpec], *, namespace: str = "default"
+    ) -> list[Admitted]:
+        """Admit a whole pod: init containers first, then app containers, in spec order."""
+        ordered = [c for c in containers if c.init] + [c for c in containers if not c.init]
+        return [
+            self.admit(
+                pod,
+                c.name,
+                c.requests,
+                namespace=namespace,
+                init=c.init,
+                restartable=c.restartable,
+            )
+            for c in ordered
+            if any(c.requests.values())
+        ]
+
+    def _reject(self, namespace: str, pod: str) -> None:
+        with self._lock:
+            for key in [k for k in self.admitted if k[:2] == (namespace, pod)]:
+                del self.admitted[key]
+        self._reuse.pop((namespace, pod), None)
+
+    def _allocate_one(
+        self, record: Admitted, resource: str, units: int, reusable: list[str] | None
+    ) -> None:
         with self._lock:
             endpoint = self.endpoints.get(resource)
         if endpoint is None:
             raise AdmissionError("UnexpectedAdmissionError", f"no plugin registered for {resource}")
         with self._lock:
+            # The devices of init containers were handed on, so they count as taken only
+            # through the containers that hold them now.
             taken = {d for a in self.admitted.values() for d in a.devices.get(resource, ())}
             healthy = endpoint.healthy
+        reused = [d for d in (reusable or []) if d in endpoint.devices][:units]
         available = [d for d in healthy if d not in taken]
-        if len(available) < units:
+        if len(reused) + len(available) < units:
             raise AdmissionError(
                 "OutOfResources", f"Insufficient {resource}: {len(available)} free, {units} asked"
             )
-        chosen = available[:units]
         clock = time.perf_counter
         try:
-            if endpoint.options.get_preferred_allocation_available:
+            if len(reused) == units:
+                chosen = reused
+            elif endpoint.options.get_preferred_allocation_available:
+                offer = reused + available
                 request = api_pb2.PreferredAllocationRequest(
                     container_requests=[
                         api_pb2.ContainerPreferredAllocationRequest(
-                            available_deviceIDs=available, allocation_size=units
+                            available_deviceIDs=offer,
+                            must_include_deviceIDs=reused,
+                            allocation_size=units,
                         )
                     ]
                 )
@@ -269,14 +402,17 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
                 reply = endpoint.stub.GetPreferredAllocation(request, timeout=DIAL_TIMEOUT)
                 if self.observe is not None:
                     self.observe(resource, "GetPreferredAllocation", clock() - started)
-                offered = set(available)
-                preferred = [d for d in reply.container_responses[0].deviceIDs if d in offered][
-                    :units
-                ]
+                offered = set(offer)
+                preferred = list(reused)
+                for d in reply.container_responses[0].deviceIDs:
+                    if d in offered and d not in preferred and len(preferred) < units:
+                        preferred.append(d)
                 picked = set(preferred)
                 chosen = (
                     preferred + [d for d in available if d not in picked][: units - len(preferred)]
                 )
+            else:
+                chosen = reused + available[: units - len(reused)]
             allocate = api_pb2.AllocateRequest(
                 container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=chosen)]
             )
@@ -312,10 +448,26 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
             self.release(pod)
 
     # ---------------------------------------------------------------- PodResources
-    def List(self, request: Any, context: Any) -> Any:
+    def _take_list_token(self) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            self._list_tokens = min(
+                self._list_burst, self._list_tokens + (now - self._list_refilled) * self._list_rate
+            )
+            self._list_refilled = now
+            if self._list_tokens < 1.0:
+                self.list_refusals += 1
+                return False
+            self._list_tokens -= 1.0
+            return True
+
+    def list_response(self) -> Any:
+        """What ``List`` answers: active pods, app containers and sidecars only."""
         with self._lock:
             by_pod: dict[tuple[str, str], list[Admitted]] = {}
             for record in self.admitted.values():
+                if record.init:
+                    continue  # ordinary init containers are not listed
                 by_pod.setdefault((record.namespace, record.pod), []).append(record)
         return pr_pb2.ListPodResourcesResponse(
             pod_resources=[
@@ -336,3 +488,8 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
                 for (namespace, pod), records in by_pod.items()
             ]
         )
+
+    def List(self, request: Any, context: Any) -> Any:
+        if not self._take_list_token():
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate limit exceeded")
+        return self.list_response()

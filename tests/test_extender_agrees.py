@@ -158,23 +158,37 @@ def test_every_kept_pod_lands_where_predicted_and_every_dropped_pod_cannot_land(
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _kept_then_admitted(
+    node: Node,
+    model: dict[str, Any],
+    fillers: Sequence[tuple[int, int]],
+    needs: Sequence[ContainerNeed],
+    free: list[tuple[int, int]] | None = None,
+) -> None:
+    """Admit ``fillers`` (one pod each), then check the extender keeps the pod of
+    ``needs`` and the daemon puts each container on the predicted card."""
+    specs = node.with_pod_specs()
+    gpus = cards(model, 2)
+    node.start(gpus)
+    for number, shape in enumerate(fillers):
+        filler = [ContainerNeed("f", *shape)]
+        specs.update(_pod_object(f"filler{number}", filler, node))
+        _admit(node, f"filler{number}", filler, Resource.MEMORY)
+    rooms = _rooms(node, [g["uuid"] for g in gpus], units=model["memory_mib"] // 256)
+    if free is not None:
+        assert [(r.memory_free, r.core_free) for r in rooms] == free
+    fit = fit_pod(rooms, PodNeed(tuple(needs)), Policy.BINPACK)
+    assert fit.placement is not None
+    specs.update(_pod_object("pod", needs, node))
+    assert _admit(node, "pod", needs, Resource.MEMORY) == [uuid for uuid, _ in fit.placement.cards]
+
+
 def test_the_issue_case_two_p4_cards_and_a_pod_of_two_containers(node: Node) -> None:
     """Free: GPU0 6 units/70 cores, GPU1 20 units/100 cores; c1 4 units/10 cores and
     c2 4 units/95 cores. The extender keeps the node only if the daemon admits both."""
     p4 = {"name": "Tesla P4", "memory_mib": 7611}
-    specs = node.with_pod_specs()
-    gpus = cards(p4, 2)
-    node.start(gpus)
-    filler = [ContainerNeed("f", 23, 30)]
-    specs.update(_pod_object("filler", filler, node))
-    assert _admit(node, "filler", filler, Resource.MEMORY) == [gpus[0]["uuid"]]
-    rooms = _rooms(node, [g["uuid"] for g in gpus], units=29)
-    assert [(r.memory_free, r.core_free) for r in rooms] == [(6, 70), (29, 100)]
     needs = (ContainerNeed("c1", 4, 10), ContainerNeed("c2", 4, 95))
-    fit = fit_pod(rooms, PodNeed(needs), Policy.BINPACK)
-    assert fit.placement is not None
-    specs.update(_pod_object("pod", needs, node))
-    assert _admit(node, "pod", needs, Resource.MEMORY) == [uuid for uuid, _ in fit.placement.cards]
+    _kept_then_admitted(node, p4, [(23, 30), (9, 0)], needs, free=[(6, 70), (20, 100)])
 
 
 @pytest.mark.xfail(
@@ -183,18 +197,8 @@ def test_the_issue_case_two_p4_cards_and_a_pod_of_two_containers(node: Node) -> 
     "memory-only one is placed without its pod spec (nothing_to_pair)",
 )
 def test_two_memory_only_containers_of_one_pod_land_where_predicted(node: Node) -> None:
-    specs = node.with_pod_specs()
-    gpus = cards(CARD_4GIB, 2)
-    node.start(gpus)
-    filler = [ContainerNeed("f", 0, 15)]
-    specs.update(_pod_object("filler", filler, node))
-    _admit(node, "filler", filler, Resource.MEMORY)
-    rooms = _rooms(node, [g["uuid"] for g in gpus])
     needs = (ContainerNeed("c0", 1, 0), ContainerNeed("c1", 1, 0))
-    fit = fit_pod(rooms, PodNeed(needs), Policy.BINPACK)
-    assert fit.placement is not None
-    specs.update(_pod_object("pod", needs, node))
-    assert _admit(node, "pod", needs, Resource.MEMORY) == [uuid for uuid, _ in fit.placement.cards]
+    _kept_then_admitted(node, CARD_4GIB, [(0, 15)], needs)
 
 
 @pytest.mark.xfail(
@@ -203,16 +207,5 @@ def test_two_memory_only_containers_of_one_pod_land_where_predicted(node: Node) 
     "container of the pod are placed without the pod's plan",
 )
 def test_a_kept_pod_of_core_only_containers_is_admitted(node: Node) -> None:
-    specs = node.with_pod_specs()
-    gpus = cards(CARD_4GIB, 2)
-    node.start(gpus)
-    for number, shape in enumerate([(0, 5), (0, 5), (1, 0)]):
-        filler = [ContainerNeed("f", *shape)]
-        specs.update(_pod_object(f"filler{number}", filler, node))
-        _admit(node, f"filler{number}", filler, Resource.MEMORY)
-    rooms = _rooms(node, [g["uuid"] for g in gpus])
     needs = (ContainerNeed("a", 0, 5), ContainerNeed("b", 0, 20), ContainerNeed("c", 0, 95))
-    fit = fit_pod(rooms, PodNeed(needs), Policy.BINPACK)
-    assert fit.placement is not None
-    specs.update(_pod_object("pod", needs, node))
-    assert _admit(node, "pod", needs, Resource.MEMORY) == [uuid for uuid, _ in fit.placement.cards]
+    _kept_then_admitted(node, CARD_4GIB, [(0, 5), (0, 5), (1, 0)], needs)

@@ -56,6 +56,9 @@ from gpushare.sim.rig import DaemonNode
 
 UNIT_MIB = 256
 
+#: Admission failure reasons listed per run in the report (the rest are counted).
+REASONS_SHOWN = 3
+
 #: (cards per node, card model, MiB per card, nodes of this shape)
 NODE_SHAPES: tuple[tuple[int, str, int, int], ...] = (
     (1, "Tesla T4", 15360, 3),
@@ -320,7 +323,11 @@ def render_report(results: Sequence[RunResult], pods: int, seed: int, load: floa
     failed = [r for r in results if r.extender and r.failure_reasons]
     if failed:
         lines += ["", "Admission failures with the extender (the daemon refused the pod):", ""]
-        lines += [f"- {r.placement}: {reason}" for r in failed for reason in r.failure_reasons]
+        for r in failed:
+            shown = r.failure_reasons[:REASONS_SHOWN]
+            lines += [f"- {r.placement}: {reason}" for reason in shown]
+            if len(r.failure_reasons) > len(shown):
+                lines.append(f"- {r.placement}: ... and {len(r.failure_reasons) - len(shown)} more")
     return "\n".join(lines) + "\n"
 
 

@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROTOS := $(shell find proto -name '*.proto')
 
-.PHONY: demo test lint bench simulate image manifests clean
+.PHONY: demo test lint bench simulate image manifests clean verify-pairing
 
 demo: $(VENV)/.installed  ## run the daemon on a simulated node with a simulated kubelet
 	$(BIN)/gpushare-demo
@@ -17,6 +17,9 @@ test: $(VENV)/.installed-test  ## lint, type-check and run the test suite
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
+
+verify-pairing: $(VENV)/.installed-test  ## every admission sequence of up to 5 containers, 3 regimes
+	$(BIN)/pytest -q -m slow tests/test_pairing.py
 
 bench: $(VENV)/.installed-test  ## measure latency, start time and footprint
 	$(BIN)/python -m gpushare.bench --write docs/benchmarks.md

@@ -166,8 +166,12 @@ class Binder:
         self, resource: Resource, size: int, arrival: float
     ) -> tuple[Binding | None, Decision, Snapshot | None]:
         snapshot, missing = self._read_records(resource, arrival)
+        specs = self.specs
         facts = Facts(
-            snapshot, missing, self.specs.requests_of if self.specs is not None else None
+            snapshot,
+            missing,
+            specs.requests_of if specs is not None else None,
+            specs.init_waiting if specs is not None else None,
         )
         with self._lock:
             last = self.pairing.last
@@ -213,7 +217,15 @@ class Binder:
         last, decision, snapshot = self._decide(resource, size, arrival)
         with self._lock:
             self._decided[resource] = (last, decision, snapshot)
-        other_free = self.usage.free_counts(resource.other)
+        if snapshot is not None:  # the kubelet's records as of now: exact
+            other = resource.other
+            used = snapshot.used_counts[other]
+            other_free = {
+                uuid: card.units(other) - used.get(uuid, 0)
+                for uuid, card in self.inventory.cards.items()
+            }
+        else:  # the last offer of the other resource and every Allocate since
+            other_free = self.usage.free_counts(resource.other)
         cards = [
             CardView(
                 uuid=uuid,
@@ -231,7 +243,12 @@ class Binder:
         ]
         prefer, other_need = None, None
         if decision.partner is None and self.specs is not None:
-            needs = self.specs.asking(resource, size, snapshot, decision.holder)
+            holder = decision.holder
+            if holder is None and snapshot is not None and last is not None:
+                # Whatever resource it was, the container bound last tells which pod is
+                # being admitted, and so which of its containers comes next.
+                holder = snapshot.holder_of(last.resource, last.device_ids[0])
+            needs = self.specs.asking(resource, size, snapshot, holder)
             if needs:
                 other_need = needs[0].of(resource.other)
                 rooms = [
@@ -254,7 +271,19 @@ class Binder:
 
     # -- Allocate --------------------------------------------------------------------
     def allocate(self, resource: Resource, device_ids: Sequence[str]) -> tuple[str, Answer]:
-        """Bind one container's units of ``resource``; returns the card and the answer."""
+        """Bind one container's units of ``resource``; returns the card and the answer.
+
+        Any refusal fails the pod's admission in the kubelet, so after one nothing the
+        pod bound before is anybody's partner.
+        """
+        try:
+            return self._allocate(resource, device_ids)
+        except BindingError:
+            with self._lock:
+                self.pairing.refused()
+            raise
+
+    def _allocate(self, resource: Resource, device_ids: Sequence[str]) -> tuple[str, Answer]:
         arrival = self._clock()
         if not device_ids:
             raise BindingError(Refusal.INVALID, "the request names no devices")
@@ -281,7 +310,6 @@ class Binder:
         with self._lock:
             partner = decision.partner
             if partner is not None and partner.card != uuid:
-                self.pairing.refused()
                 refusal = (
                     f"this container's {partner.resource.value} units were just bound to "
                     f"{self._describe(partner.card)}, but its {resource.value} units are on "
@@ -307,9 +335,6 @@ class Binder:
             try:
                 cache_dir = prepare_cache_dir(self.host_lib_dir, list(device_ids))
             except OSError as exc:
-                with self._lock:
-                    if self.pairing.last is binding:  # refused: nothing for the other to join
-                        self.pairing.refused()
                 raise BindingError(
                     Refusal.INTERNAL, f"cannot create the container's cache directory: {exc}"
                 ) from None

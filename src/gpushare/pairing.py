@@ -16,9 +16,12 @@ not (it may go anywhere):
   last binding. If that container holds this resource too, it is complete: no partner.
 * **Spec.** Otherwise the pod spec of that container says whether it wants this
   resource: yes, with this size: partner; no: not a partner.
+* **Released.** The records no longer list the last binding (the kubelet rejected
+  that pod) and no ordinary init container on record (those are never listed) could
+  be asking: not a partner.
 * **Fallback.** Records missing (no socket, refused, late), the holder not listed
-  (ordinary init containers are not), its spec unknown, or the facts contradicting
-  each other: the request is steered to the card of the last binding of the other
+  while an init container could be asking, its spec unknown, or the facts
+  contradicting each other: the request is steered to the card of the last binding of the other
   resource made within :data:`PAIR_WINDOW`, and refused in Allocate if it lands
   elsewhere. This can refuse a container that would have fit, never split one.
 
@@ -58,6 +61,7 @@ class Basis(enum.Enum):
     EXPIRED = "the last binding of the other resource is older than the pairing window"
     COMPLETE = "the records show the last binding's container holds this resource already"
     NOT_WANTED = "the last binding's container does not ask for this resource"
+    RELEASED = "the records no longer list the last binding, and no init container waits for it"
     PARTNER = "the records and the pod spec show the last binding's container asking for it"
     FALLBACK = "facts missing: steered to the last binding's card"
 
@@ -78,6 +82,9 @@ class Decision:
 
 #: What the pod specs say a container asks for (None: unknown).
 SpecLookup = Callable[[Holder], Mapping[Resource, int] | None]
+#: Whether a pod on record has an ordinary init container asking (bound resource, its
+#: size) and (this resource, this size): one that may be mid-admission though unlisted.
+InitLookup = Callable[[Resource, int, Resource, int], bool]
 
 
 @dataclass(frozen=True)
@@ -85,13 +92,14 @@ class Facts:
     """What the binder knew when the request arrived.
 
     ``records``: a PodResources snapshot whose read began after the request arrived,
-    or None (``records_missing`` says why). ``specs``: the pod-spec lookup, None when
-    the daemon does not watch pods.
+    or None (``records_missing`` says why). ``specs`` and ``init_waiting``: the pod-spec
+    lookups, None when the daemon does not watch pods.
     """
 
     records: Snapshot | None = None
     records_missing: str = "no PodResources socket"
     specs: SpecLookup | None = None
+    init_waiting: InitLookup | None = None
 
 
 class Pairing:
@@ -116,11 +124,17 @@ class Pairing:
             return Decision(last, Basis.FALLBACK, lacking=facts.records_missing)
         holder = facts.records.holder_of(last.resource, last.device_ids[0])
         if holder is None:
+            # Not listed: an ordinary init container (PodResources leaves them out), or
+            # a pod the kubelet rejected after the binding (it lists active pods only).
+            if facts.init_waiting is not None and not facts.init_waiting(
+                last.resource, len(last.device_ids), resource, size
+            ):
+                return Decision(None, Basis.RELEASED)
             return Decision(
                 last,
                 Basis.FALLBACK,
                 lacking="the records do not list the last binding's container "
-                "(an init container, or a container being rejected)",
+                "(an init container, or a pod being rejected)",
             )
         held = facts.records.devices.get(holder, {})
         if sorted(held.get(last.resource, ())) != sorted(last.device_ids):

@@ -8,6 +8,7 @@ agrees with the kubelet at once. A missing, refusing or failing socket yields
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -49,6 +50,16 @@ class Snapshot:
             if number.isdigit():
                 used[resource].setdefault(uuid, []).append(int(number))
         return used
+
+    @functools.cached_property
+    def used_counts(self) -> dict[Resource, dict[str, int]]:
+        """Per resource and card, how many units some container holds (computed once)."""
+        counts: dict[Resource, dict[str, int]] = {r: {} for r in Resource}
+        for resource, device_id in self.holders:
+            uuid = device_id.rpartition(SEPARATOR)[0]
+            by_card = counts[resource]
+            by_card[uuid] = by_card.get(uuid, 0) + 1
+        return counts
 
     def holders_by_card(self) -> dict[str, dict[Holder, dict[Resource, int]]]:
         """Per card, each container on it and how many units of each resource it holds."""

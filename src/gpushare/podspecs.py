@@ -1,11 +1,18 @@
-"""What the pods bound to this node ask for, as placement hints.
+"""What the pods bound to this node ask for: facts for pairing, hints for placement.
 
-The kubelet's GetPreferredAllocation does not say which container is being admitted
-or what else it will ask for. The pod specs do: a watch on the pods of this node
-(see ``node.py``) feeds :class:`PodSpecBook`, and the binder asks it two questions:
-does the container holding a binding want the other resource, and how much of the
-other resource does the container now asking want. The answers only steer; a
-container still never spans two cards without them.
+The kubelet's GetPreferredAllocation and Allocate do not say which container is being
+admitted or what else it will ask for. The pod specs do: a watch on the pods of this
+node (see ``node.py``) feeds :class:`PodSpecBook`, and the binder asks it:
+
+* what a container asks for (:meth:`PodSpecBook.requests_of`): the partner decision
+  of ``pairing.py`` needs it for the container the kubelet's records name;
+* whether an ordinary init container may be mid-admission (:meth:`~PodSpecBook.init_waiting`):
+  PodResources never lists those;
+* which container is asking now, and what of its pod remains to be placed
+  (:meth:`PodSpecBook.asking`): the placement hint that lets a pod be placed whole.
+
+A pod the book does not know is re-read once from the API server (bounded); what the
+book cannot tell is reported as unknown, never guessed.
 """
 
 from __future__ import annotations
@@ -155,6 +162,27 @@ class PodSpecBook:
             if container.name == holder.container:
                 return dict(container.needs)
         return {resource: 0 for resource in Resource}  # a container with no GPU units
+
+    def init_waiting(
+        self, bound: Resource, bound_size: int, resource: Resource, size: int
+    ) -> bool:
+        """Whether a pending pod has an ordinary init container asking ``bound_size`` of
+        ``bound`` and ``size`` of ``resource`` (PodResources never lists those, so one
+        may be mid-admission although the records do not show it). A miss re-reads the
+        pods once (bounded) before answering no."""
+
+        def found() -> bool:
+            with self._lock:
+                return any(
+                    c.init and c.needs.get(bound, 0) == bound_size and c.needs.get(resource) == size
+                    for entry in self._pods.values()
+                    if entry.phase == "Pending"
+                    for c in entry.containers
+                )
+
+        if found():
+            return True
+        return bool(self.on_miss is not None and self.on_miss() and found())
 
     def asking(
         self,

@@ -144,6 +144,7 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
         self._list_tokens = float(list_burst)
         self._list_refilled = time.monotonic()
         self.list_refusals = 0
+        self.list_delay = 0.0  # seconds a List takes to answer (a busy kubelet)
         self._lock = threading.Condition()
         self._server: Any = None
         self._pr_server: Any = None
@@ -492,4 +493,6 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
     def List(self, request: Any, context: Any) -> Any:
         if not self._take_list_token():
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate limit exceeded")
+        if self.list_delay:
+            time.sleep(self.list_delay)  # a slow kubelet, for tests of late records
         return self.list_response()

@@ -7,14 +7,9 @@ gRPC, with each container on the card the extender predicted; every pod it drops
 no assignment of whole containers to single cards at all (brute force), and the
 daemon refuses it too.
 
-One sequence is left out: a container whose first resource is the one the previous
-container of its pod was bound last (a core-only container after any container, with
-cores asked last or first). There the daemon's pairing answers ``nothing_to_pair``
-without reading the records, the pod-spec book cannot tell which container is asking,
-and the daemon falls back to the card with the most free units of the other resource,
-which can split the pod so that a later container finds no card: a pod the extender
-keeps is then refused. That gap is the daemon's (binding/pairing), shown by the two
-strict xfails below; once it is fixed, drop ``_in_the_gap`` and the xfail markers.
+The two single-pod cases at the end are the sequences this test first found the
+daemon getting wrong (a container whose first resource is the one the previous
+container of its pod was bound last), fixed in the binder since.
 """
 
 from __future__ import annotations
@@ -99,11 +94,6 @@ def _orders(sim: Node, needs: Sequence[ContainerNeed], first: Resource) -> list[
     ]
 
 
-def _in_the_gap(orders: list[list[str]]) -> bool:
-    """Whether the pod meets the daemon's known gap (see the module's docstring)."""
-    return any(orders[i - 1][-1] == orders[i][0] for i in range(1, len(orders)))
-
-
 def _admit(sim: Node, name: str, needs: Sequence[ContainerNeed], first: Resource) -> list[str]:
     """Admit the pod container by container, ``first`` resource first; the cards."""
     got = []
@@ -118,7 +108,7 @@ def _admit(sim: Node, name: str, needs: Sequence[ContainerNeed], first: Resource
     "first", [Resource.MEMORY, Resource.CORE], ids=["memory-first", "core-first"]
 )
 @settings(
-    max_examples=4,
+    max_examples=8,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -140,8 +130,6 @@ def test_every_kept_pod_lands_where_predicted_and_every_dropped_pod_cannot_land(
         for number, shape in enumerate(pods):
             name = f"p{number}"
             needs = tuple(ContainerNeed(f"c{i}", m, c) for i, (m, c) in enumerate(shape))
-            if _in_the_gap(_orders(sim, needs, first)):
-                continue
             rooms = _rooms(sim, uuids)
             fit = fit_pod(rooms, PodNeed(needs), policy)
             specs.update(_pod_object(name, needs, sim))
@@ -191,21 +179,11 @@ def test_the_issue_case_two_p4_cards_and_a_pod_of_two_containers(node: Node) -> 
     _kept_then_admitted(node, p4, [(23, 30), (9, 0)], needs, free=[(6, 70), (20, 100)])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="daemon gap: a second memory-only container after a "
-    "memory-only one is placed without its pod spec (nothing_to_pair)",
-)
 def test_two_memory_only_containers_of_one_pod_land_where_predicted(node: Node) -> None:
     needs = (ContainerNeed("c0", 1, 0), ContainerNeed("c1", 1, 0))
     _kept_then_admitted(node, CARD_4GIB, [(0, 15)], needs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="daemon gap: core-only containers after another "
-    "container of the pod are placed without the pod's plan",
-)
 def test_a_kept_pod_of_core_only_containers_is_admitted(node: Node) -> None:
     needs = (ContainerNeed("a", 0, 5), ContainerNeed("b", 0, 20), ContainerNeed("c", 0, 95))
     _kept_then_admitted(node, CARD_4GIB, [(0, 5), (0, 5), (1, 0)], needs)

@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 from gpushare.extender import verbs
 from gpushare.extender.body import BadRequest, nesting_depth, parse_json
 from gpushare.extender.ledger import AdmissionLedger
+from gpushare.extender.server import PROBES, ExtenderSettings, build_app
 from gpushare.extender.verbs import BindRefused, ExtenderPolicy, ExtenderState
 
 __all__ = ["extender", "extender_factory"]  # fixtures
@@ -279,3 +280,15 @@ def test_filter_work_is_linear_in_nodes_and_ignores_holds_elsewhere() -> None:
     base = work(100, 1)
     assert work(100, 2000) == base  # unrelated holds cost nothing
     assert work(400, 1) <= 4.1 * base  # four times the nodes, four times the work
+
+
+def test_the_probe_listener_serves_probes_and_metrics_only() -> None:
+    app = build_app(ExtenderSettings(probe_port=9447))
+    probes = {(r.method, r.resource.canonical) for r in app[PROBES].router.routes() if r.resource}
+    assert probes == {
+        (method, path) for path in ("/healthz", "/readyz", "/metrics") for method in ("GET", "HEAD")
+    }
+    verbs_served = {
+        r.resource.canonical for r in app.router.routes() if r.method == "POST" and r.resource
+    }
+    assert verbs_served == {"/gpushare/filter", "/gpushare/prioritize", "/gpushare/bind"}

@@ -481,3 +481,13 @@ def test_the_chart_refuses_a_loopback_metrics_address_the_probes_cannot_reach(
         render_chart({"config": {"metricsAddress": address}})
     # Without the endpoint there are no probes, and nothing to refuse.
     assert chart_objects({"config": {"metricsAddress": address, "metricsPort": 0}})
+
+
+@pytest.mark.parametrize("strategy", ["none", "single", "mixed"])
+def test_chart_gives_the_mig_monitor_capability_only_with_a_mig_strategy(strategy: str) -> None:
+    values = chart_values()
+    values["config"]["migStrategy"] = strategy
+    daemonset = one(chart_objects(values), "DaemonSet")
+    env = {e["name"]: e.get("value") for e in _container(daemonset)["env"]}
+    assert ("NVIDIA_MIG_MONITOR_DEVICES" in env) is (strategy != "none")
+    assert env.get("NVIDIA_MIG_MONITOR_DEVICES", "all") == "all"

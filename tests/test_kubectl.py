@@ -367,3 +367,23 @@ def test_an_api_error_is_one_line_and_exit_1(
     assert err.count("\n") == 1
     assert err.startswith("kubectl gpushare install: 403 Forbidden: injected failure")
     assert api.calls("PATCH") == []
+
+
+def test_uninstall_removes_the_mig_labels_and_nothing_else(
+    api: KubeApiDouble, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["install", "--node", "gpu-a"]) == 0
+    mig_labels = {
+        f"{PREFIX}/mig.strategy": "mixed",
+        f"{PREFIX}/mig-1g.5gb.count": "2",
+        f"{PREFIX}/mig-1g.10gb.me.memory": "9984",
+        f"{PREFIX}/mig-3g.20gb.multiprocessors": "42",
+    }
+    others = {f"{PREFIX}/mig-note": "x", "nvidia.com/mig-1g.5gb.count": "2", "team": "a"}
+    node = api.get("Node", "gpu-a")
+    node["metadata"]["labels"].update({**mig_labels, **others})  # type: ignore[index]
+    api.add(node)  # type: ignore[arg-type]
+    assert main(["uninstall", "--wait", "0"]) == 0
+    labels = _labels(api, "gpu-a")
+    assert not set(mig_labels) & set(labels)
+    assert {k: labels.get(k) for k in others} == others

@@ -66,6 +66,18 @@ def test_reregisters_within_a_second_after_a_kubelet_restart(node: Node) -> None
     assert node.kubelet.admit("p", "c", {node.memory: 2}).card() == gpu_uuid(0)
 
 
+def test_reregisters_when_only_kubelet_sock_is_replaced(node: Node) -> None:
+    """The new kubelet.sock alone (renamed over the old one, never missing) must be
+    enough: a kubelet that fails to clean its directory leaves our sockets in place."""
+    node.start(cards(TESLA_P4, 1))
+    count = len(node.kubelet.registrations)
+    node.kubelet.restart(remove_sockets=False)
+    # Well inside the 2 s grace after which a closed stream alone would re-register.
+    assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 1.5)
+    assert node.wait_registered(1.5)
+    assert node.kubelet.admit("p", "c", {node.memory: 2}).card() == gpu_uuid(0)
+
+
 def test_serves_again_when_its_own_socket_disappears(node: Node) -> None:
     node.start(cards(TESLA_P4, 1))
     count = len(node.kubelet.registrations)

@@ -17,7 +17,8 @@ unthrottled, core without memory may use the whole card's memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gpushare.devices import Resource
@@ -39,12 +40,23 @@ class Mount:
 
 
 @dataclass(frozen=True)
+class DeviceSpec:
+    """A device node for the container (``ContainerAllocateResponse.devices``)."""
+
+    container_path: str
+    host_path: str
+    permissions: str = "rw"
+
+
+@dataclass(frozen=True)
 class Answer:
     """One ContainerAllocateResponse, as plain data."""
 
     envs: dict[str, str] = field(default_factory=dict)
     mounts: list[Mount] = field(default_factory=list)
     annotations: dict[str, str] = field(default_factory=dict)
+    cdi_devices: list[str] = field(default_factory=list)  # fully qualified CDI names
+    device_specs: list[DeviceSpec] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -90,3 +102,105 @@ def build_answer(
         envs["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = CONTAINER_CACHE_FILE
         mounts.append(Mount(CONTAINER_CACHE_DIR, str(cache_dir), read_only=False))
     return Answer(envs, mounts, annotations)
+
+
+# --------------------------------------------------------------------------- exclusive
+
+
+def build_exclusive_answer(
+    device_ids: Sequence[str],
+    *,
+    enforcement: Enforcement | None = None,
+    memory_mib: Sequence[int] = (),
+) -> Answer:
+    """The answer handing a container whole devices (cards or MIG instances).
+
+    ``device_ids`` are in the order the container sees them (index ``i`` below).
+    Without ``enforcement`` the container gets the raw devices: no interposer, no
+    limits. With it (``exclusiveEnforcement``) the library is loaded as for shared
+    units with 100 % limits: ``CUDA_DEVICE_MEMORY_LIMIT_<i>`` = the whole memory of
+    device ``i`` (``memory_mib[i]``), ``CUDA_DEVICE_SM_LIMIT=100``, so a site keeps
+    the same accounting everywhere.
+    """
+    envs = {"NVIDIA_VISIBLE_DEVICES": ",".join(device_ids)}
+    if enforcement is None or enforcement.library is None:
+        return Answer(envs)
+    mounts = [
+        Mount(CONTAINER_LIBRARY, str(enforcement.library), read_only=True),
+        Mount(LOCK_DIR, LOCK_DIR, read_only=False),
+    ]
+    if enforcement.use_ld_preload_env:
+        envs["LD_PRELOAD"] = CONTAINER_LIBRARY
+    if enforcement.preload_file is not None:
+        mounts.append(Mount(LD_SO_PRELOAD, str(enforcement.preload_file), read_only=True))
+    for i, mib in enumerate(memory_mib):
+        envs[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{mib}m"
+    envs["CUDA_DEVICE_SM_LIMIT"] = "100"
+    return Answer(envs, mounts)
+
+
+# --------------------------------------------------------------------------- device lists
+
+ENVVAR = "envvar"
+CDI_CRI = "cdi-cri"
+CDI_ANNOTATIONS = "cdi-annotations"
+DEVICE_LIST_STRATEGIES = (ENVVAR, CDI_CRI, CDI_ANNOTATIONS)
+CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
+#: What the NVIDIA container toolkit reads as "no GPU": set when the envvar strategy is
+#: off, so an image's own ``NVIDIA_VISIBLE_DEVICES=all`` cannot expose every card.
+NO_DEVICES = "void"
+
+
+@dataclass(frozen=True)
+class DeviceListing:
+    """How an answer names its devices to the container runtime (``--device-list-strategy``).
+
+    ``strategies`` is a subset of :data:`DEVICE_LIST_STRATEGIES`, combinable:
+    ``envvar`` sets ``NVIDIA_VISIBLE_DEVICES`` (the NVIDIA runtime reads it),
+    ``cdi-cri`` fills ``ContainerAllocateResponse.cdi_devices`` (kubelet >= 1.31),
+    ``cdi-annotations`` adds ``cdi.k8s.io/<plugin>_<first id>: <names>``.
+    """
+
+    strategies: frozenset[str] = frozenset({ENVVAR})
+    cdi_kind: str = "nvidia.com/gpu"  # <vendor>/<class> of the CDI names
+    annotation_plugin: str = "gpushare"  # the <plugin> part of the annotation key
+    #: device ID -> its CDI device name where that differs (the "index" name strategy)
+    cdi_ids: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def uses_cdi(self) -> bool:
+        return bool(self.strategies & {CDI_CRI, CDI_ANNOTATIONS})
+
+    def cdi_name(self, device: str) -> str:
+        """``nvidia.com/gpu=GPU-...``: a fully qualified CDI device name."""
+        return f"{self.cdi_kind}={self.cdi_ids.get(device, device)}"
+
+    def annotation_key(self, first_device: str) -> str:
+        """``cdi.k8s.io/<plugin>_<device>``, '/' replaced by '_', name part <= 63 chars."""
+        name = f"{self.annotation_plugin}_{first_device.replace('/', '_')}"
+        return CDI_ANNOTATION_PREFIX + name[:63].rstrip("-_.")
+
+
+def with_device_list(
+    answer: Answer,
+    devices: Sequence[str],
+    listing: DeviceListing,
+    cdi_devices: Sequence[str] | None = None,
+) -> Answer:
+    """``answer`` naming ``devices`` as ``listing`` says. Pure.
+
+    ``cdi_devices`` are the CDI device parts to use (default: ``devices``; the
+    ``index`` name strategy passes card indexes instead of UUIDs). Everything else of
+    the answer (limits, interposer mounts) stays as it is.
+    """
+    envs = dict(answer.envs)
+    annotations = dict(answer.annotations)
+    names = [listing.cdi_name(d) for d in (devices if cdi_devices is None else cdi_devices)]
+    if ENVVAR in listing.strategies:
+        envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(devices)
+    else:
+        envs["NVIDIA_VISIBLE_DEVICES"] = NO_DEVICES
+    cdi = names if CDI_CRI in listing.strategies else []
+    if CDI_ANNOTATIONS in listing.strategies and devices:
+        annotations[listing.annotation_key(devices[0])] = ",".join(names)
+    return replace(answer, envs=envs, annotations=annotations, cdi_devices=cdi)

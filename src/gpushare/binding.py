@@ -196,7 +196,9 @@ class Binder:
         available: Sequence[str],
         must_include: Sequence[str],
         size: int,
+        allowed: Callable[[str], bool] | None = None,
     ) -> list[str]:
+        """``allowed``: cards the asking pod accepts (its use-gputype annotations)."""
         arrival = self._clock()
         if size <= 0:
             raise BindingError(Refusal.INVALID, f"allocation_size must be positive, got {size}")
@@ -237,7 +239,7 @@ class Binder:
                 core_free=len(free.get(uuid, ()))
                 if resource is Resource.CORE
                 else other_free[uuid],
-                healthy=self.health.is_healthy(uuid),
+                healthy=self.health.is_healthy(uuid) and (allowed is None or allowed(uuid)),
             )
             for uuid, card in self.inventory.cards.items()
         ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,12 +19,19 @@ from typing import Any
 
 import yaml
 
+from gpushare.cardmodes import CardMode, parse_card_modes
+
 ENV_PREFIX = "GPUSHARE_"
 
 PLACEMENTS = ("binpack", "spread")
 PRELOAD_MODES = ("env", "file", "both")
 LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+CDI_NAME_STRATEGIES = ("uuid", "index")
+#: A CDI kind: ``<vendor>/<class>`` (CDI spec: vendor a domain-like name, class alphanumeric).
+CDI_KIND = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?/[a-zA-Z0-9]([a-zA-Z0-9_.-]*[a-zA-Z0-9])?")
+DEVICE_LIST_STRATEGIES = ("envvar", "cdi-cri", "cdi-annotations")
+MIG_STRATEGIES = ("none", "single", "mixed")
 
 #: XIDs that report an application's own fault, not the card's (NVIDIA's defaults).
 DEFAULT_IGNORED_XIDS = "13,31,43,45,68,109"
@@ -96,6 +104,54 @@ class Settings:
     gc_grace_seconds: float = _opt(
         300.0, "a container cache directory unseen in PodResources this long is removed"
     )
+    # Modes (docs/modes.md) -------------------------------------------------------------
+    whole_cards: bool = _opt(
+        False, "also offer every card whole as <prefix>/gpu (device ID = card UUID)"
+    )
+    card_modes: str = _opt(
+        "",
+        "fixed pools: <card index or UUID>=shared|exclusive|both, comma-separated "
+        "(cards not named: both, i.e. whichever use comes first)",
+    )
+    exclusive_enforcement: bool = _opt(
+        False, "whole cards also get the interposer, with 100%% limits (same accounting)"
+    )
+    device_list_strategy: str = _opt(
+        "envvar",
+        "how answers name their cards: envvar, cdi-cri and/or cdi-annotations, comma-separated",
+    )
+    cdi_kind: str = _opt("nvidia.com/gpu", "vendor/class of the CDI device names")
+    cdi_name_strategy: str = _opt(
+        "uuid", "CDI device names by card UUID or card index", choices=CDI_NAME_STRATEGIES
+    )
+    cdi_spec_dirs: str = _opt(
+        "/etc/cdi,/var/run/cdi", "directories of CDI specs checked for the names we hand out"
+    )
+    nvidia_product_label: bool = _opt(
+        False, "also write nvidia.com/gpu.product (where GPU feature discovery is not installed)"
+    )
+    # MIG (docs/modes.md#mig) ------------------------------------------------------------
+    mig_strategy: str = _opt(
+        "none",
+        "cards in MIG mode: none (left out), single (every MIG device as <prefix>/gpu, one "
+        "profile per node) or mixed (<prefix>/mig-<profile>)",
+        choices=MIG_STRATEGIES,
+    )
+    mig_device_specs: bool = _opt(
+        False,
+        "MIG answers also pass the parent's /dev/nvidia<minor> and the MIG capability nodes "
+        "(/dev/nvidia-caps), for runtimes that do not add them",
+    )
+    mig_sharing: bool = _opt(
+        False,
+        "EXPERIMENTAL, with mig_strategy mixed: slice each MIG device into vcuda-memory "
+        "units (no vcuda-core) instead of serving it whole",
+    )
+    mig_nvidia_names: bool = _opt(
+        False,
+        "register MIG resources as nvidia.com/mig-<profile> (single: nvidia.com/gpu) for "
+        "manifests written for NVIDIA's plugin; never with NVIDIA's plugin on the same node",
+    )
     log_format: str = _opt(
         "auto",
         "json (for the DaemonSet), console, or auto: console on a terminal",
@@ -115,6 +171,20 @@ class Settings:
     @property
     def kubelet_socket(self) -> Path:
         return Path(self.kubelet_dir) / "kubelet.sock"
+
+    def device_list_strategies(self) -> frozenset[str]:
+        """The ``device_list_strategy`` entries; ValueError for an unknown one."""
+        chosen = frozenset(p.strip() for p in self.device_list_strategy.split(",") if p.strip())
+        unknown = sorted(chosen - set(DEVICE_LIST_STRATEGIES))
+        if unknown or not chosen:
+            raise ValueError(
+                f"{self.device_list_strategy!r}: expected a comma-separated subset of "
+                f"{', '.join(DEVICE_LIST_STRATEGIES)}"
+            )
+        return chosen
+
+    def cdi_spec_paths(self) -> list[Path]:
+        return [Path(p.strip()) for p in self.cdi_spec_dirs.split(",") if p.strip()]
 
     def ignored_xid_set(self) -> frozenset[int] | None:
         """The XIDs to ignore; None means every XID is ignored."""
@@ -205,6 +275,22 @@ def _validate(settings: Settings, origins: Mapping[str, str]) -> None:
             fail(name, "must be greater than 0")
     if not settings.kubelet_dir:
         fail("kubelet_dir", "must not be empty")
+    try:
+        settings.device_list_strategies()
+    except ValueError as exc:
+        fail("device_list_strategy", str(exc))
+    if not CDI_KIND.fullmatch(settings.cdi_kind):
+        fail("cdi_kind", f"{settings.cdi_kind!r} is not <vendor>/<class> like nvidia.com/gpu")
+    try:
+        modes = parse_card_modes(settings.card_modes)
+    except ValueError as exc:
+        fail("card_modes", str(exc))
+    if settings.whole_cards and settings.mig_strategy == "single" and not settings.mig_nvidia_names:
+        fail("mig_strategy", "single and whole_cards would both advertise <prefix>/gpu")
+    if settings.mig_sharing and settings.mig_strategy != "mixed":
+        fail("mig_sharing", "needs mig_strategy mixed")
+    if not settings.whole_cards and CardMode.EXCLUSIVE in modes.values():
+        fail("card_modes", "a card in exclusive mode needs whole_cards (--whole-cards) on")
 
 
 def read_config_file(path: str) -> dict[str, Any]:

@@ -11,29 +11,46 @@ import gc
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 
 import structlog
 
-from gpushare.answers import Enforcement
+from gpushare import mig, migserve
+from gpushare.answers import DeviceListing, Enforcement
 from gpushare.binding import Binder
+from gpushare.cardmodes import CardMode, card_modes, parse_card_modes
+from gpushare.cdi import CdiCheck
 from gpushare.config import ConfigError, Settings, load_settings
 from gpushare.devices import Inventory, Resource
+from gpushare.exclusion import Exclusion
+from gpushare.exclusive import (
+    ExclusiveDevice,
+    ExclusiveLedger,
+    ExclusiveResource,
+    ExclusiveServicer,
+    Preference,
+    answer_builder,
+    whole_cards,
+)
 from gpushare.gc import GarbageCollector
 from gpushare.gpus import Gpu, GpuBackend, GpuError, open_backend
+from gpushare.gputype import CardChoice, ChoiceBook
 from gpushare.health import HealthBoard, HealthMonitor, HealthPolicy
 from gpushare.kubelet import KubeletLink
+from gpushare.labels import LabelFacts
 from gpushare.library import LibraryError, ensure_lock_dir, install_library, install_preload_file
 from gpushare.logs import configure_logging
 from gpushare.metrics import LinkState, Metrics, MetricsServer, liveness, render_not_ready
+from gpushare.mig import MigPlan, MigPlanError, MigStrategy
 from gpushare.node import ApiLink
 from gpushare.plugin import DevicePluginServicer, PluginServer, device_list_message
 from gpushare.podresources import PodResourcesClient, Snapshot
 from gpushare.podspecs import PodSpecBook
 from gpushare.refresh import UsageRefresher
-from gpushare.usage import UsageLedger
+from gpushare.topology import Topology, prefer
+from gpushare.usage import Holder, UsageLedger
 
 log = structlog.get_logger(__name__)
 
@@ -52,27 +69,35 @@ class StartupError(Exception):
     exit_code = 1
 
 
+class NodeConfigurationError(StartupError):
+    """The settings do not fit this node's GPUs (e.g. cardModes names no such card)."""
+
+    exit_code = 2
+
+
 class ConfigurationTooLarge(StartupError):
     """The settings cannot work on this node's GPUs (e.g. too many device IDs)."""
 
     exit_code = 2
 
 
-def usable_gpus(gpus: Sequence[Gpu]) -> list[Gpu]:
-    """The cards gpushare slices: MIG cards are skipped, each with one log line."""
-    usable = []
-    for gpu in gpus:
-        if gpu.mig_enabled:
-            log.warning(
-                "gpu_skipped_mig",
-                gpu=gpu.uuid,
-                index=gpu.index,
-                name=gpu.name,
-                reason="MIG-enabled GPUs are not sliced by gpushare",
-            )
-            continue
-        usable.append(gpu)
-    return usable
+def plan_gpus(gpus: Sequence[Gpu], strategy: str, sharing: bool = False) -> MigPlan:
+    """The cards gpushare slices and the MIG devices it serves (see mig.py); each card
+    left out gets one log line. :class:`NodeConfigurationError` where the strategy
+    cannot serve this node (``single`` on MIG devices of several profiles)."""
+    try:
+        result = mig.plan(gpus, MigStrategy(strategy), sharing=sharing)
+    except MigPlanError as exc:
+        raise NodeConfigurationError(str(exc)) from None
+    for skipped in result.skipped:
+        log.warning(
+            "gpu_skipped",
+            gpu=skipped.gpu.uuid,
+            index=skipped.gpu.index,
+            name=skipped.gpu.name,
+            reason=skipped.reason,
+        )
+    return result
 
 
 def prepare_enforcement(settings: Settings) -> Enforcement:
@@ -95,6 +120,16 @@ def prepare_enforcement(settings: Settings) -> Enforcement:
         library=library,
         preload_file=preload_file,
         use_ld_preload_env=settings.preload in ("env", "both"),
+    )
+
+
+def device_listing(settings: Settings, gpus: Sequence[Gpu]) -> DeviceListing:
+    """How answers name their cards (``--device-list-strategy`` and the CDI settings)."""
+    by_index = settings.cdi_name_strategy == "index"
+    return DeviceListing(
+        strategies=settings.device_list_strategies(),
+        cdi_kind=settings.cdi_kind,
+        cdi_ids={g.uuid: str(g.index) for g in gpus} if by_index else {},
     )
 
 
@@ -142,7 +177,13 @@ class Daemon:
         self.link: KubeletLink | None = None
         self.inventory: Inventory | None = None
         self.binder: Binder | None = None
-        self.health: HealthBoard | None = None
+        self.health: HealthBoard | None = None  # the cards' own health
+        self.offer: HealthBoard | None = None  # what the shared units are offered from
+        self.exclusion: Exclusion | None = None
+        self.choices: ChoiceBook | None = None
+        self.exclusive_ledger = ExclusiveLedger()
+        self.listing = DeviceListing()
+        self.cdi: CdiCheck | None = None
         self.pod_resources: PodResourcesClient | None = None
         self.api_link: ApiLink | None = None
         self.usage: UsageLedger | None = None
@@ -151,6 +192,9 @@ class Daemon:
         self.metrics: Metrics | None = None
         self.metrics_server: MetricsServer | None = None
         self.waiting_for = ""  # why the GPUs could not be read, while starting
+        self.mig_plan = MigPlan(MigStrategy(settings.mig_strategy), ())
+        self.not_served = ""  # why nothing at all is served on this node (all MIG, ...)
+        self.mig_health = HealthBoard(())  # MIG cards and devices, by UUID
 
     def _open_gpus(self) -> tuple[GpuBackend, list[Gpu]]:
         """NVML (or the simulated node) and the usable GPUs. NVML that cannot be
@@ -171,7 +215,11 @@ class Daemon:
             try:
                 if self.backend is None:
                     self.backend = open_backend(self.settings.simulate)
-                return self.backend, usable_gpus(self.backend.discover())
+                found = self.backend.discover()
+                settings = self.settings
+                self.mig_plan = plan_gpus(found, settings.mig_strategy, settings.mig_sharing)
+                self.not_served = self.mig_plan.not_served(found)
+                return self.backend, self.mig_plan.shared_gpus()
             except GpuError as exc:
                 if self.settings.fail_on_init_error:
                     raise StartupError(str(exc)) from None
@@ -211,6 +259,11 @@ class Daemon:
             return False, f"starting; {self.waiting_for}" if self.waiting_for else "starting"
         if not link.registered.is_set():
             return False, "serving; not registered with the kubelet"
+        if self.not_served:
+            return False, f"serving nothing: {self.not_served}"
+        missing = self.cdi.missing() if self.cdi is not None else []
+        if missing:
+            return False, f"serving, but these CDI devices are in no CDI spec: {', '.join(missing)}"
         return True, "serving and registered"
 
     def start(self) -> None:
@@ -230,24 +283,58 @@ class Daemon:
             self._serve_metrics()  # first, so that the probe is answered while waiting
         backend, gpus = self._open_gpus()
         try:
-            inventory = Inventory(gpus, settings.memory_unit_mib)
+            modes = card_modes(
+                [g for g in gpus if not g.parent_uuid], parse_card_modes(settings.card_modes)
+            )
+            modes.update({g.uuid: CardMode.SHARED for g in gpus if g.parent_uuid})  # migSharing
+        except ValueError as exc:
+            raise NodeConfigurationError(str(exc)) from None
+        try:
+            inventory = Inventory(
+                [g for g in gpus if modes[g.uuid].shared], settings.memory_unit_mib
+            )
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         check_message_sizes(inventory)
         self.inventory = inventory
+        self.listing = listing = migserve.with_mig_names(
+            device_listing(settings, gpus), self.mig_plan, settings.cdi_name_strategy == "index"
+        )
+        if listing.uses_cdi:
+            named = [g.uuid for g in gpus] + [d.uuid for d in self.mig_plan.mig_devices]
+            self.cdi = CdiCheck(settings.cdi_spec_paths(), [listing.cdi_name(u) for u in named])
+            self.cdi.missing()  # logged now, at start
         enforcement = prepare_enforcement(settings)
-        health = HealthBoard(inventory.cards)
+        health = HealthBoard(g.uuid for g in gpus)  # the cards' own health
+        # MIG cards and devices: their own board (see health.expand), never sliced.
+        self.mig_health = HealthBoard(migserve.health_keys(self.mig_plan))
         self.health = health
         usage = UsageLedger(inventory)
         self.usage = usage
+        exclusive = self._exclusive_resources(gpus, modes)
+        # What the shared resources are offered from: the cards' health, and with whole
+        # cards also whether a card is held whole (see exclusion.py).
+        offer = (
+            HealthBoard(inventory.cards, event="gpu_offer_changed", level="info")
+            if exclusive
+            else health
+        )
+        self.offer = offer
         self.pod_resources = PodResourcesClient(
             Path(settings.pod_resources_socket),
             {resource.name_with(settings.resource_prefix): resource for resource in Resource},
+            exclusive=[name for name, _r, _b in exclusive],
         )
+        if exclusive:
+            self.exclusion = Exclusion(health, offer, usage, exclusive, self.exclusive_ledger)
         collector = GarbageCollector(
             Path(settings.host_lib_dir), settings.gc_grace_seconds, enforcement.library
         )
+
         def after_read(snapshot: Snapshot) -> None:
+            if self.exclusion is not None:
+                self.exclusive_ledger.replace(snapshot.exclusive, snapshot.taken_at)
+                self.exclusion.refresh()
             if collector.maybe_collect(snapshot) is not None:
                 return_free_memory()  # at most once a minute: after a burst, not during
 
@@ -265,14 +352,28 @@ class Daemon:
                 settings.resource_prefix,
                 inventory,
                 usage,
-                health,
+                offer,
                 self.specs,
                 self.pod_resources,
+                extra_labels=mig.labels(self.mig_plan, settings.resource_prefix),
+            )
+            self.choices = ChoiceBook(
+                settings.resource_prefix,
+                [r.name_with(settings.resource_prefix) for r in Resource]
+                + [name for name, _r, _b in exclusive],
+            )
+            self.choices.on_miss = self.api_link.refresh_pods_now
+            self.api_link.pod_listeners.append(self.choices.replace_all)
+            driver = getattr(backend, "cuda_driver_version", None)
+            self.api_link.label_facts = LabelFacts(
+                gpus=[g for g in gpus if not g.parent_uuid] + list(self.mig_plan.mig_cards),
+                cuda_driver=driver() if driver is not None else None,
+                nvidia_product=settings.nvidia_product_label,
             )
         self.binder = Binder(
             inventory,
             usage,
-            health,
+            offer,
             policy=settings.placement,
             enforcement=enforcement,
             host_lib_dir=Path(settings.host_lib_dir),
@@ -280,6 +381,8 @@ class Daemon:
             specs=self.specs,
             on_allocated=self._allocated,
         )
+        if self.exclusion is not None:
+            self.exclusion.refresh()
         # The kubelet's records first: the first placement after a restart respects them.
         if refresher.refresh_once():
             log.info("usage_recovered", **self._usage_summary(usage))
@@ -293,12 +396,22 @@ class Daemon:
                 memory_units=card.memory_units,
                 numa_node=card.gpu.numa_node,
             )
+        log.info(
+            "mig_strategy",
+            strategy=settings.mig_strategy,
+            mig_resources={n: len(d) for n, d in self.mig_plan.exclusive.items()},
+            mig_sliced=len(self.mig_plan.shared_mig),
+        )
         self.monitor = HealthMonitor(
             backend,
             health,
             HealthPolicy(
-                inventory.cards, settings.ignored_xid_set(), settings.health_recovery_seconds
+                health.cards() + self.mig_health.cards(),
+                settings.ignored_xid_set(),
+                settings.health_recovery_seconds,
             ),
+            mig_of=self.mig_plan.mig_of(),
+            mig_board=self.mig_health,
         )
         self.monitor.start()
         if settings.metrics_port:
@@ -315,13 +428,35 @@ class Daemon:
             servicer = DevicePluginServicer(
                 resource,
                 self.binder,
-                health,
+                offer,
                 self.stopping,
                 observe=self.metrics.observe if self.metrics is not None else None,
+                listing=self.listing,
+                choice=lambda r, n: self._choice(r.name_with(settings.resource_prefix), n),
             )
             server = PluginServer(servicer, kubelet_dir / resource.socket_name)
             self.servers.append(server)
             named_servers.append((server, resource.name_with(settings.resource_prefix)))
+        for name, devices, board in exclusive:
+            exclusive_servicer = ExclusiveServicer(
+                devices,
+                name,
+                board,
+                self.stopping,
+                answer=answer_builder(
+                    self.listing,
+                    enforcement=enforcement if settings.exclusive_enforcement else None,
+                ),
+                prefer=self._preference(devices, backend),
+                on_allocated=self._exclusive_allocated,
+                choice=lambda n, name=name: self._choice(name, n),  # type: ignore[misc]
+            )
+            server = PluginServer(exclusive_servicer, kubelet_dir / devices.socket_name)
+            self.servers.append(server)
+            named_servers.append((server, name))
+        named_servers += self._mig_servers(self.mig_health, kubelet_dir)
+        if self.not_served:
+            log.error("nothing_served", reason=self.not_served)
         try:
             kubelet_dir.mkdir(parents=True, exist_ok=True)
             for server in self.servers:
@@ -363,7 +498,96 @@ class Daemon:
             for resource in Resource
         }
 
+    def _exclusive_resources(
+        self, gpus: Sequence[Gpu], modes: Mapping[str, CardMode]
+    ) -> list[tuple[str, ExclusiveResource, HealthBoard]]:
+        """The exclusive resources to serve: (full name, resource, its offer board)."""
+        if not self.settings.whole_cards:
+            return []
+        resource = whole_cards(g for g in gpus if modes[g.uuid].exclusive)
+        board = HealthBoard(resource.devices, event="gpu_offer_changed", level="info")
+        return [(resource.name_with(self.settings.resource_prefix), resource, board)]
+
+    def _mig_servers(
+        self, health: HealthBoard, kubelet_dir: Path
+    ) -> list[tuple[PluginServer, str]]:
+        """One server per MIG resource of the plan, offered from the hardware board
+        (a MIG card is never sliced, so no other use competes for its devices)."""
+        settings = self.settings
+        prefix = migserve.NVIDIA_PREFIX if settings.mig_nvidia_names else settings.resource_prefix
+        specs = migserve.read_device_specs(self.mig_plan) if settings.mig_device_specs else None
+        named = []
+        for name, devices in migserve.resources(self.mig_plan, prefix):
+            servicer = ExclusiveServicer(
+                devices,
+                name,
+                health,
+                self.stopping,
+                answer=migserve.answer_builder(self.listing, specs=specs),
+            )
+            server = PluginServer(servicer, kubelet_dir / migserve.socket_name(devices))
+            self.servers.append(server)
+            named.append((server, name))
+        return named
+
+    def _preference(self, resource: ExclusiveResource, backend: GpuBackend) -> Preference:
+        """Whole cards: NVLink, then NUMA, then PCIe switch (see topology.py). A backend
+        that cannot tell the topology leaves NUMA nodes and positions."""
+        numa = {d.id: d.numa_node for d in resource.devices.values()}
+        read = getattr(backend, "topology", None)
+        try:
+            known = read() if read is not None else Topology(numa=numa)
+        except GpuError as exc:
+            raise NodeConfigurationError(str(exc)) from None
+        except Exception as exc:  # NVML: no topology is better than no plugin
+            log.warning("gpu_topology_unreadable", error=str(exc))
+            known = Topology(numa=numa)
+        known = Topology(nvlinks=known.nvlinks, numa={**numa, **known.numa}, switch=known.switch)
+        log.info(
+            "gpu_topology",
+            nvlinks={"+".join(sorted(p)): n for p, n in known.nvlinks.items()},
+            pcie_switches=len(set(known.switch.values())),
+        )
+        position = {d.id: d.index for d in resource.devices.values()}
+
+        def preference(
+            available: Sequence[ExclusiveDevice], must: Sequence[ExclusiveDevice], size: int
+        ) -> list[str]:
+            return prefer([d.id for d in available], [d.id for d in must], size, known, position)
+
+        return preference
+
+    def _choice(self, full_name: str, units: int) -> CardChoice | None:
+        """The use-gputype choice of the container now asking ``units`` of ``full_name``,
+        when the pending pods tell it (see gputype.py); the kubelet's last records say
+        which containers already hold theirs."""
+        if self.choices is None:
+            return None
+        snapshot = self.pod_resources.last if self.pod_resources is not None else None
+        shared = {r.name_with(self.settings.resource_prefix): r for r in Resource}
+
+        def holds(key: tuple[str, str, str]) -> bool:
+            if snapshot is None:
+                return False
+            holder = Holder(*key)
+            if full_name in shared:
+                return bool(snapshot.devices.get(holder, {}).get(shared[full_name]))
+            return holder in snapshot.exclusive.get(full_name, {}).values()
+
+        return self.choices.choice_for(full_name, units, holds)
+
+    def _exclusive_allocated(self, name: str, devices: Sequence[ExclusiveDevice]) -> None:
+        self.exclusive_ledger.record(name, [d.id for d in devices])
+        if self.exclusion is not None:
+            self.exclusion.refresh()
+        if self.refresher is not None:
+            self.refresher.poke()
+        if self.api_link is not None:
+            self.api_link.notify_changed()
+
     def _allocated(self, resource: Resource, uuid: str, device_ids: Sequence[str]) -> None:
+        if self.exclusion is not None:
+            self.exclusion.refresh()
         if self.refresher is not None:
             self.refresher.poke()
         if self.api_link is not None:

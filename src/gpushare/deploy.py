@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from gpushare import nodestate
+from gpushare import mig, nodestate
 from gpushare.config import Settings
 from gpushare.kubeapi import ApiError, Cluster, describe
 
@@ -238,7 +238,7 @@ def _forget_published_state(
 ) -> None:
     """Remove the daemon's labels and annotation from ``nodes`` once no gpushare pod runs
     there (waiting up to ``wait_seconds``); name the nodes where one still does."""
-    labels = {nodestate.label_key(prefix, name): None for name in nodestate.LABEL_NAMES}
+    labels = dict.fromkeys(nodestate.label_keys(prefix))
     annotations = {nodestate.annotation_key(prefix): None}
     selector = daemon_pod_selector(objects)
 
@@ -277,6 +277,7 @@ def _forget_published_state(
         node = cluster.node(name) or {}
         meta = node.get("metadata") or {}
         present_labels = {k: v for k, v in labels.items() if k in (meta.get("labels") or {})}
+        present_labels |= {k: None for k in meta.get("labels") or {} if mig.is_label(prefix, k)}
         present_annotations = {
             k: v for k, v in annotations.items() if k in (meta.get("annotations") or {})
         }

@@ -64,7 +64,11 @@ class Card:
         return self.gpu.uuid
 
     def units(self, resource: Resource) -> int:
-        return self.memory_units if resource is Resource.MEMORY else CORE_UNITS_PER_CARD
+        if resource is Resource.MEMORY:
+            return self.memory_units
+        # A MIG device sliced for memory (migSharing) has no core units: HAMi-core's SM
+        # limiter samples the parent card's utilisation, not reported per MIG device.
+        return 0 if self.gpu.parent_uuid else CORE_UNITS_PER_CARD
 
 
 class Inventory:

@@ -6,15 +6,16 @@ ListAndWatch streams), so a card going bad reaches the kubelet at once.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import structlog
 
 from gpushare.dirwatch import StopEvent
-from gpushare.gpus import GpuBackend, GpuEvent
+from gpushare.gpus import GpuBackend, GpuEvent, MigDevice
 
 log = structlog.get_logger(__name__)
 
@@ -22,14 +23,23 @@ log = structlog.get_logger(__name__)
 class HealthBoard:
     """Thread-safe map card UUID -> healthy, with change notification."""
 
-    def __init__(self, uuids: Iterable[str]) -> None:
+    def __init__(
+        self, uuids: Iterable[str], event: str = "gpu_health_changed", level: str = "warning"
+    ) -> None:
         self._healthy = dict.fromkeys(uuids, True)
         self._reasons: dict[str, str] = {}
         self._changed = threading.Condition()
+        # The log event and level of a change (boards derived from this one differ).
+        self._event, self._level = event, level
+        #: Called after every change, outside the lock (boards derived from this one).
+        self.listeners: list[Callable[[], None]] = []
         self.version = 0
 
     def is_healthy(self, uuid: str) -> bool:
         return self._healthy.get(uuid, False)
+
+    def cards(self) -> list[str]:
+        return list(self._healthy)
 
     def healthy_cards(self) -> list[str]:
         return [uuid for uuid, ok in self._healthy.items() if ok]
@@ -53,7 +63,9 @@ class HealthBoard:
                 self._reasons[uuid] = reason
             self.version += 1
             self._changed.notify_all()
-        log.warning("gpu_health_changed", gpu=uuid, healthy=healthy, reason=reason)
+        getattr(log, self._level)(self._event, gpu=uuid, healthy=healthy, reason=reason)
+        for listener in self.listeners:
+            listener()
         return True
 
     def wake(self) -> None:
@@ -72,6 +84,27 @@ class HealthBoard:
 
 
 # --------------------------------------------------------------------------- policy
+
+def expand(event: GpuEvent, mig_of: Mapping[str, Sequence[MigDevice]]) -> list[GpuEvent]:
+    """The events of every health key an NVML event concerns: itself, and for a card in
+    MIG mode its MIG devices too. An XID that names a GPU instance (and compute
+    instance) reaches only the MIG devices there; one that names none, or names an
+    instance the card is not known to hold, reaches the card and all its MIG devices.
+    A MIG device's own event (gone or back, by its ``MIG-`` UUID) reaches only itself."""
+    devices = mig_of.get(event.uuid, ())
+    if not devices:
+        return [event]
+    if event.xid is not None and event.gpu_instance is not None:
+        hit = [
+            device
+            for device in devices
+            if device.gpu_instance == event.gpu_instance
+            and event.compute_instance in (None, device.compute_instance)
+        ]
+        if hit:
+            return [dataclasses.replace(event, uuid=device.uuid) for device in hit]
+    return [event] + [dataclasses.replace(event, uuid=device.uuid) for device in devices]
+
 
 #: XIDs after which a card is not trusted again until it has been seen to come back
 #: (79: fallen off the bus; 48: double-bit ECC error, also what NVML's ECC event maps to).
@@ -93,6 +126,7 @@ class _CardState:
     last_xid: int | None = None
     fatal: bool = False  # stays unhealthy until the card is seen again
     gone: bool = False
+    stale: bool = False  # its MIG mode or layout changed: unhealthy until a restart
 
 
 class HealthPolicy:
@@ -103,6 +137,10 @@ class HealthPolicy:
       healthy again once ``recovery_seconds`` pass without another such XID.
     * A fatal XID (:data:`FATAL_XIDS`) or the card disappearing keeps it unhealthy
       until the card is seen again (a ``gone=False`` event after it was gone).
+    * A card whose MIG mode or layout changed is unhealthy for good: what is advertised
+      no longer exists; a restart of gpushare reads the new layout.
+
+    Keys are card UUIDs and MIG device UUIDs alike (see :func:`expand`).
     """
 
     def __init__(
@@ -116,7 +154,7 @@ class HealthPolicy:
         self._cards = {uuid: _CardState() for uuid in uuids}
 
     def _healthy(self, state: _CardState) -> bool:
-        return not state.gone and not state.fatal and state.bad_since is None
+        return not state.gone and not state.fatal and not state.stale and state.bad_since is None
 
     def on_event(self, event: GpuEvent, now: float) -> Verdict | None:
         """The card's new verdict if ``event`` changes it; None if it changes nothing."""
@@ -124,17 +162,22 @@ class HealthPolicy:
         if state is None:
             return None  # a card we do not advertise (MIG, or added after start)
         was_healthy = self._healthy(state)
+        if event.mig_changed:
+            if state.stale:
+                return None
+            state.stale = True
+            return Verdict(event.uuid, False, self._describe(state))
         if event.xid is None:
             if event.gone:
                 state.gone = True
-                reason = "the GPU is no longer visible (fallen off the bus?)"
+                reason = self._describe(state)
             elif state.gone:
                 # Seen again: a fresh card as far as we can tell, fatal history forgotten.
                 state.gone = False
                 state.fatal = False
                 state.bad_since = None
                 state.last_xid = None
-                reason = "the GPU is visible again"
+                reason = "the GPU is visible again" if not state.stale else self._describe(state)
             else:
                 return None
             return Verdict(event.uuid, self._healthy(state), reason)
@@ -149,6 +192,8 @@ class HealthPolicy:
         return Verdict(event.uuid, False, self._describe(state))
 
     def _describe(self, state: _CardState) -> str:
+        if state.stale:
+            return "the GPU's MIG mode or layout changed; restart gpushare to serve the new one"
         if state.gone:
             return "the GPU is no longer visible (fallen off the bus?)"
         if state.fatal:
@@ -162,7 +207,7 @@ class HealthPolicy:
         """Cards whose quiet time after a non-fatal XID has run out: healthy again."""
         recovered = []
         for uuid, state in self._cards.items():
-            if state.fatal or state.gone or state.bad_since is None:
+            if state.fatal or state.gone or state.stale or state.bad_since is None:
                 continue
             if now - state.bad_since >= self._recovery_seconds:
                 state.bad_since = None
@@ -174,7 +219,8 @@ class HealthPolicy:
         pending = [
             state.bad_since + self._recovery_seconds
             for state in self._cards.values()
-            if state.bad_since is not None and not state.fatal and not state.gone
+            if state.bad_since is not None
+            and not (state.fatal or state.gone or state.stale)
         ]
         return min(pending, default=None)
 
@@ -198,10 +244,17 @@ class HealthMonitor:
         board: HealthBoard,
         policy: HealthPolicy,
         clock: Callable[[], float] = time.monotonic,
+        mig_of: Mapping[str, Sequence[MigDevice]] | None = None,
+        mig_board: HealthBoard | None = None,
     ) -> None:
         self._backend = backend
         self._board = board
         self._policy = policy
+        self._mig_of = dict(mig_of or {})  # card UUID -> its MIG devices
+        # The MIG cards and devices have a board of their own (``board``'s keys are the
+        # cards the shared resources are built from).
+        self._mig_board = mig_board
+        self._mig_keys = set(mig_board.cards()) if mig_board is not None else set()
         self._clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -222,11 +275,21 @@ class HealthMonitor:
 
     def deliver(self, event: GpuEvent) -> None:
         """Apply one event to the board (called from the backend's watch)."""
-        log.info("gpu_event", gpu=event.uuid, xid=event.xid, gone=event.gone)
+        log.info(
+            "gpu_event",
+            gpu=event.uuid,
+            xid=event.xid,
+            gone=event.gone,
+            gpu_instance=event.gpu_instance,
+            compute_instance=event.compute_instance,
+            mig_changed=event.mig_changed,
+        )
         with self._lock:  # decide and record together, so a recovery cannot undo it
-            verdict = self._policy.on_event(event, self._clock())
-            if verdict is not None:
-                self._board.set(verdict.uuid, verdict.healthy, verdict.reason)
+            now = self._clock()
+            for one in expand(event, self._mig_of):
+                verdict = self._policy.on_event(one, now)
+                if verdict is not None:
+                    self._record(verdict)
         self._wake.set()
 
     def _watch(self) -> None:
@@ -252,4 +315,9 @@ class HealthMonitor:
                 return
             with self._lock:
                 for verdict in self._policy.tick(self._clock()):
-                    self._board.set(verdict.uuid, verdict.healthy, verdict.reason)
+                    self._record(verdict)
+
+    def _record(self, verdict: Verdict) -> None:
+        mig = self._mig_board is not None and verdict.uuid in self._mig_keys
+        board = self._mig_board if mig and self._mig_board is not None else self._board
+        board.set(verdict.uuid, verdict.healthy, verdict.reason)

@@ -17,18 +17,19 @@ except the bounded, rate-limited on-demand pod list.
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from gpushare import nodestate
-from gpushare.devices import CORE_UNITS_PER_CARD, Inventory, Resource
+from gpushare.devices import Inventory, Resource
 from gpushare.health import HealthBoard
+from gpushare.labels import LabelFacts, node_labels
 from gpushare.podresources import PodResourcesClient
 from gpushare.podspecs import PodSpecBook
 from gpushare.usage import UsageLedger
@@ -45,12 +46,6 @@ ON_DEMAND_MIN_INTERVAL = 0.2
 POD_ANNOTATION_TRIES = 10
 #: Answers to a pod patch that another try will not change (pod gone, RBAC, invalid).
 FINAL_POD_PATCH_STATUSES = frozenset({403, 404, 422})
-
-
-def label_value(text: str) -> str:
-    """``NVIDIA GeForce RTX 3090`` -> ``NVIDIA-GeForce-RTX-3090`` (a valid label value)."""
-    value = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-._")[:63]
-    return value.rstrip("-._")
 
 
 def connect_api() -> Any:
@@ -83,7 +78,9 @@ class ApiLink:
         health: HealthBoard,
         book: PodSpecBook,
         records: PodResourcesClient,
+        extra_labels: Mapping[str, str] | None = None,
     ) -> None:
+        self.extra_labels = dict(extra_labels or {})  # fixed at start (MIG: mig.labels)
         self.node_name = node_name
         self.prefix = prefix
         self.inventory = inventory
@@ -100,6 +97,10 @@ class ApiLink:
         self._thread: threading.Thread | None = None
         self._pending: deque[_PendingPodAnnotation] = deque()
         self._last_on_demand = 0.0
+        #: What the node labels say (the daemon adds the cards of every mode, the driver).
+        self.label_facts = LabelFacts(gpus=[card.gpu for card in inventory.cards.values()])
+        #: Also given every pod list read (the use-gputype choices, gputype.py).
+        self.pod_listeners: list[Callable[[list[dict[str, Any]]], None]] = []
         book.on_miss = self.refresh_pods_now
 
     # ------------------------------------------------------------------ lifecycle
@@ -192,7 +193,7 @@ class ApiLink:
                 memory_mib=card.gpu.memory_mib,
                 memory_units=card.memory_units,
                 memory_units_used=memory_used.get(card.uuid, 0),
-                core_units=CORE_UNITS_PER_CARD,
+                core_units=card.units(Resource.CORE),
                 core_units_used=core_used.get(card.uuid, 0),
                 healthy=self.health.is_healthy(card.uuid),
             )
@@ -206,15 +207,7 @@ class ApiLink:
         )
 
     def labels(self) -> dict[str, str]:
-        cards = list(self.inventory.cards.values())
-        if not cards:
-            return {}
-        first = cards[0].gpu
-        return {
-            nodestate.label_key(self.prefix, "product"): label_value(first.name),
-            nodestate.label_key(self.prefix, "count"): str(len(cards)),
-            nodestate.label_key(self.prefix, "memory"): str(first.memory_mib),
-        }
+        return node_labels(self.prefix, self.label_facts) | self.extra_labels
 
     def _publish_node(self) -> None:
         state = self.node_state()
@@ -281,7 +274,10 @@ class ApiLink:
             field_selector=f"spec.nodeName={self.node_name}", _request_timeout=timeout
         )
         serialize = api.api_client.sanitize_for_serialization
-        self.book.replace_all([serialize(pod) for pod in pods.items])
+        items = [serialize(pod) for pod in pods.items]
+        self.book.replace_all(items)
+        for listener in self.pod_listeners:
+            listener(items)
 
     def refresh_pods_now(self) -> bool:
         """Re-read this node's pods now (bounded and rate-limited); True if it did."""

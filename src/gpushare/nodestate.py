@@ -67,12 +67,21 @@ def pod_annotation_key(prefix: str, container: str) -> str:
 
 
 #: The node labels the daemon publishes, ``<prefix>/gpu.<name>``.
-LABEL_NAMES = ("product", "count", "memory")
+LABEL_NAMES = ("product", "count", "memory", "family", "compute.major", "compute.minor")
+#: ...and ``<prefix>/cuda.driver.major|minor`` (see labels.py).
+DRIVER_LABEL_NAMES = ("cuda.driver.major", "cuda.driver.minor")
 
 
 def label_key(prefix: str, what: str) -> str:
     """``what`` is one of :data:`LABEL_NAMES`."""
     return f"{prefix}/gpu.{what}"
+
+
+def label_keys(prefix: str) -> list[str]:
+    """Every node label the daemon may write under ``prefix``."""
+    return [label_key(prefix, n) for n in LABEL_NAMES] + [
+        f"{prefix}/{n}" for n in DRIVER_LABEL_NAMES
+    ]
 
 
 def encode(state: NodeGpuState) -> str:

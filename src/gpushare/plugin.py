@@ -1,5 +1,8 @@
 """The device-plugin gRPC servers: one per resource, each on its own unix socket.
 
+The shared resources (memory and core units) are served here; exclusive devices
+(whole cards, MIG instances) by :mod:`gpushare.exclusive` on the same base.
+
 The servicer only translates: it checks the shape of a request, asks the
 :class:`~gpushare.binding.Binder`, and turns the result or the refusal into the
 kubelet's messages or a gRPC status. A request can fail; the server never does.
@@ -18,9 +21,10 @@ import grpc
 import structlog
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from gpushare.answers import Answer
+from gpushare.answers import Answer, DeviceListing, with_device_list
 from gpushare.binding import Binder, BindingError, Refusal
 from gpushare.devices import Inventory, Resource, format_device_id
+from gpushare.gputype import CardChoice
 from gpushare.health import HealthBoard
 
 log = structlog.get_logger(__name__)
@@ -52,6 +56,13 @@ def answer_to_proto(answer: Answer) -> api_pb2.ContainerAllocateResponse:
             for m in answer.mounts
         ],
         annotations=answer.annotations,
+        cdi_devices=[api_pb2.CDIDevice(name=name) for name in answer.cdi_devices],
+        devices=[
+            api_pb2.DeviceSpec(
+                container_path=d.container_path, host_path=d.host_path, permissions=d.permissions
+            )
+            for d in answer.device_specs
+        ],
     )
 
 
@@ -73,20 +84,16 @@ def device_list_message(
     return api_pb2.ListAndWatchResponse(devices=devices)
 
 
-class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[misc]
-    def __init__(
-        self,
-        resource: Resource,
-        binder: Binder,
-        health: HealthBoard,
-        stopping: threading.Event,
-        observe: Observer | None = None,
-    ) -> None:
-        self.resource = resource
-        self.binder = binder
-        self.health = health
+class ListingServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[misc]
+    """What every resource's server shares: the ListAndWatch stream of whole device
+    lists (one per version of ``board``), the stream bookkeeping the kubelet link
+    reads, and turning a refusal into a gRPC status. Subclasses build the list and
+    answer GetPreferredAllocation and Allocate."""
+
+    def __init__(self, label: str, board: HealthBoard, stopping: threading.Event) -> None:
+        self.label = label  # the resource name without prefix, for logs
+        self.board = board
         self.stopping = stopping
-        self.observe = observe
         self._cache: tuple[int, api_pb2.ListAndWatchResponse] | None = None
         self._cache_lock = threading.Lock()
         self._streams_lock = threading.Lock()
@@ -96,15 +103,16 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
         self.on_stream_closed: Callable[[], None] | None = None
 
     # ---------------------------------------------------------------- device list
+    def build_device_list(self) -> api_pb2.ListAndWatchResponse:
+        raise NotImplementedError
+
     def device_list(self) -> api_pb2.ListAndWatchResponse:
         """The full device set at the board's current version (built once per version)."""
         with self._cache_lock:
-            version = self.health.version
+            version = self.board.version
             if self._cache is not None and self._cache[0] == version:
                 return self._cache[1]
-            response = device_list_message(
-                self.binder.inventory, self.resource, self.health.is_healthy
-            )
+            response = self.build_device_list()
             self._cache = (version, response)
             return response
 
@@ -116,8 +124,8 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
 
     def ListAndWatch(self, request: Any, context: Any) -> Iterator[Any]:
         self._count_stream(+1)
-        log.info("list_and_watch_opened", resource=self.resource.value)
-        context.add_callback(self.health.wake)  # a cancelled stream stops waiting at once
+        log.info("list_and_watch_opened", resource=self.label)
+        context.add_callback(self.board.wake)  # a cancelled stream stops waiting at once
 
         def finished() -> bool:
             return self.stopping.is_set() or not context.is_active()
@@ -125,13 +133,13 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
         try:
             seen = -1
             while not finished():
-                if self.health.version != seen:
-                    seen = self.health.version
+                if self.board.version != seen:
+                    seen = self.board.version
                     yield self.device_list()
-                self.health.wait_for_change(seen, timeout=STREAM_CHECK_SECONDS, give_up=finished)
+                self.board.wait_for_change(seen, timeout=STREAM_CHECK_SECONDS, give_up=finished)
         finally:
             self._count_stream(-1)
-            log.info("list_and_watch_closed", resource=self.resource.value)
+            log.info("list_and_watch_closed", resource=self.label)
             if self.on_stream_closed is not None:
                 self.on_stream_closed()
 
@@ -147,6 +155,75 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
                 return 0.0
             return time.monotonic() - self.streams_changed_at
 
+    def PreStartContainer(self, request: Any, context: Any) -> Any:
+        return api_pb2.PreStartContainerResponse()
+
+    def observed(self, method: str, result: str, seconds: float) -> None:
+        """Called after every request (metrics); nothing by default."""
+
+    def _serve(self, method: str, request: Any, context: Any, handle: Callable[[], Any]) -> Any:
+        started = time.perf_counter()
+        result = "ok"
+        try:
+            return handle()
+        except BindingError as exc:
+            result = exc.kind.name.lower()
+            log.warning("request_refused", resource=self.label, method=method, reason=exc.message)
+            context.abort(_STATUS[exc.kind], exc.message)
+        except Exception as exc:  # never let a request take the server down
+            result = "error"
+            log.exception("request_failed", resource=self.label, method=method)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+        finally:
+            self.observed(method, result, time.perf_counter() - started)
+        return None  # unreachable: abort raises
+
+
+class DevicePluginServicer(ListingServicer):
+    """One of the two shared resources (memory or core units)."""
+
+    def __init__(
+        self,
+        resource: Resource,
+        binder: Binder,
+        health: HealthBoard,
+        stopping: threading.Event,
+        observe: Observer | None = None,
+        listing: DeviceListing | None = None,
+        choice: Callable[[Resource, int], CardChoice | None] | None = None,
+    ) -> None:
+        super().__init__(resource.value, health, stopping)
+        self.resource = resource
+        self.binder = binder
+        self.health = health
+        self.observe = observe
+        self.listing = listing
+        #: The asking pod's card choice (use-gputype annotations), if it can be told.
+        self.choice = choice
+
+    def _allowed(self, size: int) -> Callable[[str], bool] | None:
+        choice = self.choice(self.resource, size) if self.choice is not None else None
+        if choice is None:
+            return None
+        cards = self.binder.inventory.cards
+        return lambda uuid: uuid in cards and choice.allows(cards[uuid].gpu.name, uuid)
+
+    def _check_choice(self, device_ids: Any) -> None:
+        """Refuse units on a card the asking pod's annotations exclude."""
+        choice = self.choice(self.resource, len(device_ids)) if self.choice is not None else None
+        if choice is None or not device_ids:
+            return
+        card = self.binder.inventory.cards.get(str(device_ids[0]).rpartition("::")[0])
+        if card is not None and not choice.allows(card.gpu.name, card.uuid):
+            raise BindingError(Refusal.PRECONDITION, choice.why_not(card.gpu.name, card.uuid))
+
+    def build_device_list(self) -> api_pb2.ListAndWatchResponse:
+        return device_list_message(self.binder.inventory, self.resource, self.health.is_healthy)
+
+    def observed(self, method: str, result: str, seconds: float) -> None:
+        if self.observe is not None:
+            self.observe(self.resource, method, result, seconds)
+
     def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
         def handle() -> Any:
             responses = []
@@ -156,6 +233,7 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
                     container.available_deviceIDs,
                     container.must_include_deviceIDs,
                     container.allocation_size,
+                    allowed=self._allowed(container.allocation_size),
                 )
                 responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=ids))
             return api_pb2.PreferredAllocationResponse(container_responses=responses)
@@ -168,40 +246,20 @@ class DevicePluginServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[m
                 raise BindingError(Refusal.INVALID, "the request holds no container requests")
             responses = []
             for container in request.container_requests:
-                _uuid, answer = self.binder.allocate(self.resource, container.devices_ids)
+                self._check_choice(container.devices_ids)
+                uuid, answer = self.binder.allocate(self.resource, container.devices_ids)
+                if self.listing is not None:
+                    answer = with_device_list(answer, [uuid], self.listing)
                 responses.append(answer_to_proto(answer))
             return api_pb2.AllocateResponse(container_responses=responses)
 
         return self._serve("Allocate", request, context, handle)
 
-    def PreStartContainer(self, request: Any, context: Any) -> Any:
-        return api_pb2.PreStartContainerResponse()
-
-    def _serve(self, method: str, request: Any, context: Any, handle: Callable[[], Any]) -> Any:
-        started = time.perf_counter()
-        result = "ok"
-        try:
-            return handle()
-        except BindingError as exc:
-            result = exc.kind.name.lower()
-            log.warning(
-                "request_refused", resource=self.resource.value, method=method, reason=exc.message
-            )
-            context.abort(_STATUS[exc.kind], exc.message)
-        except Exception as exc:  # never let a request take the server down
-            result = "error"
-            log.exception("request_failed", resource=self.resource.value, method=method)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
-        finally:
-            if self.observe is not None:
-                self.observe(self.resource, method, result, time.perf_counter() - started)
-        return None  # unreachable: abort raises
-
 
 class PluginServer:
     """A gRPC server for one resource, bound to ``<kubelet dir>/<socket name>``."""
 
-    def __init__(self, servicer: DevicePluginServicer, socket_path: Path) -> None:
+    def __init__(self, servicer: ListingServicer, socket_path: Path) -> None:
         self.servicer = servicer
         self.socket_path = socket_path
         self._server: Any = None
@@ -218,9 +276,7 @@ class PluginServer:
         server.start()
         self._server = server
         self._inode = self.socket_path.stat().st_ino
-        log.info(
-            "plugin_serving", resource=self.servicer.resource.value, socket=str(self.socket_path)
-        )
+        log.info("plugin_serving", resource=self.servicer.label, socket=str(self.socket_path))
 
     def socket_intact(self) -> bool:
         """False when our socket file was removed or replaced (a kubelet restart does this)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +38,8 @@ class Snapshot:
     holders: dict[tuple[Resource, str], Holder] = field(default_factory=dict)
     # container -> resource -> device IDs
     devices: dict[Holder, dict[Resource, list[str]]] = field(default_factory=dict)
+    # exclusive resources (whole cards, MIG): full resource name -> device ID -> holder
+    exclusive: dict[str, dict[str, Holder]] = field(default_factory=dict)
 
     def holder_of(self, resource: Resource, device_id: str) -> Holder | None:
         return self.holders.get((resource, device_id))
@@ -72,9 +74,13 @@ class Snapshot:
 
 
 def parse_list_response(
-    response: api_pb2.ListPodResourcesResponse, resources: Mapping[str, Resource], taken_at: float
+    response: api_pb2.ListPodResourcesResponse,
+    resources: Mapping[str, Resource],
+    taken_at: float,
+    exclusive: Collection[str] = (),
 ) -> Snapshot:
-    """Keep only the devices of our resources (``resources``: full name -> Resource)."""
+    """Keep only the devices of our resources (``resources``: full name -> Resource;
+    ``exclusive``: full names of the exclusive resources)."""
     snapshot = Snapshot(taken_at)
     for pod in response.pod_resources:
         for container in pod.containers:
@@ -82,6 +88,9 @@ def parse_list_response(
             for devices in container.devices:
                 resource = resources.get(devices.resource_name)
                 if resource is None:
+                    if devices.resource_name in exclusive:
+                        held = snapshot.exclusive.setdefault(devices.resource_name, {})
+                        held.update(dict.fromkeys(devices.device_ids, holder))
                     continue
                 ids = list(devices.device_ids)
                 snapshot.devices.setdefault(holder, {}).setdefault(resource, []).extend(ids)
@@ -107,9 +116,11 @@ class PodResourcesClient:
         resources: Mapping[str, Resource],
         *,
         clock: Callable[[], float] = time.monotonic,
+        exclusive: Collection[str] = (),
     ) -> None:
         self.socket = socket
         self.resources = dict(resources)
+        self.exclusive = frozenset(exclusive)
         self._clock = clock
         self._cond = threading.Condition()
         self._channel: grpc.Channel | None = None
@@ -186,7 +197,7 @@ class PodResourcesClient:
         if self._failing:
             log.info("pod_resources_readable", socket=str(self.socket))
             self._failing = False
-        return parse_list_response(response, self.resources, began), ""
+        return parse_list_response(response, self.resources, began, self.exclusive), ""
 
     def _report_failure(self, error: str) -> str:
         if not self._failing:

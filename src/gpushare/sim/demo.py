@@ -1,5 +1,6 @@
-"""``make demo``: the daemon on a simulated node of two Tesla P4, admitted to by a
-simulated kubelet, with the three containers from the reference documents."""
+"""``make demo``: the daemon on a simulated node of three Tesla P4, admitted to by a
+simulated kubelet: the three shared containers from the reference documents, and a
+training container that takes a whole card beside them."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from gpushare.devices import Resource
 from gpushare.logs import configure_logging
 from gpushare.sim.kubelet import AdmissionError, Admitted, SimulatedKubelet
 
-TWO_TESLA_P4 = {
+THREE_TESLA_P4 = {
     "gpus": [
         {
             "uuid": "GPU-9f12f917-e458-4bb8-3d9d-8dc7fd6cddf7",
@@ -31,6 +32,12 @@ TWO_TESLA_P4 = {
             "memory_mib": 7611,
             "numa_node": 1,
         },
+        {
+            "uuid": "GPU-d81c0e6a-2b4f-4a51-8c3e-5f7a9b1c2d3e",
+            "name": "Tesla P4",
+            "memory_mib": 7611,
+            "numa_node": 1,
+        },
     ]
 }
 
@@ -40,7 +47,7 @@ CONTAINERS = [("pod-a", 4, 10), ("pod-b", 20, 30), ("pod-c", 20, 30)]
 
 def print_answer(admitted: Admitted) -> None:
     for resource, response in admitted.responses.items():
-        print(f"    Allocate answer for {resource} ({len(admitted.devices[resource])} units):")
+        print(f"    Allocate answer for {resource} ({len(admitted.devices[resource])} devices):")
         for name, value in sorted(response.envs.items()):
             print(f"      env   {name}={value}")
         for mount in response.mounts:
@@ -52,7 +59,7 @@ def print_answer(admitted: Admitted) -> None:
 
 def run_demo(workdir: Path) -> int:
     node_file = workdir / "node.yaml"
-    node_file.write_text(yaml.safe_dump(TWO_TESLA_P4))
+    node_file.write_text(yaml.safe_dump(THREE_TESLA_P4))
     library = workdir / "libvgpu.so"
     library.write_bytes(b"placeholder for HAMi-core libvgpu.so (the demo enforces nothing)\n")
     settings = Settings(
@@ -62,15 +69,19 @@ def run_demo(workdir: Path) -> int:
         library=str(library),
         host_lib_dir=str(workdir / "vgpu"),
         metrics_port=0,
+        whole_cards=True,
     )
     kubelet = SimulatedKubelet(Path(settings.kubelet_dir), Path(settings.pod_resources_socket))
     kubelet.start()
     daemon = Daemon(settings)
     memory, core = settings.memory_resource, settings.core_resource
+    whole = f"{settings.resource_prefix}/gpu"
     try:
         daemon.start()
-        print(f"simulated node: {node_file} (2 x Tesla P4, 7611 MiB)")
-        if not kubelet.wait_for(lambda k: bool(k.devices(memory)) and bool(k.devices(core))):
+        print(f"simulated node: {node_file} (3 x Tesla P4, 7611 MiB)")
+        if not kubelet.wait_for(
+            lambda k: bool(k.devices(memory)) and bool(k.devices(core)) and bool(k.devices(whole))
+        ):
             print("the plugin did not register within 5 s", file=sys.stderr)
             return 1
         print("\nregistered with the kubelet:")
@@ -80,8 +91,18 @@ def run_demo(workdir: Path) -> int:
             )
         print(
             f"  ({settings.memory_unit_mib} MiB per memory unit: floor(7611/256) = 29 per card; "
-            "100 core units per card)"
+            "100 core units per card; one whole-card device per card)"
         )
+
+        print("\nadmitting a training container asking for a whole card:")
+        for pod in ("train-a",):
+            try:
+                admitted = kubelet.admit(pod, "main", {whole: 1})
+            except AdmissionError as exc:
+                print(f"  {pod}: NOT admitted: {exc}")
+                continue
+            print(f"  {pod}/main: 1 whole card -> {admitted.card()}")
+            print_answer(admitted)
 
         print(
             "\nadmitting containers the way the kubelet does "
@@ -101,13 +122,26 @@ def run_demo(workdir: Path) -> int:
             )
             print_answer(admitted)
 
+        print(
+            "\nanother whole card? Cards with shared units in use are listed Unhealthy as "
+            "whole cards, so the kubelet has none to give:"
+        )
+        try:
+            kubelet.admit("train-b", "main", {whole: 1})
+            print("  train-b: admitted (unexpected)")
+        except AdmissionError as exc:
+            print(f"  train-b: NOT admitted: {exc}")
+
         assert daemon.inventory is not None
         print("\nper card (from the kubelet's allocations):")
         print(f"  {'GPU':4} {'UUID':42} {'memory units':>14} {'core units':>12}  containers")
+        held_whole = kubelet.allocated(whole)
         for card in daemon.inventory.cards.values():
             mem_used = sum(1 for d in kubelet.allocated(memory) if d.startswith(card.uuid + "::"))
             core_used = sum(1 for d in kubelet.allocated(core) if d.startswith(card.uuid + "::"))
             pods = sorted(a.pod for a in kubelet.admitted.values() if a.card() == card.uuid)
+            if card.uuid in held_whole:
+                pods = [f"{p} (whole card)" for p in pods]
             print(
                 f"  {card.gpu.index:<4} {card.uuid:42} "
                 f"{f'{mem_used}/{card.memory_units}':>14} "

@@ -188,15 +188,17 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
             self._pr_server.stop(0).wait()
             self._pr_server = None
 
-    def restart(self) -> None:
+    def restart(self, *, remove_sockets: bool = True) -> None:
         """What a kubelet restart does: drop every plugin, delete every other socket in
         the directory, and replace ``kubelet.sock`` atomically.
 
-        Allocations survive, as they do in the kubelet's checkpoint.
+        Allocations survive, as they do in the kubelet's checkpoint. With
+        ``remove_sockets=False`` the plugins' sockets stay (the kubelet only logs a
+        failure to clean its directory), so only the new ``kubelet.sock`` tells.
         """
         self.stop(keep_pod_resources=True)
         for path in self.plugin_dir.glob("*.sock"):
-            if path != self.socket:
+            if path != self.socket and remove_sockets:
                 path.unlink(missing_ok=True)
         self.start()
 

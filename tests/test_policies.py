@@ -24,6 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_deploy_manifests import chart_objects
 
+from gpushare import mig, nodestate
+from gpushare.labels import NVIDIA_PRODUCT_LABEL
+
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ROOT / "daemonset" / "policies"
 DAEMON = "system:serviceaccount:kube-system:gpushare"
@@ -347,7 +350,14 @@ def test_a_token_without_the_node_name_is_refused_and_other_users_are_not_matche
     )
 
 
+def _daemon_label(key: str) -> bool:
+    return (key.startswith("gpushare.io/") and key != "gpushare.io/enabled") or (
+        key == NVIDIA_PRODUCT_LABEL
+    )
+
+
 KEYS = [
+    NVIDIA_PRODUCT_LABEL,
     "gpushare.io/gpus",
     "gpushare.io/gpu.main",
     "gpushare.io/gpu.count",
@@ -393,7 +403,7 @@ def test_the_daemon_scope_agrees_with_the_rule_in_plain_words(
 
     annotation_prefix = "gpushare.io/" if resource == "nodes" else "gpushare.io/gpu."
     label_ok = (
-        all(k.startswith("gpushare.io/gpu.") for k in changed_keys("labels"))
+        all(_daemon_label(k) for k in changed_keys("labels"))
         if resource == "nodes"
         else not changed_keys("labels")
     )
@@ -406,6 +416,19 @@ def test_the_daemon_scope_agrees_with_the_rule_in_plain_words(
     denials = SCOPE.denials(_request(resource, name), new, old)
     assert denials is not None
     assert (denials == []) == allowed, denials
+
+
+def test_every_label_the_daemon_writes_is_allowed_on_its_own_node() -> None:
+    """Derived from the code: the labels node.py publishes (gpu.*, cuda.driver.*, the
+    GFD product label) and those of MIG (mig.strategy, mig-<profile>.*)."""
+    mig_keys = ["gpushare.io/mig.strategy", "gpushare.io/mig-1g.5gb.count"]
+    assert all(mig.is_label("gpushare.io", key) for key in mig_keys)
+    keys = [*nodestate.label_keys("gpushare.io"), NVIDIA_PRODUCT_LABEL, *mig_keys]
+    old = _node("n1")
+    new = _changed(old, lambda n: n["metadata"]["labels"].update(dict.fromkeys(keys, "1")))
+    assert SCOPE.denials(_request("nodes", "n1"), new, old) == []
+    gone = _changed(new, lambda n: [n["metadata"]["labels"].pop(k) for k in keys])
+    assert SCOPE.denials(_request("nodes", "n1"), gone, new) == []
 
 
 # -- the optional mutating policy's match --------------------------------------------------
@@ -450,4 +473,7 @@ def test_chart_policies_are_the_kustomize_ones_and_can_be_turned_off() -> None:
         for o in chart_objects({"config": {"resourcePrefix": "example.com"}})
         if o["kind"] == "ValidatingAdmissionPolicy"
     ]
-    assert prefixed and all("gpushare.io" not in yaml.safe_dump(o["spec"]) for o in prefixed)
+    assert prefixed and all(
+        "gpushare.io" not in yaml.safe_dump(o["spec"]).replace("gpushare.io/enabled", "")
+        for o in prefixed
+    )

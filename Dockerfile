@@ -1,11 +1,15 @@
 # syntax=docker/dockerfile:1
 # gpushare image: the daemon (and kubectl-gpushare, the extender) plus HAMi-core's
 # interposer libvgpu.so, taken from HAMi's published image (HAMi-core is not built here).
-#   make image                      (docker build -t gpushare:0.1.0 .)
-#   docker build --build-arg HAMI_VERSION=v2.5.0 .
-# Base images are pinned by tag; pin by digest too (name:tag@sha256:...) in a release pipeline.
+#   make image          linux/amd64 + linux/arm64 with docker buildx (PUSH=1 IMAGE=reg/gpushare:V)
+#   make image-local    this machine's architecture, loaded into docker
+#   docker build --build-arg HAMI_VERSION=v2.5.0 --build-arg VERSION=0.1.0 .
+# Base images are pinned by exact tag; pin by digest too (name:tag@sha256:..., via
+# --build-arg PYTHON_IMAGE=...) in a release pipeline. Both bases publish amd64 and arm64;
+# every stage runs on the target platform (binary wheels for that architecture).
 ARG PYTHON_IMAGE=python:3.12.8-slim-bookworm
 ARG HAMI_VERSION=v2.4.1
+ARG VERSION=0.0.0
 
 FROM projecthami/hami:${HAMI_VERSION} AS hami
 
@@ -40,7 +44,9 @@ LABEL org.opencontainers.image.title="gpushare" \
       org.opencontainers.image.description="Kubernetes device plugin sharing NVIDIA GPUs with hard memory limits" \
       org.opencontainers.image.licenses="Apache-2.0"
 ARG HAMI_VERSION
-LABEL io.gpushare.hami-version="${HAMI_VERSION}"
+ARG VERSION
+LABEL io.gpushare.hami-version="${HAMI_VERSION}" \
+      org.opencontainers.image.version="${VERSION}"
 COPY --from=build /opt/venv /opt/venv
 # The daemon's default --library path (src/gpushare/config.py).
 COPY --from=interposer /out/libvgpu.so /opt/gpushare/lib/libvgpu.so

@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PROTOS := $(shell find proto -name '*.proto')
+comma  := ,
 
-.PHONY: demo test lint bench simulate image manifests clean verify-pairing
+.PHONY: demo test lint bench simulate image image-local version manifests clean verify-pairing
 
 demo: $(VENV)/.installed  ## run the daemon on a simulated node with a simulated kubelet
 	$(BIN)/gpushare-demo
@@ -27,11 +28,34 @@ bench: $(VENV)/.installed-test  ## measure latency, start time and footprint
 simulate: $(VENV)/.installed  ## trace-driven placement simulation
 	$(BIN)/python -m gpushare.sim.trace --section docs/benchmarks.md
 
-IMAGE ?= gpushare:0.1.0
+# The version is written once, in src/gpushare/__init__.py; the image tag follows it.
+VERSION   := $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' src/gpushare/__init__.py)
+IMAGE     ?= gpushare:$(VERSION)
 HAMI_VERSION ?= v2.4.1
+PLATFORMS ?= linux/amd64,linux/arm64
+# PUSH=1 pushes the multi-arch image to IMAGE's registry; otherwise it is written as an
+# OCI archive (a multi-arch image cannot be loaded into the classic docker image store).
+PUSH      ?=
+IMAGE_ARCHIVE ?= dist/gpushare-$(VERSION).oci.tar
+BUILD_ARGS := --build-arg HAMI_VERSION=$(HAMI_VERSION) --build-arg VERSION=$(VERSION)
 
-image:  ## build the container image (needs a Docker engine)
-	docker build --build-arg HAMI_VERSION=$(HAMI_VERSION) -t $(IMAGE) .
+image:  ## build the image for linux/amd64 and linux/arm64 (docker buildx; plain docker: this machine's arch)
+	@if docker buildx version >/dev/null 2>&1; then \
+	  mkdir -p dist; \
+	  echo "docker buildx: $(PLATFORMS) -> $(if $(PUSH),push $(IMAGE),$(IMAGE_ARCHIVE))"; \
+	  docker buildx build --platform $(PLATFORMS) $(BUILD_ARGS) -t $(IMAGE) \
+	    $(if $(PUSH),--push,--output type=oci$(comma)dest=$(IMAGE_ARCHIVE)) . ; \
+	else \
+	  echo "no docker buildx: building $(IMAGE) for this machine's architecture only"; \
+	  docker build $(BUILD_ARGS) -t $(IMAGE) . && \
+	  $(if $(PUSH),docker push $(IMAGE),true); \
+	fi
+
+image-local:  ## build the image for this machine only and load it into docker
+	docker build $(BUILD_ARGS) -t $(IMAGE) .
+
+version:  ## print the version (the one source: src/gpushare/__init__.py)
+	@echo $(VERSION)
 
 manifests:  ## copy daemonset/*.yaml into the package, for kubectl gpushare install
 	rm -f src/gpushare/manifests/*.yaml

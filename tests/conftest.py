@@ -18,6 +18,7 @@ import yaml
 
 from gpushare.config import Settings
 from gpushare.daemon import Daemon
+from gpushare.elf import stand_in
 from gpushare.podspecs import PodSpecBook
 from gpushare.sim.kubelet import SimulatedKubelet
 
@@ -53,7 +54,7 @@ class Node:
         self.root = root
         self.gpus_file = root / "node.yaml"
         self.library = root / "libvgpu.so"
-        self.library.write_bytes(b"\x7fELF fake interposer for tests\n")
+        self.library.write_bytes(stand_in(b"fake interposer for tests\n"))
         self.settings = Settings(
             kubelet_dir=str(root / "dp"),
             pod_resources_socket=str(root / "pr" / "kubelet.sock"),

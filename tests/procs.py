@@ -76,3 +76,8 @@ def reachable(port: int) -> bool:
         return scrape(port, "/healthz")[0] == 200
     except OSError:
         return False
+
+
+def error_lines(stderr: str) -> list[str]:
+    """What a command said on stderr besides its JSON log lines (the start line among them)."""
+    return [line for line in stderr.strip().splitlines() if not line.startswith("{")]

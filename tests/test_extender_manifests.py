@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import helm_python
 import kubernetes_validate
 import pytest
 import yaml
@@ -220,3 +221,32 @@ def test_chart_mutating_policy_is_opt_in() -> None:
     assert policy == _objects(SCHEDULER / "set-scheduler-name.yaml")[0] | {
         "metadata": policy["metadata"]
     }
+
+
+@pytest.mark.parametrize(
+    ("values", "where"),
+    [
+        ({"scheduler": {"bogus": 1}}, "bogus"),
+        ({"scheduler": {"ledgerTimeoutSeconds": 0}}, "ledgerTimeoutSeconds"),
+        ({"scheduler": {"extenderPort": 70000}}, "extenderPort"),
+        ({"scheduler": {"setSchedulerName": {"apiVersion": "v2"}}}, "apiVersion"),
+        ({"policies": {"coreNeedsMemory": {"enabled": "yes"}}}, "enabled"),
+    ],
+)
+def test_the_chart_schema_refuses_bad_scheduler_and_policy_values(
+    values: dict[str, Any], where: str
+) -> None:
+    with pytest.raises(helm_python.HelmValuesError, match=where):
+        chart_objects(values)
+
+
+def test_the_chart_namespace_override_moves_the_scheduler_and_the_daemon_identity() -> None:
+    values = {"namespaceOverride": "gpu-system", "scheduler": {"enabled": True}}
+    objects = chart_objects(values)
+    assert one(objects, "Deployment")["metadata"]["namespace"] == "gpu-system"
+    scope = next(
+        o for o in objects
+        if o["kind"] == "ValidatingAdmissionPolicy" and "node-scope" in o["metadata"]["name"]
+    )  # fmt: skip
+    (condition,) = scope["spec"]["matchConditions"]
+    assert "system:serviceaccount:gpu-system:gpushare'" in condition["expression"]

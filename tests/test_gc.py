@@ -11,6 +11,7 @@ from procs import poll
 
 from gpushare.answers import CONTAINER_CACHE_DIR, CONTAINER_LIBRARY
 from gpushare.daemon import Daemon
+from gpushare.elf import stand_in
 from gpushare.gc import GarbageCollector
 from gpushare.library import prepare_cache_dir
 from gpushare.podresources import Snapshot
@@ -77,7 +78,7 @@ def test_an_old_library_goes_once_no_container_from_its_time_remains(node: Node)
     old = node.kubelet.admit("old", "main", {node.memory: 2})
     old_library = library_of(old)
     daemon.stop()
-    node.library.write_bytes(b"\x7fELF a newer interposer\n")  # an upgrade
+    node.library.write_bytes(stand_in(b"a newer interposer\n"))  # an upgrade
     node.daemon = daemon = Daemon(node.settings)
     daemon.start()
     assert node.kubelet.wait_for(

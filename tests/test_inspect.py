@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ import pytest
 from kube_double import KubeApiDouble
 
 from gpushare import nodestate
-from gpushare.inspect import build_view, main, render_json, render_table
+from gpushare.inspect import build_view, main, render_json, render_table, render_yaml
 
 PREFIX = "gpushare.io"
 P4 = ("Tesla P4", 7611)
@@ -151,21 +152,21 @@ def _gpu(
         "uuid": f"GPU-{name.split()[-1]}-{index}",
         "name": name,
         "healthy": healthy,
-        "memory_mib": mib,
-        "memory_units": mib // 256,
-        "memory_units_used": used,
-        "memory_total_mib": mib // 256 * 256,
-        "memory_used_mib": used * 256,
-        "core_units": 100,
-        "core_units_used": cores,
+        "memoryMib": mib,
+        "memoryUnits": mib // 256,
+        "memoryUnitsUsed": used,
+        "memoryTotalMib": mib // 256 * 256,
+        "memoryUsedMib": used * 256,
+        "coreUnits": 100,
+        "coreUnitsUsed": cores,
         "containers": [
             {
                 "namespace": "ml",
                 "pod": pod,
                 "container": container,
-                "memory_units": units,
-                "memory_mib": units * 256,
-                "core_units": core,
+                "memoryUnits": units,
+                "memoryMib": units * 256,
+                "coreUnits": core,
             }
             for pod, container, units, core in containers
         ],
@@ -175,7 +176,7 @@ def _gpu(
 def _node_json(name: str, generation: int, *gpus: dict[str, Any]) -> dict[str, Any]:
     return {
         "name": name,
-        "memoryUnitMiB": 256,
+        "memoryUnitMib": 256,
         "generation": generation,
         "updated": "2026-11-22T13:00:00Z",
         "problem": None,
@@ -206,7 +207,7 @@ GPU_B_JSON = _node_json(
 )
 GPU_C_JSON = {
     "name": "gpu-c",
-    "memoryUnitMiB": None,
+    "memoryUnitMib": None,
     "generation": None,
     "updated": None,
     "problem": "no gpushare.io/gpus annotation (is the gpushare daemon running with NODE_NAME?)",
@@ -217,13 +218,13 @@ JSON = {
     "totals": {
         "nodes": 3,
         "cards": 4,
-        "healthy_cards": 3,
-        "memory_mib": 62976,
-        "memory_used_mib": 34560,
-        "memory_percent": 54.9,
-        "core_units": 400,
-        "core_units_used": 30,
-        "core_percent": 7.5,
+        "healthyCards": 3,
+        "memoryMib": 62976,
+        "memoryUsedMib": 34560,
+        "memoryPercent": 54.9,
+        "coreUnits": 400,
+        "coreUnitsUsed": 30,
+        "corePercent": 7.5,
     },
 }
 
@@ -251,7 +252,7 @@ def test_an_unreadable_annotation_is_shown_not_fatal() -> None:
         "NODE gpu-b: unreadable gpushare.io/gpus annotation: "
         "the gpus annotation must be a JSON object\n"
         "\n"
-        "CLUSTER  1 nodes, 0 cards (0 healthy)\n"
+        "CLUSTER  1 node, 0 cards (0 healthy)\n"
         "  memory  0/0 MiB (-)\n"
         "  cores   0/0 (-)\n"
     )
@@ -288,7 +289,7 @@ def test_inspect_one_node(cluster: KubeApiDouble, capsys: Any) -> None:
     assert main(["gpu-b", "-d"]) == 0
     out = capsys.readouterr().out
     assert out == GPU_B_DETAILS + (
-        "\nCLUSTER  1 nodes, 2 cards (1 healthy)\n"
+        "\nCLUSTER  1 node, 2 cards (1 healthy)\n"
         "  memory  23296/48128 MiB (48.4 %)\n"
         "  cores   0/200 (0.0 %)\n"
     )
@@ -335,3 +336,78 @@ def test_an_api_error_is_one_line_and_exit_1(cluster: KubeApiDouble, capsys: Any
     assert capsys.readouterr().err == (
         "kubectl gpushare inspect: the API server answered 403 Forbidden: injected failure\n"
     )
+
+
+# -- kubectl-like flags and outputs (issue 17.3) -------------------------------------------
+
+
+def _keys(value: Any) -> Iterator[str]:
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            yield key
+            yield from _keys(inner)
+    elif isinstance(value, list):
+        for inner in value:
+            yield from _keys(inner)
+
+
+def test_json_and_yaml_use_one_key_style_and_say_the_same() -> None:
+    import yaml
+
+    view = build_view(*fixture(), PREFIX)
+    data = json.loads(render_json(view))
+    assert all(key.isidentifier() and "_" not in key and key[0].islower() for key in _keys(data))
+    assert yaml.safe_load(render_yaml(view)) == data
+
+
+def test_kubeconfig_and_context_flags_before_or_after_the_command(
+    cluster: KubeApiDouble, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    from gpushare.kubectl import main as kubectl
+
+    config = os.environ["KUBECONFIG"]
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))  # the flag must win
+    assert kubectl(["inspect", "--kubeconfig", config, "-o", "json"]) == 0
+    assert json.loads(capsys.readouterr().out) == JSON
+    assert kubectl(["--kubeconfig", config, "--context", "double", "inspect", "-o", "json"]) == 0
+    assert json.loads(capsys.readouterr().out) == JSON
+    assert kubectl([f"--kubeconfig={config}", "inspect", "--context=nowhere"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kubectl gpushare inspect: no usable kubeconfig:") and "nowhere" in err
+
+
+def test_namespace_and_wide_and_yaml_outputs(cluster: KubeApiDouble, capsys: Any) -> None:
+    import yaml
+
+    assert main(["-n", "elsewhere", "-o", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    containers = [c for n in data["nodes"] for g in n["gpus"] for c in g["containers"]]
+    assert containers == []  # cards and totals stay whole
+    assert data["totals"] == JSON["totals"]
+    assert main(["-n", "ml", "-o", "yaml"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out) == JSON
+    assert main(["gpu-a", "-o", "wide"]) == 0
+    wide = capsys.readouterr().out
+    assert "UUID" in wide.splitlines()[1] and "GPU-P4-0" in wide
+    assert "ml/big-1/main" in wide  # wide lists the containers too
+    assert "CLUSTER  1 node, 2 cards (2 healthy)" in wide
+
+
+def test_inspect_imports_none_of_the_clients_typed_apis_or_models(cluster: KubeApiDouble) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "gpushare.kubectl", "inspect", "-o", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == JSON
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()]
+    assert "kubernetes.config.kube_config" in imported  # it did use the client
+    heavy = [
+        n for n in imported if n.startswith(("kubernetes.client.api.", "kubernetes.client.models."))
+    ]
+    assert heavy == []

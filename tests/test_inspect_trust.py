@@ -69,8 +69,8 @@ def test_a_tenant_annotation_claiming_more_than_the_daemon_counts_is_not_listed(
     assert first.disputed and first.containers == ()
     assert "not listed: pod annotations claim more" in render_table(view, details=True)
     gpus = json.loads(render_json(view))["nodes"][0]["gpus"]
-    assert gpus[0]["containers_disputed"] is True and gpus[0]["containers"] == []
-    assert "containers_disputed" not in gpus[1]
+    assert gpus[0]["containersDisputed"] is True and gpus[0]["containers"] == []
+    assert "containersDisputed" not in gpus[1]
 
 
 def test_pods_not_on_a_gpu_are_not_listed() -> None:

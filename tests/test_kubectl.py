@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pty
 import socket
@@ -12,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kube_double import KubeApiDouble
 
-from gpushare import deploy, nodestate
+from gpushare import __version__, deploy, nodestate
 from gpushare.config import Settings
 from gpushare.kubeapi import FIELD_MANAGER
 from gpushare.kubectl import choose_nodes, main
@@ -387,3 +389,44 @@ def test_uninstall_removes_the_mig_labels_and_nothing_else(
     labels = _labels(api, "gpu-a")
     assert not set(mig_labels) & set(labels)
     assert {k: labels.get(k) for k in others} == others
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["version"], ["--version"], ["inspect", "--help"], ["install", "-h"]]
+)
+def test_help_and_version_import_nothing_of_the_kubernetes_client(argv: list[str]) -> None:
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "gpushare.kubectl", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()]
+    assert imported and not [name for name in imported if name.startswith("kubernetes")]
+    assert not [name for name in imported if name.startswith("grpc")]
+
+
+def test_version_outputs() -> None:
+    def run(*argv: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "gpushare.kubectl", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert run("version") == run("--version") == f"kubectl gpushare {__version__}\n"
+    assert json.loads(run("version", "-o", "json"))["clientVersion"]["version"] == __version__
+    assert yaml.safe_load(run("version", "-o", "yaml"))["clientVersion"]["version"] == __version__
+
+
+def test_a_bad_command_line_is_one_line_and_exit_2() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gpushare.kubectl", "inspect", "-o", "xml"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "invalid choice: 'xml'" in done.stderr

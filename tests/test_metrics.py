@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import json
+import platform
 import socket
 import threading
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import pytest
 from conftest import TESLA_P4, Node, cards, gpu_uuid
 from procs import free_port, poll, scrape
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpushare import __version__
 from gpushare.daemon import Daemon, StartupError
-from gpushare.metrics import LinkState, MetricsServer, liveness
+from gpushare.metrics import LinkState, MetricsServer, liveness, render_not_ready
 from gpushare.sim.kubelet import AdmissionError
 
 
@@ -23,6 +26,19 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return found
+
+
+MIB = 1 << 20
+
+
+def per_card(text: str) -> dict[str, dict[str, float]]:
+    """metric name -> gpu UUID -> value, for the per-card series."""
+    found: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "gpu" in sample.labels and "pod" not in sample.labels:
+                found.setdefault(sample.name, {})[sample.labels["gpu"]] = sample.value
     return found
 
 
@@ -41,16 +57,31 @@ def test_metrics_report_cards_allocations_and_latency(node: Node) -> None:
     status, text = scrape(port)
     assert status == 200
     got = samples(text)
+    cards_seen = per_card(text)
     other = gpu_uuid(1) if a.card() == gpu_uuid(0) else gpu_uuid(0)
     for uuid in (gpu_uuid(0), gpu_uuid(1)):
-        assert got[("gpushare_memory_units_total", (("gpu", uuid),))] == 29
-        assert got[("gpushare_core_units_total", (("gpu", uuid),))] == 100
-    assert got[("gpushare_memory_units_allocated", (("gpu", a.card()),))] == 20
-    assert got[("gpushare_memory_units_allocated", (("gpu", other),))] == 20
-    assert got[("gpushare_core_units_allocated", (("gpu", a.card()),))] == 30
-    assert got[("gpushare_core_units_allocated", (("gpu", other),))] == 0
-    assert got[("gpushare_gpu_healthy", (("gpu", a.card()),))] == 1
-    assert got[("gpushare_gpu_healthy", (("gpu", other),))] == 0
+        assert cards_seen["gpushare_memory_units_total"][uuid] == 29
+        assert cards_seen["gpushare_memory_bytes_total"][uuid] == 29 * 256 * MIB
+        assert cards_seen["gpushare_core_units_total"][uuid] == 100
+    assert cards_seen["gpushare_memory_units_allocated"] == {a.card(): 20, other: 20}
+    assert cards_seen["gpushare_memory_bytes_allocated"] == {
+        a.card(): 20 * 256 * MIB,
+        other: 20 * 256 * MIB,
+    }
+    assert cards_seen["gpushare_core_units_allocated"] == {a.card(): 30, other: 0}
+    assert cards_seen["gpushare_gpu_healthy"] == {a.card(): 1, other: 0}
+    index = {uuid: str(i) for i, uuid in enumerate((gpu_uuid(0), gpu_uuid(1)))}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "gpu" in sample.labels and "pod" not in sample.labels:
+                uuid = sample.labels["gpu"]
+                assert sample.labels == {
+                    "gpu": uuid,
+                    "index": index[uuid],
+                    "model": TESLA_P4["name"],
+                    "node": "",
+                }, sample
+            assert not sample.name.endswith("_created"), sample.name
     assert got[("gpushare_ready", ())] == 1
     memory = (("resource", node.memory),)
     assert got[("gpushare_allocations_total", (*memory, ("result", "ok")))] == 2
@@ -155,3 +186,76 @@ def test_a_silent_connection_is_closed_and_the_server_keeps_answering() -> None:
         assert scrape(server.port, "/healthz") == (200, '{"alive": true, "reason": "ok"}\n')
     finally:
         server.stop()
+
+
+def test_per_container_series_follow_the_kubelets_records(node: Node) -> None:
+    port = free_port()
+    node.start(cards(TESLA_P4, 2), metrics_port=port, metrics_address="127.0.0.1", node_name="")
+    a = node.kubelet.admit("a", "main", {node.memory: 4, node.core: 30})
+    b = node.kubelet.admit("b", "side", {node.core: 10})
+
+    def containers() -> dict[tuple[str, str, str, str], float]:
+        found = {}
+        for family in text_string_to_metric_families(scrape(port)[1]):
+            for sample in family.samples:
+                if "pod" in sample.labels:
+                    labels = sample.labels
+                    assert set(labels) == {"namespace", "pod", "container", "gpu", "node"}
+                    found[(sample.name, labels["pod"], labels["container"], labels["gpu"])] = (
+                        sample.value
+                    )
+        return found
+
+    expected = {
+        ("gpushare_container_memory_bytes", "a", "main", a.card()): 4 * 256 * MIB,
+        ("gpushare_container_core_units", "a", "main", a.card()): 30,
+        ("gpushare_container_core_units", "b", "side", b.card()): 10,
+    }
+    assert poll(lambda: containers() == expected, 5.0), containers()
+    node.kubelet.release("a")
+    assert node.daemon is not None and node.daemon.refresher is not None
+    node.daemon.refresher.poke()
+    assert poll(
+        lambda: set(containers()) == {("gpushare_container_core_units", "b", "side", b.card())}, 5.0
+    )
+
+
+def test_gpushare_ready_and_registered_agree_with_readyz(node: Node) -> None:
+    port = free_port()
+    node.start(cards(TESLA_P4, 1), metrics_port=port, metrics_address="127.0.0.1")
+
+    def state() -> tuple[int, float, dict[str, float]]:
+        got = samples(scrape(port)[1])
+        registered = {
+            dict(labels)["resource"]: value
+            for (name, labels), value in got.items()
+            if name == "gpushare_registered"
+        }
+        return scrape(port, "/readyz")[0], got[("gpushare_ready", ())], registered
+
+    status, ready, registered = state()
+    assert (status, ready) == (200, 1)
+    assert registered == {node.memory: 1, node.core: 1}
+    node.kubelet.stop()  # registration lost: /readyz 503, and the metric says so too
+    assert poll(lambda: state()[0] == 503, 5.0)
+    status, ready, registered = state()
+    assert ready == 0 and registered == {node.memory: 0, node.core: 0}
+    node.kubelet.start()
+    assert poll(lambda: state()[:2] == (200, 1), 5.0)
+
+
+def test_build_info_names_the_version_and_nothing_is_created_noise(node: Node) -> None:
+    port = free_port()
+    node.start(cards(TESLA_P4, 1), metrics_port=port, metrics_address="127.0.0.1")
+    text = scrape(port)[1]
+    info = [
+        sample.labels
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "gpushare_build_info"
+    ]
+    assert info == [
+        {"version": __version__, "python": platform.python_version(), "grpc": grpc.__version__}
+    ]
+    assert "_created" not in text
+    assert "gpushare_build_info" in render_not_ready().decode()

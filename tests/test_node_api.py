@@ -184,3 +184,17 @@ def test_pod_annotation_keys_stay_valid_for_long_container_names() -> None:
     assert prefix == "gpushare.io" and len(name) <= 63 and name.startswith("gpu.a-container")
     assert key != nodestate.pod_annotation_key("gpushare.io", long_name[:-1] + "y")
     assert nodestate.pod_annotation_key("gpushare.io", "main") == "gpushare.io/gpu.main"
+
+
+def test_a_missing_kubeconfig_names_what_failed_and_how_to_turn_the_link_off(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from gpushare.node import ApiConfigMissing, connect_api
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing-kubeconfig"))
+    with pytest.raises(ApiConfigMissing) as error:
+        connect_api()
+    message = str(error.value)
+    assert f"the kubeconfig {tmp_path / 'missing-kubeconfig'}" in message
+    assert "--node-name ''" in message and "\n" not in message

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import RTX_3090, TESLA_P4, Node, cards, gpu_uuid, nvml_loads
-from procs import daemon_command, free_port, poll, reachable, scrape
+from procs import daemon_command, error_lines, free_port, poll, reachable, scrape
 
 from gpushare.devices import Resource
 
@@ -157,7 +157,7 @@ def test_without_nvml_fail_on_init_error_exits_1_with_one_line(node: Node) -> No
     del command[at : at + 2]  # the real NVML, on a machine without a driver
     result = subprocess.run(command, capture_output=True, text=True, timeout=30)
     assert result.returncode == 1
-    lines = result.stderr.strip().splitlines()
+    lines = error_lines(result.stderr)
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("gpushare-device-plugin: cannot initialise NVML")
     assert "NVIDIA driver" in lines[0]
@@ -169,7 +169,7 @@ def test_a_missing_library_stops_the_daemon_with_one_line(node: Node) -> None:
     command[command.index("--library") + 1] = "/nonexistent/libvgpu.so"
     result = subprocess.run(command, capture_output=True, text=True, timeout=30)
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines() == [
+    assert error_lines(result.stderr) == [
         "gpushare-device-plugin: cannot read the interposer library /nonexistent/libvgpu.so: "
         "No such file or directory; set --library, or run with --no-enforcement"
     ]

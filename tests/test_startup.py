@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 from conftest import H200, Node, cards, gpu_uuid
-from procs import daemon_command
+from procs import daemon_command, error_lines
 
 from gpushare.daemon import ConfigurationTooLarge, check_message_sizes
 from gpushare.devices import Inventory
@@ -78,7 +78,7 @@ def test_a_unit_too_small_for_the_kubelets_message_limit_exits_2_naming_the_fix(
         timeout=60,
     )
     assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
+    lines = error_lines(result.stderr)
     assert len(lines) == 1, result.stderr
     assert "196608 units of 16 MiB" in lines[0]
     assert "kubelet's 4 MiB gRPC message limit" in lines[0]

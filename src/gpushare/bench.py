@@ -38,7 +38,9 @@ from typing import Any
 import yaml
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2
+from gpushare.cli import bounded_float
 from gpushare.devices import Inventory, Resource
+from gpushare.elf import stand_in
 from gpushare.gpus import Gpu
 from gpushare.mdsection import replace_section
 from gpushare.plugin import device_list_message
@@ -184,7 +186,7 @@ class Node:
             )
         )
         self.library = root / "libvgpu.so"
-        self.library.write_bytes(b"\x7fELF stand-in interposer for the benchmark\n")
+        self.library.write_bytes(stand_in(b"stand-in interposer for the benchmark\n"))
         self.kubelet = SimulatedKubelet(root / "dp", root / "pr" / "kubelet.sock", observe)
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = root / "daemon.log"
@@ -564,7 +566,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a tiny run for the smoke test")
     parser.add_argument("--write", metavar="PATH", help="put the table into PATH's bench section")
     parser.add_argument(
-        "--idle-seconds", type=float, help="length of the idle CPU measurement (default 60)"
+        "--idle-seconds",
+        type=bounded_float(0.1, 86400),
+        help="length of the idle CPU measurement (default 60)",
     )
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else FULL

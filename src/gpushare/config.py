@@ -8,8 +8,8 @@ environment variable (``GPUSHARE_MEMORY_UNIT_MIB``) and the YAML key
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from gpushare.cardmodes import CardMode, parse_card_modes
+from gpushare.cli import Parser, add_version, one_line
 
 ENV_PREFIX = "GPUSHARE_"
 
@@ -37,12 +38,42 @@ MIG_STRATEGIES = ("none", "single", "mixed")
 DEFAULT_IGNORED_XIDS = "13,31,43,45,68,109"
 
 
+#: A config file larger than this is refused unread (the real ones are a few hundred bytes).
+CONFIG_FILE_LIMIT = 64 << 10
+#: A value quoted in an error message is cut to this many characters.
+QUOTE_LIMIT = 60
+
+#: A DNS subdomain (RFC 1123), as Kubernetes requires of a resource name's prefix.
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+_DNS_SUBDOMAIN = re.compile(DNS_SUBDOMAIN)
+#: What ``ignoredXids`` may say as a string (the chart's schema uses it too).
+XIDS_PATTERN = r"^\s*([Aa][Ll][Ll]|[0-9]+(\s*,\s*[0-9]+)*)?\s*$"
+
+
+def quote(value: Any) -> str:
+    """A value as an error message shows it: its repr, cut short."""
+    text = repr(value) if not isinstance(value, list | dict) else type(value).__name__
+    return one_line(text, QUOTE_LIMIT)
+
+
 class ConfigError(Exception):
-    """A setting that cannot be used; the message names the key and where it came from."""
+    """A setting that cannot be used; the message names the key and where it came from.
+    It is always one line of bounded length, whatever the input was."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(one_line(message))
 
 
-def _opt(default: Any, help: str, *, choices: Sequence[str] = (), env: str = "") -> Any:
-    return field(default=default, metadata={"help": help, "choices": tuple(choices), "env": env})
+def _opt(
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[str] = (),
+    env: str = "",
+    bounds: tuple[float, float] | None = None,
+) -> Any:
+    metadata = {"help": help, "choices": tuple(choices), "env": env, "bounds": bounds}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -60,7 +91,9 @@ class Settings:
     resource_prefix: str = _opt(
         "gpushare.io", "prefix of the resource names, e.g. baidu.com for baidu.com/vcuda-memory"
     )
-    memory_unit_mib: int = _opt(256, "MiB of GPU memory in one vcuda-memory unit")
+    memory_unit_mib: int = _opt(
+        256, "MiB of GPU memory in one vcuda-memory unit", bounds=(1, 1 << 20)
+    )
     placement: str = _opt(
         "binpack",
         "which card a container gets: the fullest that fits, or the emptiest",
@@ -89,20 +122,28 @@ class Settings:
     node_name: str = _opt(
         "", "name of this node, for the Node and Pod annotations (downward API)", env="NODE_NAME"
     )
-    metrics_port: int = _opt(9445, "port of the Prometheus /metrics and /healthz endpoint; 0 = off")
+    metrics_port: int = _opt(
+        9445, "port of the Prometheus /metrics and /healthz endpoint; 0 = off", bounds=(0, 65535)
+    )
     metrics_address: str = _opt("0.0.0.0", "address the metrics endpoint listens on")
     ignored_xids: str = _opt(
         DEFAULT_IGNORED_XIDS,
         "comma-separated XIDs that do not make a card unhealthy, or 'all' to ignore every XID",
     )
     health_recovery_seconds: float = _opt(
-        300.0, "a card that reads well this long after a non-fatal XID is healthy again"
+        300.0,
+        "a card that reads well this long after a non-fatal XID is healthy again",
+        bounds=(1, 7 * 86400),
     )
     pod_resources_interval_seconds: float = _opt(
-        30.0, "how often the kubelet's PodResources records are re-read when nothing happens"
+        30.0,
+        "how often the kubelet's PodResources records are re-read when nothing happens",
+        bounds=(1, 3600),
     )
     gc_grace_seconds: float = _opt(
-        300.0, "a container cache directory unseen in PodResources this long is removed"
+        300.0,
+        "a container cache directory unseen in PodResources this long is removed",
+        bounds=(1, 7 * 86400),
     )
     # Modes (docs/modes.md) -------------------------------------------------------------
     whole_cards: bool = _opt(
@@ -222,57 +263,82 @@ def _field_type(option: dataclasses.Field[Any]) -> type:
 
 
 def _coerce(option: dataclasses.Field[Any], value: Any, origin: str) -> Any:
-    """Turn a raw value (string from flag/env, any YAML scalar) into the option's type."""
+    """Turn a raw value (string from flag/env, any YAML value) into the option's type."""
     kind = _field_type(option)
     where = f"{option.name} ({origin})"
     try:
         if kind is bool:
             if isinstance(value, bool):
                 result: Any = value
+            elif not isinstance(value, str | int):
+                raise ValueError(f"expected true or false, got {quote(value)}")
             elif str(value).strip().lower() in ("1", "true", "yes", "on"):
                 result = True
             elif str(value).strip().lower() in ("0", "false", "no", "off", ""):
                 result = False
             else:
-                raise ValueError(f"expected true or false, got {value!r}")
+                raise ValueError(f"expected true or false, got {quote(value)}")
         elif kind is int:
-            if isinstance(value, (bool, float)):
-                raise ValueError(f"expected an integer, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int | str):
+                raise ValueError(f"expected an integer, got {quote(value)}")
             result = int(value)
         elif kind is float:
-            if isinstance(value, bool):
-                raise ValueError(f"expected a number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float | str):
+                raise ValueError(f"expected a number, got {quote(value)}")
             result = float(value)
+            if not math.isfinite(result):
+                raise ValueError(f"expected a finite number, got {quote(value)}")
+        elif option.name == "ignored_xids" and isinstance(value, list):
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+                raise ValueError("expected a list of integers")
+            result = ",".join(str(x) for x in value)
         else:
             if not isinstance(value, str | int | float) or isinstance(value, bool):
-                raise ValueError(f"expected a string, got {value!r}")
+                raise ValueError(f"expected a string, got {quote(value)}")
             result = str(value)
     except ValueError as exc:
-        raise ConfigError(f"bad value for {where}: {exc}") from None
+        text = str(exc)
+        if not text.startswith("expected"):  # int()/float() quote the whole input
+            text = f"expected {'an integer' if kind is int else 'a number'}, got {quote(value)}"
+        raise ConfigError(f"bad value for {where}: {text}") from None
     choices = option.metadata["choices"]
     if choices and result not in choices:
-        raise ConfigError(f"bad value for {where}: {result!r} is not one of {', '.join(choices)}")
+        raise ConfigError(
+            f"bad value for {where}: {quote(result)} is not one of {', '.join(choices)}"
+        )
     return result
+
+
+def _format_bound(bound: float) -> str:
+    return f"{bound:g}" if bound < 1e6 else str(int(bound))
 
 
 def _validate(settings: Settings, origins: Mapping[str, str]) -> None:
     def fail(name: str, why: str) -> None:
         raise ConfigError(f"bad value for {name} ({origins.get(name, 'default')}): {why}")
 
-    if not 1 <= settings.memory_unit_mib <= 1 << 20:
-        fail("memory_unit_mib", "must be between 1 and 1048576")
-    if not 0 <= settings.metrics_port <= 65535:
-        fail("metrics_port", "must be between 0 and 65535")
+    for option in OPTIONS:
+        bounds = option.metadata["bounds"]
+        value = getattr(settings, option.name)
+        if bounds is not None and not bounds[0] <= value <= bounds[1]:
+            low, high = (_format_bound(b) for b in bounds)
+            fail(option.name, f"{value:g} is not between {low} and {high}")
     prefix = settings.resource_prefix
-    if not prefix or "/" in prefix or prefix != prefix.strip() or " " in prefix:
-        fail("resource_prefix", f"{prefix!r} is not a domain name like gpushare.io")
+    if (
+        len(prefix) > 253
+        or not _DNS_SUBDOMAIN.fullmatch(prefix)
+        or prefix == "kubernetes.io"
+        or prefix.endswith(".kubernetes.io")
+    ):
+        fail(
+            "resource_prefix",
+            f"{quote(prefix)} is not a DNS name like gpushare.io (lower case letters, digits, "
+            "'-' and '.'; kubernetes.io is reserved)",
+        )
     try:
         settings.ignored_xid_set()
     except ValueError as exc:
         fail("ignored_xids", str(exc))
-    for name in ("health_recovery_seconds", "pod_resources_interval_seconds", "gc_grace_seconds"):
-        if getattr(settings, name) <= 0:
-            fail(name, "must be greater than 0")
     if not settings.kubelet_dir:
         fail("kubelet_dir", "must not be empty")
     try:
@@ -293,15 +359,29 @@ def _validate(settings: Settings, origins: Mapping[str, str]) -> None:
         fail("card_modes", "a card in exclusive mode needs whole_cards (--whole-cards) on")
 
 
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML without anchors and aliases: a few bytes of aliases expand to gigabytes."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.YAMLError("aliases (*name) are not allowed")
+        return super().compose_node(parent, index)
+
+
 def read_config_file(path: str) -> dict[str, Any]:
     """Read a YAML config file into {option name: raw value}; unknown keys are errors."""
     try:
-        text = Path(path).read_text()
+        with open(path, "rb") as handle:
+            raw = handle.read(CONFIG_FILE_LIMIT + 1)
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    if len(raw) > CONFIG_FILE_LIMIT:
+        raise ConfigError(f"config file {path} is larger than {CONFIG_FILE_LIMIT >> 10} KiB")
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+        data = yaml.load(raw.decode("utf-8"), Loader=_NoAliasLoader)  # a SafeLoader
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text") from None
+    except (yaml.YAMLError, RecursionError, ValueError) as exc:  # ValueError: 5000 digits
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
     if data is None:
         return {}
@@ -312,19 +392,20 @@ def read_config_file(path: str) -> dict[str, Any]:
     for key, value in data.items():
         if key not in by_key:
             raise ConfigError(
-                f"unknown key {key!r} in config file {path}; known keys: {', '.join(by_key)}"
+                f"unknown key {quote(key)} in config file {path}; known keys: {', '.join(by_key)}",
             )
         values[by_key[key]] = value
     return values
 
 
-def build_parser(prog: str = "gpushare-device-plugin") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser(prog: str = "gpushare-device-plugin") -> Parser:
+    parser = Parser(
         prog=prog,
         description="Kubernetes device plugin sharing NVIDIA GPUs by memory slices and core units.",
         epilog="Every flag can also be set by its environment variable (GPUSHARE_<FLAG>) or "
         "in the --config YAML file (camelCase key); flags win over env over file.",
     )
+    add_version(parser)
     parser.add_argument("--config", metavar="FILE", help="YAML file of settings")
     for option in OPTIONS:
         kind = _field_type(option)
@@ -348,10 +429,16 @@ def build_parser(prog: str = "gpushare-device-plugin") -> argparse.ArgumentParse
     return parser
 
 
-def load_settings(
+#: Where a setting's value came from, as the start log line and errors name it.
+DEFAULT_ORIGIN = "default"
+
+
+def load_settings_with_origins(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
-) -> Settings:
-    """Parse flags, environment and the config file into validated :class:`Settings`."""
+) -> tuple[Settings, dict[str, str]]:
+    """Parse flags, environment and the config file into validated :class:`Settings`,
+    with the origin of every setting (``flag --x``, ``env X``, ``key k in FILE``,
+    ``default``)."""
     environ = os.environ if environ is None else environ
     args = build_parser().parse_args(argv)
     config_path = args.config or environ.get(ENV_PREFIX + "CONFIG") or ""
@@ -369,9 +456,28 @@ def load_settings(
             raw = file_values[option.name]
             origin = f"key {yaml_key(option.name)} in {config_path}"
         else:
+            origins[option.name] = DEFAULT_ORIGIN
             continue
         values[option.name] = _coerce(option, raw, origin)
         origins[option.name] = origin
     settings = Settings(**values)
     _validate(settings, origins)
-    return settings
+    return settings, origins
+
+
+def load_settings(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Parse flags, environment and the config file into validated :class:`Settings`."""
+    return load_settings_with_origins(argv, environ)[0]
+
+
+def effective_config(settings: Settings, origins: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """Every setting with its value and origin, for the one start log line."""
+    return {
+        yaml_key(option.name): {
+            "value": getattr(settings, option.name),
+            "from": origins.get(option.name, DEFAULT_ORIGIN),
+        }
+        for option in OPTIONS
+    }

@@ -20,10 +20,12 @@ import structlog
 from gpushare import mig, migserve
 from gpushare.answers import DeviceListing, Enforcement
 from gpushare.binding import Binder
+from gpushare.buildinfo import build_info
 from gpushare.cardmodes import CardMode, card_modes, parse_card_modes
 from gpushare.cdi import CdiCheck
-from gpushare.config import ConfigError, Settings, load_settings
+from gpushare.config import ConfigError, Settings, effective_config, load_settings_with_origins
 from gpushare.devices import Inventory, Resource
+from gpushare.elf import NotASharedObject, check_shared_object
 from gpushare.exclusion import Exclusion
 from gpushare.exclusive import (
     ExclusiveDevice,
@@ -50,6 +52,7 @@ from gpushare.podresources import PodResourcesClient, Snapshot
 from gpushare.podspecs import PodSpecBook
 from gpushare.refresh import UsageRefresher
 from gpushare.topology import Topology, prefer
+from gpushare.unitguard import UnitSizeChanged, guard_unit_size
 from gpushare.usage import Holder, UsageLedger
 
 log = structlog.get_logger(__name__)
@@ -69,16 +72,22 @@ class StartupError(Exception):
     exit_code = 1
 
 
-class NodeConfigurationError(StartupError):
+class ConfigurationRefused(StartupError):
+    """The settings cannot work on this node: exit 2, like a bad value."""
+
+    exit_code = 2
+
+
+class NodeConfigurationError(ConfigurationRefused):
     """The settings do not fit this node's GPUs (e.g. cardModes names no such card)."""
 
-    exit_code = 2
+
+class BadKubeletDir(ConfigurationRefused):
+    """The kubelet's device-plugin directory is not there: a wrong path or mount."""
 
 
-class ConfigurationTooLarge(StartupError):
+class ConfigurationTooLarge(ConfigurationRefused):
     """The settings cannot work on this node's GPUs (e.g. too many device IDs)."""
-
-    exit_code = 2
 
 
 def plan_gpus(gpus: Sequence[Gpu], strategy: str, sharing: bool = False) -> MigPlan:
@@ -100,6 +109,25 @@ def plan_gpus(gpus: Sequence[Gpu], strategy: str, sharing: bool = False) -> MigP
     return result
 
 
+class BadLibrary(ConfigurationRefused):
+    """``--library`` names a file that cannot enforce anything on this node."""
+
+
+def check_library(path: Path) -> None:
+    """Refuse an interposer that is not an ELF shared object of this node's machine; a
+    missing file is left to the installer's own message."""
+    try:
+        check_shared_object(path)
+    except OSError:
+        return
+    except NotASharedObject as exc:
+        raise BadLibrary(
+            f"--library {path} is {exc}: it would be preloaded and silently ignored, and "
+            "no limit enforced; point --library at HAMi-core's libvgpu.so for this "
+            "architecture, or run with --no-enforcement"
+        ) from None
+
+
 def prepare_enforcement(settings: Settings) -> Enforcement:
     if settings.no_enforcement:
         log.warning(
@@ -107,6 +135,7 @@ def prepare_enforcement(settings: Settings) -> Enforcement:
             detail="--no-enforcement: containers get limits as env only, nothing enforces them",
         )
         return Enforcement(library=None, preload_file=None, use_ld_preload_env=False)
+    check_library(Path(settings.library))
     try:
         library = install_library(Path(settings.library), Path(settings.host_lib_dir))
         preload_file = (
@@ -194,6 +223,7 @@ class Daemon:
         self.waiting_for = ""  # why the GPUs could not be read, while starting
         self.mig_plan = MigPlan(MigStrategy(settings.mig_strategy), ())
         self.not_served = ""  # why nothing at all is served on this node (all MIG, ...)
+        self.no_gpus = False  # no card and no MIG device to serve at all
         self.mig_health = HealthBoard(())  # MIG cards and devices, by UUID
 
     def _open_gpus(self) -> tuple[GpuBackend, list[Gpu]]:
@@ -264,6 +294,8 @@ class Daemon:
         missing = self.cdi.missing() if self.cdi is not None else []
         if missing:
             return False, f"serving, but these CDI devices are in no CDI spec: {', '.join(missing)}"
+        if self.no_gpus:
+            return False, "registered, but no usable GPU (none found, or all MIG-enabled)"
         return True, "serving and registered"
 
     def start(self) -> None:
@@ -304,6 +336,13 @@ class Daemon:
             named = [g.uuid for g in gpus] + [d.uuid for d in self.mig_plan.mig_devices]
             self.cdi = CdiCheck(settings.cdi_spec_paths(), [listing.cdi_name(u) for u in named])
             self.cdi.missing()  # logged now, at start
+        self.no_gpus = not gpus and not self.mig_plan.mig_devices
+        if self.no_gpus:
+            log.warning(
+                "no_usable_gpus",
+                detail="no GPU to serve: none found by NVML, or all in MIG mode and not "
+                "served; serving empty device lists, /readyz answers 503",
+            )
         enforcement = prepare_enforcement(settings)
         health = HealthBoard(g.uuid for g in gpus)  # the cards' own health
         # MIG cards and devices: their own board (see health.expand), never sliced.
@@ -384,7 +423,17 @@ class Daemon:
         if self.exclusion is not None:
             self.exclusion.refresh()
         # The kubelet's records first: the first placement after a restart respects them.
-        if refresher.refresh_once():
+        recovered = refresher.refresh_once()
+        try:
+            guard_unit_size(
+                Path(settings.host_lib_dir),
+                settings.memory_unit_mib,
+                self.pod_resources.last if recovered else None,
+                {uuid: card.memory_units for uuid, card in inventory.cards.items()},
+            )
+        except UnitSizeChanged as exc:
+            raise ConfigurationRefused(str(exc)) from None
+        if recovered:
             log.info("usage_recovered", **self._usage_summary(usage))
         for card in inventory.cards.values():
             log.info(
@@ -421,6 +470,9 @@ class Daemon:
                 health,
                 {resource: resource.name_with(settings.resource_prefix) for resource in Resource},
                 pod_resources_reads=lambda: (refresher.reads, refresher.failures),
+                node=settings.node_name,
+                ready=lambda: self.readiness()[0],
+                registered=self._registered_resources,
             )
         kubelet_dir = Path(settings.kubelet_dir)
         named_servers = []
@@ -437,6 +489,13 @@ class Daemon:
             server = PluginServer(servicer, kubelet_dir / resource.socket_name)
             self.servers.append(server)
             named_servers.append((server, resource.name_with(settings.resource_prefix)))
+        if not kubelet_dir.is_dir():
+            raise BadKubeletDir(
+                f"--kubelet-dir {kubelet_dir} does not exist: it must be the kubelet's "
+                "device-plugins directory (<kubelet root-dir>/device-plugins, e.g. "
+                "/var/lib/kubelet/device-plugins; k0s: /var/lib/k0s/kubelet/device-plugins), "
+                "mounted at the same path"
+            )
         for name, devices, board in exclusive:
             exclusive_servicer = ExclusiveServicer(
                 devices,
@@ -458,7 +517,6 @@ class Daemon:
         if self.not_served:
             log.error("nothing_served", reason=self.not_served)
         try:
-            kubelet_dir.mkdir(parents=True, exist_ok=True)
             for server in self.servers:
                 server.start()
         except (OSError, RuntimeError) as exc:
@@ -486,6 +544,13 @@ class Daemon:
                 f" {exc.strerror or exc}; set --metrics-port (0 = off)"
             ) from None
         self.metrics_server = server
+
+    def _registered_resources(self) -> dict[str, bool]:
+        """Resource name -> registered with the kubelet now (all register together)."""
+        link = self.link
+        registered = link is not None and link.registered.is_set() and not self.stopping.is_set()
+        prefix = self.settings.resource_prefix
+        return {resource.name_with(prefix): registered for resource in Resource}
 
     def _render_metrics(self) -> bytes:
         metrics = self.metrics
@@ -647,11 +712,12 @@ def return_free_memory() -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     limit_malloc_arenas()
     try:
-        settings = load_settings(argv)
+        settings, origins = load_settings_with_origins(argv)
     except ConfigError as exc:
         print(f"gpushare-device-plugin: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_format, settings.log_level)
+    log.info("starting", **build_info(), config=effective_config(settings, origins))
     daemon = Daemon(settings)
     done = threading.Event()
 

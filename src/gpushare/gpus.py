@@ -179,6 +179,36 @@ def _parse_instances(
     return tuple(devices), xids
 
 
+#: Keys a simulated node file may hold (top level, and per GPU entry). Anything else is
+#: refused: a typo such as ``xids: 79`` would otherwise silently inject nothing.
+SIMULATED_NODE_KEYS = frozenset({"gpus", "topology", "cuda_driver_version"})
+SIMULATED_GPU_KEYS = frozenset(
+    {
+        "uuid",
+        "name",
+        "memory_mib",
+        "index",
+        "minor",
+        "numa_node",
+        "xid",
+        "mig",
+        "mig_pending",
+        "instances",
+        "pci_bus_id",
+        "compute_capability",
+    }
+)
+
+
+def _refuse_unknown(keys: Any, known: frozenset[str], where: str) -> None:
+    unknown = sorted(str(key) for key in keys if key not in known)
+    if unknown:
+        raise GpuError(
+            f"{where}: unknown key {unknown[0]!r}"[:300]
+            + f"; known keys: {', '.join(sorted(known))}"
+        )
+
+
 def _parse_simulated_node(path: Path) -> list[_SimulatedCard]:
     """Read the YAML node description; every mistake names the entry and the key."""
     try:
@@ -189,12 +219,14 @@ def _parse_simulated_node(path: Path) -> list[_SimulatedCard]:
         raise GpuError(f"simulated node file {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("gpus"), list):
         raise GpuError(f"simulated node file {path} must hold a list under the key 'gpus'")
+    _refuse_unknown(data, SIMULATED_NODE_KEYS, f"simulated node file {path}")
     cards: list[_SimulatedCard] = []
     seen: set[str] = set()
     for position, entry in enumerate(data["gpus"]):
         where = f"gpus[{position}] in {path}"
         if not isinstance(entry, dict):
             raise GpuError(f"{where} must be a mapping")
+        _refuse_unknown(entry, SIMULATED_GPU_KEYS, where)
 
         def need(key: str, kind: type, entry: dict[str, Any] = entry, where: str = where) -> Any:
             value = entry.get(key)

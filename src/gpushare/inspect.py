@@ -25,7 +25,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
+
 from gpushare import nodestate
+from gpushare.cli import Parser
 from gpushare.config import Settings
 from gpushare.extender.fit import PodSpecError, container_need
 from gpushare.kubeapi import EXIT_NO_CLUSTER, ApiError, Cluster, NoCluster
@@ -170,6 +173,11 @@ def build_view(
 # -- view -> text --------------------------------------------------------------------
 
 
+def _count(number: int, noun: str) -> str:
+    """``1 node``, ``2 nodes``."""
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
 def _percent(used: int, total: int) -> str:
     return f"{100 * used / total:.1f} %" if total else "-"
 
@@ -203,8 +211,9 @@ def _align(rows: Sequence[Sequence[str]]) -> list[str]:
     return ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
 
 
-def render_table(view: ClusterView, details: bool = False) -> str:
-    """The human-readable report: one block per node, cluster totals at the bottom."""
+def render_table(view: ClusterView, details: bool = False, wide: bool = False) -> str:
+    """The human-readable report: one block per node, cluster totals at the bottom;
+    ``wide`` adds each card's UUID (``-o wide``)."""
     lines: list[str] = []
     for node in view.nodes:
         if node.problem:
@@ -212,10 +221,12 @@ def render_table(view: ClusterView, details: bool = False) -> str:
             continue
         unit = node.memory_unit_mib
         lines.append(
-            f"NODE {printable(node.name)}  ({len(node.cards)} cards, {unit} MiB units, "
+            f"NODE {printable(node.name)}  ({_count(len(node.cards), 'card')}, {unit} MiB units, "
             f"generation {node.generation}, updated {printable(node.updated, 40)})"
         )
         rows: list[list[str]] = [["GPU", "NAME", "MEMORY MiB", "", "UNITS", "CORES", "HEALTH"]]
+        if wide:
+            rows[0].append("UUID")
         for view_card in node.cards:
             card = view_card.card
             rows.append(
@@ -227,6 +238,7 @@ def render_table(view: ClusterView, details: bool = False) -> str:
                     f"{card.memory_units_used}/{card.memory_units}",
                     f"{card.core_units_used}/{card.core_units}",
                     "healthy" if card.healthy else "UNHEALTHY",
+                    *([printable(card.uuid)] if wide else []),
                 ]
             )
             if details and view_card.disputed:
@@ -249,7 +261,8 @@ def render_table(view: ClusterView, details: bool = False) -> str:
         lines.append("")
     total = totals(view)
     lines += [
-        f"CLUSTER  {total.nodes} nodes, {total.cards} cards ({total.healthy_cards} healthy)",
+        f"CLUSTER  {_count(total.nodes, 'node')}, {_count(total.cards, 'card')} "
+        f"({total.healthy_cards} healthy)",
         f"  memory  {total.memory_used_mib}/{total.memory_mib} MiB "
         f"({_percent(total.memory_used_mib, total.memory_mib)})",
         f"  cores   {total.core_units_used}/{total.core_units} "
@@ -258,8 +271,22 @@ def render_table(view: ClusterView, details: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_json(view: ClusterView) -> str:
-    """The same view as JSON (containers always included)."""
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.capitalize() for part in rest)
+
+
+def _camel_keys(value: Any) -> Any:
+    """One key style for JSON and YAML output, kubectl's: ``memoryUnitsUsed``."""
+    if isinstance(value, dict):
+        return {_camel(str(k)): _camel_keys(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_camel_keys(v) for v in value]
+    return value
+
+
+def view_data(view: ClusterView) -> dict[str, Any]:
+    """The view as plain data with camelCase keys (containers always included)."""
     nodes = []
     for node in view.nodes:
         unit = node.memory_unit_mib
@@ -294,7 +321,7 @@ def render_json(view: ClusterView) -> str:
         nodes.append(
             {
                 "name": node.name,
-                "memoryUnitMiB": unit or None,
+                "memory_unit_mib": unit or None,
                 "generation": node.generation,
                 "updated": node.updated or None,
                 "problem": node.problem or None,
@@ -313,7 +340,18 @@ def render_json(view: ClusterView) -> str:
         "core_units_used": t.core_units_used,
         "core_percent": round(100 * t.core_units_used / t.core_units, 1) if t.core_units else 0,
     }
-    return json.dumps({"nodes": nodes, "totals": summary}, indent=2) + "\n"
+    data: dict[str, Any] = _camel_keys({"nodes": nodes, "totals": summary})
+    return data
+
+
+def render_json(view: ClusterView) -> str:
+    """The view as JSON (``-o json``)."""
+    return json.dumps(view_data(view), indent=2) + "\n"
+
+
+def render_yaml(view: ClusterView) -> str:
+    """The view as YAML (``-o yaml``)."""
+    return str(yaml.safe_dump(view_data(view), sort_keys=False))
 
 
 # -- the cluster ---------------------------------------------------------------------
@@ -323,9 +361,11 @@ class NodeNotFound(Exception):
     pass
 
 
-def fetch(node_name: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Nodes and pods as plain JSON objects, from the current kubeconfig (or in-cluster)."""
-    cluster = Cluster()
+def fetch(
+    node_name: str | None, cluster: Cluster | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Nodes and pods as plain JSON objects, from the kubeconfig (or in-cluster)."""
+    cluster = cluster or Cluster()
     if node_name:
         node = cluster.node(node_name)
         if node is None:
@@ -334,8 +374,11 @@ def fetch(node_name: str | None) -> tuple[list[dict[str, Any]], list[dict[str, A
     return cluster.nodes(), cluster.pods()
 
 
-def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
+OUTPUTS = ("table", "wide", "json", "yaml")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
         prog="kubectl gpushare inspect",
         description="Per-card GPU memory and core use of gpushare nodes, from their annotations.",
     )
@@ -343,15 +386,44 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "-d", "--details", action="store_true", help="list the pods and containers on each card"
     )
-    parser.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    parser.add_argument(
+        "-o",
+        "--output",
+        choices=OUTPUTS,
+        default="table",
+        help="table, wide (the table with containers and card UUIDs), json or yaml",
+    )
+    parser.add_argument(
+        "-n",
+        "--namespace",
+        metavar="NS",
+        help="only list containers of this namespace (cards and totals stay whole)",
+    )
     parser.add_argument(
         "--resource-prefix",
         default=os.environ.get("GPUSHARE_RESOURCE_PREFIX", Settings().resource_prefix),
         help="prefix of gpushare's resources and annotations",
     )
-    args = parser.parse_args(list(argv))
+    add_cluster_flags(parser)
+    return parser
+
+
+def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
+    """kubectl's --kubeconfig and --context (also accepted before the subcommand)."""
+    parser.add_argument("--kubeconfig", metavar="FILE", help="the kubeconfig file to use")
+    parser.add_argument("--context", metavar="NAME", help="the kubeconfig context to use")
+
+
+def _in_namespace(pods: list[dict[str, Any]], namespace: str | None) -> list[dict[str, Any]]:
+    if not namespace:
+        return pods
+    return [pod for pod in pods if (_meta(pod).get("namespace") or "default") == namespace]
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
     try:
-        nodes, pods = fetch(args.node)
+        nodes, pods = fetch(args.node, Cluster(args.kubeconfig, args.context))
     except NoCluster as exc:
         print(f"kubectl gpushare inspect: {exc}".replace("\n", " "), file=sys.stderr)
         return EXIT_NO_CLUSTER
@@ -361,11 +433,15 @@ def main(argv: Sequence[str]) -> int:
     except ApiError as exc:
         print(f"kubectl gpushare inspect: the API server answered {exc}", file=sys.stderr)
         return 1
-    view = build_view(nodes, pods, args.resource_prefix)
+    view = build_view(nodes, _in_namespace(pods, args.namespace), args.resource_prefix)
     if args.node and not view.nodes:
         print(f"kubectl gpushare inspect: node {args.node!r} has no gpushare GPUs", file=sys.stderr)
         return 1
-    sys.stdout.write(
-        render_json(view) if args.output == "json" else render_table(view, args.details)
-    )
+    if args.output == "json":
+        sys.stdout.write(render_json(view))
+    elif args.output == "yaml":
+        sys.stdout.write(render_yaml(view))
+    else:
+        wide = args.output == "wide"
+        sys.stdout.write(render_table(view, details=args.details or wide, wide=wide))
     return 0

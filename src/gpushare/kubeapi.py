@@ -1,8 +1,10 @@
 """The few API server calls ``kubectl gpushare`` makes, as plain JSON.
 
-Objects are read, server-side applied and deleted by kind through the typed clients of
-the ``kubernetes`` package; answers are kept as the server's JSON (``_preload_content``
-off), so nothing here depends on the client's model classes. Every failure becomes one
+Objects are read, server-side applied and deleted by kind through REST paths, sent by
+the ``kubernetes`` package's ``ApiClient`` (kubeconfig, authentication, TLS). Its typed
+API classes are never touched: ``CoreV1Api`` alone imports some 250 model classes (about
+1.1 s of a 1.5 s ``inspect``), so answers are the server's JSON and nothing here depends
+on the client's models. Every failure becomes one
 readable line: :class:`NoCluster` when there is no usable kubeconfig
 or the server cannot be reached, :class:`ApiError` when it answered with an error.
 """
@@ -12,26 +14,25 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
+from urllib.parse import quote
 
 FIELD_MANAGER = "kubectl-gpushare"
 TIMEOUT_SECONDS = 15
 
-#: (apiVersion, kind) -> (client class, method suffix, namespaced)
-KINDS: dict[tuple[str, str], tuple[str, str, bool]] = {
-    ("v1", "ServiceAccount"): ("CoreV1Api", "namespaced_service_account", True),
+#: (apiVersion, kind) -> (collection path, namespaced)
+KINDS: dict[tuple[str, str], tuple[str, bool]] = {
+    ("v1", "ServiceAccount"): ("/api/v1/namespaces/{namespace}/serviceaccounts", True),
     ("rbac.authorization.k8s.io/v1", "ClusterRole"): (
-        "RbacAuthorizationV1Api",
-        "cluster_role",
+        "/apis/rbac.authorization.k8s.io/v1/clusterroles",
         False,
     ),
     ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): (
-        "RbacAuthorizationV1Api",
-        "cluster_role_binding",
+        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
         False,
     ),
-    ("apps/v1", "DaemonSet"): ("AppsV1Api", "namespaced_daemon_set", True),
+    ("apps/v1", "DaemonSet"): ("/apis/apps/v1/namespaces/{namespace}/daemonsets", True),
 }
 
 
@@ -78,97 +79,115 @@ def describe(obj: Mapping[str, Any]) -> str:
 class Cluster:
     """The current kubeconfig's cluster (or the in-cluster one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kubeconfig: str | None = None, context: str | None = None) -> None:
+        """``kubeconfig`` and ``context`` as kubectl's flags: the file (else $KUBECONFIG,
+        else ~/.kube/config; in a pod without either, the service account) and the
+        context in it (else its current context)."""
         try:
             from kubernetes import client, config
         except ImportError as exc:  # pragma: no cover - a dependency
             raise NoCluster(f"the kubernetes package is missing: {exc}") from None
         configuration = client.Configuration()
+        in_cluster = not (kubeconfig or context or os.environ.get("KUBECONFIG"))
         try:
-            if os.environ.get("KUBERNETES_SERVICE_HOST") and not os.environ.get("KUBECONFIG"):
+            if in_cluster and os.environ.get("KUBERNETES_SERVICE_HOST"):
                 config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
             else:
-                kubeconfig = os.environ.get("KUBECONFIG") or "~/.kube/config"
+                path = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
                 config.load_kube_config(  # type: ignore[no-untyped-call]
-                    config_file=kubeconfig, client_configuration=configuration
+                    config_file=path, context=context, client_configuration=configuration
                 )
         except Exception as exc:
             raise NoCluster(f"no usable kubeconfig: {exc}") from None
         configuration.retries = 1
-        self._client = client
         self._api_client = client.ApiClient(configuration)
         self._host = configuration.host
-        self.core = client.CoreV1Api(self._api_client)
 
     # ------------------------------------------------------------------ plumbing
-    def _call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Call ``method`` and return the answer's JSON; None for 404 Not Found."""
+    def _call(
+        self,
+        method: str,
+        path: str,
+        query: Mapping[str, str] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        """One request; the answer's JSON, or None for 404 Not Found."""
+        api = self._api_client
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
         try:
-            response = method(
-                *args, _preload_content=False, _request_timeout=TIMEOUT_SECONDS, **kwargs
+            request = api.param_serialize(
+                method,
+                path,
+                query_params=[(k, v) for k, v in (query or {}).items() if v != ""],
+                header_params=headers,
+                body=body,
+                auth_settings=["BearerToken"],
             )
-        except self._client.ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise ApiError(_api_message(exc)) from None
+            response = api.call_api(*request, _request_timeout=TIMEOUT_SECONDS)
+            response.read()  # type: ignore[no-untyped-call]
         except Exception as exc:
             raise NoCluster(
                 f"cannot reach the API server at {self._host}: {root_cause(exc)}"
             ) from None
+        if response.status == 404:
+            return None
+        if response.status >= 400:
+            raise ApiError(_api_message(response.status, response.reason, response.data))
         data = response.data
         return json.loads(data) if data else {}
 
-    def _method(self, obj: Mapping[str, Any], verb: str) -> tuple[Callable[..., Any], list[str]]:
+    def _path(self, obj: Mapping[str, Any]) -> str:
         key = (str(obj.get("apiVersion")), str(obj.get("kind")))
         if key not in KINDS:
             raise ApiError(f"kubectl-gpushare does not handle {key[1]} of {key[0]}")
-        class_name, suffix, namespaced = KINDS[key]
-        api = getattr(self._client, class_name)(self._api_client)
+        collection, namespaced = KINDS[key]
         meta = obj["metadata"]
-        args = [meta["name"], meta["namespace"]] if namespaced else [meta["name"]]
-        return getattr(api, f"{verb}_{suffix}"), args
+        if namespaced:
+            collection = collection.format(namespace=quote(str(meta["namespace"]), safe=""))
+        return f"{collection}/{quote(str(meta['name']), safe='')}"
 
     # ------------------------------------------------------------------ objects
     def read(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
         """The object as stored, or None when it does not exist."""
-        method, args = self._method(obj, "read")
-        result: dict[str, Any] | None = self._call(method, *args)
+        result: dict[str, Any] | None = self._call("GET", self._path(obj))
         return result
 
     def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Server-side apply ``obj`` as field manager ``kubectl-gpushare``."""
-        method, args = self._method(obj, "patch")
         result: dict[str, Any] = self._call(
-            method,
-            *args,
+            "PATCH",
+            self._path(obj),
+            {"fieldManager": FIELD_MANAGER, "force": "true"},
             dict(obj),
-            field_manager=FIELD_MANAGER,
-            force=True,
-            _content_type="application/apply-patch+yaml",
+            "application/apply-patch+yaml",
         )
         return result
 
     def delete(self, obj: Mapping[str, Any]) -> bool:
         """Delete the object; False when it was already gone."""
-        method, args = self._method(obj, "delete")
-        return self._call(method, *args, propagation_policy="Background") is not None
+        return (
+            self._call("DELETE", self._path(obj), {"propagationPolicy": "Background"}) is not None
+        )
 
     # ------------------------------------------------------------------ nodes
     def nodes(self, label_selector: str = "") -> list[dict[str, Any]]:
-        answer = self._call(self.core.list_node, label_selector=label_selector)
+        answer = self._call("GET", "/api/v1/nodes", {"labelSelector": label_selector})
         return list((answer or {}).get("items") or [])
 
     def pods(self, field_selector: str = "", label_selector: str = "") -> list[dict[str, Any]]:
         """Pods of every namespace."""
         answer = self._call(
-            self.core.list_pod_for_all_namespaces,
-            field_selector=field_selector,
-            label_selector=label_selector,
+            "GET",
+            "/api/v1/pods",
+            {"fieldSelector": field_selector, "labelSelector": label_selector},
         )
         return list((answer or {}).get("items") or [])
 
     def node(self, name: str) -> dict[str, Any] | None:
-        result: dict[str, Any] | None = self._call(self.core.read_node, name)
+        result: dict[str, Any] | None = self._call("GET", f"/api/v1/nodes/{quote(name, safe='')}")
         return result
 
     def patch_node_metadata(
@@ -179,17 +198,17 @@ class Cluster:
         if annotations:
             metadata["annotations"] = dict(annotations)
         self._call(
-            self.core.patch_node,
-            name,
-            {"metadata": metadata},
-            _content_type="application/merge-patch+json",
+            "PATCH",
+            f"/api/v1/nodes/{quote(name, safe='')}",
+            body={"metadata": metadata},
+            content_type="application/merge-patch+json",
         )
 
 
-def _api_message(exc: Any) -> str:
-    """``403 Forbidden: nodes "a" is forbidden: ...`` from an ApiException."""
+def _api_message(status: int, reason: str | None, body: bytes | str | None) -> str:
+    """``403 Forbidden: nodes "a" is forbidden: ...`` from an error answer."""
     message = ""
     with contextlib.suppress(TypeError, ValueError, AttributeError):
-        message = str(json.loads(exc.body).get("message") or "")
-    text = f"{exc.status} {exc.reason}" + (f": {message}" if message else "")
+        message = str(json.loads(body or b"").get("message") or "")
+    text = f"{status} {reason or ''}".rstrip() + (f": {message}" if message else "")
     return text.replace("\n", " ")

@@ -1,20 +1,28 @@
-"""``kubectl gpushare``: a kubectl plugin with three subcommands.
+"""``kubectl gpushare``: a kubectl plugin with four subcommands.
 
 * ``inspect``   per-card use of gpushare nodes (:mod:`gpushare.inspect`);
 * ``install``   apply the shipped manifests and opt nodes in by label;
-* ``uninstall`` opt nodes out; with none left, delete what ``install`` created.
+* ``uninstall`` opt nodes out; with none left, delete what ``install`` created;
+* ``version``   this plugin's version (no cluster needed).
 
-Without a usable kubeconfig or a reachable API server every subcommand prints one
-line on stderr and exits 2.
+Like kubectl, ``--kubeconfig`` and ``--context`` are accepted before or after the
+subcommand. Without a usable kubeconfig or a reachable API server every subcommand
+prints one line on stderr and exits 2. ``--help`` and ``version`` import nothing of
+the ``kubernetes`` client: it is imported by the first command that talks to a cluster.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import platform
 import sys
 from collections.abc import Sequence
 
-from gpushare import deploy, inspect
+import yaml
+
+from gpushare import __version__, deploy, inspect
+from gpushare.cli import Parser, add_version, bounded_float
 from gpushare.kubeapi import EXIT_NO_CLUSTER, ApiError, Cluster, NoCluster
 
 PROG = "kubectl gpushare"
@@ -70,7 +78,7 @@ def _install(args: argparse.Namespace) -> int:
             "no --node given and stdin is not a terminal to ask on; name nodes with --node NAME",
             EXIT_USAGE,
         )
-    cluster = Cluster()
+    cluster = Cluster(args.kubeconfig, args.context)
     if not nodes:
         try:
             nodes = _ask_for_nodes(cluster)
@@ -84,18 +92,36 @@ def _install(args: argparse.Namespace) -> int:
 
 def _uninstall(args: argparse.Namespace) -> int:
     nodes = list(dict.fromkeys(args.node or []))
-    deploy.uninstall(Cluster(), nodes, _say, wait_seconds=args.wait)
+    deploy.uninstall(Cluster(args.kubeconfig, args.context), nodes, _say, wait_seconds=args.wait)
+    return 0
+
+
+def _version(args: argparse.Namespace) -> int:
+    info = {"clientVersion": {"version": __version__, "python": platform.python_version()}}
+    if args.output == "json":
+        print(json.dumps(info, indent=2))
+    elif args.output == "yaml":
+        print(yaml.safe_dump(info, sort_keys=False), end="")
+    else:
+        print(f"{PROG} {__version__}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG, description="Share NVIDIA GPUs between containers: inspect, install, uninstall."
+    parser = Parser(
+        prog=PROG,
+        description="Share NVIDIA GPUs between containers: inspect, install, uninstall.",
+        epilog="--kubeconfig FILE and --context NAME work as kubectl's, before or after COMMAND.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_version(parser)
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=Parser
+    )
     commands.add_parser(
         "inspect", help="per-card GPU memory and core use (kubectl gpushare inspect -h)"
     )
+    version = commands.add_parser("version", help="print the plugin's version")
+    version.add_argument("-o", "--output", choices=("json", "yaml"), help="json or yaml")
     install = commands.add_parser(
         "install",
         help="apply the gpushare manifests and label nodes",
@@ -104,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         "that report NVIDIA GPUs and asks (only on a terminal).",
     )
     install.add_argument("--node", action="append", metavar="NAME", help="opt this node in")
+    inspect.add_cluster_flags(install)
     install.add_argument(
         "--image",
         metavar="REF",
@@ -124,9 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
         "it did not create are never touched.",
     )
     uninstall.add_argument("--node", action="append", metavar="NAME", help="opt this node out")
+    inspect.add_cluster_flags(uninstall)
     uninstall.add_argument(
         "--wait",
-        type=float,
+        type=bounded_float(0, 3600),
         default=deploy.UNINSTALL_WAIT_SECONDS,
         metavar="SECONDS",
         help="how long to wait for the daemon pod to leave a node before removing what it "
@@ -135,11 +163,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: kubectl's global flags that every cluster command takes, before or after COMMAND.
+GLOBAL_FLAGS = ("--kubeconfig", "--context")
+
+
+def move_global_flags(argv: Sequence[str]) -> list[str]:
+    """``--kubeconfig X inspect`` -> ``inspect --kubeconfig=X``: kubectl's global flags
+    may come before the subcommand; each subcommand's parser takes them."""
+    before: list[str] = []
+    rest = list(argv)
+    while rest and rest[0].split("=", 1)[0] in GLOBAL_FLAGS:
+        flag = rest.pop(0)
+        if "=" not in flag and rest:
+            flag = f"{flag}={rest.pop(0)}"
+        before.append(flag)
+    if not before or not rest:
+        return [*before, *rest]
+    return [rest[0], *before, *rest[1:]]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = move_global_flags(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "inspect":
         return inspect.main(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.command == "version":
+        return _version(args)
     try:
         if args.command == "install":
             return _install(args)

@@ -30,6 +30,8 @@ WATCHED_CHECK_SECONDS = 10.0
 MAX_BACKOFF = 5.0
 #: A registered resource whose kubelet stream stays closed this long is registered again.
 UNWATCHED_GRACE = 2.0
+#: While kubelet.sock is missing, say so at once and then this often.
+MISSING_LOG_SECONDS = 60.0
 
 
 class RegistrationError(Exception):
@@ -106,6 +108,8 @@ class KubeletLink:
         self._registered_at = time.monotonic()
         self._unwatched_grace = UNWATCHED_GRACE
         self._unregistered_since: float | None = time.monotonic()
+        self._missing_since: float | None = None  # kubelet.sock absent since (monotonic)
+        self._missing_logged_at = 0.0
         self._watch = DirWatch(kubelet_socket.parent, POLL_SECONDS)
         for server, _name in self.servers:
             server.servicer.on_stream_closed = self._watch.wake
@@ -173,6 +177,21 @@ class KubeletLink:
         since_registered = time.monotonic() - self._registered_at
         return min(server.servicer.unwatched_for(), since_registered)
 
+    def _report_missing(self) -> None:
+        """Log a missing kubelet.sock once, then every :data:`MISSING_LOG_SECONDS`."""
+        now = time.monotonic()
+        if self._missing_since is None:
+            self._missing_since = now
+            self._missing_logged_at = now - MISSING_LOG_SECONDS
+        if now - self._missing_logged_at >= MISSING_LOG_SECONDS:
+            self._missing_logged_at = now
+            log.warning(
+                "kubelet_socket_missing",
+                socket=str(self.kubelet_socket),
+                missing_seconds=round(now - self._missing_since),
+                hint="is the kubelet running, and --kubelet-dir its device-plugins directory?",
+            )
+
     def _next_check(self) -> float:
         """Seconds until a look is due even if nothing wakes the link."""
         wait = WATCHED_CHECK_SECONDS
@@ -216,7 +235,9 @@ class KubeletLink:
                 log.warning("kubelet_socket_gone", socket=str(self.kubelet_socket))
                 self._registered_with = None
                 self._lost()
+            self._report_missing()
             return
+        self._missing_since = None
         unwatched = any(
             self._unwatched_for(server) > self._unwatched_grace for server, _ in self.servers
         )

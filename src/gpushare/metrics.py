@@ -17,21 +17,26 @@ import os
 import selectors
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from gpushare.buildinfo import build_info
 from gpushare.devices import Inventory, Resource
 from gpushare.health import HealthBoard
 from gpushare.usage import UsageLedger
 
 log = structlog.get_logger(__name__)
+
+# No ``*_created`` series beside every counter and histogram: a timestamp per series that
+# no dashboard or alert uses (process-wide; this process serves only gpushare's metrics).
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 #: Latency buckets in seconds: the kubelet's calls should take a few milliseconds.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
@@ -70,8 +75,16 @@ def liveness(
     )
 
 
+#: Labels of every per-card series: the UUID, NVML's index, the model and the node.
+CARD_LABELS = ["gpu", "index", "model", "node"]
+#: Labels of every per-container series.
+CONTAINER_LABELS = ["namespace", "pod", "container", "gpu", "node"]
+MIB = 1 << 20
+
+
 class _CardCollector:
-    """Per-card gauges, read from the ledger and the board at scrape time."""
+    """Per-card and per-container gauges, read from the ledger and the board at scrape
+    time, plus whatever ``extra`` adds."""
 
     def __init__(
         self,
@@ -79,44 +92,80 @@ class _CardCollector:
         usage: UsageLedger,
         health: HealthBoard,
         extra: Callable[[], list[Metric]],
+        node: str = "",
     ) -> None:
         self._inventory = inventory
         self._usage = usage
         self._health = health
         self._extra = extra
+        self._node = node
 
     def collect(self) -> Iterator[Metric]:
+        def card_gauge(name: str, text: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, text, labels=CARD_LABELS)
+
         families = {
-            "memory_total": GaugeMetricFamily(
-                "gpushare_memory_units_total", "Memory units advertised per GPU", labels=["gpu"]
+            "memory_total": card_gauge(
+                "gpushare_memory_units_total", "Memory units advertised per GPU"
             ),
-            "memory_used": GaugeMetricFamily(
+            "memory_used": card_gauge(
                 "gpushare_memory_units_allocated",
                 "Memory units allocated per GPU (the kubelet's records and recent Allocates)",
-                labels=["gpu"],
             ),
-            "core_total": GaugeMetricFamily(
-                "gpushare_core_units_total", "Core units advertised per GPU", labels=["gpu"]
+            "bytes_total": card_gauge(
+                "gpushare_memory_bytes_total",
+                "GPU memory advertised per GPU in bytes (memory units times the unit size)",
             ),
-            "core_used": GaugeMetricFamily(
+            "bytes_used": card_gauge(
+                "gpushare_memory_bytes_allocated", "GPU memory allocated per GPU in bytes"
+            ),
+            "core_total": card_gauge("gpushare_core_units_total", "Core units advertised per GPU"),
+            "core_used": card_gauge(
                 "gpushare_core_units_allocated",
                 "Core units allocated per GPU (the kubelet's records and recent Allocates)",
-                labels=["gpu"],
             ),
-            "healthy": GaugeMetricFamily(
-                "gpushare_gpu_healthy", "1 if the GPU is advertised Healthy", labels=["gpu"]
-            ),
+            "healthy": card_gauge("gpushare_gpu_healthy", "1 if the GPU is advertised Healthy"),
         }
+        unit_bytes = self._inventory.memory_unit_mib * MIB
         memory_used = self._usage.used_counts(Resource.MEMORY)
         core_used = self._usage.used_counts(Resource.CORE)
         for uuid, card in self._inventory.cards.items():
-            families["memory_total"].add_metric([uuid], card.units(Resource.MEMORY))
-            families["memory_used"].add_metric([uuid], memory_used.get(uuid, 0))
-            families["core_total"].add_metric([uuid], card.units(Resource.CORE))
-            families["core_used"].add_metric([uuid], core_used.get(uuid, 0))
-            families["healthy"].add_metric([uuid], 1 if self._health.is_healthy(uuid) else 0)
+            labels = [uuid, str(card.gpu.index), card.gpu.name, self._node]
+            used = memory_used.get(uuid, 0)
+            families["memory_total"].add_metric(labels, card.units(Resource.MEMORY))
+            families["memory_used"].add_metric(labels, used)
+            families["bytes_total"].add_metric(labels, card.units(Resource.MEMORY) * unit_bytes)
+            families["bytes_used"].add_metric(labels, used * unit_bytes)
+            families["core_total"].add_metric(labels, card.units(Resource.CORE))
+            families["core_used"].add_metric(labels, core_used.get(uuid, 0))
+            families["healthy"].add_metric(labels, 1 if self._health.is_healthy(uuid) else 0)
         yield from families.values()
+        yield from self._containers(unit_bytes)
         yield from self._extra()
+
+    def _containers(self, unit_bytes: int) -> Iterator[Metric]:
+        memory = GaugeMetricFamily(
+            "gpushare_container_memory_bytes",
+            "GPU memory limit of each container holding memory units, by card "
+            "(the kubelet's PodResources records)",
+            labels=CONTAINER_LABELS,
+        )
+        core = GaugeMetricFamily(
+            "gpushare_container_core_units",
+            "Core units (percent of the SMs) of each container holding core units, by card",
+            labels=CONTAINER_LABELS,
+        )
+        for uuid, holders in sorted(self._usage.holders().items()):
+            if uuid not in self._inventory.cards:
+                continue  # a card that is gone: its records are not this node's figures
+            for holder, units in holders.items():
+                labels = [holder.namespace, holder.pod, holder.container, uuid, self._node]
+                if units.get(Resource.MEMORY):
+                    memory.add_metric(labels, units[Resource.MEMORY] * unit_bytes)
+                if units.get(Resource.CORE):
+                    core.add_metric(labels, units[Resource.CORE])
+        yield memory
+        yield core
 
 
 class Metrics:
@@ -129,10 +178,16 @@ class Metrics:
         health: HealthBoard,
         resource_names: dict[Resource, str],
         pod_resources_reads: Callable[[], tuple[int, int]] | None = None,
+        *,
+        node: str = "",
+        ready: Callable[[], bool] | None = None,
+        registered: Callable[[], Mapping[str, bool]] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._names = resource_names
         self._pod_resources_reads = pod_resources_reads
+        self._ready = ready
+        self._registered = registered
         self.allocations = Counter(
             "gpushare_allocations",
             "Allocate calls answered, by resource and result (ok or the refusal)",
@@ -146,7 +201,7 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_CardCollector(inventory, usage, health, self._extra))
+        self.registry.register(_CardCollector(inventory, usage, health, self._extra, node))
 
     def observe(self, resource: Resource, method: str, result: str, seconds: float) -> None:
         """The servicers' hook, called after every request."""
@@ -156,9 +211,19 @@ class Metrics:
             self.allocations.labels(name, result).inc()
 
     def _extra(self) -> list[Metric]:
-        ready: list[Metric] = [_ready_family(1)]
+        ready = self._ready() if self._ready is not None else True
+        found: list[Metric] = [_ready_family(1 if ready else 0), _build_info_family()]
+        registered = GaugeMetricFamily(
+            "gpushare_registered",
+            "1 while the resource is registered with the kubelet",
+            labels=["resource"],
+        )
+        states = self._registered() if self._registered is not None else {}
+        for name in self._names.values():
+            registered.add_metric([name], 1 if states.get(name) else 0)
+        found.append(registered)
         if self._pod_resources_reads is None:
-            return ready
+            return found
         ok, failed = self._pod_resources_reads()
         reads = CounterMetricFamily(
             "gpushare_pod_resources_reads",
@@ -167,7 +232,7 @@ class Metrics:
         )
         reads.add_metric(["ok"], ok)
         reads.add_metric(["failed"], failed)
-        return [*ready, reads]
+        return [*found, reads]
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
@@ -176,15 +241,25 @@ class Metrics:
 def _ready_family(value: int) -> GaugeMetricFamily:
     return GaugeMetricFamily(
         "gpushare_ready",
-        "1 once the GPUs are discovered and the daemon serves them; 0 while it "
-        "waits for NVML or for the GPUs to become readable",
+        "1 exactly when /readyz answers 200: the GPUs are served and every resource is "
+        "registered with the kubelet",
         value=value,
     )
+
+
+def _build_info_family() -> GaugeMetricFamily:
+    info = build_info()
+    family = GaugeMetricFamily(
+        "gpushare_build_info", "Always 1; the labels name this build", labels=list(info)
+    )
+    family.add_metric(list(info.values()), 1)
+    return family
 
 
 class _NotReadyCollector:
     def collect(self) -> Iterator[Metric]:
         yield _ready_family(0)
+        yield _build_info_family()
 
 
 def render_not_ready() -> bytes:

@@ -48,15 +48,32 @@ POD_ANNOTATION_TRIES = 10
 FINAL_POD_PATCH_STATUSES = frozenset({403, 404, 422})
 
 
+class ApiConfigMissing(Exception):
+    """Neither the in-cluster service account nor a kubeconfig can be loaded."""
+
+
 def connect_api() -> Any:
     """A CoreV1Api from the in-cluster config, else the current kubeconfig (slow import)."""
     from kubernetes import client, config
 
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-    else:
-        # KUBECONFIG is read now, not when the client was first imported.
-        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # type: ignore[no-untyped-call]
+    in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+    path = os.environ.get("KUBECONFIG")  # read now, not when the client was first imported
+    source = (
+        "the in-cluster service account"
+        if in_cluster
+        else f"the kubeconfig {path or '~/.kube/config'}"
+    )
+    try:
+        if in_cluster:
+            config.load_incluster_config()  # type: ignore[no-untyped-call]
+        else:
+            config.load_kube_config(config_file=path)  # type: ignore[no-untyped-call]
+    except Exception as exc:
+        raise ApiConfigMissing(
+            f"cannot load {source} for the API link (Node/Pod annotations): {_short(exc)[:160]}; "
+            "mount a service account token, set KUBECONFIG, or turn the link off with "
+            "--node-name '' (NODE_NAME unset)"
+        ) from None
     return client.CoreV1Api()
 
 
@@ -153,7 +170,8 @@ class ApiLink:
                 self._annotate_pods()
                 backoff = 1.0
             except Exception as exc:  # the API server is down, RBAC is missing, ...
-                log.warning("api_error", error=_short(exc), retry_seconds=backoff)
+                error = str(exc) if isinstance(exc, ApiConfigMissing) else _short(exc)
+                log.warning("api_error", error=error, retry_seconds=backoff)
                 if self._stop.wait(backoff):
                     break
                 backoff = min(backoff * 2, MAX_BACKOFF)

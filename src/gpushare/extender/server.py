@@ -22,6 +22,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gpushare.cli import Parser, add_version, bounded_float
 from gpushare.config import LOG_FORMATS, LOG_LEVELS
 from gpushare.extender.apiserver import (
     DEFAULT_CA_FILE,
@@ -225,7 +226,7 @@ async def start(app: web.Application, address: str, port: int) -> tuple[web.AppR
 
 def build_parser() -> argparse.ArgumentParser:
     defaults = ExtenderSettings()
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="gpushare-scheduler-extender",
         description="kube-scheduler extender: keeps a node only if each GPU container of the "
         "pod fits on one healthy card, and scores nodes binpack or spread.",
@@ -250,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--ledger-timeout-seconds",
-        type=float,
+        type=bounded_float(0.001, 3600),
         default=defaults.ledger_timeout_seconds,
         help="the longest a bound pod is counted on top of its node's annotation",
     )
@@ -278,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ca-file", default=defaults.ca_file, help="the API server's CA")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="auto")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    add_version(parser)
     return parser
 
 

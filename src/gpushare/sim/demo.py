@@ -1,10 +1,12 @@
 """``make demo``: the daemon on a simulated node of three Tesla P4, admitted to by a
-simulated kubelet: the three shared containers from the reference documents, and a
-training container that takes a whole card beside them."""
+simulated kubelet: a training container that takes a whole card, the three shared
+containers from the reference documents beside it, then one that does not fit. It
+shows what each container finally sees (the kubelet merges the answers of both
+resources) and the refusal's message. Nothing is enforced here: there is no GPU and no
+HAMi-core in a simulation."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -12,9 +14,11 @@ from pathlib import Path
 
 import yaml
 
-from gpushare.config import Settings
+from gpushare.cli import Parser, add_version
+from gpushare.config import LOG_LEVELS, Settings
 from gpushare.daemon import Daemon, StartupError
 from gpushare.devices import Resource
+from gpushare.elf import stand_in
 from gpushare.logs import configure_logging
 from gpushare.sim.kubelet import AdmissionError, Admitted, SimulatedKubelet
 
@@ -41,27 +45,44 @@ THREE_TESLA_P4 = {
     ]
 }
 
-#: (pod, memory units, core units), as the reference documents' users asked.
-CONTAINERS = [("pod-a", 4, 10), ("pod-b", 20, 30), ("pod-c", 20, 30)]
+#: (pod, memory units, core units), as the reference documents' users asked; the last
+#: one does not fit on one card (5 and 9 units are left) and is refused.
+CONTAINERS = [("pod-a", 4, 10), ("pod-b", 20, 30), ("pod-c", 20, 30), ("pod-d", 10, 10)]
+
+NOT_ENFORCED = (
+    "Simulation: nothing above is enforced (no GPU, no HAMi-core). On a real node the\n"
+    "runtime gives the container only the card named in NVIDIA_VISIBLE_DEVICES, and\n"
+    "libvgpu.so, preloaded from the mounts above, holds it to the memory limit and\n"
+    "throttles it to its SM share."
+)
 
 
-def print_answer(admitted: Admitted) -> None:
-    for resource, response in admitted.responses.items():
-        print(f"    Allocate answer for {resource} ({len(admitted.devices[resource])} devices):")
-        for name, value in sorted(response.envs.items()):
-            print(f"      env   {name}={value}")
-        for mount in response.mounts:
-            mode = "ro" if mount.read_only else "rw"
-            print(f"      mount {mount.host_path} -> {mount.container_path} ({mode})")
-        for name, value in sorted(response.annotations.items()):
-            print(f"      annotation {name}={value}")
+def print_container_view(admitted: Admitted) -> None:
+    """What the container finally sees: the answers of both resources, merged the way
+    the kubelet merges them (one value per env name, one mount per container path)."""
+    answers = ", ".join(
+        f"{resource.rsplit('/', 1)[-1]} ({len(ids)} units)"
+        for resource, ids in admitted.devices.items()
+    )
+    print(f"    what the container sees (merged from the answers for {answers}):")
+    for name, value in sorted(admitted.envs.items()):
+        print(f"      env   {name}={value}")
+    for path, mount in sorted(admitted.mounts.items()):
+        mode = "ro" if mount.read_only else "rw"
+        print(f"      mount {mount.host_path} -> {path} ({mode})")
+    for name, value in sorted(admitted.annotations.items()):
+        print(f"      annotation {name}={value}")
+    for conflict in admitted.conflicts:
+        print(f"      CONFLICT {conflict}")
 
 
 def run_demo(workdir: Path) -> int:
     node_file = workdir / "node.yaml"
     node_file.write_text(yaml.safe_dump(THREE_TESLA_P4))
     library = workdir / "libvgpu.so"
-    library.write_bytes(b"placeholder for HAMi-core libvgpu.so (the demo enforces nothing)\n")
+    library.write_bytes(
+        stand_in(b"placeholder for HAMi-core libvgpu.so (the demo enforces nothing)\n")
+    )
     settings = Settings(
         kubelet_dir=str(workdir / "device-plugins"),
         pod_resources_socket=str(workdir / "pod-resources" / "kubelet.sock"),
@@ -102,7 +123,7 @@ def run_demo(workdir: Path) -> int:
                 print(f"  {pod}: NOT admitted: {exc}")
                 continue
             print(f"  {pod}/main: 1 whole card -> {admitted.card()}")
-            print_answer(admitted)
+            print_container_view(admitted)
 
         print(
             "\nadmitting containers the way the kubelet does "
@@ -114,13 +135,17 @@ def run_demo(workdir: Path) -> int:
                     pod, "main", {core: core_units, memory: memory_units}, order=[core, memory]
                 )
             except AdmissionError as exc:
-                print(f"  {pod}: NOT admitted: {exc}")
+                print(
+                    f"  {pod}/main: {memory_units} memory units + {core_units} core units "
+                    "-> NOT admitted"
+                )
+                print(f"    the pod fails with: {exc}")
                 continue
             print(
                 f"  {pod}/main: {memory_units} memory units + {core_units} core units "
                 f"-> card {admitted.card()}"
             )
-            print_answer(admitted)
+            print_container_view(admitted)
 
         print(
             "\nanother whole card? Cards with shared units in use are listed Unhealthy as "
@@ -147,6 +172,8 @@ def run_demo(workdir: Path) -> int:
                 f"{f'{mem_used}/{card.memory_units}':>14} "
                 f"{f'{core_used}/{card.units(Resource.CORE)}':>12}  {', '.join(pods)}"
             )
+        print()
+        print(NOT_ENFORCED)
     except StartupError as exc:
         print(f"gpushare-demo: {exc}", file=sys.stderr)
         return 1
@@ -157,8 +184,14 @@ def run_demo(workdir: Path) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpushare-demo", description=__doc__)
-    parser.add_argument("--log-level", default="warning", help="daemon log level (default warning)")
+    parser = Parser(prog="gpushare-demo", description=__doc__)
+    add_version(parser)
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=LOG_LEVELS,
+        help="daemon log level (default warning)",
+    )
     args = parser.parse_args(argv)
     configure_logging("console", args.log_level)
     with tempfile.TemporaryDirectory(prefix="gpushare-demo-") as tmp:

@@ -289,8 +289,6 @@ def parse_settings(argv: Sequence[str] | None) -> tuple[ExtenderSettings, argpar
     for flag, port in (("--port", args.port), ("--probe-port", args.probe_port)):
         if not 0 <= port <= 65535:
             parser.error(f"{flag} must be between 0 and 65535")
-    if not 0 < args.ledger_timeout_seconds <= 3600:
-        parser.error("--ledger-timeout-seconds must be greater than 0 and at most 3600")
     if not 1024 <= args.max_body_bytes <= 1 << 30:
         parser.error("--max-body-bytes must be between 1024 and 1073741824")
     prefix = args.resource_prefix

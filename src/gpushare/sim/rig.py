@@ -19,12 +19,14 @@ import yaml
 
 from gpushare.config import Settings
 from gpushare.daemon import Daemon
+from gpushare.elf import stand_in
 from gpushare.extender.fit import CardRoom, PodNeed
 from gpushare.podspecs import PodSpecBook
 from gpushare.sim.kubelet import AdmissionError, ContainerSpec, SimulatedKubelet
 
-#: A stand-in interposer file: nothing is enforced in a simulation.
-_LIBRARY = b"placeholder interposer for the simulation\n"
+#: A stand-in interposer file (an ELF header that loads nowhere): nothing is enforced
+#: in a simulation.
+_LIBRARY = stand_in(b"placeholder interposer for the simulation\n")
 
 
 class DaemonNode:

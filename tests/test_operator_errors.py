@@ -131,9 +131,14 @@ def test_a_daemon_started_before_the_kubelet_says_so_in_its_log(node: Node) -> N
 # -- no usable GPU ---------------------------------------------------------------------------
 
 
-def test_zero_usable_gpus_is_a_warning_and_not_ready(node: Node) -> None:
-    gpus = cards(TESLA_P4, 1)
-    gpus[0]["mig"] = True
+@pytest.mark.parametrize(
+    ("mig", "reason"),
+    [(False, "no usable GPU"), (True, "is in MIG mode or changing to it")],
+)
+def test_zero_usable_gpus_is_a_warning_and_not_ready(node: Node, mig: bool, reason: str) -> None:
+    gpus = cards(TESLA_P4, 1) if mig else []
+    if mig:
+        gpus[0]["mig"] = True
     port = free_port()
     node.write_gpus(gpus)
     node.settings = replace(node.settings, metrics_port=port, metrics_address="127.0.0.1")
@@ -144,6 +149,6 @@ def test_zero_usable_gpus_is_a_warning_and_not_ready(node: Node) -> None:
     assert node.kubelet.wait_for(lambda k: len(k.registrations) == 2)  # registered, empty
     assert any(entry["event"] == "no_usable_gpus" for entry in logs)
     assert poll(lambda: scrape(port, "/readyz")[0] == 503, 5.0)
-    assert "no usable GPU" in json.loads(scrape(port, "/readyz")[1])["reason"]
+    assert reason in json.loads(scrape(port, "/readyz")[1])["reason"]
     assert "gpushare_ready 0.0" in scrape(port)[1]
     assert scrape(port, "/healthz")[0] == 200  # a restart would not help

@@ -41,6 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import structlog
+
 from gpushare.extender.fit import (
     BINPACK,
     PLACEMENTS,
@@ -361,9 +363,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.pods < 20 or args.load <= 0:
         parser.error("--pods must be at least 20 and --load greater than 0")
+    saved = structlog.get_config()
     configure_logging("console", "error")  # the daemons' own events would drown the report
     started = time.perf_counter()
-    results, report = run(args.pods, args.seed, args.load)
+    try:
+        results, report = run(args.pods, args.seed, args.load)
+    finally:
+        structlog.configure(**saved)
     print(report, end="")
     print(f"\n({time.perf_counter() - started:.1f} s)", file=sys.stderr)
     if args.write:

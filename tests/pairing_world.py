@@ -195,16 +195,8 @@ class World:
 
     def pod_fits(self, containers: Sequence[ContainerSpec]) -> bool:
         """Whether some assignment of these containers to cards, each whole, fits now."""
-        free = self.free()
         needs = [(c.requests.get(MEMORY, 0), c.requests.get(CORE, 0)) for c in containers]
-        for cards in itertools.product(list(free), repeat=len(needs)):
-            left = {uuid: list(room) for uuid, room in free.items()}
-            for uuid, (memory, core) in zip(cards, needs, strict=True):
-                left[uuid][0] -= memory
-                left[uuid][1] -= core
-            if all(m >= 0 and c >= 0 for m, c in left.values()):
-                return True
-        return False
+        return assignment_exists(self.free(), needs)
 
     def admit(
         self, containers: Sequence[tuple[Mapping[str, int], Sequence[str]]], *, init: int = 0
@@ -248,6 +240,20 @@ class World:
             else:
                 outcome.admitted += 1
         return outcome
+
+
+def assignment_exists(
+    free: Mapping[str, Sequence[int]], needs: Sequence[tuple[int, int]]
+) -> bool:
+    """Brute force: can each (memory, core) need go whole to one card of ``free``?"""
+    for cards in itertools.product(list(free), repeat=len(needs)):
+        left = {uuid: list(room) for uuid, room in free.items()}
+        for uuid, (memory, core) in zip(cards, needs, strict=True):
+            left[uuid][0] -= memory
+            left[uuid][1] -= core
+        if all(m >= 0 and c >= 0 for m, c in left.values()):
+            return True
+    return False
 
 
 def pod_object(

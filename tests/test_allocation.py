@@ -11,6 +11,7 @@ from conftest import CARD_4GIB, RTX_3090, TESLA_P4, Node, cards, gpu_uuid
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from gpushare.answers import CONTAINER_CACHE_DIR, CONTAINER_CACHE_FILE, CONTAINER_LIBRARY, LOCK_DIR
 from gpushare.devices import Resource
+from gpushare.library import LOCK_DIR_NAME, cache_root
 from gpushare.sim.kubelet import AdmissionError
 
 
@@ -213,7 +214,8 @@ def test_memory_answer_holds_every_env_and_mount(node: Node) -> None:
     assert library_ro and Path(library_host).name.startswith("libvgpu.so.")
     assert Path(library_host).read_bytes() == node.library.read_bytes()
     assert Path(library_host).parent == Path(node.settings.host_lib_dir)
-    assert mounts[LOCK_DIR] == (LOCK_DIR, False)
+    lock_host = cache_root(Path(node.settings.host_lib_dir)) / LOCK_DIR_NAME  # docs/security.md
+    assert mounts[LOCK_DIR] == (str(lock_host), False)
     cache_host, cache_ro = mounts[CONTAINER_CACHE_DIR]
     assert not cache_ro and Path(cache_host).is_dir() and list(Path(cache_host).iterdir()) == []
     assert Path(cache_host).stat().st_mode & 0o777 == 0o777

@@ -140,7 +140,7 @@ GOOD = {
         "runAsUser": 0,
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
-        "capabilities": {"drop": ["ALL"]},
+        "capabilities": {"drop": ["ALL"], "add": ["DAC_OVERRIDE", "FOWNER"]},
     },
     "metrics": {"service": {"enabled": True}},
     "serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}},

@@ -1,7 +1,7 @@
 """The deployment artefacts agree with the daemon: daemonset/, the Helm chart, the image.
 
 Paths, ports, options and the opt-in label are derived from the code (Settings
-defaults, answers.LOCK_DIR, the DaemonSet's own nodeSelector), never repeated here.
+defaults, the DaemonSet's own nodeSelector), never repeated here.
 The chart is rendered by Helm itself (helm-python-sdk: Helm's Go SDK in a wheel).
 """
 
@@ -20,7 +20,6 @@ import yaml
 from kubernetes_validate.utils import all_versions
 
 from gpushare import deploy
-from gpushare.answers import LOCK_DIR
 from gpushare.config import OPTIONS, Settings, flag_name, load_settings, yaml_key
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -140,7 +139,6 @@ def _daemon_paths() -> dict[str, str]:
         "kubelet_dir": DEFAULTS.kubelet_dir,
         "pod_resources": os.path.dirname(DEFAULTS.pod_resources_socket),
         "host_lib_dir": DEFAULTS.host_lib_dir,
-        "lock_dir": LOCK_DIR,
     }
 
 
@@ -249,7 +247,8 @@ def test_daemonset_runs_with_the_least_privileges(source: str) -> None:
     daemonset = dict(daemonsets())[source]
     spec = _pod_spec(daemonset)
     context = _container(daemonset)["securityContext"]
-    assert context["capabilities"] == {"drop": ["ALL"]}  # none added back
+    # only what deleting tenants' leftovers needs (docs/security.md, tests/test_tenant_dirs.py)
+    assert context["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE", "FOWNER"]}
     assert context["allowPrivilegeEscalation"] is False
     assert context["readOnlyRootFilesystem"] is True
     assert context.get("privileged", False) is False
@@ -344,7 +343,6 @@ def test_chart_values_move_the_mounts_with_the_paths() -> None:
         "/srv/kubelet/dp",
         "/srv/kubelet/pr",
         "/opt/vgpu",
-        LOCK_DIR,
     }
     assert _container(daemonset)["ports"][0]["containerPort"] == 9500
     labelled = one(

@@ -14,9 +14,11 @@ import pytest
 from conftest import TESLA_P4, Node, cards, gpu_uuid
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from procs import poll
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from gpushare.devices import Resource
+from gpushare.devices import InvalidDeviceIds, Resource, parse_device_id, parse_unit_number
+from gpushare.sim.kubelet import Admitted
 
 UNITS = {Resource.MEMORY: 29, Resource.CORE: 100}  # Tesla P4: 7611 // 256
 HEALTHY = (gpu_uuid(0), gpu_uuid(1))
@@ -259,4 +261,74 @@ def test_ten_thousand_allocations_leak_no_descriptors(plugin: Plugin) -> None:
         stub.Allocate(request, timeout=10)
     after = open_descriptors()
     assert after <= before, f"open descriptors grew from {before} to {after}"
+    check_still_serving(plugin)
+
+
+# ------------------------------------------------------- non-ASCII digits (issue 12 item 9)
+
+#: Digits ``str.isdigit`` accepts besides 0-9: int() reads "٣" as 3, rejects "²".
+UNICODE_DIGITS = [chr(c) for c in range(0x110000) if chr(c).isdigit() and not chr(c).isascii()]
+
+
+def test_unit_numbers_are_ascii_decimals_exactly_as_formatted() -> None:
+    assert "٣" in UNICODE_DIGITS and "²" in UNICODE_DIGITS
+    for digit in UNICODE_DIGITS:
+        assert parse_unit_number(digit) is None, ascii(digit)
+        assert parse_unit_number("1" + digit) is None, ascii(digit)
+        with pytest.raises(InvalidDeviceIds):
+            parse_device_id(f"{HEALTHY[0]}::{digit}")
+    for bad in ["", "-1", "+1", " 1", "1 ", "01", "1_0", "1.0", "9" * 5000]:
+        assert parse_unit_number(bad) is None, bad
+
+
+@given(st.integers(0, 10**9 - 1) | st.text(max_size=12))
+def test_a_unit_number_parses_only_as_the_text_gpushare_writes(value: int | str) -> None:
+    text = str(value)
+    number = parse_unit_number(text)
+    assert number is None or str(number) == text
+    if isinstance(value, int):
+        assert number == value
+
+
+def test_non_ascii_digits_in_the_kubelets_records_never_stop_the_refresher(node: Node) -> None:
+    daemon = node.start(cards(TESLA_P4, 1), pod_resources_interval_seconds=0.05)
+    assert daemon.refresher is not None and daemon.usage is not None
+    refresher, usage = daemon.refresher, daemon.usage
+    hostile = [f"{HEALTHY[0]}::{d}" for d in ("\u0663", "\u00b2", "\u0660", "9" * 5000, "3\u0663")]
+    record = Admitted("odd", "main", "default", {node.memory: hostile}, {}, {}, {}, {}, [])
+    with node.kubelet._lock:  # the stand-in serves whatever it holds in PodResources
+        node.kubelet.admitted[("default", "odd", "main")] = record
+    reads = refresher.reads
+    assert poll(lambda: refresher.reads >= reads + 3, 5.0), "the refresher stopped reading"
+    assert refresher._thread is not None and refresher._thread.is_alive()
+    assert usage.used_counts(Resource.MEMORY)[HEALTHY[0]] == 0  # "٣" is not unit 3
+    admitted = node.kubelet.admit("a", "main", {node.memory: 4})  # and admission goes on
+    assert poll(lambda: usage.used_counts(Resource.MEMORY)[HEALTHY[0]] == 4, 5.0)
+    assert len(admitted.devices[node.memory]) == 4
+
+
+def test_non_ascii_digits_in_requests_are_invalid_not_internal(plugin: Plugin) -> None:
+    for digit in ("\u0663", "\u00b2", "\U0001d7d1", "9" * 5000):
+        ids = [f"{HEALTHY[0]}::{digit}"]
+        for resource, stub in plugin.stubs.items():
+            with pytest.raises(grpc.RpcError) as allocate:
+                stub.Allocate(
+                    api_pb2.AllocateRequest(
+                        container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids)]
+                    ),
+                    timeout=10,
+                )
+            assert allocate.value.code() == grpc.StatusCode.INVALID_ARGUMENT, resource
+            with pytest.raises(grpc.RpcError) as preferred:
+                stub.GetPreferredAllocation(
+                    api_pb2.PreferredAllocationRequest(
+                        container_requests=[
+                            api_pb2.ContainerPreferredAllocationRequest(
+                                available_deviceIDs=ids, allocation_size=1
+                            )
+                        ]
+                    ),
+                    timeout=10,
+                )
+            assert preferred.value.code() == grpc.StatusCode.INVALID_ARGUMENT, resource
     check_still_serving(plugin)

@@ -26,7 +26,16 @@ from conftest import CARD_4GIB, TESLA_P4, Node, cards
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
-from pairing_world import CORE, MEMORY, REGIMES, Outcome, Regime, World, pod_object
+from pairing_world import (
+    CORE,
+    MEMORY,
+    REGIMES,
+    Outcome,
+    Regime,
+    World,
+    assignment_exists,
+    pod_object,
+)
 
 from gpushare.placement import Policy
 from gpushare.sim.kubelet import AdmissionError, ContainerSpec
@@ -236,15 +245,7 @@ class RealNode(RuleBasedStateMachine):
         return free
 
     def fits(self, needs: list[tuple[int, int]]) -> bool:
-        free = self.free()
-        for assignment in itertools.product(list(free), repeat=len(needs)):
-            left = {uuid: list(room) for uuid, room in free.items()}
-            for uuid, (memory, core) in zip(assignment, needs, strict=True):
-                left[uuid][0] -= memory
-                left[uuid][1] -= core
-            if all(m >= 0 and c >= 0 for m, c in left.values()):
-                return True
-        return False
+        return assignment_exists(self.free(), needs)
 
     @rule(
         needs=st.lists(

@@ -66,6 +66,13 @@ class Enforcement:
     library: Path | None  # the versioned host file, e.g. /usr/local/vgpu/libvgpu.so.1a2b3c4d5e6f
     preload_file: Path | None  # host file listing CONTAINER_LIBRARY, for /etc/ld.so.preload
     use_ld_preload_env: bool
+    # host directory mounted at LOCK_DIR (library.ensure_lock_dir); None: the host's LOCK_DIR
+    lock_dir: Path | None = None
+
+
+def lock_mount(enforcement: Enforcement) -> Mount:
+    """HAMi-core's lock directory, shared by every container with the interposer."""
+    return Mount(LOCK_DIR, str(enforcement.lock_dir or LOCK_DIR), read_only=False)
 
 
 def build_answer(
@@ -93,7 +100,7 @@ def build_answer(
         return Answer(envs, mounts, annotations)
 
     mounts.append(Mount(CONTAINER_LIBRARY, str(enforcement.library), read_only=True))
-    mounts.append(Mount(LOCK_DIR, LOCK_DIR, read_only=False))
+    mounts.append(lock_mount(enforcement))
     if enforcement.use_ld_preload_env:
         envs["LD_PRELOAD"] = CONTAINER_LIBRARY
     if enforcement.preload_file is not None:
@@ -127,7 +134,7 @@ def build_exclusive_answer(
         return Answer(envs)
     mounts = [
         Mount(CONTAINER_LIBRARY, str(enforcement.library), read_only=True),
-        Mount(LOCK_DIR, LOCK_DIR, read_only=False),
+        lock_mount(enforcement),
     ]
     if enforcement.use_ld_preload_env:
         envs["LD_PRELOAD"] = CONTAINER_LIBRARY

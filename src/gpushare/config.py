@@ -193,6 +193,12 @@ class Settings:
         "register MIG resources as nvidia.com/mig-<profile> (single: nvidia.com/gpu) for "
         "manifests written for NVIDIA's plugin; never with NVIDIA's plugin on the same node",
     )
+    cache_dir_limit_mib: int = _opt(
+        64,
+        "a container cache directory larger than this is logged (cache_dir_over_limit) "
+        "and counted in gpushare_cache_dirs_over_limit; it holds one file of about 2 MiB",
+        bounds=(1, 1 << 20),
+    )
     log_format: str = _opt(
         "auto",
         "json (for the DaemonSet), console, or auto: console on a terminal",

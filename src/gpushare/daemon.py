@@ -36,13 +36,20 @@ from gpushare.exclusive import (
     answer_builder,
     whole_cards,
 )
-from gpushare.gc import GarbageCollector
+from gpushare.gc import CacheDirMetrics, GarbageCollector
 from gpushare.gpus import Gpu, GpuBackend, GpuError, open_backend
 from gpushare.gputype import CardChoice, ChoiceBook
 from gpushare.health import HealthBoard, HealthMonitor, HealthPolicy
 from gpushare.kubelet import KubeletLink
 from gpushare.labels import LabelFacts
-from gpushare.library import LibraryError, ensure_lock_dir, install_library, install_preload_file
+from gpushare.library import (
+    LibraryError,
+    cache_root,
+    ensure_cache_root,
+    ensure_lock_dir,
+    install_library,
+    install_preload_file,
+)
 from gpushare.logs import configure_logging
 from gpushare.metrics import LinkState, Metrics, MetricsServer, liveness, render_not_ready
 from gpushare.mig import MigPlan, MigPlanError, MigStrategy
@@ -51,6 +58,7 @@ from gpushare.plugin import DevicePluginServicer, PluginServer, device_list_mess
 from gpushare.podresources import PodResourcesClient, Snapshot
 from gpushare.podspecs import PodSpecBook
 from gpushare.refresh import UsageRefresher
+from gpushare.tombstones import Reaper
 from gpushare.topology import Topology, prefer
 from gpushare.unitguard import UnitSizeChanged, guard_unit_size
 from gpushare.usage import Holder, UsageLedger
@@ -141,14 +149,16 @@ def prepare_enforcement(settings: Settings) -> Enforcement:
         preload_file = (
             install_preload_file(library) if settings.preload in ("file", "both") else None
         )
-        ensure_lock_dir()
+        ensure_cache_root(Path(settings.host_lib_dir))
     except (LibraryError, OSError) as exc:
         raise StartupError(str(exc)) from None
+    lock_dir = ensure_lock_dir(Path(settings.host_lib_dir))  # never fails start
     log.info("library_installed", path=str(library), preload=settings.preload)
     return Enforcement(
         library=library,
         preload_file=preload_file,
         use_ld_preload_env=settings.preload in ("env", "both"),
+        lock_dir=lock_dir,
     )
 
 
@@ -218,6 +228,8 @@ class Daemon:
         self.usage: UsageLedger | None = None
         self.monitor: HealthMonitor | None = None
         self.refresher: UsageRefresher | None = None
+        self.reaper: Reaper | None = None
+        self.collector: GarbageCollector | None = None
         self.metrics: Metrics | None = None
         self.metrics_server: MetricsServer | None = None
         self.waiting_for = ""  # why the GPUs could not be read, while starting
@@ -364,11 +376,21 @@ class Daemon:
             {resource.name_with(settings.resource_prefix): resource for resource in Resource},
             exclusive=[name for name, _r, _b in exclusive],
         )
+        if enforcement.library is not None:
+            # deletes buried cache directories in the background (tombstones.py)
+            self.reaper = Reaper(cache_root(Path(settings.host_lib_dir)))
+            self.reaper.start()
         if exclusive:
             self.exclusion = Exclusion(health, offer, usage, exclusive, self.exclusive_ledger)
         collector = GarbageCollector(
-            Path(settings.host_lib_dir), settings.gc_grace_seconds, enforcement.library
+            Path(settings.host_lib_dir),
+            settings.gc_grace_seconds,
+            enforcement.library,
+            size_limit_bytes=settings.cache_dir_limit_mib << 20,
+            lock_dir=enforcement.library is not None,
+            on_pass=self.reaper.retry if self.reaper is not None else None,
         )
+        self.collector = collector
 
         def after_read(snapshot: Snapshot) -> None:
             if self.exclusion is not None:
@@ -474,6 +496,7 @@ class Daemon:
                 ready=lambda: self.readiness()[0],
                 registered=self._registered_resources,
             )
+            self.metrics.registry.register(CacheDirMetrics(collector))
         kubelet_dir = Path(settings.kubelet_dir)
         named_servers = []
         for resource in Resource:
@@ -672,6 +695,8 @@ class Daemon:
             self.monitor.stop()
         if self.refresher is not None:
             self.refresher.stop()
+        if self.reaper is not None:
+            self.reaper.stop()
         if self.api_link is not None:
             self.api_link.stop()
         for server in self.servers:

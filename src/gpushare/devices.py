@@ -44,12 +44,29 @@ def format_device_id(uuid: str, n: int) -> str:
     return f"{uuid}{SEPARATOR}{n}"
 
 
+#: More digits than any unit number can have (and far below int()'s 4300-digit limit).
+MAX_UNIT_DIGITS = 9
+
+
+def parse_unit_number(text: str) -> int | None:
+    """``"7"`` -> 7. Only the form gpushare writes: ASCII digits, no sign, space or
+    leading zero, at most :data:`MAX_UNIT_DIGITS`. ``str.isdigit`` alone would accept
+    ``"٣"`` (which ``int`` reads as 3: a second spelling of unit 3) and ``"²"`` (which
+    ``int`` rejects with ValueError); None for those and anything else."""
+    if not 0 < len(text) <= MAX_UNIT_DIGITS or not text.isascii() or not text.isdigit():
+        return None
+    if len(text) > 1 and text[0] == "0":
+        return None
+    return int(text)
+
+
 def parse_device_id(device_id: str) -> tuple[str, int]:
     """``GPU-x::7`` -> ``("GPU-x", 7)``; anything else raises :class:`InvalidDeviceIds`."""
     uuid, sep, number = device_id.rpartition(SEPARATOR)
-    if not sep or not uuid or not number.isdigit() or (len(number) > 1 and number[0] == "0"):
+    n = parse_unit_number(number) if sep and uuid else None
+    if n is None:
         raise InvalidDeviceIds(f"{device_id[:80]!r} is not a gpushare device ID (<uuid>::<n>)")
-    return uuid, int(number)
+    return uuid, n
 
 
 @dataclass(frozen=True)

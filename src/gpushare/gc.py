@@ -8,9 +8,13 @@ Two kinds of leftovers, both under ``--host-lib-dir``:
   PodResources list holds that set. A record is removed once it has been missing
   from every successful read for longer than the grace period, counted from the
   later of its creation and the first read that missed it (a restarted daemon waits
-  a full grace period again). Removal happens under the same lock that Allocate
-  holds while preparing a directory, and is skipped if the record changed since it
-  was read: a container given the same units again keeps its fresh directory.
+  a full grace period again). Under the lock that Allocate holds while preparing a
+  directory, the record is re-read (a container given the same units again keeps its
+  fresh directory), removed, and the directory *buried*: renamed into the trash, one
+  rename whatever a tenant built in it. The reaper thread deletes it afterwards,
+  outside the lock (``tombstones.py``). Each pass also measures every cache
+  directory with bounded work (``diskuse.py``), for ``gpushare_cache_dir_bytes`` and a
+  ``cache_dir_over_limit`` line, and repairs the lock directory if a tenant changed it.
 * **Old versioned interposer files** (``libvgpu.so.<hash>`` and its
   ``ld.so.preload.<hash>``). A container mounts the version that was current when it
   was allocated. The daemon cannot look into other containers' mounts
@@ -32,10 +36,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import re
-import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,8 +47,16 @@ from typing import Any
 import structlog
 
 from gpushare.devices import Resource
-from gpushare.library import CACHE_LOCK, CACHE_ROOT_NAME, LIBRARY_NAME, cache_key
+from gpushare.diskuse import Usage, measure
+from gpushare.library import (
+    CACHE_LOCK,
+    LIBRARY_NAME,
+    cache_key,
+    cache_root,
+    ensure_lock_dir,
+)
 from gpushare.podresources import Snapshot
+from gpushare.tombstones import bury, wake
 
 log = structlog.get_logger(__name__)
 
@@ -99,9 +111,18 @@ class GarbageCollector:
         current_library: Path | None,
         *,
         clock: Callable[[], float] = time.time,
+        size_limit_bytes: int | None = None,
+        lock_dir: bool = False,
+        on_pass: Callable[[], object] | None = None,
     ) -> None:
         self.host_dir = host_dir
-        self.root = host_dir / CACHE_ROOT_NAME
+        self.root = cache_root(host_dir)
+        self.size_limit_bytes = size_limit_bytes
+        self._check_lock_dir = lock_dir
+        self._on_pass = on_pass
+        # key -> its last measurement; keys over the limit were logged once
+        self.usage: dict[str, Usage] = {}
+        self._over_limit: set[str] = set()
         self.grace_seconds = grace_seconds
         self.current_library = current_library
         self._clock = clock
@@ -141,7 +162,55 @@ class GarbageCollector:
             else:
                 self._waiting_from[key] = waiting_from
         self._collect_libraries(snapshot, collected)
+        self._measure(keys - set(collected.records), snapshot)
+        if self._check_lock_dir:
+            ensure_lock_dir(self.host_dir)
+        if self._on_pass is not None:
+            self._on_pass()
         return collected
+
+    def _measure(self, keys: set[str], snapshot: Snapshot) -> None:
+        """Measure every cache directory; log each one that passes the limit, once."""
+        usage: dict[str, Usage] = {}
+        try:
+            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            for key in sorted(keys):
+                usage[key] = measure(root_fd, key)
+        finally:
+            os.close(root_fd)
+        self.usage = usage
+        limit = self.size_limit_bytes
+        if limit is None:
+            return
+        holders = {
+            cache_key(by_resource[Resource.MEMORY]): holder
+            for holder, by_resource in snapshot.devices.items()
+            if by_resource.get(Resource.MEMORY)
+        }
+        over = {key for key, used in usage.items() if used.bytes > limit}
+        for key in sorted(over - self._over_limit):
+            used, holder = usage[key], holders.get(key)
+            log.warning(
+                "cache_dir_over_limit",
+                key=key,
+                bytes=used.bytes,
+                limit_bytes=limit,
+                entries=used.entries,
+                measured_completely=used.complete,
+                holder=f"{holder.namespace}/{holder.pod}/{holder.container}" if holder else None,
+            )
+        self._over_limit = over
+
+    def total_cache_bytes(self) -> int:
+        """Bytes of every cache directory at the last pass (a lower bound, see diskuse)."""
+        return sum(used.bytes for used in self.usage.values())
+
+    @property
+    def over_limit(self) -> int:
+        return len(self._over_limit)
 
     def _keys_on_disk(self) -> set[str]:
         try:
@@ -185,15 +254,18 @@ class GarbageCollector:
             # in between is still a key on disk and is collected on a later pass.
             try:
                 record_file.unlink(missing_ok=True)
+                tombstone = bury(self.root, key) if os.path.lexists(self.root / key) else None
             except OSError as exc:
-                log.warning("cache_record_not_removed", key=key, error=str(exc))
+                log.warning("cache_dir_not_removed", key=key, error=str(exc))
                 return False, waiting_from
-            shutil.rmtree(self.root / key, ignore_errors=True)
+        if tombstone is not None:
+            wake(self.root)  # the reaper deletes it, outside the lock
         log.info(
             "cache_dir_removed",
             key=key,
             device_ids=(record or {}).get("device_ids", []),
             grace_seconds=self.grace_seconds,
+            tombstone=tombstone,
         )
         return True, waiting_from
 
@@ -266,3 +338,25 @@ class GarbageCollector:
             tmp.replace(target)
         except OSError as exc:
             log.warning("library_state_not_saved", path=str(target), error=str(exc))
+
+
+class CacheDirMetrics:
+    """The collector's figures as Prometheus gauges (register it in a registry)."""
+
+    def __init__(self, collector: GarbageCollector) -> None:
+        self._collector = collector
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        yield GaugeMetricFamily(
+            "gpushare_cache_dir_bytes",
+            "Bytes on disk of the per-container cache directories at the last GC pass "
+            "(a lower bound for a tree too large to measure)",
+            value=self._collector.total_cache_bytes(),
+        )
+        yield GaugeMetricFamily(
+            "gpushare_cache_dirs_over_limit",
+            "Cache directories larger than --cache-dir-limit-mib at the last GC pass",
+            value=self._collector.over_limit,
+        )

@@ -19,7 +19,7 @@ import grpc
 import structlog
 
 from gpushare._proto.podresources.v1 import api_pb2, api_pb2_grpc
-from gpushare.devices import SEPARATOR, Resource
+from gpushare.devices import SEPARATOR, Resource, parse_unit_number
 from gpushare.usage import Holder
 
 log = structlog.get_logger(__name__)
@@ -45,12 +45,14 @@ class Snapshot:
         return self.holders.get((resource, device_id))
 
     def used_by_card(self) -> dict[Resource, dict[str, list[int]]]:
-        """Per resource and card, the unit numbers some container holds."""
+        """Per resource and card, the unit numbers some container holds (IDs that are not
+        gpushare's, e.g. with non-ASCII digits, are skipped: no card has them)."""
         used: dict[Resource, dict[str, list[int]]] = {r: {} for r in Resource}
         for resource, device_id in self.holders:
             uuid, _, number = device_id.rpartition(SEPARATOR)
-            if number.isdigit():
-                used[resource].setdefault(uuid, []).append(int(number))
+            n = parse_unit_number(number)
+            if n is not None:
+                used[resource].setdefault(uuid, []).append(n)
         return used
 
     @functools.cached_property

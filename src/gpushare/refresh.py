@@ -93,7 +93,14 @@ class UsageRefresher:
             return False
         if snapshot.taken_at < asked_at:
             return True  # the rate limit handed back an older answer: nothing new
-        self._ledger.replace(snapshot.used_by_card(), snapshot.holders_by_card(), snapshot.taken_at)
+        try:
+            self._ledger.replace(
+                snapshot.used_by_card(), snapshot.holders_by_card(), snapshot.taken_at
+            )
+        except Exception:  # the kubelet's records are data: no record may end this thread
+            log.exception("pod_resources_not_adopted")
+            self.failures += 1
+            return False
         self.reads += 1
         if self._after_read is not None:
             try:

@@ -145,8 +145,16 @@ GOOD = {
     "metrics": {"service": {"enabled": True}},
     "serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}},
     "podMonitor": {"enabled": True},
-    "scheduler": {"anything": {"the extender part": "owns these keys"}},
+    "scheduler": {"replicas": 2},
 }
+
+
+CLUSTER_SCOPED = (
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+)
 
 
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
@@ -156,7 +164,7 @@ def test_every_new_value_renders_and_validates(version: str) -> None:
     for obj in builtin:
         kubernetes_validate.validate(obj, version, strict=True)
     for obj in objects:
-        if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+        if obj["kind"] not in CLUSTER_SCOPED:
             assert obj["metadata"]["namespace"] == "gpu-system", obj["kind"]
     daemonset = one(objects, "DaemonSet")
     pod = daemonset["spec"]["template"]

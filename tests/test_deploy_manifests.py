@@ -119,6 +119,8 @@ def test_every_chart_template_renders_and_validates(version: str) -> None:
         "ClusterRoleBinding",
         "ConfigMap",
         "DaemonSet",
+        "ValidatingAdmissionPolicy",  # policies.* (tests/test_policies.py)
+        "ValidatingAdmissionPolicyBinding",
     }
     for obj in objects:
         kubernetes_validate.validate(obj, version, strict=True)

@@ -12,6 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kube_double import KubeApiDouble
 from procs import poll
+from test_extender import args, card, container, extender_factory, kept, node  # noqa: F401
+from test_extender import pod as extender_pod
 
 from gpushare import nodestate
 from gpushare.gputype import CardChoice, ChoiceBook, allowed_cards, card_choice
@@ -201,3 +203,29 @@ def test_allowed_cards_for_the_extender() -> None:
 
 def card_allowed(body: dict[str, Any], cards: list[tuple[str, str]]) -> set[str] | None:
     return allowed_cards(body, "gpushare.io", cards)
+
+
+# ------------------------------------------------------------------ in the scheduler extender
+
+
+def test_the_extender_filters_nodes_by_the_pods_card_choice(
+    extender_factory: Any,  # noqa: F811 (the fixture of test_extender)
+) -> None:
+    t4 = node("t4-node", [card(0, name="Tesla T4")])
+    mixed = node("mixed", [card(0, name="Tesla T4"), card(1, 10, name="NVIDIA A100-PCIE-40GB")])
+    server = extender_factory()
+    wants = extender_pod("wants-a100", container("main", memory=4))
+    wants["metadata"]["annotations"] = {"nvidia.com/use-gputype": "a100"}
+    answer = server.filter(args(wants, t4, mixed))
+    assert kept(answer) == ["mixed"]
+    assert answer["FailedNodes"] == {
+        "t4-node": "the pod's card choice excludes every card: GPU0 (Tesla T4)"
+    }
+    # the only allowed card is too full (the T4 would hold it): the reason says so
+    big = extender_pod("big-a100", container("main", memory=8))
+    big["metadata"]["annotations"] = {"gpushare.io/use-gputype": "A100"}
+    reason = server.filter(args(big, mixed))["FailedNodes"]["mixed"]
+    assert "excluded by the pod's card choice: GPU0 (Tesla T4)" in reason
+    # without a choice both nodes stay
+    plain = extender_pod("plain", container("main", memory=4))
+    assert kept(server.filter(args(plain, t4, mixed))) == ["t4-node", "mixed"]

@@ -34,7 +34,7 @@ from gpushare.answers import Answer, Enforcement, build_answer
 from gpushare.devices import InvalidDeviceIds, Inventory, Resource, format_device_id
 from gpushare.health import HealthBoard
 from gpushare.library import prepare_cache_dir
-from gpushare.pairing import Binding, Decision, Facts, Pairing
+from gpushare.pairing import Binding, Decision, Facts, Pairing, decide
 from gpushare.placement import (
     CardView,
     Policy,
@@ -175,7 +175,8 @@ class Binder:
         )
         with self._lock:
             last = self.pairing.last
-            decision = self.pairing.decide(resource, size, arrival, facts)
+        # Outside the lock: the spec lookups may re-read the pods from the API server.
+        decision = decide(last, self.pairing.window, resource, size, arrival, facts)
         if decision.partner is not None and not decision.from_facts:
             log.info(
                 "pairing_without_facts",

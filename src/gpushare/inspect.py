@@ -6,6 +6,13 @@ Everything comes from two places the daemon writes: the Node annotation
 resource requests. Reading the cluster is :func:`fetch`; turning plain Node and Pod
 objects into a view is :func:`build_view`; :func:`render_table` and :func:`render_json`
 are pure functions of that view.
+
+Pod annotations can be written by whoever may edit the pod, so they are believed only
+as far as the daemon's own Node annotation backs them: the pod is on that node, the
+annotation names one of its cards and a container of the pod that asks for gpushare
+resources, and the containers listed on a card add up to no more than the daemon
+counts there (otherwise the card's list is withheld and says so). Every string is
+printed through :func:`gpushare.printable.printable`.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from gpushare.cli import Parser
 from gpushare.config import Settings
 from gpushare.extender.fit import PodSpecError, container_need
 from gpushare.kubeapi import EXIT_NO_CLUSTER, ApiError, Cluster, NoCluster
+from gpushare.printable import printable
 
 TERMINAL_PHASES = ("Succeeded", "Failed")
 
@@ -42,6 +50,16 @@ class ContainerOnCard:
 class CardView:
     card: nodestate.CardState
     containers: tuple[ContainerOnCard, ...]
+    #: the pods' annotations claim more than the daemon counts on the card: not listed
+    disputed: bool = False
+
+
+def _card_view(card: nodestate.CardState, claimed: Sequence[ContainerOnCard]) -> CardView:
+    memory = sum(c.memory_units for c in claimed)
+    core = sum(c.core_units for c in claimed)
+    if memory > card.memory_units_used or core > card.core_units_used:
+        return CardView(card, (), disputed=True)
+    return CardView(card, tuple(claimed))
 
 
 @dataclass(frozen=True)
@@ -91,22 +109,27 @@ def _containers_by_card(
         spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
         assert isinstance(spec, Mapping)
         node_name = str(spec.get("nodeName") or "")
+        if not node_name:  # not on a node: on no card
+            continue
         specs = {
             str(c.get("name")): c
             for c in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
             if isinstance(c, Mapping)
         }
-        annotations = meta.get("annotations") or {}
+        annotations = meta.get("annotations")
+        annotations = annotations if isinstance(annotations, Mapping) else {}
         named = {nodestate.pod_annotation_key(prefix, name): name for name in specs}
         for key, uuid in sorted(annotations.items()):
-            if not key.startswith(marker):
+            name = named.get(key) if isinstance(key, str) and key.startswith(marker) else None
+            if name is None:  # not the daemon's key for a container of this pod
                 continue
-            name = named.get(key, key[len(marker) :])
             try:
-                need = container_need(specs.get(name) or {"name": name}, prefix)
-                memory, core = need.memory_units, need.core_units
+                need = container_need(specs[name], prefix)
             except PodSpecError:
-                memory, core = 0, 0
+                continue
+            memory, core = need.memory_units, need.core_units
+            if not memory and not core:  # asks for no gpushare resource: on no card
+                continue
             found.setdefault((node_name, str(uuid)), []).append(
                 ContainerOnCard(
                     str(meta.get("namespace") or "default"),
@@ -140,7 +163,7 @@ def build_view(
             views.append(NodeView(name, 0, None, "", (), f"unreadable {key} annotation: {exc}"))
             continue
         cards = tuple(
-            CardView(card, tuple(by_card.get((name, card.uuid), ())))
+            _card_view(card, by_card.get((name, card.uuid), ()))
             for card in sorted(state.cards, key=lambda c: c.index)
         )
         views.append(NodeView(name, state.memory_unit_mib, state.generation, state.updated, cards))
@@ -194,12 +217,12 @@ def render_table(view: ClusterView, details: bool = False, wide: bool = False) -
     lines: list[str] = []
     for node in view.nodes:
         if node.problem:
-            lines += [f"NODE {node.name}: {node.problem}", ""]
+            lines += [f"NODE {printable(node.name)}: {printable(node.problem, 400)}", ""]
             continue
         unit = node.memory_unit_mib
         lines.append(
-            f"NODE {node.name}  ({_count(len(node.cards), 'card')}, {unit} MiB units, "
-            f"generation {node.generation}, updated {node.updated})"
+            f"NODE {printable(node.name)}  ({_count(len(node.cards), 'card')}, {unit} MiB units, "
+            f"generation {node.generation}, updated {printable(node.updated, 40)})"
         )
         rows: list[list[str]] = [["GPU", "NAME", "MEMORY MiB", "", "UNITS", "CORES", "HEALTH"]]
         if wide:
@@ -209,21 +232,25 @@ def render_table(view: ClusterView, details: bool = False, wide: bool = False) -
             rows.append(
                 [
                     str(card.index),
-                    card.name,
+                    printable(card.name, 64),
                     f"{card.memory_units_used * unit}/{card.memory_units * unit}",
                     f"({_percent(card.memory_units_used, card.memory_units)})",
                     f"{card.memory_units_used}/{card.memory_units}",
                     f"{card.core_units_used}/{card.core_units}",
                     "healthy" if card.healthy else "UNHEALTHY",
-                    *([card.uuid] if wide else []),
+                    *([printable(card.uuid)] if wide else []),
                 ]
             )
+            if details and view_card.disputed:
+                rows.append(
+                    ["", "  (not listed: pod annotations claim more than the daemon counts)"]
+                )
             if details:
                 for c in view_card.containers:
                     rows.append(
                         [
                             "",
-                            f"  {c.namespace}/{c.pod}/{c.container}",
+                            "  " + "/".join(map(printable, (c.namespace, c.pod, c.container))),
                             f"{c.memory_units * unit}",
                             "",
                             f"{c.memory_units}",
@@ -276,6 +303,7 @@ def view_data(view: ClusterView) -> dict[str, Any]:
                 "memory_used_mib": c.card.memory_units_used * unit,
                 "core_units": c.card.core_units,
                 "core_units_used": c.card.core_units_used,
+                **({"containers_disputed": True} if c.disputed else {}),
                 "containers": [
                     {
                         "namespace": x.namespace,
@@ -324,9 +352,6 @@ def render_json(view: ClusterView) -> str:
 def render_yaml(view: ClusterView) -> str:
     """The view as YAML (``-o yaml``)."""
     return str(yaml.safe_dump(view_data(view), sort_keys=False))
-
-
-
 
 
 # -- the cluster ---------------------------------------------------------------------

@@ -115,44 +115,8 @@ class Pairing:
         return last is not None and last.resource is not resource and now - last.at <= self.window
 
     def decide(self, resource: Resource, size: int, now: float, facts: Facts) -> Decision:
-        last = self.last
-        if last is None or last.resource is resource:
-            return Decision(None, Basis.NOTHING_TO_PAIR)
-        if now - last.at > self.window:
-            return Decision(None, Basis.EXPIRED)
-        if facts.records is None:
-            return Decision(last, Basis.FALLBACK, lacking=facts.records_missing)
-        holder = facts.records.holder_of(last.resource, last.device_ids[0])
-        if holder is None:
-            # Not listed: an ordinary init container (PodResources leaves them out), or
-            # a pod the kubelet rejected after the binding (it lists active pods only).
-            if facts.init_waiting is not None and not facts.init_waiting(
-                last.resource, len(last.device_ids), resource, size
-            ):
-                return Decision(None, Basis.RELEASED)
-            return Decision(
-                last,
-                Basis.FALLBACK,
-                lacking="the records do not list the last binding's container "
-                "(an init container, or a pod being rejected)",
-            )
-        held = facts.records.devices.get(holder, {})
-        if sorted(held.get(last.resource, ())) != sorted(last.device_ids):
-            return Decision(
-                last, Basis.FALLBACK, holder, "the records disagree with the last binding"
-            )
-        if held.get(resource):
-            return Decision(None, Basis.COMPLETE, holder)
-        wanted = facts.specs(holder) if facts.specs is not None else None
-        if wanted is None:
-            return Decision(last, Basis.FALLBACK, holder, "the pod spec of the container")
-        if wanted.get(last.resource, 0) != len(last.device_ids):
-            return Decision(last, Basis.FALLBACK, holder, "a pod spec that matches the records")
-        if wanted.get(resource, 0) == 0:
-            return Decision(None, Basis.NOT_WANTED, holder)
-        if wanted[resource] != size:
-            return Decision(last, Basis.FALLBACK, holder, "a pod spec that matches the request")
-        return Decision(last, Basis.PARTNER, holder)
+        """The decision against the current last binding (see :func:`decide`)."""
+        return decide(self.last, self.window, resource, size, now, facts)
 
     def bound(self, binding: Binding) -> None:
         """An Allocate succeeded: this is now the binding to pair with."""
@@ -162,3 +126,49 @@ class Pairing:
         """An Allocate was refused: the kubelet rejects that pod, so nothing it bound
         before is anybody's partner."""
         self.last = None
+
+
+def decide(
+    last: Binding | None, window: float, resource: Resource, size: int, now: float, facts: Facts
+) -> Decision:
+    """Whether a request for ``size`` units of ``resource`` arriving at ``now`` is the
+    partner of ``last``. The spec lookups in ``facts`` may re-read the pods: call this
+    outside any lock the admission path waits on."""
+    if last is None or last.resource is resource:
+        return Decision(None, Basis.NOTHING_TO_PAIR)
+    if now - last.at > window:
+        return Decision(None, Basis.EXPIRED)
+    if facts.records is None:
+        return Decision(last, Basis.FALLBACK, lacking=facts.records_missing)
+    holder = facts.records.holder_of(last.resource, last.device_ids[0])
+    if holder is None:
+        # Not listed: an ordinary init container (PodResources leaves them out), or
+        # a pod the kubelet rejected after the binding (it lists active pods only).
+        if facts.init_waiting is not None and not facts.init_waiting(
+            last.resource, len(last.device_ids), resource, size
+        ):
+            return Decision(None, Basis.RELEASED)
+        return Decision(
+            last,
+            Basis.FALLBACK,
+            lacking="the records do not list the last binding's container "
+            "(an init container, or a pod being rejected)",
+        )
+    held = facts.records.devices.get(holder, {})
+    if sorted(held.get(last.resource, ())) != sorted(last.device_ids):
+        return Decision(
+            last, Basis.FALLBACK, holder, "the records disagree with the last binding"
+        )
+    if held.get(resource):
+        return Decision(None, Basis.COMPLETE, holder)
+    wanted = facts.specs(holder) if facts.specs is not None else None
+    if wanted is None:
+        return Decision(last, Basis.FALLBACK, holder, "the pod spec of the container")
+    if wanted.get(last.resource, 0) != len(last.device_ids):
+        return Decision(last, Basis.FALLBACK, holder, "a pod spec that matches the records")
+    if wanted.get(resource, 0) == 0:
+        return Decision(None, Basis.NOT_WANTED, holder)
+    if wanted[resource] != size:
+        return Decision(last, Basis.FALLBACK, holder, "a pod spec that matches the request")
+    return Decision(last, Basis.PARTNER, holder)
+

@@ -1,31 +1,35 @@
 """Can this node hold this pod, each GPU container on ONE card? Pure functions over plain data.
 
 The kubelet and the default scheduler only see a node's totals of ``vcuda-memory`` and
-``vcuda-core``. This module looks at the cards. It predicts the card each container
-of a pod will get the way the daemon chooses it (``placement.py``): container by
-container in spec order, among the healthy cards that hold both the container's memory
-and core units, the fullest first for binpack, the emptiest first for spread. The
-containers of one pod are placed together, so their sum counts on a shared card.
+``vcuda-core``. This module looks at the cards, and the decision is not its own: it
+reads the pod and the node's published cards and asks ``placement.place_containers``,
+the function the daemon's binder calls, so the card predicted for each container is
+the card the daemon will choose. The containers of one pod are placed together, so
+their sum counts on a shared card.
 
 A container asking only memory needs no core units; one asking only cores needs no
 memory units (its limit is then the whole card's memory, but it holds no units).
 
-Init containers run one at a time before the app containers and the kubelet hands
-their units on to them, so each init container must fit alone, and only the app
-containers are placed together.
+Ordinary init containers run one at a time before the app containers and the kubelet
+hands their units on to them, so each must fit alone; sidecar init containers
+(``restartPolicy: Always``) keep running and are placed with the app containers, in
+admission order (as ``podspecs.py`` tells the daemon).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from gpushare.nodestate import NodeGpuState
+from gpushare.placement import BINPACK, Need, Policy, Room, place_containers, rank
 
-BINPACK = "binpack"
-SPREAD = "spread"
-PLACEMENTS = (BINPACK, SPREAD)
+__all__ = ["BINPACK", "PLACEMENTS", "Policy"]
+
+#: The placement policies' names (command-line choices).
+PLACEMENTS = tuple(policy.value for policy in Policy)
 
 #: kube-scheduler's MaxExtenderPriority: an extender's scores lie in 0..10.
 MAX_SCORE = 10
@@ -43,12 +47,18 @@ class ContainerNeed:
     memory_units: int
     core_units: int
 
+    @property
+    def need(self) -> Need:
+        return Need(self.memory_units, self.core_units)
+
 
 @dataclass(frozen=True)
 class PodNeed:
     """The GPU containers of a pod (containers asking for neither resource are left out)."""
 
+    #: placed together, in admission order: sidecar init containers, then app containers
     containers: tuple[ContainerNeed, ...]
+    #: ordinary init containers, each placed alone before the others
     init_containers: tuple[ContainerNeed, ...] = ()
 
     @property
@@ -126,21 +136,30 @@ class Fit:
 # -- reading the pod ---------------------------------------------------------------
 
 
+#: A whole number of units as the API server serialises it: ASCII digits, or a
+#: multiple of 1000 in its canonical form (``1k`` for 1000).
+_QUANTITY = re.compile(r"([0-9]{1,12})(k|M)?")
+_SUFFIX = {None: 1, "k": 1000, "M": 1000_000}
+
+
 def _units(resources: Mapping[str, Any], name: str, where: str) -> int:
     value = resources.get(name)
     if value is None:
         return 0
-    text = str(value).strip()
-    if isinstance(value, bool) or not text.isdigit():
-        raise PodSpecError(f"{where}: {name} must be a whole number of units, got {value!r}")
-    return int(text)
+    match = _QUANTITY.fullmatch(value) if isinstance(value, str) else None
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 10**12:
+        return value
+    if match is None:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise PodSpecError(f"{where}: {name} must be a whole number of units, got {shown}")
+    return int(match[1]) * _SUFFIX[match[2]]
 
 
 def container_need(container: Mapping[str, Any], prefix: str) -> ContainerNeed:
     """Units a container spec asks for: limits, else requests (extended resources)."""
     if not isinstance(container, Mapping):
         raise PodSpecError("a container must be an object")
-    name = str(container.get("name", ""))
+    name = str(container.get("name", ""))[:253]
     resources = container.get("resources") or {}
     if not isinstance(resources, Mapping):
         raise PodSpecError(f"container {name!r}: resources must be an object")
@@ -165,21 +184,44 @@ def pod_need(pod: Mapping[str, Any], prefix: str) -> PodNeed:
     if not isinstance(spec, Mapping):
         raise PodSpecError("the pod's spec must be an object")
 
-    def gpu_containers(key: str) -> tuple[ContainerNeed, ...]:
-        listed = spec.get(key) or []
-        if not isinstance(listed, list):
+    def listed(key: str) -> list[Mapping[str, Any]]:
+        items = spec.get(key) or []
+        if not isinstance(items, list):
             raise PodSpecError(f"the pod's spec.{key} must be a list")
-        needs = (container_need(c, prefix) for c in listed)
-        return tuple(n for n in needs if n.memory_units or n.core_units)
+        return items
 
-    return PodNeed(gpu_containers("containers"), gpu_containers("initContainers"))
+    def wants_gpu(need: ContainerNeed) -> bool:
+        return bool(need.memory_units or need.core_units)
+
+    inits: list[ContainerNeed] = []
+    together: list[ContainerNeed] = []
+    for container in listed("initContainers"):
+        need = container_need(container, prefix)
+        if wants_gpu(need):
+            sidecar = container.get("restartPolicy") == "Always"
+            (together if sidecar else inits).append(need)
+    for container in listed("containers"):
+        need = container_need(container, prefix)
+        if wants_gpu(need):
+            together.append(need)
+    return PodNeed(tuple(together), tuple(inits))
 
 
 # -- reading the node --------------------------------------------------------------
 
 
+#: Larger counts than any card has; a published value outside 0..this is not believed.
+MAX_COUNT = 1 << 30
+
+
 def card_rooms(state: NodeGpuState) -> tuple[CardRoom, ...]:
-    """Free room per card from the node's published state, in index order."""
+    """Free room per card from the node's published state, in index order.
+
+    A ValueError if a count is negative or absurdly large (it would poison arithmetic)."""
+    for card in state.cards:
+        counts = (card.index, card.memory_units, card.memory_units_used)
+        if not all(0 <= n <= MAX_COUNT for n in (*counts, card.core_units, card.core_units_used)):
+            raise ValueError(f"card {card.uuid[:64]!r} publishes a count out of range")
     rooms = (
         CardRoom(
             uuid=card.uuid,
@@ -215,22 +257,14 @@ def subtract(
 # -- deciding ----------------------------------------------------------------------
 
 
-def _policy_key(room: CardRoom, need: ContainerNeed, policy: str) -> tuple[int, ...]:
-    # Mirrors placement._policy_key: memory first unless the container uses none.
-    key: tuple[int, ...] = (
-        (room.memory_free, room.core_free) if need.memory_units else (room.core_free,)
-    )
-    if policy == SPREAD:
-        key = tuple(-k for k in key)
-    return (*key, room.index)
+def _rooms(rooms: Sequence[CardRoom]) -> list[Room]:
+    return [Room(r.uuid, r.index, r.memory_free, r.core_free, r.healthy) for r in rooms]
 
 
 def choose_room(rooms: Sequence[CardRoom], need: ContainerNeed, policy: str) -> CardRoom | None:
-    """The card the daemon would give this container, or None if no single card holds it."""
-    eligible = [room for room in rooms if room.holds(need)]
-    if not eligible:
-        return None
-    return min(eligible, key=lambda room: _policy_key(room, need, policy))
+    """The card the daemon would give this container alone, or None if no card holds it."""
+    ranked = rank(_rooms(rooms), need.need, Policy.parse(policy))
+    return next(r for r in rooms if r.uuid == ranked[0].uuid) if ranked else None
 
 
 def _count(number: int, noun: str) -> str:
@@ -276,23 +310,36 @@ def explain_misfit(
     return text + ": " + ", ".join(_describe_room(room, need) for room in rooms)
 
 
-def fit_pod(rooms: Sequence[CardRoom], pod: PodNeed, policy: str = BINPACK) -> Fit:
-    """Place the pod's containers one by one, as the daemon will; say why if one cannot go."""
-    for init in pod.init_containers:
-        if choose_room(rooms, init, policy) is None:
-            return Fit(None, explain_misfit(rooms, init, init=True))
+def _greedy_misfit(rooms: Sequence[CardRoom], needs: Sequence[ContainerNeed], policy: str) -> str:
+    """Why a pod cannot be placed: the first container that finds no card when the
+    others before it take their best cards (if no assignment exists, this one fails)."""
     current = list(rooms)
     placed: list[tuple[str, ContainerNeed]] = []
-    for need in pod.containers:
+    for need in needs:
         room = choose_room(current, need, policy)
         if room is None:
-            return Fit(None, explain_misfit(current, need, placed))
+            return explain_misfit(current, need, placed)
         placed.append((room.uuid, need))
         current = [
             r.minus(need.memory_units, need.core_units) if r.uuid == room.uuid else r
             for r in current
         ]
-    return Fit(Placement(tuple(placed)), rooms_after=tuple(current))
+    return explain_misfit(rooms, needs[0]) if needs else "no card"
+
+
+def fit_pod(rooms: Sequence[CardRoom], pod: PodNeed, policy: str = BINPACK) -> Fit:
+    """The cards the daemon will give the pod's containers (``placement``), or why not."""
+    chosen_policy = Policy.parse(policy)
+    for init in pod.init_containers:
+        if choose_room(rooms, init, chosen_policy) is None:
+            return Fit(None, explain_misfit(rooms, init, init=True))
+    plan = place_containers(_rooms(rooms), [c.need for c in pod.containers], chosen_policy)
+    if plan is None:
+        return Fit(None, _greedy_misfit(rooms, pod.containers, chosen_policy))
+    placement = Placement(tuple(zip(plan, pod.containers, strict=True)))
+    use = placement.use_by_card()
+    after = tuple(r.minus(*use[r.uuid]) if r.uuid in use else r for r in rooms)
+    return Fit(placement, rooms_after=after)
 
 
 def score(fit: Fit, policy: str = BINPACK) -> int:
@@ -310,5 +357,5 @@ def score(fit: Fit, policy: str = BINPACK) -> int:
         fullness = max(fullness, memory, core)
     if not used_cards:  # a pod with no GPU container: every node is as good
         fullness = 0.5
-    value = fullness if policy == BINPACK else 1 - fullness
+    value = fullness if Policy.parse(policy) is Policy.BINPACK else 1 - fullness
     return max(0, min(MAX_SCORE, int(value * MAX_SCORE + 0.5)))

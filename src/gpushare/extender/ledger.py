@@ -1,27 +1,33 @@
-"""Pods the extender let through whose use the node's annotation does not show yet.
+"""Pods bound by the extender whose use the node's annotation does not show yet.
 
-Between the filter verb and the daemon's next annotation update there is a window
-(binding, kubelet admission, the daemon's debounce) in which the annotation still shows
-the cards as they were. Without a record of what it just let through, the extender
-would keep a burst of pods on a node as long as the annotation said one card had room
-for ONE of them. The ledger keeps, per (pod UID, node), the units the pod is predicted
-to take on each card and the annotation generation it was decided against. An entry
-goes away when the node's generation moves past that one (the daemon has counted
-whatever was admitted since; any change counts, so a restarted daemon's reset counter
-does too), when it is older than the timeout, or when the same pod
-is filtered again (it was not bound after all, or the scheduler is retrying it).
+The extender learns where a pod goes from the ``bind`` verb: kube-scheduler hands it
+the node it chose, and the extender posts the Binding itself. Only then does the pod
+hold room, and only on that node: a pod that was filtered but not bound (the scheduler
+chose another node, the pod was deleted, or the request came from someone else)
+holds nothing anywhere.
 
-A pod is usually kept on several nodes and bound to one; on the others its entry holds
-room until the daemon's periodic update (at least every 30 s) moves the generation.
-That errs on the side of not overcommitting; a pod dropped for it is retried when the
-annotation changes.
+Between the binding and the daemon's next annotation update there is a window
+(kubelet admission, the daemon's debounce) in which the node's annotation still shows
+its cards as they were. A hold keeps the pod's predicted units per card on top of
+that annotation until the node's generation moves past the one the binding was
+decided against (the daemon has counted whatever was admitted since; any change
+counts, so a restarted daemon's reset counter does too), or until it is older than
+the timeout, whichever comes first.
+
+Every operation is O(1) amortised or linear in one node's holds: entries are kept
+per node, and in insertion order (which is also time order) for expiry. The number
+of holds is bounded; past the bound the oldest goes first.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+
+#: The most holds kept at once (a cluster binds far fewer pods per minute).
+DEFAULT_MAX_HOLDS = 10_000
 
 
 @dataclass(frozen=True)
@@ -36,23 +42,45 @@ class LedgerEntry:
 class AdmissionLedger:
     """Not thread-safe: the extender's handlers run on one event loop."""
 
-    def __init__(self, timeout_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        timeout_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+        max_holds: int = DEFAULT_MAX_HOLDS,
+    ) -> None:
         self.timeout_seconds = timeout_seconds
+        self.max_holds = max_holds
         self._clock = clock
-        self._entries: dict[tuple[str, str], LedgerEntry] = {}
+        self._by_time: OrderedDict[str, LedgerEntry] = OrderedDict()  # pod UID -> entry
+        self._by_node: dict[str, dict[str, LedgerEntry]] = {}  # node -> pod UID -> entry
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._by_time)
+
+    def _drop(self, pod_uid: str) -> None:
+        entry = self._by_time.pop(pod_uid, None)
+        if entry is None:
+            return
+        on_node = self._by_node.get(entry.node)
+        if on_node is not None:
+            on_node.pop(pod_uid, None)
+            if not on_node:
+                del self._by_node[entry.node]
 
     def _expire(self) -> None:
         horizon = self._clock() - self.timeout_seconds
-        for key in [k for k, e in self._entries.items() if e.admitted_at < horizon]:
-            del self._entries[key]
+        while self._by_time:
+            uid, entry = next(iter(self._by_time.items()))
+            if entry.admitted_at >= horizon:
+                break
+            self._drop(uid)
 
     def forget_pod(self, pod_uid: str) -> None:
-        """Drop every entry of this pod (it is being filtered again)."""
-        for key in [k for k in self._entries if k[0] == pod_uid]:
-            del self._entries[key]
+        """Drop the pod's hold (its binding failed, or it is being scheduled again)."""
+        self._drop(pod_uid)
+
+    def holds(self, pod_uid: str) -> bool:
+        return pod_uid in self._by_time
 
     def pending_use(
         self, node: str, generation: int, exclude_pod: str = ""
@@ -61,10 +89,9 @@ class AdmissionLedger:
         (other than ``exclude_pod``)."""
         self._expire()
         total: dict[str, tuple[int, int]] = {}
-        for key in [k for k in self._entries if k[1] == node]:
-            entry = self._entries[key]
+        for entry in list(self._by_node.get(node, {}).values()):
             if generation != entry.generation:  # moved on (or the daemon restarted)
-                del self._entries[key]
+                self._drop(entry.pod_uid)
                 continue
             if entry.pod_uid == exclude_pod:
                 continue
@@ -74,7 +101,7 @@ class AdmissionLedger:
         return total
 
     def pending_pods(self, node: str, exclude_pod: str = "") -> int:
-        return sum(1 for pod, on in self._entries if on == node and pod != exclude_pod)
+        return sum(1 for uid in self._by_node.get(node, {}) if uid != exclude_pod)
 
     def record(
         self,
@@ -83,8 +110,13 @@ class AdmissionLedger:
         generation: int,
         use_by_card: Mapping[str, tuple[int, int]],
     ) -> None:
+        """The pod holds ``use_by_card`` on ``node`` (replacing any hold it had)."""
+        self._drop(pod_uid)
         if not pod_uid or not use_by_card:
             return
-        self._entries[(pod_uid, node)] = LedgerEntry(
-            pod_uid, node, generation, self._clock(), dict(use_by_card)
-        )
+        self._expire()
+        while len(self._by_time) >= self.max_holds:
+            self._drop(next(iter(self._by_time)))
+        entry = LedgerEntry(pod_uid, node, generation, self._clock(), dict(use_by_card))
+        self._by_time[pod_uid] = entry
+        self._by_node.setdefault(node, {})[pod_uid] = entry

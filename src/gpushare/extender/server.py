@@ -1,15 +1,17 @@
-"""``gpushare-scheduler-extender``: the filter and prioritize verbs over HTTP (aiohttp).
+"""``gpushare-scheduler-extender``: the filter, prioritize and bind verbs over HTTP (aiohttp).
 
 The HTTP layer only reads the body, calls the pure verbs (``verbs.py``) and answers.
-A body it cannot use gets HTTP 400 with a message; anything unexpected is logged and
-answered with 500. It never exits because of a request.
+A body it cannot use gets HTTP 400 (413 when too large) with a JSON message; it never
+exits because of a request. Also served: ``/healthz``, ``/readyz`` and ``/metrics``.
+
+Meant to run beside kube-scheduler and listen on 127.0.0.1 only (see
+docs/multi-card.md): whoever reaches it can bind pending pods through it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -18,18 +20,38 @@ from typing import Any
 
 import structlog
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpushare.cli import Parser, add_version, bounded_float
 from gpushare.config import LOG_FORMATS, LOG_LEVELS
+from gpushare.extender.apiserver import (
+    DEFAULT_CA_FILE,
+    DEFAULT_TOKEN_FILE,
+    BindError,
+    BindingClient,
+    in_cluster_url,
+)
+from gpushare.extender.body import BadRequest, parse_json
 from gpushare.extender.fit import PLACEMENTS
 from gpushare.extender.ledger import AdmissionLedger
-from gpushare.extender.verbs import BadRequest, ExtenderPolicy, filter_verb, prioritize_verb
+from gpushare.extender.metrics import ExtenderMetrics
+from gpushare.extender.verbs import (
+    VERDICTS_KEY,
+    BindRefused,
+    ExtenderPolicy,
+    ExtenderState,
+    bind_verb,
+    filter_verb,
+    prioritize_verb,
+)
 from gpushare.logs import configure_logging
 
 log = structlog.get_logger(__name__)
 
-#: A NodeList of a few thousand full Node objects can run to tens of MiB.
-MAX_BODY_BYTES = 256 << 20
+#: Default bound of a request body. A NodeList of a few hundred full Node objects
+#: fits; the work and memory a body costs are linear in its size, so this keeps one
+#: request well under the container's memory limit.
+DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 DEFAULT_PORT = 9446
 DEFAULT_LEDGER_TIMEOUT = 60.0
@@ -37,12 +59,21 @@ DEFAULT_LEDGER_TIMEOUT = 60.0
 
 @dataclass(frozen=True)
 class ExtenderSettings:
-    address: str = "0.0.0.0"
+    address: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     url_prefix: str = "/gpushare"
     resource_prefix: str = "gpushare.io"
     placement: str = "binpack"
     ledger_timeout_seconds: float = DEFAULT_LEDGER_TIMEOUT
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    #: API server for the bind verb ("": in-cluster address, or binding disabled)
+    api_server: str = ""
+    token_file: str = DEFAULT_TOKEN_FILE
+    ca_file: str = DEFAULT_CA_FILE
+    #: a second listener serving only /healthz, /readyz and /metrics (0: none), for
+    #: the kubelet's probes when the verbs listen on 127.0.0.1 inside a pod
+    probe_address: str = "0.0.0.0"
+    probe_port: int = 0
 
     @property
     def policy(self) -> ExtenderPolicy:
@@ -56,73 +87,126 @@ def _route(prefix: str, verb: str) -> str:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-@web.middleware
-async def _never_crash(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except web.HTTPException:
-        raise
-    except Exception as exc:
-        log.exception("request_failed", path=request.path)
-        return web.json_response({"Error": f"internal error: {type(exc).__name__}"}, status=500)
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"Error": message}, status=status)
 
 
 async def _read_json(request: web.Request) -> Any:
     try:
-        text = await request.text()
-    except web.HTTPRequestEntityTooLarge:
-        raise
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise BadRequest(f"the body is not UTF-8 text: {exc}") from None
-    if not text.strip():
-        raise BadRequest("the body is empty; expected ExtenderArgs JSON")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BadRequest(f"the body is not JSON: {exc}") from None
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise _TooLarge(str(exc.text or "")) from None
+    return parse_json(raw)
 
 
-def _bad_request(verb: str, exc: BadRequest) -> web.Response:
-    log.warning("bad_request", verb=verb, reason=str(exc))
-    return web.json_response({"Error": str(exc)}, status=400)
+class _TooLarge(Exception):
+    pass
 
 
-def build_app(settings: ExtenderSettings, ledger: AdmissionLedger | None = None) -> web.Application:
-    """The aiohttp application; ``ledger`` may be passed in to share or inspect it."""
+#: The app serving only the probes and metrics (see ``ExtenderSettings.probe_port``).
+PROBES = web.AppKey("probes", web.Application)
+
+
+def build_app(
+    settings: ExtenderSettings,
+    ledger: AdmissionLedger | None = None,
+    binder: BindingClient | None = None,
+) -> web.Application:
+    """The aiohttp application; ``ledger`` may be passed in to share or inspect it, and
+    ``binder`` replaces the in-cluster API client (None: built from the settings)."""
     if ledger is None:
         ledger = AdmissionLedger(settings.ledger_timeout_seconds)
+    state = ExtenderState(ledger)
     policy = settings.policy
+    metrics = ExtenderMetrics(lambda: len(state.ledger), lambda: len(state.pods))
+    if binder is None:
+        url = settings.api_server or in_cluster_url()
+        binder = BindingClient(url, settings.token_file, settings.ca_file) if url else None
 
-    async def filter_handler(request: web.Request) -> web.Response:
+    def verb_handler(verb: str, answer: Callable[[Any], Awaitable[Any]]) -> Handler:
+        async def handle(request: web.Request) -> web.Response:
+            started = time.perf_counter()
+            try:
+                response = web.json_response(await answer(await _read_json(request)))
+            except BadRequest as exc:
+                log.warning("bad_request", verb=verb, reason=str(exc)[:300])
+                response = _error(400, str(exc))
+            except _TooLarge:
+                log.warning("body_too_large", verb=verb, limit=settings.max_body_bytes)
+                response = _error(413, f"the body is larger than {settings.max_body_bytes} bytes")
+            except Exception as exc:  # a bug: logged and answered, the server goes on
+                log.exception("request_failed", verb=verb)
+                response = _error(500, f"internal error: {type(exc).__name__}")
+            metrics.requests.labels(verb, str(response.status)).inc()
+            metrics.latency.labels(verb).observe(time.perf_counter() - started)
+            return response
+
+        return handle
+
+    async def do_filter(body: Any) -> Any:
         started = time.perf_counter()
-        try:
-            answer = filter_verb(await _read_json(request), policy, ledger)
-        except BadRequest as exc:
-            return _bad_request("filter", exc)
+        answer = filter_verb(body, policy, state)
+        for reason, count in answer.pop(VERDICTS_KEY, {}).items():
+            metrics.verdicts.labels(reason).inc(count)
         log.info(
             "filter",
-            kept=[n["metadata"]["name"] for n in answer["Nodes"]["items"]],
-            failed=answer["FailedNodes"],
-            pending=len(ledger),
+            kept=len(answer["Nodes"]["items"]),
+            failed=len(answer["FailedNodes"]),
+            holds=len(state.ledger),
             ms=round((time.perf_counter() - started) * 1000, 2),
         )
-        return web.json_response(answer)
+        return answer
 
-    async def prioritize_handler(request: web.Request) -> web.Response:
+    async def do_prioritize(body: Any) -> Any:
+        return prioritize_verb(body, policy, state)
+
+    async def do_bind(body: Any) -> Any:
         try:
-            answer = prioritize_verb(await _read_json(request), policy, ledger)
-        except BadRequest as exc:
-            return _bad_request("prioritize", exc)
-        log.debug("prioritize", scores={s["Host"]: s["Score"] for s in answer})
-        return web.json_response(answer)
+            args = bind_verb(body, policy, state)
+        except BindRefused as exc:
+            metrics.bindings.labels("refused").inc()
+            log.info("bind_refused", reason=str(exc))
+            return {"Error": str(exc)}
+        if binder is None:
+            state.ledger.forget_pod(args.uid)
+            metrics.bindings.labels("failed").inc()
+            return {"Error": "binding is not configured (no API server address)"}
+        try:
+            await binder.bind(args.namespace, args.name, args.uid, args.node)
+        except BindError as exc:
+            state.ledger.forget_pod(args.uid)
+            metrics.bindings.labels("failed").inc()
+            log.warning("bind_failed", pod=args.label, node=args.node, reason=str(exc))
+            return {"Error": f"binding {args.label} to {args.node}: {exc}"}
+        metrics.bindings.labels("bound").inc()
+        log.info("bound", pod=args.label, node=args.node, holds=len(state.ledger))
+        return {"Error": ""}
 
     async def healthz(_request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
-    app = web.Application(middlewares=[_never_crash], client_max_size=MAX_BODY_BYTES)
-    app.router.add_post(_route(settings.url_prefix, "filter"), filter_handler)
-    app.router.add_post(_route(settings.url_prefix, "prioritize"), prioritize_handler)
-    app.router.add_get("/healthz", healthz)
+    async def serve_metrics(_request: web.Request) -> web.Response:
+        data = generate_latest(metrics.registry)
+        return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def close_binder(_app: web.Application) -> None:
+        if binder is not None:
+            await binder.close()
+
+    def probe_routes(target: web.Application) -> web.Application:
+        target.router.add_get("/healthz", healthz)
+        target.router.add_get("/readyz", healthz)
+        target.router.add_get("/metrics", serve_metrics)
+        return target
+
+    app = probe_routes(web.Application(client_max_size=settings.max_body_bytes))
+    app[PROBES] = probe_routes(web.Application(client_max_size=1024))
+    app.router.add_post(_route(settings.url_prefix, "filter"), verb_handler("filter", do_filter))
+    app.router.add_post(
+        _route(settings.url_prefix, "prioritize"), verb_handler("prioritize", do_prioritize)
+    )
+    app.router.add_post(_route(settings.url_prefix, "bind"), verb_handler("bind", do_bind))
+    app.on_cleanup.append(close_binder)
     return app
 
 
@@ -169,8 +253,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--ledger-timeout-seconds",
         type=bounded_float(0.001, 3600),
         default=defaults.ledger_timeout_seconds,
-        help="the longest a pod let through is counted on top of its node's annotation",
+        help="the longest a bound pod is counted on top of its node's annotation",
     )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=defaults.max_body_bytes,
+        help="largest request body accepted (413 above it)",
+    )
+    parser.add_argument(
+        "--api-server",
+        default=defaults.api_server,
+        help="API server URL for the bind verb (default: the in-cluster address)",
+    )
+    parser.add_argument("--token-file", default=defaults.token_file, help="bearer token file")
+    parser.add_argument(
+        "--probe-port",
+        type=int,
+        default=defaults.probe_port,
+        help="also serve /healthz, /readyz and /metrics (only) on this port (0: off)",
+    )
+    parser.add_argument(
+        "--probe-address", default=defaults.probe_address, help="address of --probe-port"
+    )
+    parser.add_argument("--ca-file", default=defaults.ca_file, help="the API server's CA")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="auto")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     add_version(parser)
@@ -180,10 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_settings(argv: Sequence[str] | None) -> tuple[ExtenderSettings, argparse.Namespace]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not 0 <= args.port <= 65535:
-        parser.error("--port must be between 0 and 65535")
-    if args.ledger_timeout_seconds <= 0:
-        parser.error("--ledger-timeout-seconds must be greater than 0")
+    for flag, port in (("--port", args.port), ("--probe-port", args.probe_port)):
+        if not 0 <= port <= 65535:
+            parser.error(f"{flag} must be between 0 and 65535")
+    if not 1024 <= args.max_body_bytes <= 1 << 30:
+        parser.error("--max-body-bytes must be between 1024 and 1073741824")
     prefix = args.resource_prefix
     if not prefix or "/" in prefix or " " in prefix:
         parser.error(f"--resource-prefix {prefix!r} is not a domain name like gpushare.io")
@@ -194,25 +301,40 @@ def parse_settings(argv: Sequence[str] | None) -> tuple[ExtenderSettings, argpar
         resource_prefix=prefix,
         placement=args.placement,
         ledger_timeout_seconds=args.ledger_timeout_seconds,
+        max_body_bytes=args.max_body_bytes,
+        api_server=args.api_server,
+        token_file=args.token_file,
+        ca_file=args.ca_file,
+        probe_address=args.probe_address,
+        probe_port=args.probe_port,
     )
     return settings, args
 
 
 async def _serve(settings: ExtenderSettings) -> None:
-    runner, port = await start(build_app(settings), settings.address, settings.port)
+    app = build_app(settings)
+    runners = []
+    if settings.probe_port:
+        probes, probe_port = await start(app[PROBES], settings.probe_address, settings.probe_port)
+        runners.append(probes)
+        log.info("probes_listening", address=settings.probe_address, port=probe_port)
+    runner, port = await start(app, settings.address, settings.port)
+    runners.append(runner)
     log.info(
         "listening",
         address=settings.address,
         port=port,
         filter=_route(settings.url_prefix, "filter"),
         prioritize=_route(settings.url_prefix, "prioritize"),
+        bind=_route(settings.url_prefix, "bind"),
         placement=settings.placement,
         resource_prefix=settings.resource_prefix,
     )
     try:
         await asyncio.Event().wait()
     finally:
-        await runner.cleanup()
+        for each in runners:
+            await each.cleanup()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,15 +5,23 @@ capitalised (``Pod``, ``Nodes``, ``NodeNames``); Go reads answers case-insensiti
 With ``nodeCacheCapable: false`` the nodes arrive as full Node objects in
 ``Nodes.items``, and the filter must answer them the same way: a node dropped without
 an entry in ``FailedNodes`` would vanish without a reason in the pod's events.
+
+The ``bind`` verb is where a pod starts to hold room (see ``ledger.py``): the filter
+only remembers what the pod needs and what each node published, and the binding
+checks the pod still fits the chosen node, counting the pods bound before it, and
+records the hold. Posting the Binding to the API server is the HTTP layer's part.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 from gpushare import nodestate
+from gpushare.extender.body import BadRequest
+from gpushare.extender.choice import card_choice_of, excluded_rooms
 from gpushare.extender.fit import (
     BINPACK,
     Fit,
@@ -26,10 +34,53 @@ from gpushare.extender.fit import (
     subtract,
 )
 from gpushare.extender.ledger import AdmissionLedger
+from gpushare.gputype import CardChoice
+
+__all__ = ["BadRequest", "ExtenderPolicy", "ExtenderState", "bind_verb", "filter_verb"]
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 
-class BadRequest(ValueError):
-    """The request cannot be answered; the message goes back with HTTP 400."""
+class Recent(Generic[K, V]):
+    """A mapping that keeps only the ``limit`` most recently written keys."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._items: OrderedDict[K, V] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, key: K, value: V) -> None:
+        self._items.pop(key, None)
+        self._items[key] = value
+        while len(self._items) > self.limit:
+            self._items.popitem(last=False)
+
+    def get(self, key: K) -> V | None:
+        return self._items.get(key)
+
+    def pop(self, key: K) -> V | None:
+        return self._items.pop(key, None)
+
+
+#: Pods filtered and not bound yet, and nodes seen, that the extender remembers.
+MAX_REMEMBERED_PODS = 10_000
+MAX_REMEMBERED_NODES = 50_000
+
+
+@dataclass
+class ExtenderState:
+    """What the verbs remember between calls (all of it bounded)."""
+
+    ledger: AdmissionLedger
+    #: pod UID -> what it needs, from its latest filter call
+    pods: Recent[str, PodNeed] = field(default_factory=lambda: Recent(MAX_REMEMBERED_PODS))
+    #: node name -> its latest published state, from filter and prioritize calls
+    nodes: Recent[str, nodestate.NodeGpuState] = field(
+        default_factory=lambda: Recent(MAX_REMEMBERED_NODES)
+    )
 
 
 @dataclass(frozen=True)
@@ -85,8 +136,8 @@ def read_args(body: Any) -> ExtenderArgs:
     meta = pod.get("metadata") or {}
     if not isinstance(meta, Mapping):
         raise BadRequest("Pod.metadata must be an object")
-    name = f"{meta.get('namespace') or 'default'}/{meta.get('name') or '?'}"
-    uid = str(meta.get("uid") or "") or name
+    name = f"{meta.get('namespace') or 'default'}/{meta.get('name') or '?'}"[:300]
+    uid = str(meta.get("uid") or "")[:253] or name
     return ExtenderArgs(pod=pod, pod_uid=uid, pod_label=name, nodes=list(items))
 
 
@@ -112,48 +163,87 @@ class NodeVerdict:
     name: str
     fit: Fit
     generation: int | None
+    #: why, in a word (the metrics' label): fits, no_room, held, no_gpus, no_annotation,
+    #: bad_annotation
+    code: str = "fits"
+
+
+def read_node_state(
+    node: Mapping[str, Any], prefix: str
+) -> tuple[nodestate.NodeGpuState | None, str, str]:
+    """(state, code, reason): the node's published cards, or why there are none."""
+    key = nodestate.annotation_key(prefix)
+    meta = node.get("metadata") or {}
+    annotations = meta.get("annotations") if isinstance(meta, Mapping) else None
+    text = annotations.get(key) if isinstance(annotations, Mapping) else None
+    if not isinstance(text, str):
+        if _has_resource(node, f"{prefix}/vcuda-memory") or _has_resource(
+            node, f"{prefix}/vcuda-core"
+        ):
+            return (
+                None,
+                "no_annotation",
+                (
+                    f"the node has gpushare resources but no {key} annotation, so its cards are "
+                    "unknown (is the gpushare daemon running there with NODE_NAME set?)"
+                ),
+            )
+        return None, "no_gpus", "the node has no gpushare GPUs"
+    try:
+        state = nodestate.decode(text)
+        card_rooms(state)  # its counts are believable
+    except (ValueError, RecursionError) as exc:
+        return None, "bad_annotation", f"the {key} annotation cannot be read: {str(exc)[:200]}"
+    return state, "fits", ""
+
+
+def judge_state(
+    name: str,
+    state: nodestate.NodeGpuState,
+    need: PodNeed,
+    policy: ExtenderPolicy,
+    ledger: AdmissionLedger,
+    exclude_pod: str = "",
+    choice: CardChoice | None = None,
+) -> NodeVerdict:
+    """Fit the pod on the node's published cards less what the ledger holds there and
+    the cards the pod's annotations exclude."""
+    held = ledger.pending_use(name, state.generation, exclude_pod)
+    rooms, excluded = excluded_rooms(subtract(card_rooms(state), held), state, choice)
+    if excluded and len(excluded) == len(rooms):
+        reason = f"the pod's card choice excludes every card: {', '.join(excluded)}"
+        return NodeVerdict(name, Fit(None, reason), state.generation, "card_choice")
+    fit = fit_pod(rooms, need, policy.placement)
+    if fit.fits:
+        return NodeVerdict(name, fit, state.generation)
+    if excluded:
+        fit = Fit(None, f"{fit.reason} (excluded by the pod's card choice: {', '.join(excluded)})")
+    if held:
+        pending = ledger.pending_pods(name, exclude_pod)
+        reason = (
+            f"{fit.reason} (counting {pending} pod(s) bound here that the node's "
+            "annotation does not show yet)"
+        )
+        return NodeVerdict(name, Fit(None, reason), state.generation, "held")
+    return NodeVerdict(name, fit, state.generation, "no_room")
 
 
 def judge_node(
     node: Mapping[str, Any],
     need: PodNeed,
     policy: ExtenderPolicy,
-    ledger: AdmissionLedger,
+    state: ExtenderState,
     exclude_pod: str = "",
+    choice: CardChoice | None = None,
 ) -> NodeVerdict:
-    """Read one Node's published cards, take off what the ledger holds, and fit the pod."""
+    """Read one Node's published cards, remember them, and fit the pod on them less the
+    cards the pod's annotations exclude (``choice``)."""
     name = _node_name(node)
-    prefix = policy.resource_prefix
-    key = nodestate.annotation_key(prefix)
-    meta = node.get("metadata") or {}
-    annotations = meta.get("annotations") if isinstance(meta, Mapping) else None
-    text = annotations.get(key) if isinstance(annotations, Mapping) else None
-    if text is None:
-        if _has_resource(node, f"{prefix}/vcuda-memory") or _has_resource(
-            node, f"{prefix}/vcuda-core"
-        ):
-            reason = (
-                f"the node has gpushare resources but no {key} annotation, so its cards are "
-                "unknown (is the gpushare daemon running there with NODE_NAME set?)"
-            )
-        else:
-            reason = "the node has no gpushare GPUs"
-        return NodeVerdict(name, Fit(None, reason), None)
-    try:
-        state = nodestate.decode(str(text))
-    except ValueError as exc:
-        return NodeVerdict(name, Fit(None, f"the {key} annotation cannot be read: {exc}"), None)
-    held = ledger.pending_use(name, state.generation, exclude_pod)
-    rooms = subtract(card_rooms(state), held)
-    fit = fit_pod(rooms, need, policy.placement)
-    if not fit.fits and held:
-        pending = ledger.pending_pods(name, exclude_pod)
-        fit = Fit(
-            None,
-            f"{fit.reason} (counting {pending} pod(s) admitted here that the node's "
-            "annotation does not show yet)",
-        )
-    return NodeVerdict(name, fit, state.generation)
+    published, code, reason = read_node_state(node, policy.resource_prefix)
+    if published is None:
+        return NodeVerdict(name, Fit(None, reason), None, code)
+    state.nodes.put(name, published)
+    return judge_state(name, published, need, policy, state.ledger, exclude_pod, choice)
 
 
 def _need(args: ExtenderArgs, policy: ExtenderPolicy) -> PodNeed:
@@ -163,40 +253,115 @@ def _need(args: ExtenderArgs, policy: ExtenderPolicy) -> PodNeed:
         raise BadRequest(f"pod {args.pod_label}: {exc}") from None
 
 
-def filter_verb(body: Any, policy: ExtenderPolicy, ledger: AdmissionLedger) -> dict[str, Any]:
-    """ExtenderFilterResult: the nodes that can hold the pod, and why the others cannot."""
+def filter_verb(body: Any, policy: ExtenderPolicy, state: ExtenderState) -> dict[str, Any]:
+    """ExtenderFilterResult: the nodes that can hold the pod, and why the others cannot.
+
+    Also the verdict code per node (for the metrics), under a key Go does not read."""
     args = read_args(body)
     need = _need(args, policy)
     if not need.wants_gpu:
         return {"Nodes": {"items": args.nodes}, "NodeNames": None, "FailedNodes": {}, "Error": ""}
-    ledger.forget_pod(args.pod_uid)
+    # Scheduled again (its binding failed or it is being retried): it holds nothing now.
+    state.ledger.forget_pod(args.pod_uid)
+    state.pods.put(args.pod_uid, need)
     kept: list[Mapping[str, Any]] = []
     failed: dict[str, str] = {}
+    choice = card_choice_of(args.pod, policy.resource_prefix)
+    codes: dict[str, int] = {}
     for node in args.nodes:
-        verdict = judge_node(node, need, policy, ledger)
+        verdict = judge_node(node, need, policy, state, choice=choice)
+        codes[verdict.code] = codes.get(verdict.code, 0) + 1
         if verdict.fit.placement is None:
             failed[verdict.name] = verdict.fit.reason
-            continue
-        kept.append(node)
-        assert verdict.generation is not None
-        ledger.record(
-            args.pod_uid, verdict.name, verdict.generation, verdict.fit.placement.use_by_card()
-        )
-    return {"Nodes": {"items": kept}, "NodeNames": None, "FailedNodes": failed, "Error": ""}
+        else:
+            kept.append(node)
+    return {
+        "Nodes": {"items": kept},
+        "NodeNames": None,
+        "FailedNodes": failed,
+        "Error": "",
+        VERDICTS_KEY: codes,
+    }
+
+
+#: Key of the per-code node counts in the filter's answer; the HTTP layer removes it.
+VERDICTS_KEY = "_verdicts"
 
 
 def prioritize_verb(
-    body: Any, policy: ExtenderPolicy, ledger: AdmissionLedger
+    body: Any, policy: ExtenderPolicy, state: ExtenderState
 ) -> list[dict[str, Any]]:
     """HostPriorityList: 0..10 per node, binpack or spread over the card the pod would get.
 
-    The pod's own ledger entries (from its filter call) are left out of the state it is
-    scored against, so a node is not scored as if the pod were already there twice.
-    """
+    The pod's own hold (if it was bound before and is scheduled again) is left out of
+    the state it is scored against."""
     args = read_args(body)
     need = _need(args, policy)
     scores = []
+    choice = card_choice_of(args.pod, policy.resource_prefix)
     for node in args.nodes:
-        verdict = judge_node(node, need, policy, ledger, exclude_pod=args.pod_uid)
+        verdict = judge_node(node, need, policy, state, exclude_pod=args.pod_uid, choice=choice)
         scores.append({"Host": verdict.name, "Score": score(verdict.fit, policy.placement)})
     return scores
+
+
+@dataclass(frozen=True)
+class BindingArgs:
+    """ExtenderBindingArgs: which pod (with its UID) goes to which node."""
+
+    name: str
+    namespace: str
+    uid: str
+    node: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def _name_field(body: Mapping[str, Any], key: str) -> str:
+    value = _get(body, key)
+    if not isinstance(value, str) or not value or len(value) > 253:
+        raise BadRequest(f"{key} must be a non-empty string of at most 253 characters")
+    return value
+
+
+def read_binding_args(body: Any) -> BindingArgs:
+    if not isinstance(body, Mapping):
+        raise BadRequest("the body must be a JSON object (ExtenderBindingArgs)")
+    return BindingArgs(
+        name=_name_field(body, "PodName"),
+        namespace=_name_field(body, "PodNamespace"),
+        uid=_name_field(body, "PodUID"),
+        node=_name_field(body, "Node"),
+    )
+
+
+class BindRefused(Exception):
+    """The pod cannot be bound there now; the scheduler is told and retries the pod."""
+
+
+def bind_verb(body: Any, policy: ExtenderPolicy, state: ExtenderState) -> BindingArgs:
+    """Check the pod still fits the chosen node, counting the pods bound before it, and
+    record its hold there. The caller posts the Binding and calls
+    ``state.ledger.forget_pod`` if that fails."""
+    args = read_binding_args(body)
+    need = state.pods.get(args.uid)
+    if need is None:
+        raise BindRefused(
+            f"pod {args.label} was not filtered by this extender (or too long ago); "
+            "it will be scheduled again"
+        )
+    published = state.nodes.get(args.node)
+    if published is None:
+        raise BindRefused(f"node {args.node} was not seen in a filter call")
+    verdict = judge_state(args.node, published, need, policy, state.ledger, exclude_pod=args.uid)
+    if verdict.fit.placement is None:
+        raise BindRefused(
+            f"node {args.node} no longer holds pod {args.label}: {verdict.fit.reason}"
+        )
+    state.ledger.record(
+        args.uid, args.node, published.generation, verdict.fit.placement.use_by_card()
+    )
+    state.pods.pop(args.uid)
+    return args

@@ -2,11 +2,11 @@
 
 Small and in-process: objects are stored by URL path, and the verbs the project's
 code uses are served (GET one or a list with label/field selectors, POST, PATCH as
-JSON merge patch, strategic merge patch or server-side apply, DELETE), for the kinds
-in :data:`KINDS`. Server-side apply checks what the real server checks of a request
-(a fieldManager, a body naming the URL's object) and is a no-op, keeping the
-resourceVersion, when it changes nothing. Every request
-is recorded, and the next requests can be made to fail.
+JSON merge patch, strategic merge patch or server-side apply, DELETE, and the
+``pods/{name}/binding`` subresource), for the kinds in :data:`KINDS`. Server-side
+apply checks what the real server checks of a request (a fieldManager, a body naming
+the URL's object) and is a no-op, keeping the resourceVersion, when it changes
+nothing. Every request is recorded, and the next requests can be made to fail.
 
 Watches (``?watch=1``) are served as the real server does over HTTP/1.1: a chunked
 answer of one JSON event per line (ADDED, MODIFIED, DELETED; BOOKMARK every
@@ -364,6 +364,8 @@ class KubeApiDouble:
                 return 404, self._status(404, f"{parts[-1]} not found")
             self._drop(key)
             return 200, self._status(200, "deleted") | {"status": "Success"}
+        if method == "POST" and parts[-1] == "binding":
+            return self._bind(key.rsplit("/", 1)[0], body)
         if method == "PATCH" and "apply-patch" in content_type:
             return self._apply(parts, key, current, query, body)
         if method == "PATCH":
@@ -376,6 +378,32 @@ class KubeApiDouble:
             self._put(key, merged)
             return 200, deepcopy(merged)
         return 400, self._status(400, f"{method} {path} is not supported by the double")
+
+    def _bind(self, pod_key: str, body: Any) -> tuple[int, Any]:
+        """``pods/{name}/binding``: what the real server checks, then ``spec.nodeName``.
+        A UID in the Binding must be the pod's (409 otherwise); a bound pod is 409."""
+        pod = self.objects.get(pod_key)
+        name = pod_key.rsplit("/", 1)[-1]
+        if pod is None:
+            return 404, self._status(404, f'pods "{name}" not found')
+        target = body.get("target") if isinstance(body, dict) else None
+        meta = body.get("metadata") if isinstance(body, dict) else None
+        if not isinstance(target, dict) or not target.get("name") or not isinstance(meta, dict):
+            return 400, self._status(400, "a Binding needs metadata and target.name")
+        uid = meta.get("uid")
+        if uid and uid != pod["metadata"]["uid"]:
+            return 409, self._status(
+                409,
+                f"Precondition failed: UID in precondition: {uid}, "
+                f"UID in object meta: {pod['metadata']['uid']}",
+            )
+        if (pod.get("spec") or {}).get("nodeName"):
+            return 409, self._status(
+                409, f'pod {name} is already assigned to node "{pod["spec"]["nodeName"]}"'
+            )
+        pod.setdefault("spec", {})["nodeName"] = target["name"]
+        self._put(pod_key, pod)  # a MODIFIED event for watches
+        return 201, {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}
 
     def _apply(
         self,

@@ -13,9 +13,16 @@ sidecar). Each pod is scheduled twice over, on two copies of the cluster:
 * **with the extender** only nodes where :func:`gpushare.extender.fit.fit_pod` finds
   a card for every container are candidates, scored by the extender's score.
 
+The node is the real one: each simulated node runs the gpushare daemon on simulated
+cards, and a pod sent there is admitted by the kubelet stand-in over gRPC (containers
+in order, resources in Go-map order, GetPreferredAllocation then Allocate). The
+daemon's binder decides the cards, so an admission failure counted here is one that
+can really happen. The scheduler side reads each node's free units from the kubelet's
+allocations, as the extender reads the daemon's annotation.
+
 A pod that no node can take is counted **unschedulable** (a real cluster keeps it
-Pending). The daemon's card choice is the same function in both cases, with the
-same policy (binpack or spread) as the scheduler's node scoring.
+Pending). The daemons run with the same policy (binpack or spread) as the
+scheduler's node scoring.
 
 ``python -m gpushare.sim.trace [--pods N] [--seed S] [--write PATH]`` prints a markdown
 report and exits 1 if any pod failed admission with the extender.
@@ -34,6 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import structlog
+
 from gpushare.extender.fit import (
     BINPACK,
     PLACEMENTS,
@@ -43,9 +52,14 @@ from gpushare.extender.fit import (
     fit_pod,
     score,
 )
+from gpushare.logs import configure_logging
 from gpushare.mdsection import replace_section
+from gpushare.sim.rig import DaemonNode
 
 UNIT_MIB = 256
+
+#: Admission failure reasons listed per run in the report (the rest are counted).
+REASONS_SHOWN = 3
 
 #: (cards per node, card model, MiB per card, nodes of this shape)
 NODE_SHAPES: tuple[tuple[int, str, int, int], ...] = (
@@ -132,16 +146,38 @@ class SimNode:
         return sum(r.memory_units for r in self.rooms)
 
 
+def _uuid(count: int, node: int, card: int) -> str:
+    return f"GPU-{count:04x}{node:04x}-{card:04x}-4000-8000-000000000000"
+
+
 def make_cluster() -> list[SimNode]:
     nodes = []
     for count, _model, mib, how_many in NODE_SHAPES:
         for n in range(how_many):
             rooms = [
-                CardRoom(f"{count}x-{n}-GPU{i}", i, mib // UNIT_MIB, mib // UNIT_MIB, 100)
+                CardRoom(_uuid(count, n, i), i, mib // UNIT_MIB, mib // UNIT_MIB, 100)
                 for i in range(count)
             ]
             nodes.append(SimNode(f"{count}card-{n}", count, rooms, [0.0] * count, [0.0] * count))
     return nodes
+
+
+def start_daemons(nodes: Sequence[SimNode], placement: str) -> list[DaemonNode]:
+    """The real daemon behind a kubelet stand-in, for each node."""
+    models = {count: (model, mib) for count, model, mib, _ in NODE_SHAPES}
+    rigs: list[DaemonNode] = []
+    try:
+        for number, node in enumerate(nodes):
+            model, mib = models[node.cards]
+            cards = [(room.uuid, model, mib) for room in node.rooms]
+            rig = DaemonNode(node.name, cards, placement, seed=number)
+            rigs.append(rig)
+            rig.start()
+    except BaseException:
+        for rig in rigs:
+            rig.stop()
+        raise
+    return rigs
 
 
 @dataclass
@@ -155,6 +191,7 @@ class RunResult:
     card_memory_use: list[float] = field(default_factory=list)  # time-averaged, per card
     card_core_use: list[float] = field(default_factory=list)
     use_by_shape: dict[int, float] = field(default_factory=dict)
+    failure_reasons: list[str] = field(default_factory=list)
 
 
 def _totals_score(node: SimNode, pod: PodNeed, placement: str) -> float:
@@ -165,8 +202,25 @@ def _totals_score(node: SimNode, pod: PodNeed, placement: str) -> float:
 
 def simulate(trace: Sequence[TracePod], placement: str, extender: bool) -> RunResult:
     nodes = make_cluster()
+    rigs = start_daemons(nodes, placement)
+    try:
+        result = _simulate(trace, placement, extender, nodes, rigs)
+        result.failure_reasons = [reason for rig in rigs for reason in rig.failures]
+        return result
+    finally:
+        for rig in rigs:
+            rig.stop()
+
+
+def _simulate(
+    trace: Sequence[TracePod],
+    placement: str,
+    extender: bool,
+    nodes: list[SimNode],
+    rigs: list[DaemonNode],
+) -> RunResult:
     result = RunResult(placement, extender, pods=len(trace))
-    departures: list[tuple[float, int, int, dict[str, tuple[int, int]]]] = []
+    departures: list[tuple[float, int, int]] = []
     measure_from = trace[len(trace) // 10].arrival if trace else 0.0
     last = measure_from
 
@@ -181,17 +235,12 @@ def simulate(trace: Sequence[TracePod], placement: str, extender: bool) -> RunRe
                 node.core_area[i] += (room.core_units - room.core_free) * span
         last = until
 
-    def apply(node: SimNode, use: dict[str, tuple[int, int]], sign: int) -> None:
-        node.rooms = [
-            r.minus(sign * use[r.uuid][0], sign * use[r.uuid][1]) if r.uuid in use else r
-            for r in node.rooms
-        ]
-
     for pod in trace:
         while departures and departures[0][0] <= pod.arrival:
-            at, _, node_number, use = heapq.heappop(departures)
+            at, number, node_number = heapq.heappop(departures)
             account(at)
-            apply(nodes[node_number], use, -1)
+            rigs[node_number].release(f"pod-{number}")
+            nodes[node_number].rooms = rigs[node_number].rooms()
         account(pod.arrival)
         need = pod.need
         candidates = [
@@ -212,15 +261,13 @@ def simulate(trace: Sequence[TracePod], placement: str, extender: bool) -> RunRe
             result.unschedulable += 1
             continue
         chosen = max(ranked)[1]
-        node = nodes[chosen]
-        fit = fit_pod(node.rooms, need, placement)  # the daemon, card by card
-        if fit.placement is None:
+        use = rigs[chosen].admit(f"pod-{pod.number}", need)  # the daemon, card by card
+        if use is None:
             result.admission_failures += 1
             continue
-        use = fit.placement.use_by_card()
-        apply(node, use, +1)
+        nodes[chosen].rooms = rigs[chosen].rooms()
         result.admitted += 1
-        heapq.heappush(departures, (pod.arrival + pod.duration, pod.number, chosen, use))
+        heapq.heappush(departures, (pod.arrival + pod.duration, pod.number, chosen))
     end = trace[-1].arrival if trace else 0.0
     account(end)
     span = max(end - measure_from, 1e-9)
@@ -275,6 +322,14 @@ def render_report(results: Sequence[RunResult], pods: int, seed: int, load: floa
     for r in results:
         cells = " | ".join(_pct(r.use_by_shape[c]) for c, *_ in NODE_SHAPES)
         lines.append(f"| {r.placement} | {'yes' if r.extender else 'no'} | {cells} |")
+    failed = [r for r in results if r.extender and r.failure_reasons]
+    if failed:
+        lines += ["", "Admission failures with the extender (the daemon refused the pod):", ""]
+        for r in failed:
+            shown = r.failure_reasons[:REASONS_SHOWN]
+            lines += [f"- {r.placement}: {reason}" for reason in shown]
+            if len(r.failure_reasons) > len(shown):
+                lines.append(f"- {r.placement}: ... and {len(r.failure_reasons) - len(shown)} more")
     return "\n".join(lines) + "\n"
 
 
@@ -293,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m gpushare.sim.trace",
         description="Trace-driven placement simulation, with and without the scheduler extender.",
     )
-    parser.add_argument("--pods", type=int, default=6000, help="pods in the trace")
+    parser.add_argument("--pods", type=int, default=2000, help="pods in the trace")
     parser.add_argument("--seed", type=int, default=7, help="seed of the trace")
     parser.add_argument(
         "--load", type=float, default=1.0, help="offered memory load (1.0 = the cluster's memory)"
@@ -308,8 +363,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.pods < 20 or args.load <= 0:
         parser.error("--pods must be at least 20 and --load greater than 0")
+    saved = structlog.get_config()
+    configure_logging("console", "error")  # the daemons' own events would drown the report
     started = time.perf_counter()
-    results, report = run(args.pods, args.seed, args.load)
+    try:
+        results, report = run(args.pods, args.seed, args.load)
+    finally:
+        structlog.configure(**saved)
     print(report, end="")
     print(f"\n({time.perf_counter() - started:.1f} s)", file=sys.stderr)
     if args.write:
@@ -317,6 +377,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             out.write(report)
     if args.section:
         command = f"python -m gpushare.sim.trace --pods {args.pods} --seed {args.seed}"
+        report += (
+            "\nEvery pod is admitted by the real daemon (its binder behind the kubelet "
+            "stand-in), so admission failures are ones that can really happen.\n"
+        )
         if args.load != 1.0:
             command += f" --load {args.load}"
         body = f"Produced by `make simulate` (`{command}`).\n\n{report}"

@@ -99,6 +99,12 @@ def test_admitted_pods_are_annotated_and_use_is_published(node: Node, api: KubeA
     assert sum(c.core_units_used for c in state.cards) == 30
     # Six allocations in a burst: debounced into far fewer Node updates.
     assert len(api.calls("PATCH", f"/nodes/{NODE}")) - patches_before <= 3
+    # ...and each container annotated once, not once per resource.
+    link = node.daemon.api_link if node.daemon is not None else None
+    assert link is not None
+    eventually(lambda: link.annotations_handled >= 6)
+    for name in ("a", "b", "c"):
+        assert len(api.calls("PATCH", f"/namespaces/default/pods/{name}")) == 1, name
 
 
 def test_a_pod_deleted_before_its_annotation_does_not_hold_up_the_others(

@@ -46,6 +46,8 @@ REFRESH_SECONDS = 30.0
 MAX_BACKOFF = 60.0
 API_TIMEOUT = 5.0
 POD_ANNOTATION_TRIES = 10
+#: How many (pod, container, card) annotations are remembered to skip their repeats.
+ANNOTATED_MEMORY = 4096
 #: Answers to a pod patch that another try will not change (pod gone, RBAC, invalid).
 FINAL_POD_PATCH_STATUSES = frozenset({403, 404, 422})
 
@@ -110,6 +112,9 @@ class ApiLink:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pending: deque[_PendingPodAnnotation] = deque()
+        #: (pod UID, container, card) annotated lately, oldest first: skip the same again.
+        self._annotated: dict[tuple[str, str, str], None] = {}
+        self.annotations_handled = 0  # Allocates whose annotation was written or skipped
         self._forget_health: Any = None
         self.pods = PodWatch(lambda: self._api, node_name, book)
         book.on_miss = self.pods.refresh_now
@@ -240,6 +245,7 @@ class ApiLink:
             return
         snapshot = self.records.list()
         retry: list[_PendingPodAnnotation] = []
+        batch_only: list[tuple[str, str, str]] = []
         while self._pending:
             item = self._pending.popleft()
             holder = snapshot.holder_of(item.resource, item.first_id) if snapshot else None
@@ -247,6 +253,15 @@ class ApiLink:
                 item.tries += 1
                 if item.tries < POD_ANNOTATION_TRIES:
                     retry.append(item)
+                else:
+                    self.annotations_handled += 1
+                continue
+            # A container's two resources name the same card: annotate it once. The pod's
+            # UID keeps a pod re-created under the same name from being skipped.
+            uid = self.book.uid_of(holder.namespace, holder.pod)
+            done_key = (uid or f"{holder.namespace}/{holder.pod}", holder.container, item.uuid)
+            if done_key in self._annotated:
+                self.annotations_handled += 1
                 continue
             key = nodestate.pod_annotation_key(self.prefix, holder.container)
             body = {"metadata": {"annotations": {key: item.uuid}}}
@@ -263,9 +278,12 @@ class ApiLink:
                         namespace=holder.namespace,
                         error=_short(exc),
                     )
+                    self.annotations_handled += 1
                     continue
                 # The API server is down or busy: keep it (and the rest) for later.
                 self._pending.extendleft(reversed([item, *retry]))
+                for done in batch_only:
+                    self._annotated.pop(done, None)
                 raise
             log.info(
                 "pod_annotated",
@@ -274,6 +292,14 @@ class ApiLink:
                 container=holder.container,
                 gpu=item.uuid,
             )
+            self.annotations_handled += 1
+            self._annotated[done_key] = None
+            while len(self._annotated) > ANNOTATED_MEMORY:
+                self._annotated.pop(next(iter(self._annotated)))
+            if uid is None:  # without a UID only this batch may skip the other resource
+                batch_only.append(done_key)
+        for done in batch_only:
+            self._annotated.pop(done, None)
         self._pending.extend(retry)
 
     def _pods_changed(self, pods: list[dict[str, Any]]) -> None:

@@ -150,6 +150,14 @@ class PodSpecBook:
                     return entry
         return None
 
+    def uid_of(self, namespace: str, name: str) -> str | None:
+        """The UID of the pod of that name on record (None if unknown)."""
+        with self._lock:
+            for uid, entry in self._pods.items():
+                if (entry.namespace, entry.name) == (namespace, name):
+                    return uid
+        return None
+
     def requests_of(self, holder: Holder) -> dict[Resource, int] | None:
         """Units of each resource the container asks for; None if its pod is unknown
         (after one bounded re-read of the pods, when the book has a way to re-read)."""

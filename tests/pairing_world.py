@@ -155,6 +155,11 @@ class World:
         self.kubelet = SimulatedKubelet(Path("/nonexistent"), seed=seed)
         self.records = DirectRecords(self.kubelet, self.clock) if regime.records else None
         self.specs = PodSpecBook(PREFIX) if regime.specs else None
+        #: The API server's pods; the book re-reads them on a miss while ``api_up``.
+        self.api_pods: dict[str, dict[str, Any]] = {}
+        self.api_up = True
+        if self.specs is not None:
+            self.specs.on_miss = self._relist
         self.binder = Binder(
             self.inventory,
             self.usage,
@@ -177,6 +182,12 @@ class World:
                 resource.name_with(PREFIX), DirectStub(servicer), options, _DEVICE_LISTS[key]
             )
         self.pods = 0
+
+    def _relist(self) -> bool:
+        if not self.api_up or self.specs is None:
+            return False
+        self.specs.replace_all(list(self.api_pods.values()))
+        return True
 
     def clock(self) -> float:
         self.now += 0.001  # every look at the clock is a moment later: admissions are quick
@@ -210,8 +221,9 @@ class World:
             ContainerSpec(f"c{i}", dict(requests), init=i < init)
             for i, (requests, _order) in enumerate(containers)
         ]
+        self.api_pods[name] = pod_object(name, specs)
         if self.specs is not None:
-            self.specs.update(pod_object(name, specs))
+            self.specs.update(self.api_pods[name])
         outcome = Outcome()
         could_fit = self.pod_fits([s for s in specs if not s.init]) and all(
             self.pod_fits([s]) for s in specs if s.init
@@ -229,8 +241,9 @@ class World:
                     if could_fit:
                         outcome.needless += 1
                         outcome.details.append(f"{name}/{spec.name} {dict(spec.requests)}: {exc}")
+                self.api_pods[name] = pod_object(name, specs, phase="Failed")
                 if self.specs is not None:  # the watch reports the rejected pod as Failed
-                    self.specs.update(pod_object(name, specs, phase="Failed"))
+                    self.specs.update(self.api_pods[name])
                 break
             cards = {d.split("::")[0] for ids in record.devices.values() for d in ids}
             visible = set(record.card().split(","))

@@ -520,10 +520,13 @@ def test_the_chart_refuses_a_loopback_metrics_address_the_probes_cannot_reach(
 
 
 @pytest.mark.parametrize("strategy", ["none", "single", "mixed"])
-def test_chart_gives_the_mig_monitor_capability_only_with_a_mig_strategy(strategy: str) -> None:
+def test_chart_never_asks_for_the_mig_monitor_capability(strategy: str) -> None:
+    """NVIDIA's runtime hook refuses NVIDIA_MIG_MONITOR_DEVICES without CAP_SYS_ADMIN,
+    which the daemon does not have: the pod would not start on a MIG node."""
     values = chart_values()
     values["config"]["migStrategy"] = strategy
     daemonset = one(chart_objects(values), "DaemonSet")
     env = {e["name"]: e.get("value") for e in _container(daemonset)["env"]}
-    assert ("NVIDIA_MIG_MONITOR_DEVICES" in env) is (strategy != "none")
-    assert env.get("NVIDIA_MIG_MONITOR_DEVICES", "all") == "all"
+    assert "NVIDIA_MIG_MONITOR_DEVICES" not in env
+    added = _container(daemonset)["securityContext"]["capabilities"].get("add", [])
+    assert "SYS_ADMIN" not in added

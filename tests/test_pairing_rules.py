@@ -115,7 +115,9 @@ def test_decision_table(
     assert decision.from_facts == (basis is not Basis.FALLBACK)
 
 
-def test_a_binding_older_than_the_window_pairs_with_nothing() -> None:
+def test_age_ends_only_the_fallback_never_what_the_facts_show() -> None:
+    late = LAST.at + PAIR_WINDOW + 0.1
     facts = Facts(records(HOLDS_MEMORY), specs=specs({MEMORY: 2, CORE: 30}))
-    decision = decide(LAST, PAIR_WINDOW, CORE, 30, LAST.at + PAIR_WINDOW + 0.1, facts)
+    assert decide(LAST, PAIR_WINDOW, CORE, 30, late, facts).basis is Basis.PARTNER
+    decision = decide(LAST, PAIR_WINDOW, CORE, 30, late, Facts(None, "socket missing"))
     assert decision.basis is Basis.EXPIRED and decision.partner is None

@@ -477,3 +477,35 @@ def test_chart_policies_are_the_kustomize_ones_and_can_be_turned_off() -> None:
         "gpushare.io" not in yaml.safe_dump(o["spec"]).replace("gpushare.io/enabled", "")
         for o in prefixed
     )
+
+
+# -- shared units together with whole cards or MIG devices ---------------------------
+
+
+def _limits(name: str, **limits: int) -> dict[str, Any]:
+    return {"name": name, "resources": {"limits": {k: str(v) for k, v in limits.items()}}}
+
+
+@pytest.mark.parametrize(
+    ("limits", "refused"),
+    [
+        ({"gpushare.io/gpu": 1, "gpushare.io/vcuda-memory": 4}, True),
+        ({"gpushare.io/mig-1g.5gb": 1, "gpushare.io/vcuda-core": 10}, True),
+        ({"gpushare.io/gpu": 2}, False),
+        ({"gpushare.io/mig-3g.20gb": 1}, False),
+        ({"gpushare.io/vcuda-memory": 4, "gpushare.io/vcuda-core": 10}, False),
+        ({"nvidia.com/gpu": 1, "gpushare.io/vcuda-memory": 4}, False),  # not ours to judge
+    ],
+)
+def test_a_container_never_mixes_shared_units_with_whole_cards_or_mig(
+    limits: dict[str, int], refused: bool
+) -> None:
+    pod = _pod(_limits("app", **limits))
+    denials = CORE.denials(CREATE_POD, pod)
+    assert denials is not None
+    assert any("together with whole cards or MIG" in d for d in denials) is refused
+    # Two containers, one of each kind, are fine.
+    split = _pod(
+        _limits("a", **{"gpushare.io/gpu": 1}), _limits("b", **{"gpushare.io/vcuda-memory": 4})
+    )
+    assert not [d for d in CORE.denials(CREATE_POD, split) or [] if "MIG" in d]

@@ -282,9 +282,15 @@ class Binder:
         try:
             return self._allocate(resource, device_ids)
         except BindingError:
-            with self._lock:
-                self.pairing.refused()
+            self.refused()
             raise
+
+    def refused(self) -> None:
+        """An Allocate of this node was refused (here or by the caller's own checks):
+        the kubelet rejects that pod, so nothing it bound is anybody's partner."""
+        with self._lock:
+            self.pairing.refused()
+            self._decided.clear()
 
     def _allocate(self, resource: Resource, device_ids: Sequence[str]) -> tuple[str, Answer]:
         arrival = self._clock()
@@ -320,8 +326,6 @@ class Binder:
                 )
             else:
                 refusal = None
-                binding = Binding(resource, uuid, tuple(device_ids), self._clock())
-                self.pairing.bound(binding)
         if refusal is not None:
             log.warning(
                 "pairing_refused",
@@ -352,6 +356,10 @@ class Binder:
         )
         if self._on_allocated is not None:
             self._on_allocated(resource, uuid, device_ids)
+        with self._lock:
+            # Timed as the answer leaves: the kubelet asks for the container's next
+            # resource right after it (the window only matters when facts are missing).
+            self.pairing.bound(Binding(resource, uuid, tuple(device_ids), self._clock()))
         log.info(
             "allocated",
             resource=resource.value,

@@ -267,6 +267,11 @@ class ExclusiveServicer(ListingServicer):
                     raise BindingError(
                         Refusal.INVALID, "must_include_deviceIDs are not all in available_deviceIDs"
                     )
+                # The kubelet's offer can predate our last device list (a card just
+                # taken the other way): prefer what the board says is free now.
+                usable = [d for d in available if self.board.is_healthy(d.id)]
+                if len(usable) >= size and set(required) <= set(usable):
+                    available = usable
                 choice = self.choice(size) if self.choice is not None else None
                 if choice is not None:
                     allowed = [d for d in available if choice.allows(d.name, d.parent)]

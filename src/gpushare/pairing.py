@@ -58,7 +58,7 @@ class Basis(enum.Enum):
     """Why a decision was taken; the value reads as a log field."""
 
     NOTHING_TO_PAIR = "no recent binding of the other resource"
-    EXPIRED = "the last binding of the other resource is older than the pairing window"
+    EXPIRED = "no facts, and the last binding of the other resource is older than the window"
     COMPLETE = "the records show the last binding's container holds this resource already"
     NOT_WANTED = "the last binding's container does not ask for this resource"
     RELEASED = "the records no longer list the last binding, and no init container waits for it"
@@ -136,8 +136,15 @@ def decide(
     outside any lock the admission path waits on."""
     if last is None or last.resource is resource:
         return Decision(None, Basis.NOTHING_TO_PAIR)
-    if now - last.at > window:
-        return Decision(None, Basis.EXPIRED)
+    decision = _from_facts(last, resource, size, facts)
+    if decision.basis is Basis.FALLBACK and now - last.at > window:
+        # Facts prove nothing and the kubelet asks for a container's resources back to
+        # back: a binding this old is nobody's partner. (Facts are never outvoted by age.)
+        return Decision(None, Basis.EXPIRED, decision.holder, decision.lacking)
+    return decision
+
+
+def _from_facts(last: Binding, resource: Resource, size: int, facts: Facts) -> Decision:
     if facts.records is None:
         return Decision(last, Basis.FALLBACK, lacking=facts.records_missing)
     holder = facts.records.holder_of(last.resource, last.device_ids[0])

@@ -267,7 +267,11 @@ class DevicePluginServicer(ListingServicer):
                 raise BindingError(Refusal.INVALID, "the request holds no container requests")
             responses = []
             for container in request.container_requests:
-                self._check_choice(container.devices_ids)
+                try:
+                    self._check_choice(container.devices_ids)
+                except BindingError:
+                    self.binder.refused()  # the pod is rejected: it pairs with nothing
+                    raise
                 uuid, answer = self.binder.allocate(self.resource, container.devices_ids)
                 if self.listing is not None:
                     answer = with_device_list(answer, [uuid], self.listing)

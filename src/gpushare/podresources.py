@@ -154,7 +154,17 @@ class PodResourcesClient:
                     self.last_error = "the read in flight did not end in time"
                     return None
                 self._cond.wait(left)
-        snapshot, error = self._call(began, max(0.01, deadline - self._clock()))
+        snapshot: Snapshot | None = None
+        error = "the read failed"
+        try:
+            snapshot, error = self._call(began, max(0.01, deadline - self._clock()))
+        except Exception as exc:  # e.g. the socket's directory unreadable: never wedge
+            error = self._report_failure(f"{type(exc).__name__}: {exc}")
+        finally:
+            self._finish(began, snapshot, error)
+        return snapshot
+
+    def _finish(self, began: float, snapshot: Snapshot | None, error: str) -> None:
         with self._cond:
             self._inflight = None
             self._done = (began, snapshot, error)
@@ -162,7 +172,6 @@ class PodResourcesClient:
                 self.last = snapshot
             self.last_error = error
             self._cond.notify_all()
-        return snapshot
 
     def _call(self, began: float, timeout: float) -> tuple[Snapshot | None, str]:
         """One List call, outside every lock."""

@@ -71,6 +71,7 @@ class _Entry:
     name: str
     phase: str
     containers: tuple[SpecContainer, ...]  # GPU containers only, in admission order
+    deleting: bool = False  # deletionTimestamp set: on its way out, never being admitted
 
 
 def _plan_from(containers: Sequence[SpecContainer]) -> list[Need]:
@@ -112,7 +113,8 @@ class PodSpecBook:
         if not uid or not containers or phase in TERMINAL_PHASES:
             return uid, None
         namespace, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
-        return uid, _Entry(namespace, name, phase, tuple(containers))
+        deleting = bool(meta.get("deletionTimestamp"))
+        return uid, _Entry(namespace, name, phase, tuple(containers), deleting)
 
     def update(self, pod: Mapping[str, Any]) -> None:
         """Record (or replace) a pod as the API server shows it."""
@@ -144,11 +146,18 @@ class PodSpecBook:
             return len(self._pods)
 
     def _find(self, holder: Holder) -> _Entry | None:
+        """The pod of that name being admitted: Pending and not being deleted. A copy of
+        the same name that runs or is going away (a pod deleted and created again while
+        the watch lags) is not it; two live copies are ambiguous: None."""
         with self._lock:
-            for entry in self._pods.values():
-                if (entry.namespace, entry.name) == (holder.namespace, holder.pod):
-                    return entry
-        return None
+            live = [
+                entry
+                for entry in self._pods.values()
+                if (entry.namespace, entry.name) == (holder.namespace, holder.pod)
+                and entry.phase == "Pending"
+                and not entry.deleting
+            ]
+        return live[0] if len(live) == 1 else None
 
     def uid_of(self, namespace: str, name: str) -> str | None:
         """The UID of the pod of that name on record (None if unknown)."""
@@ -159,8 +168,9 @@ class PodSpecBook:
         return None
 
     def requests_of(self, holder: Holder) -> dict[Resource, int] | None:
-        """Units of each resource the container asks for; None if its pod is unknown
-        (after one bounded re-read of the pods, when the book has a way to re-read)."""
+        """Units of each resource the container of a pod being admitted asks for; None
+        if no such pod is on record (after one bounded re-read of the pods, when the
+        book has a way to re-read)."""
         entry = self._find(holder)
         if entry is None and self.on_miss is not None and self.on_miss():
             entry = self._find(holder)
@@ -174,23 +184,27 @@ class PodSpecBook:
     def init_waiting(
         self, bound: Resource, bound_size: int, resource: Resource, size: int
     ) -> bool:
-        """Whether a pending pod has an ordinary init container asking ``bound_size`` of
-        ``bound`` and ``size`` of ``resource`` (PodResources never lists those, so one
-        may be mid-admission although the records do not show it). A miss re-reads the
-        pods once (bounded) before answering no."""
+        """Whether an ordinary init container asking ``bound_size`` of ``bound`` and
+        ``size`` of ``resource`` may be mid-admission (PodResources never lists those).
+
+        "No" needs proof: a fresh re-read of the pods (bounded) that shows no pending pod
+        with such an init container. Without a way to re-read, or when the re-read fails
+        or is refused by its rate limit, the answer is "yes, maybe"."""
 
         def found() -> bool:
             with self._lock:
                 return any(
                     c.init and c.needs.get(bound, 0) == bound_size and c.needs.get(resource) == size
                     for entry in self._pods.values()
-                    if entry.phase == "Pending"
+                    if entry.phase == "Pending" and not entry.deleting
                     for c in entry.containers
                 )
 
         if found():
             return True
-        return bool(self.on_miss is not None and self.on_miss() and found())
+        if self.on_miss is None or not self.on_miss():
+            return True
+        return found()
 
     def asking(
         self,

@@ -188,9 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_version(parser)
     parser.add_argument(
         "--log-level",
-        default="warning",
+        default="error",
         choices=LOG_LEVELS,
-        help="daemon log level (default warning)",
+        help="daemon log level (default error: the demo prints what matters itself)",
     )
     args = parser.parse_args(argv)
     configure_logging("console", args.log_level)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
+from conftest import TESLA_P4, Node, cards
 from pairing_world import CORE, MEMORY, REGIMES, World, _Context, pod_object
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2
@@ -99,3 +101,23 @@ def test_an_unexpected_error_reading_the_records_does_not_wedge_the_client() -> 
     assert "File name too long" in client.last_error
     assert client._inflight is None  # the next read starts its own call
     assert client.read_after(client._clock(), timeout=0.1) is None
+
+
+@pytest.mark.parametrize("whole_first", [True, False])
+def test_a_container_mixing_whole_cards_and_shared_units_is_refused(
+    node: Node, whole_first: bool
+) -> None:
+    """With the pod specs and the records the daemon sees the container hold one kind
+    and ask for the other: it refuses instead of naming two cards."""
+    node.with_pod_specs()
+    node.start(cards(TESLA_P4, 2), whole_cards=True)
+    whole = f"{node.settings.resource_prefix}/gpu"
+    assert node.kubelet.wait_for(lambda k: bool(k.devices(whole)))
+    requests = {whole: 1, node.memory: 4}
+    node.pod("mix", requests)
+    order = [whole, node.memory] if whole_first else [node.memory, whole]
+    with pytest.raises(AdmissionError, match="together with whole cards or MIG"):
+        node.kubelet.admit("mix", "main", requests, order=order)
+    # A pod of one kind per container is served.
+    node.pod("ok", {node.memory: 4})
+    assert node.kubelet.admit("ok", "main", {node.memory: 4}).card()

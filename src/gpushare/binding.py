@@ -46,7 +46,7 @@ from gpushare.placement import (
 )
 from gpushare.podresources import Snapshot
 from gpushare.podspecs import PodSpecBook
-from gpushare.usage import UsageLedger
+from gpushare.usage import Holder, UsageLedger
 
 log = structlog.get_logger(__name__)
 
@@ -65,6 +65,15 @@ class BindingError(Exception):
         super().__init__(message)
         self.kind = kind
         self.message = message
+
+
+def mixed_kinds(holder: Holder) -> str:
+    """The refusal of a container that asks for shared units and whole cards or MIG."""
+    return (
+        f"container {holder.container} of pod {holder.namespace}/{holder.pod} asks for "
+        "shared units (vcuda-memory/vcuda-core) together with whole cards or MIG devices; "
+        "the answers would name different GPUs: split it into two containers"
+    )
 
 
 class Records(Protocol):
@@ -311,11 +320,15 @@ class Binder:
                 Refusal.PRECONDITION, f"{self._describe(uuid)} is unhealthy ({reason})"
             )
         with self._lock:
-            seen, decision, _snapshot = self._decided.pop(resource, (None, None, None))
+            seen, decision, snapshot = self._decided.pop(resource, (None, None, None))
             fresh = decision is not None and seen is self.pairing.last
         if not fresh:  # no GetPreferredAllocation just before: decide now
-            _last, decision, _snapshot = self._decide(resource, len(device_ids), arrival)
+            _last, decision, snapshot = self._decide(resource, len(device_ids), arrival)
         assert decision is not None
+        if snapshot is not None and self.specs is not None:
+            mixer = self.specs.mixer_being_admitted(snapshot, shared=resource)
+            if mixer is not None:
+                raise BindingError(Refusal.PRECONDITION, mixed_kinds(mixer))
         with self._lock:
             partner = decision.partner
             if partner is not None and partner.card != uuid:

@@ -21,7 +21,7 @@ import structlog
 
 from gpushare import mig, migserve
 from gpushare.answers import DeviceListing, Enforcement
-from gpushare.binding import Binder
+from gpushare.binding import RECORDS_WAIT, Binder, mixed_kinds
 from gpushare.buildinfo import build_info
 from gpushare.cardmodes import CardMode, card_modes, parse_card_modes
 from gpushare.cdi import CdiCheck
@@ -561,6 +561,7 @@ class Daemon:
                 prefer=self._preference(devices, backend),
                 on_allocated=self._exclusive_allocated,
                 choice=lambda n, name=name: self._choice(name, n),  # type: ignore[misc]
+                guard=lambda name=name: self._mixed_guard(name),  # type: ignore[misc]
             )
             server = PluginServer(exclusive_servicer, kubelet_dir / devices.socket_name)
             self.servers.append(server)
@@ -660,6 +661,17 @@ class Daemon:
             self.servers.append(server)
             named.append((server, name))
         return named
+
+    def _mixed_guard(self, name: str) -> str | None:
+        """Refuse whole cards to a container being admitted that also holds shared
+        units (the kubelet's fresh records and the pod specs must both say so)."""
+        if self.specs is None or self.pod_resources is None:
+            return None
+        records = self.pod_resources.read_after(time.monotonic(), timeout=RECORDS_WAIT)
+        if records is None:
+            return None
+        mixer = self.specs.mixer_being_admitted(records, exclusive=name)
+        return mixed_kinds(mixer) if mixer is not None else None
 
     def _preference(self, resource: ExclusiveResource, backend: GpuBackend) -> Preference:
         """Whole cards: NVLink, then NUMA, then PCIe switch (see topology.py). A backend

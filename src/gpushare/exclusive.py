@@ -214,8 +214,12 @@ class ExclusiveServicer(ListingServicer):
         on_allocated: Callable[[str, Sequence[ExclusiveDevice]], None] | None = None,
         observe: Callable[[str, str, str, float], None] | None = None,
         choice: Callable[[int], CardChoice | None] | None = None,
+        guard: Callable[[], str | None] | None = None,
     ) -> None:
         super().__init__(resource.name, board, stopping)
+        #: Why this Allocate must be refused although its devices are free (a container
+        #: mixing shared units with these devices), or None.
+        self.guard = guard
         #: The asking pod's card choice (use-gputype annotations), if it can be told.
         self.choice = choice
         self.resource = resource
@@ -288,6 +292,9 @@ class ExclusiveServicer(ListingServicer):
         def handle() -> Any:
             if not request.container_requests:
                 raise BindingError(Refusal.INVALID, "the request holds no container requests")
+            refusal = self.guard() if self.guard is not None else None
+            if refusal is not None:
+                raise BindingError(Refusal.PRECONDITION, refusal)
             # Check every container first: one refusal must leave nothing recorded.
             containers = []
             for container in request.container_requests:

@@ -40,6 +40,18 @@ def _units(resources: Mapping[str, Any] | None, name: str) -> int:
         return 0
 
 
+def exclusive_requests(container: Mapping[str, Any], prefix: str) -> tuple[str, ...]:
+    """The whole-card and MIG resources (``<prefix>/gpu``, ``<prefix>/mig-*``) asked for."""
+    limits = (container.get("resources") or {}).get("limits") or {}
+    return tuple(
+        sorted(
+            str(name)
+            for name in limits
+            if str(name) == f"{prefix}/gpu" or str(name).startswith(f"{prefix}/mig-")
+        )
+    )
+
+
 def container_requests(container: Mapping[str, Any], prefix: str) -> dict[Resource, int]:
     """Units of each gpushare resource a container spec asks for (limits, else requests)."""
     resources = container.get("resources") or {}
@@ -59,6 +71,9 @@ class SpecContainer:
     #: An ordinary (not restartable) init container: it runs alone, before the app
     #: containers, and PodResources does not list it.
     init: bool = False
+    #: Whole-card or MIG resources it asks for besides its shared units (full names): a
+    #: container that mixes the kinds is refused (the two would name different cards).
+    exclusive: tuple[str, ...] = ()
 
     @property
     def need(self) -> Need:
@@ -103,12 +118,23 @@ class PodSpecBook:
             if any(wanted.values()):
                 restartable = container.get("restartPolicy") == "Always"
                 containers.append(
-                    SpecContainer(str(container.get("name", "")), wanted, init=not restartable)
+                    SpecContainer(
+                        str(container.get("name", "")),
+                        wanted,
+                        init=not restartable,
+                        exclusive=exclusive_requests(container, self.prefix),
+                    )
                 )
         for container in spec.get("containers") or []:
             wanted = container_requests(container, self.prefix)
             if any(wanted.values()):
-                containers.append(SpecContainer(str(container.get("name", "")), wanted))
+                containers.append(
+                    SpecContainer(
+                        str(container.get("name", "")),
+                        wanted,
+                        exclusive=exclusive_requests(container, self.prefix),
+                    )
+                )
         phase = str((pod.get("status") or {}).get("phase", "Pending"))
         if not uid or not containers or phase in TERMINAL_PHASES:
             return uid, None
@@ -180,6 +206,38 @@ class PodSpecBook:
             if container.name == holder.container:
                 return dict(container.needs)
         return {resource: 0 for resource in Resource}  # a container with no GPU units
+
+    def mixer_being_admitted(
+        self, records: Snapshot, shared: Resource | None = None, exclusive: str | None = None
+    ) -> Holder | None:
+        """A container asking for shared units together with whole cards or MIG devices
+        that is being admitted now and would get this request: it holds units of one kind
+        (per the fresh ``records``) and still waits for ``shared`` (or ``exclusive``).
+        The kubelet admits one container at a time, so such a container is the asker."""
+        holding_exclusive = {h for held in records.exclusive.values() for h in held.values()}
+        with self._lock:
+            pods = [e for e in self._pods.values() if e.phase == "Pending" and not e.deleting]
+        for entry in pods:
+            for c in entry.containers:
+                if not c.exclusive:
+                    continue
+                holder = Holder(entry.namespace, entry.name, c.name)
+                held = records.devices.get(holder, {})
+                waits_shared = (
+                    shared is not None
+                    and holder in holding_exclusive
+                    and bool(c.needs.get(shared, 0))
+                    and not held.get(shared)
+                )
+                waits_exclusive = (
+                    exclusive is not None
+                    and exclusive in c.exclusive
+                    and bool(held)
+                    and holder not in set(records.exclusive.get(exclusive, {}).values())
+                )
+                if waits_shared or waits_exclusive:
+                    return holder
+        return None
 
     def init_waiting(
         self, bound: Resource, bound_size: int, resource: Resource, size: int

@@ -20,6 +20,7 @@ from gpushare.config import Settings
 from gpushare.daemon import Daemon
 from gpushare.elf import stand_in
 from gpushare.podspecs import PodSpecBook
+from gpushare.sim.apiserver import KubeApiDouble
 from gpushare.sim.kubelet import SimulatedKubelet
 
 RTX_3090 = {"name": "NVIDIA GeForce RTX 3090", "memory_mib": 24259}
@@ -142,3 +143,21 @@ def node(short_tmp: Path) -> Iterator[Node]:
         yield sim
     finally:
         sim.stop()
+
+
+#: The node the API-server double knows, for tests of the daemon's API link.
+NODE = "gpu-node-1"
+
+
+@pytest.fixture
+def api(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeApiDouble]:
+    """An API-server double holding the Node ``NODE``, the daemon's kubeconfig on it."""
+    double = KubeApiDouble()
+    double.start()
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(double.kubeconfig(short_tmp / "kubeconfig")))
+    double.add({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "labels": {}}})
+    try:
+        yield double
+    finally:
+        double.stop()

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Node, gpu_uuid
+from conftest import NODE, Node, gpu_uuid
 from hypothesis import given
 from hypothesis import strategies as st
 from kube_double import KubeApiDouble
@@ -19,7 +17,6 @@ from gpushare import nodestate
 from gpushare.gputype import CardChoice, ChoiceBook, allowed_cards, card_choice
 from gpushare.sim.kubelet import AdmissionError
 
-NODE = "gpu-node-1"
 T4 = {"uuid": gpu_uuid(0), "name": "Tesla T4", "memory_mib": 15360, "numa_node": 0}
 A100 = {"uuid": gpu_uuid(1), "name": "NVIDIA A100-PCIE-40GB", "memory_mib": 40960, "numa_node": 0}
 
@@ -103,19 +100,6 @@ def test_the_book_answers_only_when_every_candidate_agrees() -> None:
 
 
 # ------------------------------------------------------------------ in the daemon
-
-
-@pytest.fixture
-def api(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeApiDouble]:
-    double = KubeApiDouble()
-    double.start()
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    monkeypatch.setenv("KUBECONFIG", str(double.kubeconfig(short_tmp / "kubeconfig")))
-    double.add({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "labels": {}}})
-    try:
-        yield double
-    finally:
-        double.stop()
 
 
 def start(node: Node, api: KubeApiDouble) -> None:

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import re
 import string
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import yaml
-from conftest import TESLA_P4, Node, cards
+from conftest import NODE, TESLA_P4, Node, cards
 from hypothesis import given
 from hypothesis import strategies as st
 from kube_double import KubeApiDouble
@@ -19,7 +17,6 @@ from gpushare import nodestate
 from gpushare.gpus import Gpu
 from gpushare.labels import LabelFacts, arch_family, gfd_sanitise, node_labels, product_label
 
-NODE = "gpu-node-1"
 #: What the API server accepts as a label value.
 VALID_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 
@@ -106,19 +103,6 @@ def test_nvidia_product_label_only_when_asked() -> None:
 
 
 # ------------------------------------------------------------------ on a Node
-
-
-@pytest.fixture
-def api(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeApiDouble]:
-    double = KubeApiDouble()
-    double.start()
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    monkeypatch.setenv("KUBECONFIG", str(double.kubeconfig(short_tmp / "kubeconfig")))
-    double.add({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "labels": {}}})
-    try:
-        yield double
-    finally:
-        double.stop()
 
 
 def test_the_daemon_labels_its_node_from_the_simulated_cards(

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import CARD_4GIB, TESLA_P4, Node, cards, gpu_uuid
+from conftest import CARD_4GIB, NODE, TESLA_P4, Node, cards, gpu_uuid
 from kube_double import KubeApiDouble
 
 from gpushare import nodestate
-
-NODE = "gpu-node-1"
 
 
 def eventually(check: Callable[[], Any], timeout: float = 15.0) -> Any:
@@ -26,19 +24,6 @@ def eventually(check: Callable[[], Any], timeout: float = 15.0) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError(f"not true within {timeout} s: {check}")
         time.sleep(0.05)
-
-
-@pytest.fixture
-def api(short_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeApiDouble]:
-    double = KubeApiDouble()
-    double.start()
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    monkeypatch.setenv("KUBECONFIG", str(double.kubeconfig(short_tmp / "kubeconfig")))
-    double.add({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "labels": {}}})
-    try:
-        yield double
-    finally:
-        double.stop()
 
 
 def node_annotation(api: KubeApiDouble) -> nodestate.NodeGpuState | None:

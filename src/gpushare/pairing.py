@@ -103,7 +103,7 @@ class Facts:
 
 
 class Pairing:
-    """The last binding, and the partner decision for each new request."""
+    """The last binding; :func:`decide` takes the partner decision against it."""
 
     def __init__(self, window: float = PAIR_WINDOW) -> None:
         self.window = window
@@ -113,10 +113,6 @@ class Pairing:
         """Whether deciding on ``resource`` now would look at the kubelet's records."""
         last = self.last
         return last is not None and last.resource is not resource and now - last.at <= self.window
-
-    def decide(self, resource: Resource, size: int, now: float, facts: Facts) -> Decision:
-        """The decision against the current last binding (see :func:`decide`)."""
-        return decide(self.last, self.window, resource, size, now, facts)
 
     def bound(self, binding: Binding) -> None:
         """An Allocate succeeded: this is now the binding to pair with."""

@@ -6,7 +6,7 @@ for both ``vcuda-memory`` and ``vcuda-core`` must get both on ONE card: if the s
 resource landed elsewhere, the two answers would name two cards and the kubelet would
 keep one of them, so one tenant's limits would be enforced on another tenant's card.
 
-:class:`Pairing` remembers the last binding and, for each new request, decides from
+:class:`Pairing` remembers the last binding and :func:`decide`, for each new request, tells from
 facts whether the request is that binding's partner (it must go to the same card) or
 not (it may go anywhere):
 

@@ -14,7 +14,6 @@ container of its pod was bound last), fixed in the binder since.
 
 from __future__ import annotations
 
-import itertools
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ import pytest
 from conftest import CARD_4GIB, Node, cards
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pairing_world import assignment_exists
 
 from gpushare.devices import Resource
 from gpushare.extender.fit import CardRoom, ContainerNeed, PodNeed, fit_pod
@@ -60,15 +60,11 @@ def _rooms(sim: Node, uuids: Sequence[str], units: int = CARD_UNITS) -> list[Car
 
 
 def _feasible(rooms: Sequence[CardRoom], needs: Sequence[ContainerNeed]) -> bool:
-    for choice in itertools.product(range(len(rooms)), repeat=len(needs)):
-        memory = [r.memory_free for r in rooms]
-        core = [r.core_free for r in rooms]
-        for card, need in zip(choice, needs, strict=True):
-            memory[card] -= need.memory_units
-            core[card] -= need.core_units
-        if min(memory) >= 0 and min(core) >= 0:
-            return True
-    return False
+    """Brute force, the same check as the pairing worlds use."""
+    return assignment_exists(
+        {r.uuid: (r.memory_free, r.core_free) for r in rooms},
+        [(n.memory_units, n.core_units) for n in needs],
+    )
 
 
 def _pod_object(name: str, needs: Sequence[ContainerNeed], sim: Node) -> dict[str, Any]:

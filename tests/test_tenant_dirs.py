@@ -399,7 +399,7 @@ def test_measuring_never_follows_links_and_bounds_its_work(deep_ok: Path) -> Non
 @can_drop_capabilities
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare for a private /tmp")
 def test_a_tenant_changing_the_lock_directory_never_stops_the_daemon(
-    node: Node, started: list[subprocess.Popen[bytes]]
+    node: Node, started: list[subprocess.Popen[bytes]], request: pytest.FixtureRequest
 ) -> None:
     """Run without capabilities in a mount namespace of its own, whose /tmp/vgpulock (the
     old, shared location) a tenant chowned; the daemon's own lock directory is replaced
@@ -416,6 +416,12 @@ def test_a_tenant_changing_the_lock_directory_never_stops_the_daemon(
     os.symlink(elsewhere, root / LOCK_DIR_NAME)
     node.write_gpus(cards(TESLA_P4, 1))
     node.kubelet.start()
+    # A fresh machine has no /tmp/vgpulock to mount onto: the test makes its own mount point
+    # (an empty directory, removed again at the end) rather than relying on an earlier run.
+    made_mount_point = not os.path.lexists(LOCK_DIR)
+    if made_mount_point:
+        os.mkdir(LOCK_DIR, 0o755)
+        request.addfinalizer(lambda: os.rmdir(LOCK_DIR))
     command = f'mount --bind "{shared}" {LOCK_DIR} && exec "$@"'
     start_as_daemonset(node, started, [], wrap=["unshare", "--mount", "sh", "-c", command, "-"])
     assert node.wait_registered(10.0), "the daemon did not start"

@@ -10,14 +10,16 @@ comma  := ,
 demo: $(VENV)/.installed  ## run the daemon on a simulated node with a simulated kubelet
 	$(BIN)/gpushare-demo
 
-test: $(VENV)/.installed-test  ## lint, type-check and run the test suite
+test: $(VENV)/.installed-test  ## lint, type-check, check the layers and run the test suite
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/pytest -q
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 verify-pairing: $(VENV)/.installed-test  ## every admission sequence of up to 5 containers, 3 regimes
 	$(BIN)/pytest -q -m slow tests/test_pairing.py

@@ -23,17 +23,18 @@ from typing import Any
 import grpc
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2
-from gpushare.answers import Enforcement
-from gpushare.binding import Binder
-from gpushare.devices import Inventory, Resource
-from gpushare.gpus import Gpu
-from gpushare.health import HealthBoard
-from gpushare.placement import Policy
-from gpushare.plugin import DevicePluginServicer
-from gpushare.podresources import Snapshot, parse_list_response
-from gpushare.podspecs import PodSpecBook
+from gpushare.deviceplugin.binding import Binder
+from gpushare.deviceplugin.plugin import DevicePluginServicer
+from gpushare.gpu.gpus import Gpu
+from gpushare.gpu.health import HealthBoard
+from gpushare.kube.podspecs import PodSpecBook
+from gpushare.node.podresources import parse_list_response
+from gpushare.share.answers import Enforcement
+from gpushare.share.devices import Inventory, Resource
+from gpushare.share.placement import Policy
+from gpushare.share.records import Snapshot
+from gpushare.share.usage import UsageLedger
 from gpushare.sim.kubelet import AdmissionError, ContainerSpec, SimulatedKubelet
-from gpushare.usage import UsageLedger
 
 PREFIX = "gpushare.io"
 MEMORY = Resource.MEMORY.name_with(PREFIX)

@@ -9,9 +9,14 @@ import pytest
 from conftest import CARD_4GIB, RTX_3090, TESLA_P4, Node, cards, gpu_uuid
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from gpushare.answers import CONTAINER_CACHE_DIR, CONTAINER_CACHE_FILE, CONTAINER_LIBRARY, LOCK_DIR
-from gpushare.devices import Resource
-from gpushare.library import LOCK_DIR_NAME, cache_root
+from gpushare.host.library import LOCK_DIR_NAME, cache_root
+from gpushare.share.answers import (
+    CONTAINER_CACHE_DIR,
+    CONTAINER_CACHE_FILE,
+    CONTAINER_LIBRARY,
+    LOCK_DIR,
+)
+from gpushare.share.devices import Resource
 from gpushare.sim.kubelet import AdmissionError
 
 

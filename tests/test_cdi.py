@@ -12,9 +12,9 @@ import yaml
 from conftest import TESLA_P4, Node, cards, gpu_uuid
 from structlog.testing import capture_logs
 
-from gpushare.answers import CONTAINER_LIBRARY
-from gpushare.cdi import CdiCheck, read_specs
 from gpushare.config import ConfigError, load_settings
+from gpushare.host.cdi import CdiCheck, read_specs
+from gpushare.share.answers import CONTAINER_LIBRARY
 
 
 def cdi_names(admitted: Any, resource: str) -> list[str]:

@@ -13,8 +13,8 @@ import pytest
 import yaml
 from test_deploy_manifests import CHART, KUBE_VERSIONS, chart_objects, chart_values, one
 
-from gpushare.chartschema import config_schema
 from gpushare.config import ConfigError, load_settings
+from gpushare.ops.chartschema import config_schema
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 

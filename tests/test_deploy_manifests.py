@@ -21,8 +21,8 @@ import pytest
 import yaml
 from kubernetes_validate.utils import all_versions
 
-from gpushare import deploy
 from gpushare.config import OPTIONS, Settings, flag_name, load_settings, yaml_key
+from gpushare.ops import deploy
 
 ROOT = Path(__file__).resolve().parent.parent
 DAEMONSET_DIR = ROOT / "daemonset"

@@ -17,9 +17,9 @@ from conftest import TESLA_P4, Node, cards, gpu_uuid
 from procs import poll
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from gpushare.cardmodes import CardMode, parse_card_modes
 from gpushare.daemon import Daemon, NodeConfigurationError
-from gpushare.devices import format_device_id
+from gpushare.share.cardmodes import CardMode, parse_card_modes
+from gpushare.share.devices import format_device_id
 from gpushare.sim.kubelet import AdmissionError
 
 UNITS = 29  # memory units of a Tesla P4

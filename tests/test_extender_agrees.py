@@ -26,9 +26,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pairing_world import assignment_exists
 
-from gpushare.devices import Resource
 from gpushare.extender.fit import CardRoom, ContainerNeed, PodNeed, fit_pod
-from gpushare.placement import Policy
+from gpushare.share.devices import Resource
+from gpushare.share.placement import Policy
 from gpushare.sim.kubelet import AdmissionError
 
 CARD_UNITS = CARD_4GIB["memory_mib"] // 256

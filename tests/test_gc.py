@@ -9,12 +9,12 @@ from pathlib import Path
 from conftest import TESLA_P4, Node, cards
 from procs import poll
 
-from gpushare.answers import CONTAINER_CACHE_DIR, CONTAINER_LIBRARY
 from gpushare.daemon import Daemon
-from gpushare.elf import stand_in
-from gpushare.gc import GarbageCollector
-from gpushare.library import prepare_cache_dir
-from gpushare.podresources import Snapshot
+from gpushare.host.elf import stand_in
+from gpushare.host.gc import GarbageCollector
+from gpushare.host.library import prepare_cache_dir
+from gpushare.share.answers import CONTAINER_CACHE_DIR, CONTAINER_LIBRARY
+from gpushare.share.records import Snapshot
 from gpushare.sim.kubelet import Admitted
 
 GRACE = 0.3

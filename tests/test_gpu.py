@@ -13,7 +13,7 @@ import threading
 import pytest
 from conftest import Node, nvml_loads
 
-from gpushare.gpus import GpuEvent, NvmlBackend
+from gpushare.gpu.gpus import GpuEvent, NvmlBackend
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,8 +12,8 @@ import pytest
 from conftest import TESLA_P4, Node, cards, gpu_uuid
 
 from gpushare.config import parse_xids
-from gpushare.gpus import GpuEvent, NvmlBackend, handle_address
-from gpushare.health import HealthPolicy
+from gpushare.gpu.gpus import GpuEvent, NvmlBackend, handle_address
+from gpushare.gpu.health import HealthPolicy
 
 A, B = gpu_uuid(0), gpu_uuid(1)
 

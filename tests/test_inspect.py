@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from kube_double import KubeApiDouble
 
-from gpushare import nodestate
-from gpushare.inspect import build_view, main, render_json, render_table, render_yaml
+from gpushare.kube import nodestate
+from gpushare.ops.inspect import build_view, main, render_json, render_table, render_yaml
 
 PREFIX = "gpushare.io"
 P4 = ("Tesla P4", 7611)
@@ -363,7 +363,7 @@ def test_json_and_yaml_use_one_key_style_and_say_the_same() -> None:
 def test_kubeconfig_and_context_flags_before_or_after_the_command(
     cluster: KubeApiDouble, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    from gpushare.kubectl import main as kubectl
+    from gpushare.ops.kubectl import main as kubectl
 
     config = os.environ["KUBECONFIG"]
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))  # the flag must win
@@ -398,7 +398,7 @@ def test_inspect_imports_none_of_the_clients_typed_apis_or_models(cluster: KubeA
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "gpushare.kubectl", "inspect", "-o", "json"],
+        [sys.executable, "-X", "importtime", "-m", "gpushare.ops.kubectl", "inspect", "-o", "json"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -16,7 +16,7 @@ from conftest import TESLA_P4, Node, cards
 from kube_double import KubeApiDouble
 from procs import daemon_command, poll
 
-from gpushare.kubeclient import (
+from gpushare.kube.kubeclient import (
     ApiClient,
     ApiStatusError,
     KubeConfigError,
@@ -24,9 +24,9 @@ from gpushare.kubeclient import (
     kubeconfig_endpoint,
     load_endpoint,
 )
-from gpushare.podspecs import PodSpecBook
-from gpushare.podwatch import PodWatch
-from gpushare.usage import Holder
+from gpushare.kube.podspecs import PodSpecBook
+from gpushare.kube.podwatch import PodWatch
+from gpushare.share.usage import Holder
 
 NODE = "gpu-node-1"
 
@@ -337,7 +337,7 @@ def test_the_watch_retries_with_backoff_while_the_server_fails(
     api.add(pod("a"))
     watch = PodWatch(lambda: client, NODE, book)
     monkey = pytest.MonkeyPatch()
-    monkey.setattr("gpushare.podwatch.random.uniform", lambda _a, _b: 0.01)
+    monkey.setattr("gpushare.kube.podwatch.random.uniform", lambda _a, _b: 0.01)
     try:
         watch.start()
         eventually(lambda: len(book) == 1)

@@ -16,10 +16,12 @@ import pytest
 import yaml
 from kube_double import KubeApiDouble
 
-from gpushare import __version__, deploy, nodestate
+from gpushare import __version__
 from gpushare.config import Settings
-from gpushare.kubeapi import FIELD_MANAGER
-from gpushare.kubectl import choose_nodes, main
+from gpushare.kube import nodestate
+from gpushare.kube.kubeapi import FIELD_MANAGER
+from gpushare.ops import deploy
+from gpushare.ops.kubectl import choose_nodes, main
 
 OBJECTS = deploy.load_objects()
 KEY, VALUE = deploy.opt_in_label(OBJECTS)
@@ -394,7 +396,7 @@ def test_uninstall_removes_the_mig_labels_and_nothing_else(
 )
 def test_help_and_version_import_nothing_of_the_kubernetes_client(argv: list[str]) -> None:
     done = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "gpushare.kubectl", *argv],
+        [sys.executable, "-X", "importtime", "-m", "gpushare.ops.kubectl", *argv],
         capture_output=True,
         text=True,
         timeout=60,
@@ -408,7 +410,7 @@ def test_help_and_version_import_nothing_of_the_kubernetes_client(argv: list[str
 def test_version_outputs() -> None:
     def run(*argv: str) -> str:
         done = subprocess.run(
-            [sys.executable, "-m", "gpushare.kubectl", *argv],
+            [sys.executable, "-m", "gpushare.ops.kubectl", *argv],
             capture_output=True,
             text=True,
             timeout=60,
@@ -423,7 +425,7 @@ def test_version_outputs() -> None:
 
 def test_a_bad_command_line_is_one_line_and_exit_2() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "gpushare.kubectl", "inspect", "-o", "xml"],
+        [sys.executable, "-m", "gpushare.ops.kubectl", "inspect", "-o", "xml"],
         capture_output=True,
         text=True,
         timeout=60,

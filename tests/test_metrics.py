@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpushare import __version__
 from gpushare.daemon import Daemon, StartupError
-from gpushare.metrics import LinkState, MetricsServer, liveness, render_not_ready
+from gpushare.ops.metrics import LinkState, MetricsServer, liveness, render_not_ready
 from gpushare.sim.kubelet import AdmissionError
 
 

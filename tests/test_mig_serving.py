@@ -14,8 +14,8 @@ from conftest import RTX_3090, TESLA_P4, Node, gpu_uuid
 from mig_layouts import A100_UUID, mig_uuid, reference_a100, uniform_a100
 
 from gpushare.daemon import Daemon, NodeConfigurationError
-from gpushare.gpus import SimulatedBackend
-from gpushare.mig import MigStrategy, plan
+from gpushare.gpu.gpus import SimulatedBackend
+from gpushare.gpu.mig import MigStrategy, plan
 from gpushare.sim.kubelet import AdmissionError
 
 PREFIX = "gpushare.io"

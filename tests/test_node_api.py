@@ -12,7 +12,7 @@ import pytest
 from conftest import CARD_4GIB, NODE, TESLA_P4, Node, cards, gpu_uuid
 from kube_double import KubeApiDouble
 
-from gpushare import nodestate
+from gpushare.kube import nodestate
 
 
 def eventually(check: Callable[[], Any], timeout: float = 15.0) -> Any:
@@ -180,7 +180,7 @@ def test_pod_annotation_keys_stay_valid_for_long_container_names() -> None:
 def test_a_missing_kubeconfig_names_what_failed_and_how_to_turn_the_link_off(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from gpushare.node import ApiConfigMissing, connect_api
+    from gpushare.kube.apilink import ApiConfigMissing, connect_api
 
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing-kubeconfig"))

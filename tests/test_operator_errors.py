@@ -16,8 +16,8 @@ from procs import daemon_command, error_lines, free_port, poll, scrape
 from structlog.testing import capture_logs
 
 from gpushare.daemon import BadKubeletDir, BadLibrary, Daemon, StartupError
-from gpushare.elf import NotASharedObject, check_shared_object, stand_in
-from gpushare.kubelet import MISSING_LOG_SECONDS, KubeletLink
+from gpushare.deviceplugin.kubelet import MISSING_LOG_SECONDS, KubeletLink
+from gpushare.host.elf import NotASharedObject, check_shared_object, stand_in
 
 OTHER_MACHINE = "aarch64" if platform.machine() in ("x86_64", "amd64") else "x86_64"
 

@@ -37,7 +37,7 @@ from pairing_world import (
     pod_object,
 )
 
-from gpushare.placement import Policy
+from gpushare.share.placement import Policy
 from gpushare.sim.kubelet import AdmissionError, ContainerSpec
 
 QUICK_LENGTH = 3  # every kind of container, for make test

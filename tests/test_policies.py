@@ -24,8 +24,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_deploy_manifests import chart_objects
 
-from gpushare import mig, nodestate
-from gpushare.labels import NVIDIA_PRODUCT_LABEL
+from gpushare.gpu import mig
+from gpushare.kube import nodestate
+from gpushare.kube.labels import NVIDIA_PRODUCT_LABEL
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ROOT / "daemonset" / "policies"

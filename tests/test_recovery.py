@@ -13,9 +13,9 @@ from procs import daemon_process, free_port, poll, reachable, scrape
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpushare.daemon import Daemon
-from gpushare.devices import Resource
-from gpushare.gpus import Gpu, GpuError, GpuEvent, SimulatedBackend
-from gpushare.kubelet import UNWATCHED_GRACE
+from gpushare.deviceplugin.kubelet import UNWATCHED_GRACE
+from gpushare.gpu.gpus import Gpu, GpuError, GpuEvent, SimulatedBackend
+from gpushare.share.devices import Resource
 
 
 def per_card_metrics(text: str) -> dict[str, dict[str, float]]:

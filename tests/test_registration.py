@@ -14,7 +14,7 @@ import yaml
 from conftest import RTX_3090, TESLA_P4, Node, cards, gpu_uuid, nvml_loads
 from procs import daemon_command, error_lines, free_port, poll, reachable, scrape
 
-from gpushare.devices import Resource
+from gpushare.share.devices import Resource
 
 
 def test_both_resources_register_with_the_reference_device_counts(node: Node) -> None:

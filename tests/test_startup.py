@@ -12,8 +12,8 @@ from conftest import H200, Node, cards, gpu_uuid
 from procs import daemon_command, error_lines
 
 from gpushare.daemon import ConfigurationTooLarge, check_message_sizes
-from gpushare.devices import Inventory
-from gpushare.gpus import Gpu
+from gpushare.gpu.gpus import Gpu
+from gpushare.share.devices import Inventory
 
 START_AND_REPORT = textwrap.dedent(
     """

@@ -23,10 +23,9 @@ import yaml
 from conftest import TESLA_P4, Node, cards
 from procs import daemon_command, free_port, poll, scrape
 
-from gpushare.answers import CONTAINER_CACHE_DIR, LOCK_DIR
-from gpushare.diskuse import MAX_DEPTH, measure
-from gpushare.gc import GarbageCollector
-from gpushare.library import (
+from gpushare.host.diskuse import MAX_DEPTH, measure
+from gpushare.host.gc import GarbageCollector
+from gpushare.host.library import (
     CACHE_LOCK,
     LOCK_DIR_NAME,
     cache_key,
@@ -34,9 +33,10 @@ from gpushare.library import (
     ensure_lock_dir,
     prepare_cache_dir,
 )
-from gpushare.podresources import Snapshot
+from gpushare.host.tombstones import Reaper, bury, tombstones
+from gpushare.share.answers import CONTAINER_CACHE_DIR, LOCK_DIR
+from gpushare.share.records import Snapshot
 from gpushare.sim.kubelet import Admitted
-from gpushare.tombstones import Reaper, bury, tombstones
 
 DAEMONSET = Path(__file__).resolve().parents[1] / "daemonset" / "daemonset.yaml"
 STRANGER = 12345  # a uid that is neither the daemon's nor anyone's on the host

@@ -44,12 +44,12 @@ from typing import Any
 import yaml
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2
-from gpushare.cli import bounded_float
-from gpushare.devices import Inventory, Resource
-from gpushare.elf import stand_in
-from gpushare.gpus import Gpu
-from gpushare.mdsection import replace_section
-from gpushare.plugin import device_list_message
+from gpushare.base.cli import bounded_float
+from gpushare.deviceplugin.plugin import device_list_message
+from gpushare.gpu.gpus import Gpu
+from gpushare.host.elf import stand_in
+from gpushare.ops.mdsection import replace_section
+from gpushare.share.devices import Inventory, Resource
 from gpushare.sim.kubelet import AdmissionError, SimulatedKubelet
 
 PREFIX = "gpushare.io"

@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from gpushare.cardmodes import CardMode, parse_card_modes
-from gpushare.cli import Parser, add_version, one_line
+from gpushare.base.cli import Parser, add_version, one_line
+from gpushare.share.cardmodes import CardMode, parse_card_modes
 
 ENV_PREFIX = "GPUSHARE_"
 

@@ -19,32 +19,24 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from gpushare import mig, migserve
-from gpushare.answers import DeviceListing, Enforcement
-from gpushare.binding import RECORDS_WAIT, Binder, mixed_kinds
-from gpushare.buildinfo import build_info
-from gpushare.cardmodes import CardMode, card_modes, parse_card_modes
-from gpushare.cdi import CdiCheck
+from gpushare.base.buildinfo import build_info
+from gpushare.base.logs import configure_logging
 from gpushare.config import ConfigError, Settings, effective_config, load_settings_with_origins
-from gpushare.devices import Inventory, Resource
-from gpushare.elf import NotASharedObject, check_shared_object
-from gpushare.exclusion import Exclusion
-from gpushare.exclusive import (
-    ExclusiveDevice,
-    ExclusiveLedger,
-    ExclusiveResource,
-    ExclusiveServicer,
-    Preference,
-    answer_builder,
-    whole_cards,
-)
-from gpushare.gc import CacheDirMetrics, GarbageCollector
-from gpushare.gpus import Gpu, GpuBackend, GpuError, open_backend
-from gpushare.gputype import CardChoice, ChoiceBook
-from gpushare.health import HealthBoard, HealthMonitor, HealthPolicy
-from gpushare.kubelet import KubeletLink
-from gpushare.labels import LabelFacts
-from gpushare.library import (
+from gpushare.deviceplugin import migserve
+from gpushare.deviceplugin.binding import RECORDS_WAIT, Binder, mixed_kinds
+from gpushare.deviceplugin.exclusive import ExclusiveServicer, Preference, answer_builder
+from gpushare.deviceplugin.kubelet import KubeletLink
+from gpushare.deviceplugin.plugin import DevicePluginServicer, PluginServer, device_list_message
+from gpushare.gpu import mig
+from gpushare.gpu.gpus import Gpu, GpuBackend, GpuError, open_backend
+from gpushare.gpu.gputype import CardChoice, ChoiceBook
+from gpushare.gpu.health import HealthBoard, HealthMonitor, HealthPolicy
+from gpushare.gpu.mig import MigPlan, MigPlanError, MigStrategy
+from gpushare.gpu.topology import Topology, prefer
+from gpushare.host.cdi import CdiCheck
+from gpushare.host.elf import NotASharedObject, check_shared_object
+from gpushare.host.gc import CacheDirMetrics, GarbageCollector
+from gpushare.host.library import (
     LibraryError,
     cache_root,
     ensure_cache_root,
@@ -52,20 +44,23 @@ from gpushare.library import (
     install_library,
     install_preload_file,
 )
-from gpushare.logs import configure_logging
-from gpushare.mig import MigPlan, MigPlanError, MigStrategy
-from gpushare.plugin import DevicePluginServicer, PluginServer, device_list_message
-from gpushare.podresources import PodResourcesClient, Snapshot
-from gpushare.podspecs import PodSpecBook
-from gpushare.refresh import UsageRefresher
-from gpushare.tombstones import Reaper
-from gpushare.topology import Topology, prefer
-from gpushare.unitguard import UnitSizeChanged, guard_unit_size
-from gpushare.usage import Holder, UsageLedger
+from gpushare.host.tombstones import Reaper
+from gpushare.host.unitguard import UnitSizeChanged, guard_unit_size
+from gpushare.kube.labels import LabelFacts
+from gpushare.kube.podspecs import PodSpecBook
+from gpushare.node.podresources import PodResourcesClient
+from gpushare.node.refresh import UsageRefresher
+from gpushare.share.answers import DeviceListing, Enforcement
+from gpushare.share.cardmodes import CardMode, card_modes, parse_card_modes
+from gpushare.share.devices import Inventory, Resource
+from gpushare.share.exclusion import Exclusion
+from gpushare.share.records import Snapshot
+from gpushare.share.usage import Holder, UsageLedger
+from gpushare.share.whole import ExclusiveDevice, ExclusiveLedger, ExclusiveResource, whole_cards
 
 if TYPE_CHECKING:  # imported when used: the metrics server and the API link are optional
-    from gpushare.metrics import Metrics, MetricsServer
-    from gpushare.node import ApiLink
+    from gpushare.kube.apilink import ApiLink
+    from gpushare.ops.metrics import Metrics, MetricsServer
 
 log = structlog.get_logger(__name__)
 
@@ -294,8 +289,8 @@ class Daemon:
             delay = min(delay * 2, longest)
 
     def liveness(self) -> tuple[bool, str]:
-        """What /healthz answers (see :func:`gpushare.metrics.liveness`)."""
-        from gpushare.metrics import LinkState, liveness
+        """What /healthz answers (see :func:`gpushare.ops.metrics.liveness`)."""
+        from gpushare.ops.metrics import LinkState, liveness
 
         link = self.link
         if link is None and not self.stopping.is_set():
@@ -433,7 +428,7 @@ class Daemon:
         self.refresher = refresher
         if settings.node_name:
             self.specs = self.specs or PodSpecBook(settings.resource_prefix)
-            from gpushare.node import ApiLink  # HTTP client and pod watch: only with a node
+            from gpushare.kube.apilink import ApiLink  # HTTP client and pod watch: only with a node
 
             self.api_link = ApiLink(
                 settings.node_name,
@@ -442,7 +437,7 @@ class Daemon:
                 usage,
                 offer,
                 self.specs,
-                self.pod_resources,
+                self.pod_resources.list,
                 extra_labels=mig.labels(self.mig_plan, settings.resource_prefix),
             )
             self.choices = ChoiceBook(
@@ -513,7 +508,7 @@ class Daemon:
         )
         self._launch("health-monitor", self.monitor.start, self.monitor.stop)
         if settings.metrics_port:
-            from gpushare.metrics import Metrics
+            from gpushare.ops.metrics import Metrics
 
             self.metrics = Metrics(
                 inventory,
@@ -589,7 +584,7 @@ class Daemon:
         )
 
     def _serve_metrics(self) -> None:
-        from gpushare.metrics import MetricsServer  # prometheus_client, http.server
+        from gpushare.ops.metrics import MetricsServer  # prometheus_client, http.server
 
         settings = self.settings
         server = MetricsServer(
@@ -619,7 +614,7 @@ class Daemon:
         metrics = self.metrics
         if metrics is not None:
             return metrics.render()
-        from gpushare.metrics import render_not_ready
+        from gpushare.ops.metrics import render_not_ready
 
         return render_not_ready()
 

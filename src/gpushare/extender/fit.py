@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gpushare.nodestate import NodeGpuState
-from gpushare.placement import BINPACK, Need, Policy, Room, place_containers, rank
+from gpushare.kube.nodestate import NodeGpuState
+from gpushare.share.placement import BINPACK, Need, Policy, Room, place_containers, rank
 
 __all__ = ["BINPACK", "PLACEMENTS", "Policy"]
 

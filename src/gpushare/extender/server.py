@@ -22,7 +22,8 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gpushare.cli import Parser, add_version, bounded_float
+from gpushare.base.cli import Parser, add_version, bounded_float
+from gpushare.base.logs import configure_logging
 from gpushare.config import LOG_FORMATS, LOG_LEVELS
 from gpushare.extender.apiserver import (
     DEFAULT_CA_FILE,
@@ -44,7 +45,6 @@ from gpushare.extender.verbs import (
     filter_verb,
     prioritize_verb,
 )
-from gpushare.logs import configure_logging
 
 log = structlog.get_logger(__name__)
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import yaml
 
-from gpushare.cli import Parser, add_version
+from gpushare.base.cli import Parser, add_version
+from gpushare.base.logs import configure_logging
 from gpushare.config import LOG_LEVELS, Settings
 from gpushare.daemon import Daemon, StartupError
-from gpushare.devices import Resource
-from gpushare.elf import stand_in
-from gpushare.logs import configure_logging
+from gpushare.host.elf import stand_in
+from gpushare.share.devices import Resource
 from gpushare.sim.kubelet import AdmissionError, Admitted, SimulatedKubelet
 
 THREE_TESLA_P4 = {

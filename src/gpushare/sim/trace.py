@@ -43,6 +43,7 @@ from pathlib import Path
 
 import structlog
 
+from gpushare.base.logs import configure_logging
 from gpushare.extender.fit import (
     BINPACK,
     PLACEMENTS,
@@ -52,8 +53,7 @@ from gpushare.extender.fit import (
     fit_pod,
     score,
 )
-from gpushare.logs import configure_logging
-from gpushare.mdsection import replace_section
+from gpushare.ops.mdsection import replace_section
 from gpushare.sim.rig import DaemonNode
 
 UNIT_MIB = 256

@@ -1,0 +1,67 @@
+"""Which way each card may be offered: ``cardModes``, shared, exclusive or both.
+
+Pure parsing and lookup; :mod:`gpushare.share.exclusion` enforces it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpushare.gpu.gpus import Gpu
+
+
+class CardMode(enum.Enum):
+    SHARED = "shared"
+    EXCLUSIVE = "exclusive"
+    BOTH = "both"
+
+    @property
+    def shared(self) -> bool:
+        return self is not CardMode.EXCLUSIVE
+
+    @property
+    def exclusive(self) -> bool:
+        return self is not CardMode.SHARED
+
+
+def parse_card_modes(text: str) -> dict[str, CardMode]:
+    """``0=exclusive,GPU-8a1b...=shared`` -> {card index or UUID: mode}.
+
+    Raises ValueError naming the entry that is not ``<index or UUID>=<mode>``.
+    """
+    modes: dict[str, CardMode] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        key, sep, value = part.partition("=")
+        key, value = key.strip(), value.strip().lower()
+        if not sep or not key:
+            raise ValueError(f"{part!r} is not <card index or UUID>=<mode>")
+        try:
+            mode = CardMode(value)
+        except ValueError:
+            raise ValueError(
+                f"{part!r}: mode {value!r} is not one of shared, exclusive, both"
+            ) from None
+        if key in modes:
+            raise ValueError(f"card {key} is given a mode twice")
+        modes[key] = mode
+    return modes
+
+
+def card_modes(gpus: Iterable[Gpu], spec: Mapping[str, CardMode]) -> dict[str, CardMode]:
+    """Each card's mode (by UUID); a card named by both index and UUID takes the UUID's.
+
+    Raises ValueError for a key that names no card of this node (a typo must not
+    silently leave a card in the wrong pool).
+    """
+    gpus = list(gpus)
+    known = {str(g.index) for g in gpus} | {g.uuid for g in gpus}
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise ValueError(f"cardModes names no GPU of this node: {', '.join(unknown)}")
+    return {gpu.uuid: spec.get(gpu.uuid, spec.get(str(gpu.index), CardMode.BOTH)) for gpu in gpus}

@@ -757,7 +757,9 @@ class Cluster:
                 "--feature-gates",
                 gates,
                 "--runtime-config",
-                "resource.k8s.io/v1=true",
+                # resource.k8s.io/v1 is on by default; MutatingAdmissionPolicy is GA (v1) in
+                # 1.36, its v1beta1 is off by default: on for the manifests written for it.
+                "resource.k8s.io/v1=true,admissionregistration.k8s.io/v1beta1=true",
                 "--profiling=false",
             ],
             self.dir / "kube-apiserver.log",

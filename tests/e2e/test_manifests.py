@@ -10,7 +10,7 @@ from typing import Any
 import helm_python
 import pytest
 import yaml
-from kube_cluster import REPO, Cluster
+from kube_cluster import MEMORY, REPO, Cluster, wait_for
 
 CHART = REPO / "charts" / "gpushare"
 #: Files that are not cluster objects.
@@ -87,3 +87,44 @@ def test_the_rendered_chart_is_accepted(cluster: Cluster, name: str) -> None:
     objects = render(CHART_VALUES[name])
     assert objects
     assert refused(cluster, objects) == []
+
+
+def test_the_mutating_policy_as_v1_sets_the_scheduler_name(cluster: Cluster) -> None:
+    """daemonset/scheduler/set-scheduler-name.yaml is written for v1beta1 (off by default in
+    1.36, where MutatingAdmissionPolicy is GA): as v1 it is accepted, and it works: a pod asking
+    shared units gets schedulerName gpushare-scheduler from the real API server."""
+    objects = objects_of((REPO / "daemonset/scheduler/set-scheduler-name.yaml").read_text())
+    for obj in objects:
+        obj["apiVersion"] = "admissionregistration.k8s.io/v1"
+    try:
+        for obj in objects:
+            reply = cluster.api.apply(obj)
+            assert reply.status_code < 300, reply.text
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "mutated", "namespace": "default"},
+            "spec": {
+                "containers": [
+                    {
+                        "name": "main",
+                        "image": "registry.k8s.io/pause:3.10",
+                        "resources": {"limits": {MEMORY: "4"}},
+                    }
+                ]
+            },
+        }
+
+        assert wait_for("the policy to set schedulerName", lambda: scheduler_name(cluster, pod), 60)
+    finally:
+        for obj in reversed(objects):
+            cluster.api.delete(cluster.api.path(obj))
+        # Later tests' pods must not be sent to a scheduler that is not running.
+        wait_for("the policy to be gone", lambda: not scheduler_name(cluster, pod), 60)
+
+
+def scheduler_name(cluster: Cluster, pod: dict[str, Any]) -> bool:
+    """Whether the API server gives this pod schedulerName gpushare-scheduler (dry run)."""
+    reply = cluster.api.create(pod, dry_run=True)
+    assert reply.status_code == 201, reply.text
+    return bool(reply.json()["spec"].get("schedulerName") == "gpushare-scheduler")

@@ -33,14 +33,17 @@ def podresources_cards(cluster: Cluster, node: str, pod: str) -> dict[str, dict[
 
 
 def count_ids(cluster: Cluster, node: str, pod: str, container: str, resource: str) -> int:
+    """How many device IDs of ``resource`` PodResources lists for the container (the 1.36
+    kubelet lists one ContainerDevices entry per device, each with its NUMA node)."""
+    total = 0
     for entry in cluster.nodes[node].pod_resources():
-        if entry.get("name") == pod:
+        if entry.get("name") == pod and entry.get("namespace") == "default":
             for c in entry.get("containers", []):
                 if c["name"] == container:
                     for dev in c.get("devices", []):
                         if dev["resource_name"] == resource:
-                            return len(dev.get("device_ids", []))
-    return 0
+                            total += len(dev.get("device_ids", []))
+    return total
 
 
 def check_one_card(

@@ -76,6 +76,16 @@ def mixed_kinds(holder: Holder) -> str:
     )
 
 
+def core_without_memory(holder: Holder, prefix: str) -> str:
+    """The refusal of a container that asks for cores and no memory units."""
+    return (
+        f"container {holder.container} of pod {holder.namespace}/{holder.pod} asks for "
+        f"{Resource.CORE.name_with(prefix)} without {Resource.MEMORY.name_with(prefix)} "
+        "(or with 0) and would run with no GPU memory limit on a shared card: add "
+        f"{Resource.MEMORY.name_with(prefix)} of 1 or more to its limits"
+    )
+
+
 class Records(Protocol):
     """The kubelet's PodResources records (``podresources.PodResourcesClient``)."""
 
@@ -323,12 +333,22 @@ class Binder:
             seen, decision, snapshot = self._decided.pop(resource, (None, None, None))
             fresh = decision is not None and seen is self.pairing.last
         if not fresh:  # no GetPreferredAllocation just before: decide now
-            _last, decision, snapshot = self._decide(resource, len(device_ids), arrival)
+            seen, decision, snapshot = self._decide(resource, len(device_ids), arrival)
         assert decision is not None
         if snapshot is not None and self.specs is not None:
             mixer = self.specs.mixer_being_admitted(snapshot, shared=resource)
             if mixer is not None:
                 raise BindingError(Refusal.PRECONDITION, mixed_kinds(mixer))
+        if resource is Resource.CORE and decision.partner is None and self.specs is not None:
+            # Not the second half of a memory binding: a container of its own. If its
+            # spec asks no memory units, it would run with the whole card's memory.
+            holder = decision.holder
+            if holder is None and snapshot is not None and seen is not None:
+                holder = snapshot.holder_of(seen.resource, seen.device_ids[0])
+            asker = self.specs.asking_without_memory(len(device_ids), snapshot, holder)
+            if asker is not None:
+                message = core_without_memory(asker, self.specs.prefix)
+                raise BindingError(Refusal.PRECONDITION, message)
         with self._lock:
             partner = decision.partner
             if partner is not None and partner.card != uuid:

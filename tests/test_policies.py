@@ -565,3 +565,28 @@ def test_a_container_never_mixes_shared_units_with_whole_cards_or_mig(
         _limits("a", **{"gpushare.io/gpu": 1}), _limits("b", **{"gpushare.io/vcuda-memory": 4})
     )
     assert not [d for d in CORE.denials(CREATE_POD, split) or [] if "MIG" in d]
+
+
+# -- installed by default, loudly absent where they cannot be (issue 23 item 7) --------------
+
+
+def test_the_default_install_applies_the_policies() -> None:
+    kustomization = yaml.safe_load((ROOT / "daemonset" / "kustomization.yaml").read_text())
+    assert "policies/core-needs-memory.yaml" in kustomization["resources"]
+    assert "policies/daemon-node-scope.yaml" in kustomization["resources"]
+    values = yaml.safe_load((ROOT / "charts" / "gpushare" / "values.yaml").read_text())
+    assert values["policies"]["coreNeedsMemory"]["enabled"] is True
+    assert values["policies"]["daemonNodeScope"]["enabled"] is True
+
+
+def test_the_chart_says_loudly_when_a_policy_is_off() -> None:
+    from test_deploy_manifests import render_chart
+
+    def notes(values: dict[str, Any] | None = None) -> str:
+        return next(v for k, v in render_chart(values).items() if k.endswith("NOTES.txt"))
+
+    assert "WARNING" not in notes()
+    off = notes({"policies": {"daemonNodeScope": {"enabled": False}}})
+    assert "WARNING" in off and "may patch every Node and" in off
+    template = (ROOT / "charts/gpushare/templates/NOTES.txt").read_text()
+    assert 'semverCompare ">=1.30.0-0"' in template and "were NOT installed" in template

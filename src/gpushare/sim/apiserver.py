@@ -42,6 +42,20 @@ KINDS = {
     "clusterroles": "ClusterRole",
     "clusterrolebindings": "ClusterRoleBinding",
     "daemonsets": "DaemonSet",
+    "networkpolicies": "NetworkPolicy",
+    "validatingadmissionpolicies": "ValidatingAdmissionPolicy",
+    "validatingadmissionpolicybindings": "ValidatingAdmissionPolicyBinding",
+}
+#: The group/versions whose discovery document the double serves (kinds by plural).
+GROUPS = {
+    "v1": ("nodes", "pods", "namespaces", "configmaps", "serviceaccounts"),
+    "rbac.authorization.k8s.io/v1": ("clusterroles", "clusterrolebindings"),
+    "apps/v1": ("daemonsets",),
+    "networking.k8s.io/v1": ("networkpolicies",),
+    "admissionregistration.k8s.io/v1": (
+        "validatingadmissionpolicies",
+        "validatingadmissionpolicybindings",
+    ),
 }
 #: Stamps the server keeps on an object; an apply that changes nothing else is a no-op.
 _SERVER_FIELDS = ("resourceVersion", "uid", "managedFields", "creationTimestamp")
@@ -125,6 +139,8 @@ class KubeApiDouble:
         self._stopping = False
         self.bookmark_seconds = 60.0
         self._scheme = "http"
+        #: The group/versions served (drop one to play an older cluster).
+        self.groups = dict(GROUPS)
 
     # ------------------------------------------------------------------ control
     def start(self, tls: ssl.SSLContext | None = None) -> str:
@@ -309,6 +325,13 @@ class KubeApiDouble:
             return self._watch(request, parsed.path, query)
         if request.command == "GET" and parsed.path.rstrip("/").split("/")[-1] in KINDS:
             return self._list(request, parsed.path, query)
+        version = parsed.path.rstrip("/").removeprefix("/apis/").removeprefix("/api/")
+        if request.command == "GET" and version in GROUPS:
+            if version not in self.groups:
+                return self._reply(request, 404, self._status(404, "the server could not find it"))
+            resources = [{"name": p, "kind": KINDS[p]} for p in self.groups[version]]
+            listing = {"kind": "APIResourceList", "groupVersion": version, "resources": resources}
+            return self._reply(request, 200, listing)
         with self._lock:
             status, answer = self._dispatch(request.command, parsed.path, query, content_type, body)
         self._reply(request, status, answer)

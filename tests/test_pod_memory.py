@@ -251,3 +251,28 @@ def test_rss_with_12500_dead_pods(short_tmp: Path, capsys: pytest.CaptureFixture
                 f"listed after {f['seconds']:.1f} s"
             )
     assert all(f["peak_mib"] < 128 for f in figures.values())
+
+
+def test_the_list_is_read_in_pages(
+    api: Any, short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpushare.kube import podwatch
+
+    monkeypatch.setattr(podwatch, "PAGE_LIMIT", 3)
+    for i in range(7):
+        pod = next(big_pods("gpu-node-1", dead=0, live=0, gpu=1, size=1000))
+        pod["metadata"]["name"] = f"g{i}"
+        api.add(pod)
+    api.add(next(big_pods("gpu-node-1", dead=1, live=0, gpu=0, size=1000)))
+    client = ApiClient(kubeconfig_endpoint(api.kubeconfig(short_tmp / "kubeconfig")))
+    book = PodSpecBook("gpushare.io")
+    watch = PodWatch(lambda: client, "gpu-node-1", book)
+    try:
+        watch._list(client, 10.0)
+    finally:
+        client.close()
+    assert len(book) == 7
+    lists = [r for r in api.calls("GET", "/api/v1/pods") if "watch" not in r.query]
+    assert [r.query["limit"] for r in lists] == [["3"]] * 3
+    assert "continue" not in lists[0].query and all("continue" in r.query for r in lists[1:])
+    assert int(watch._resume) > 0

@@ -1,7 +1,9 @@
 """A test double of the Kubernetes API server at the HTTP boundary.
 
 Small and in-process: objects are stored by URL path, and the verbs the project's
-code uses are served (GET one or a list with label/field selectors, POST, PATCH as
+code uses are served (GET one, or a list with label/field selectors (``=``, ``!=``) in
+pages (``limit``/``continue``) streamed one item at a time; discovery documents of
+:data:`GROUPS`; POST, PATCH as
 JSON merge patch, strategic merge patch or server-side apply, DELETE, and the
 ``pods/{name}/binding`` subresource), for the kinds in :data:`KINDS`. Server-side
 apply checks what the real server checks of a request (a fieldManager, a body naming
@@ -357,21 +359,6 @@ class KubeApiDouble:
         is_collection = parts[-1] in KINDS or (
             len(parts) >= 2 and parts[-2] == "namespaces" and False
         )
-        if method == "GET" and is_collection:
-            labels = (query.get("labelSelector") or [""])[0]
-            fields = (query.get("fieldSelector") or [""])[0]
-            items = [
-                deepcopy(o)
-                for _, o in self._collections(path)
-                if _matches_labels(o, labels) and _matches_fields(o, fields)
-            ]
-            kind = KINDS.get(parts[-1], parts[-1]) + "List"
-            return 200, {
-                "kind": kind,
-                "apiVersion": "v1",
-                "metadata": {"resourceVersion": str(self._version)},
-                "items": items,
-            }
         if method == "POST" and is_collection:
             name = body["metadata"]["name"]
             key = f"{path.rstrip('/')}/{name}"

@@ -28,6 +28,7 @@ import heapq
 import itertools
 import selectors
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -174,6 +175,13 @@ class GuardedHTTPServer(ThreadingHTTPServer):
                 return
             self._open.discard(id(request))
         self.guard.release(peer)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection cut at its deadline (or by its client) is no error worth a
+        traceback; anything else is reported as ``http.server`` does."""
+        if isinstance(sys.exc_info()[1], OSError):
+            return
+        super().handle_error(request, client_address)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:

@@ -69,9 +69,11 @@ image-local:  ## build the image for this machine only and load it into docker
 version:  ## print the version (the one source: src/gpushare/__init__.py)
 	@echo $(VERSION)
 
-manifests:  ## copy daemonset/*.yaml into the package, for kubectl gpushare install
-	rm -f src/gpushare/manifests/*.yaml
+manifests:  ## copy daemonset/*.yaml (and policies/) into the package, for kubectl gpushare install
+	rm -f src/gpushare/manifests/*.yaml src/gpushare/manifests/policies/*.yaml
+	mkdir -p src/gpushare/manifests/policies
 	cp daemonset/*.yaml src/gpushare/manifests/
+	cp daemonset/policies/*.yaml src/gpushare/manifests/policies/
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

@@ -119,6 +119,7 @@ def test_every_chart_template_renders_and_validates(version: str) -> None:
         "ClusterRoleBinding",
         "ConfigMap",
         "DaemonSet",
+        "NetworkPolicy",  # networkPolicy.* (tests/test_listener_bounds.py)
         "ValidatingAdmissionPolicy",  # policies.* (tests/test_policies.py)
         "ValidatingAdmissionPolicyBinding",
     }
@@ -395,6 +396,10 @@ def test_chart_values_move_the_mounts_with_the_paths() -> None:
 def test_packaged_manifests_are_the_daemonset_directory() -> None:
     shipped = deploy.manifest_texts()
     on_disk = {path.name: path.read_text() for path in DAEMONSET_DIR.glob("*.yaml")}
+    on_disk |= {
+        f"policies/{path.name}": path.read_text()
+        for path in (DAEMONSET_DIR / "policies").glob("*.yaml")
+    }
     assert shipped == on_disk, "run `make manifests` after editing daemonset/"
 
 

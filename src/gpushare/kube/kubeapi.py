@@ -33,6 +33,18 @@ KINDS: dict[tuple[str, str], tuple[str, bool]] = {
         False,
     ),
     ("apps/v1", "DaemonSet"): ("/apis/apps/v1/namespaces/{namespace}/daemonsets", True),
+    ("networking.k8s.io/v1", "NetworkPolicy"): (
+        "/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies",
+        True,
+    ),
+    ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy"): (
+        "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies",
+        False,
+    ),
+    ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding"): (
+        "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings",
+        False,
+    ),
 }
 
 
@@ -148,6 +160,13 @@ class Cluster:
         if namespaced:
             collection = collection.format(namespace=quote(str(meta["namespace"]), safe=""))
         return f"{collection}/{quote(str(meta['name']), safe='')}"
+
+    def serves(self, obj: Mapping[str, Any]) -> bool:
+        """Whether the API server serves ``obj``'s kind at its apiVersion (discovery)."""
+        version = str(obj.get("apiVersion"))
+        path = "/api/v1" if version == "v1" else f"/apis/{version}"
+        answer = self._call("GET", path) or {}
+        return any(r.get("kind") == obj.get("kind") for r in answer.get("resources") or [])
 
     # ------------------------------------------------------------------ objects
     def read(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:

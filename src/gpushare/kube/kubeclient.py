@@ -40,6 +40,8 @@ from urllib.parse import urlencode, urlsplit
 
 import yaml
 
+from gpushare.kube.jsonstream import ListStream
+
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 #: The longest line a watch may send (one pod as JSON is a few KiB; this bounds a bad one).
 MAX_EVENT_BYTES = 16 << 20
@@ -325,6 +327,22 @@ class ApiClient:
             conn.close()
             raise
         return Watch(conn, response)
+
+    @contextlib.contextmanager
+    def stream_list(
+        self, path: str, query: Mapping[str, str], timeout: float
+    ) -> Iterator[ListStream]:
+        """GET a list and read its items one at a time (:class:`ListStream`): a large
+        answer never sits in memory whole. Raises like :meth:`request` on failure."""
+        conn = self._connect(timeout)
+        try:
+            conn.request("GET", self.url(path, query), headers=self._headers(None))
+            response = conn.getresponse()
+            if response.status >= 400:
+                raise _error_of(response.status, response.reason, response.read(64 << 10))
+            yield ListStream(response.read)
+        finally:
+            conn.close()
 
     def close(self) -> None:
         with self._lock:

@@ -38,11 +38,15 @@ class DeployError(Exception):
 
 
 def manifest_texts() -> dict[str, str]:
-    """File name -> text of every shipped manifest (the kustomization included)."""
+    """File name (``policies/`` ones with that prefix) -> text of every shipped
+    manifest (the kustomization included)."""
     folder = resources.files("gpushare") / "manifests"
-    return {
-        entry.name: entry.read_text() for entry in folder.iterdir() if entry.name.endswith(".yaml")
-    }
+    texts = {}
+    for prefix, where in (("", folder), ("policies/", folder / "policies")):
+        for entry in where.iterdir():
+            if entry.name.endswith(".yaml"):
+                texts[prefix + entry.name] = entry.read_text()
+    return texts
 
 
 def load_objects() -> list[dict[str, Any]]:
@@ -144,6 +148,7 @@ def install(
     missing = [name for name in nodes if cluster.node(name) is None]
     if missing:
         raise DeployError(f"no such node: {', '.join(missing)}")
+    objects = _served_policies(cluster, objects, say)
     stored = [cluster.read(obj) for obj in objects]
     pairs = list(zip(objects, stored, strict=True))
     foreign = [describe(obj) for obj, now in pairs if now is not None and not is_ours(now)]
@@ -173,6 +178,29 @@ def install(
         else:
             cluster.patch_node_metadata(name, {key: value}, {})
             say(f"labelled node {name} {key}={value}")
+
+
+#: The admission policies (daemonset/policies/): installed where the cluster serves them.
+POLICY_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+
+
+def _served_policies(
+    cluster: Cluster, objects: list[dict[str, Any]], say: Say
+) -> list[dict[str, Any]]:
+    """``objects`` without the admission policies when the cluster does not serve them
+    (before Kubernetes 1.30), saying loudly what that leaves open."""
+    policies = [obj for obj in objects if obj.get("kind") in POLICY_KINDS]
+    if not policies or cluster.serves(policies[0]):
+        return objects
+    names = sorted({str(obj["metadata"]["name"]) for obj in policies})
+    say(
+        "WARNING: this cluster does not serve admissionregistration.k8s.io/v1 "
+        f"ValidatingAdmissionPolicy (Kubernetes 1.30 or later): {', '.join(names)} are NOT "
+        "installed. The daemon's token may then patch every Node and Pod of the cluster, "
+        "and only the daemon refuses containers asking vcuda-core without vcuda-memory "
+        "(docs/security.md). Upgrade the cluster and run install again."
+    )
+    return [obj for obj in objects if obj.get("kind") not in POLICY_KINDS]
 
 
 def uninstall(

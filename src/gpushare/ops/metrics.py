@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
 import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import structlog
@@ -28,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from gpushare.base.buildinfo import build_info
+from gpushare.base.connguard import ConnectionGuard, GuardedHTTPServer, Limits
 from gpushare.gpu.health import HealthBoard
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.usage import UsageLedger
@@ -271,10 +271,14 @@ def render_not_ready() -> bytes:
 
 #: Seconds a connection may stay silent before its thread closes it.
 REQUEST_TIMEOUT = 10.0
+#: The bounds of the metrics listener (base/connguard.py): 32 connections (and so
+#: handler threads) at once, 8 from one address, 10 s for a whole request.
+METRICS_LIMITS = Limits(max_connections=32, max_per_peer=8, deadline=10.0)
 
 
 class MetricsServer:
-    """``/metrics`` and ``/healthz`` on ``address:port``, served from one thread."""
+    """``/metrics`` and ``/healthz`` on ``address:port``: one accepting thread, one
+    thread per admitted connection, under :data:`METRICS_LIMITS` (issue 23 item 3)."""
 
     def __init__(
         self,
@@ -284,14 +288,16 @@ class MetricsServer:
         port: int,
         ready: Callable[[], tuple[bool, str]] | None = None,
         request_timeout: float = REQUEST_TIMEOUT,
+        limits: Limits = METRICS_LIMITS,
     ) -> None:
+        self.guard = ConnectionGuard(limits)
         self.render = render
         self.request_timeout = request_timeout
         self.check = check
         self.ready = ready or check
         self.address = address
         self.port = port
-        self._httpd: ThreadingHTTPServer | None = None
+        self._httpd: GuardedHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._wake_read = self._wake_write = -1
 
@@ -304,16 +310,11 @@ class MetricsServer:
 
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
+                probe = server._probe(path)
                 if path == "/metrics":
                     self._send(200, CONTENT_TYPE_LATEST, server.render())
-                elif path in ("/healthz", "/livez"):
-                    alive, why = server.check()
-                    body = json.dumps({"alive": alive, "reason": why}).encode() + b"\n"
-                    self._send(200 if alive else 503, "application/json", body)
-                elif path == "/readyz":
-                    ready, why = server.ready()
-                    body = json.dumps({"ready": ready, "reason": why}).encode() + b"\n"
-                    self._send(200 if ready else 503, "application/json", body)
+                elif probe is not None:
+                    self._send(*probe)
                 else:
                     self._send(404, "text/plain", b"not found: try /metrics, /healthz or /readyz\n")
 
@@ -328,9 +329,8 @@ class MetricsServer:
                 pass  # probes every few seconds would drown the log
 
         family = socket.AF_INET6 if ":" in self.address else socket.AF_INET
-        server_class = type("MetricsHTTPServer", (ThreadingHTTPServer,), {"address_family": family})
-        httpd = server_class((self.address, self.port), Handler)
-        httpd.daemon_threads = True
+        server_class = type("MetricsHTTPServer", (GuardedHTTPServer,), {"address_family": family})
+        httpd = server_class((self.address, self.port), Handler, self.guard, self._probe)
         self._httpd = httpd
         self.port = httpd.server_address[1]
         self._wake_read, self._wake_write = os.pipe2(os.O_CLOEXEC)
@@ -340,18 +340,21 @@ class MetricsServer:
         self._thread.start()
         log.info("metrics_serving", address=self.address, port=self.port)
 
+    def _probe(self, path: str) -> tuple[int, str, bytes] | None:
+        """The probes' answers, also given beyond the connection caps (connguard)."""
+        if path in ("/healthz", "/livez"):
+            alive, why = self.check()
+            body = json.dumps({"alive": alive, "reason": why}).encode() + b"\n"
+            return (200 if alive else 503), "application/json", body
+        if path == "/readyz":
+            ready, why = self.ready()
+            body = json.dumps({"ready": ready, "reason": why}).encode() + b"\n"
+            return (200 if ready else 503), "application/json", body
+        return None
+
     @staticmethod
-    def _serve(httpd: ThreadingHTTPServer, wake: int) -> None:
-        """Like ``serve_forever``, but sleeps until a connection or :meth:`stop` instead
-        of waking every half second to look for a shutdown request."""
-        with selectors.DefaultSelector() as selector:
-            selector.register(httpd, selectors.EVENT_READ)
-            selector.register(wake, selectors.EVENT_READ)
-            while True:
-                ready = selector.select()
-                if any(key.fileobj == wake for key, _ in ready):
-                    return
-                httpd._handle_request_noblock()  # type: ignore[attr-defined]
+    def _serve(httpd: GuardedHTTPServer, wake: int) -> None:
+        httpd.serve_until(wake)
 
     def stop(self) -> None:
         if self._thread is not None:

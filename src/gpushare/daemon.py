@@ -48,6 +48,7 @@ from gpushare.host.tombstones import Reaper
 from gpushare.host.unitguard import UnitSizeChanged, guard_unit_size
 from gpushare.kube.labels import LabelFacts
 from gpushare.kube.podspecs import PodSpecBook
+from gpushare.node.cardfacts import CardFacts
 from gpushare.node.podresources import PodResourcesClient
 from gpushare.node.refresh import UsageRefresher
 from gpushare.share.answers import DeviceListing, Enforcement
@@ -388,10 +389,17 @@ class Daemon:
             else health
         )
         self.offer = offer
+        self.card_facts = CardFacts(  # issue 24.4: holders, own health, unshared cards
+            [g for g in gpus if not g.parent_uuid] + list(self.mig_plan.mig_cards),
+            inventory.cards, self.mig_plan, health, self.mig_health,
+            lambda: self.pod_resources.last if self.pod_resources else None,
+            migserve.NVIDIA_PREFIX if settings.mig_nvidia_names else settings.resource_prefix,
+        )  # fmt: skip
         pod_resources = PodResourcesClient(
             Path(settings.pod_resources_socket),
             {resource.name_with(settings.resource_prefix): resource for resource in Resource},
-            exclusive=[name for name, _r, _b in exclusive],
+            exclusive=[name for name, _r, _b in exclusive]
+            + self.card_facts.exclusive_resource_names(),
         )
         self.pod_resources = pod_resources
         self._launch("pod-resources", lambda: None, pod_resources.close)
@@ -440,6 +448,7 @@ class Daemon:
                 self.pod_resources.list,
                 extra_labels=mig.labels(self.mig_plan, settings.resource_prefix),
             )
+            self.api_link.card_extras = self.card_facts.extras
             self.choices = ChoiceBook(
                 settings.resource_prefix,
                 [r.name_with(settings.resource_prefix) for r in Resource]
@@ -521,6 +530,7 @@ class Daemon:
                 registered=self._registered_resources,
             )
             self.metrics.registry.register(CacheDirMetrics(collector))
+            self.metrics.card_extras = self.card_facts.extras
         kubelet_dir = Path(settings.kubelet_dir)
         named_servers = []
         for resource in Resource:
@@ -651,6 +661,7 @@ class Daemon:
                 health,
                 self.stopping,
                 answer=migserve.answer_builder(self.listing, specs=specs),
+                on_allocated=self._exclusive_allocated,  # issue 24.4: annotate, publish
             )
             server = PluginServer(servicer, kubelet_dir / migserve.socket_name(devices))
             self.servers.append(server)
@@ -721,7 +732,7 @@ class Daemon:
         if self.refresher is not None:
             self.refresher.poke()
         if self.api_link is not None:
-            self.api_link.notify_changed()
+            self.api_link.notify_exclusive_allocated(name, [d.id for d in devices])
 
     def _allocated(self, resource: Resource, uuid: str, device_ids: Sequence[str]) -> None:
         if self.exclusion is not None:

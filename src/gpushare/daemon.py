@@ -517,6 +517,7 @@ class Daemon:
         )
         self._launch("health-monitor", self.monitor.start, self.monitor.stop)
         if settings.metrics_port:
+            from gpushare.ops.actualuse import ActualUseMetrics
             from gpushare.ops.metrics import Metrics
 
             self.metrics = Metrics(
@@ -531,6 +532,10 @@ class Daemon:
             )
             self.metrics.registry.register(CacheDirMetrics(collector))
             self.metrics.card_extras = self.card_facts.extras
+            self.metrics.registry.register(  # issue 24.3: what containers really use
+                ActualUseMetrics(Path(settings.host_lib_dir), self.card_facts.records, usage,
+                                 settings.node_name)
+            )  # fmt: skip
         kubelet_dir = Path(settings.kubelet_dir)
         named_servers = []
         for resource in Resource:

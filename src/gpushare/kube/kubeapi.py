@@ -33,6 +33,7 @@ KINDS: dict[tuple[str, str], tuple[str, bool]] = {
         False,
     ),
     ("apps/v1", "DaemonSet"): ("/apis/apps/v1/namespaces/{namespace}/daemonsets", True),
+    ("v1", "Pod"): ("/api/v1/namespaces/{namespace}/pods", True),
 }
 
 
@@ -111,10 +112,11 @@ class Cluster:
         query: Mapping[str, str] | None = None,
         body: Any = None,
         content_type: str = "application/json",
+        raw: bool = False,
     ) -> Any:
-        """One request; the answer's JSON, or None for 404 Not Found."""
+        """One request; the answer's JSON (``raw``: its text), or None for 404 Not Found."""
         api = self._api_client
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": "*/*" if raw else "application/json"}
         if body is not None:
             headers["Content-Type"] = content_type
         try:
@@ -137,6 +139,8 @@ class Cluster:
         if response.status >= 400:
             raise ApiError(_api_message(response.status, response.reason, response.data))
         data = response.data
+        if raw:
+            return data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
         return json.loads(data) if data else {}
 
     def _path(self, obj: Mapping[str, Any]) -> str:
@@ -164,6 +168,18 @@ class Cluster:
             dict(obj),
             "application/apply-patch+yaml",
         )
+        return result
+
+    def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """POST ``obj`` to its collection (an error if it exists)."""
+        collection = self._path(obj).rsplit("/", 1)[0]
+        result: dict[str, Any] = self._call("POST", collection, body=dict(obj))
+        return result
+
+    def pod_log(self, namespace: str, name: str, limit_bytes: int = 1 << 20) -> str | None:
+        """The pod's (only) container's log, at most ``limit_bytes``; None if gone."""
+        path = f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}/log"
+        result: str | None = self._call("GET", path, {"limitBytes": str(limit_bytes)}, raw=True)
         return result
 
     def delete(self, obj: Mapping[str, Any]) -> bool:

@@ -124,6 +124,8 @@ class KubeApiDouble:
         self._stopping = False
         self.bookmark_seconds = 60.0
         self._scheme = "http"
+        #: Container logs by pod object key, served at ``pods/{name}/log`` as text.
+        self.logs: dict[str, str] = {}
 
     # ------------------------------------------------------------------ control
     def start(self, tls: ssl.SSLContext | None = None) -> str:
@@ -306,6 +308,8 @@ class KubeApiDouble:
             return self._reply(request, failure, self._status(failure, "injected failure"))
         if request.command == "GET" and (query.get("watch") or [""])[0] in ("1", "true"):
             return self._watch(request, parsed.path, query)
+        if request.command == "GET" and parsed.path.endswith("/log"):
+            return self._log(request, parsed.path.rstrip("/").rsplit("/", 1)[0])
         with self._lock:
             status, answer = self._dispatch(request.command, parsed.path, query, content_type, body)
         self._reply(request, status, answer)
@@ -448,6 +452,19 @@ class KubeApiDouble:
             return 200, deepcopy(current)
         self._put(key, merged)
         return (201 if current is None else 200), deepcopy(merged)
+
+    def _log(self, request: BaseHTTPRequestHandler, pod_key: str) -> None:
+        with self._lock:
+            exists = pod_key in self.objects
+            text = self.logs.get(pod_key, "")
+        if not exists:
+            return self._reply(request, 404, self._status(404, "pod not found"))
+        data = text.encode()
+        request.send_response(200)
+        request.send_header("Content-Type", "text/plain")
+        request.send_header("Content-Length", str(len(data)))
+        request.end_headers()
+        request.wfile.write(data)
 
     @staticmethod
     def _reply(request: BaseHTTPRequestHandler, status: int, answer: Any) -> None:

@@ -34,12 +34,18 @@ simulate: $(VENV)/.installed  ## trace-driven placement simulation
 VERSION   := $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' src/gpushare/__init__.py)
 IMAGE     ?= gpushare:$(VERSION)
 HAMI_VERSION ?= v2.4.1
+# The interposer: published (out of HAMi's image) or source (HAMi-core at HAMI_CORE_COMMIT;
+# empty: the Dockerfile's pinned commit)
+INTERPOSER ?= published
+HAMI_CORE_COMMIT ?=
 PLATFORMS ?= linux/amd64,linux/arm64
 # PUSH=1 pushes the multi-arch image to IMAGE's registry; otherwise it is written as an
 # OCI archive (a multi-arch image cannot be loaded into the classic docker image store).
 PUSH      ?=
 IMAGE_ARCHIVE ?= dist/gpushare-$(VERSION).oci.tar
-BUILD_ARGS := --build-arg HAMI_VERSION=$(HAMI_VERSION) --build-arg VERSION=$(VERSION)
+BUILD_ARGS := --build-arg HAMI_VERSION=$(HAMI_VERSION) --build-arg VERSION=$(VERSION) \
+  --build-arg INTERPOSER=$(INTERPOSER) \
+  $(if $(HAMI_CORE_COMMIT),--build-arg HAMI_CORE_COMMIT=$(HAMI_CORE_COMMIT))
 
 image:  ## build the image for linux/amd64 and linux/arm64 (docker buildx; plain docker: this machine's arch)
 	@if docker buildx version >/dev/null 2>&1; then \

@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 PROTOS := $(shell find proto -name '*.proto')
 comma  := ,
 
-.PHONY: demo test lint bench simulate image image-local version manifests clean verify-pairing
+.PHONY: demo test lint bench simulate image image-local version manifests clean verify-pairing kubectl-plugin
 
 demo: $(VENV)/.installed  ## run the daemon on a simulated node with a simulated kubelet
 	$(BIN)/gpushare-demo
@@ -61,6 +61,12 @@ image:  ## build the image for linux/amd64 and linux/arm64 (docker buildx; plain
 
 image-local:  ## build the image for this machine only and load it into docker
 	docker build $(BUILD_ARGS) -t $(IMAGE) .
+
+# Where the krew archive will be published (the manifest names it with its sha256).
+PLUGIN_URL ?= https://github.com/gpushare/gpushare/releases/download/v$(VERSION)
+
+kubectl-plugin: $(VENV)/.installed  ## dist/kubectl-gpushare: one file, Python 3.9+, nothing to install; and its krew manifest
+	$(BIN)/python scripts/build_kubectl_plugin.py dist/kubectl-gpushare --krew-url $(PLUGIN_URL)
 
 version:  ## print the version (the one source: src/gpushare/__init__.py)
 	@echo $(VERSION)

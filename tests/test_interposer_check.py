@@ -23,11 +23,19 @@ from test_deploy_manifests import _global_args, _stages
 ROOT = Path(__file__).resolve().parent.parent
 CHECK = ROOT / "scripts" / "check-interposer.sh"
 BUILD = ROOT / "scripts" / "build-hami-core.sh"
-HOOKS = (
-    "cuInit cuGetProcAddress cuMemAlloc_v2 cuMemAllocManaged cuMemAllocPitch_v2 "
-    "cuMemAllocAsync cuMemCreate cuMemFree_v2 cuMemGetInfo_v2 cuLaunchKernel "
-    "nvmlDeviceGetMemoryInfo"
-).split()
+HOOKS = [
+    "cuInit",
+    "cuGetProcAddress",
+    "cuMemAlloc_v2",
+    "cuMemAllocManaged",
+    "cuMemAllocPitch_v2",
+    "cuMemAllocAsync",
+    "cuMemCreate",
+    "cuMemFree_v2",
+    "cuMemGetInfo_v2",
+    "cuLaunchKernel",
+    "nvmlDeviceGetMemoryInfo",
+]
 
 needs_tools = pytest.mark.skipif(
     shutil.which("gcc") is None or shutil.which("nm") is None, reason="needs gcc and nm"

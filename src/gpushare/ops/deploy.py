@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from gpushare.base.compat import zip_strict
 from gpushare.config import Settings
 from gpushare.gpu import mig
 from gpushare.kube import nodestate
@@ -162,7 +163,7 @@ def install(
     if missing:
         raise DeployError(f"no such node: {', '.join(missing)}")
     stored = [cluster.read(obj) for obj in objects]
-    pairs = list(zip(objects, stored, strict=True))
+    pairs = list(zip_strict(objects, stored))
     foreign = [describe(obj) for obj, now in pairs if now is not None and not is_ours(now)]
     if foreign:
         raise DeployError(

@@ -1,4 +1,4 @@
-"""``make bench``: the daemon's latency, start time and footprint (issue 16).
+"""``make bench``: the daemon's latency, start time and footprint.
 
 Every figure but the message sizes is taken from the real daemon process
 (``python -m gpushare.daemon``) run as the DaemonSet runs it: ``NODE_NAME`` set and its

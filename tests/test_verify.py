@@ -216,3 +216,12 @@ def test_the_probe_without_a_driver_exits_2_with_one_line(tmp_path: Path) -> Non
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("probe: cannot run:")
+
+
+def test_a_hostile_report_is_printed_escaped_on_one_line(
+    api: KubeApiDouble, cluster: Cluster
+) -> None:
+    evil = [Check("x\x1b[2J\nVERDICT: enforced", False, "\u202eevil\r", "memory")]
+    code, said, _ = _run(api, cluster, "Succeeded", probe.render(evil))
+    assert code == verify.EXIT_NOT_ENFORCED
+    assert all("\x1b" not in line and "\n" not in line and "\u202e" not in line for line in said)

@@ -20,6 +20,7 @@ from typing import Any
 from gpushare.gpu.probe import REPORT_MARKER, Check, parse_report, verdict
 from gpushare.kube.kubeapi import ApiError, Cluster
 from gpushare.ops import deploy
+from gpushare.ops.printable import printable
 
 EXIT_NOT_ENFORCED = 1
 EXIT_NO_REPORT = 3
@@ -141,7 +142,8 @@ def run(
         checks = parse_report(log)
         if checks is None:
             tail = " | ".join(log.strip().splitlines()[-5:]) or "(empty log)"
-            say(f"the probe did not report ({_why_not_running(stored)}); log: {tail[:1000]}")
+            why = printable(_why_not_running(stored), 400)
+            say(f"the probe did not report ({why}); log: {printable(tail, 1000)}")
             return EXIT_NO_REPORT
         return report(checks, say)
     finally:
@@ -155,12 +157,12 @@ def run(
 def report(checks: list[Check], say: Callable[[str], None]) -> int:
     for check in checks:
         mark = {True: "ok  ", False: "FAIL", None: "--  "}[check.ok]
-        say(f"  {mark} {check.name}: {check.detail}")
+        say(f"  {mark} {printable(check.name, 120)}: {printable(check.detail, 400)}")
     ok, failed = verdict(checks)
     if ok:
         say("VERDICT: enforced (every limit checked holds on this node)")
         return 0
-    say(f"VERDICT: NOT ENFORCED: {', '.join(failed)}")
+    say(f"VERDICT: NOT ENFORCED: {', '.join(printable(name, 120) for name in failed)}")
     return EXIT_NOT_ENFORCED
 
 

@@ -74,6 +74,14 @@ TEXT_SAMPLES: dict[str, list[Any]] = {
         "cdi-cri\n",
     ],
     "cdi_kind": ["nvidia.com/gpu", "example.com/dev_1", "nvidia.com", "Nvidia.com/gpu", "/gpu"],
+    "cdi_spec_dirs": ["/etc/cdi", "/etc/cdi, /var/run/cdi,", "", "etc/cdi", "/a b", "/x\n"],
+}
+
+#: Values of the options a rule matches with a pattern: some that match, some that do not.
+RULE_SAMPLES: dict[str, list[Any]] = {
+    "card_modes": ["0=exclusive", "GPU-1=Exclusive , 1=shared", "0=shared", ""],
+    "device_list_strategy": ["cdi-cri", "envvar, cdi-annotations", "envvar"],
+    "cdi_spec_dirs": ["", " , ", "/etc/cdi"],
 }
 
 #: Options whose test value must come with another to be acceptable on its own.
@@ -158,7 +166,7 @@ def _rule_values(name: str, when: Any) -> list[Any]:
     and values that do not."""
     option = next(o for o in OPTIONS if o.name == name)
     if when.finds:
-        return [None, "0=exclusive", "GPU-1=Exclusive , 1=shared", "0=shared", ""]
+        return [None, *RULE_SAMPLES[name]]
     others = [v for v in samples(option) if type(v) is type(option.default)]
     misses = [v for v in others if not when.holds(v)][:1]
     return [None, *when.values, *misses]

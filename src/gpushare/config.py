@@ -61,6 +61,12 @@ _STRATEGY = "(" + "|".join(DEVICE_LIST_STRATEGIES) + ")"
 DEVICE_LIST_PATTERN = rf"^ *{_STRATEGY}( *, *{_STRATEGY})* *$"
 #: An absolute path (the daemon runs in a container: a relative one means nothing there).
 ABSOLUTE_PATH = r"^/"
+#: ``cdiSpecDirs``: absolute paths (no blanks inside), comma-separated; empty entries skipped.
+PATH_LIST_PATTERN = r"^ *(/[^, ]*)?( *, *(/[^, ]*)?)* *$"
+#: Found in a ``deviceListStrategy`` that names a CDI strategy.
+CDI_STRATEGY = r"cdi-"
+#: A ``cdiSpecDirs`` that names no directory.
+NO_PATHS = r"^[ ,]*$"
 
 
 def matcher(pattern: str) -> re.Pattern[str]:
@@ -229,7 +235,10 @@ class Settings:
         "uuid", "CDI device names by card UUID or card index", choices=CDI_NAME_STRATEGIES
     )
     cdi_spec_dirs: str = _opt(
-        "/etc/cdi,/var/run/cdi", "directories of CDI specs checked for the names we hand out"
+        "/etc/cdi,/var/run/cdi",
+        "directories of CDI specs checked for the names we hand out",
+        pattern=PATH_LIST_PATTERN,
+        shape="comma-separated absolute paths",
     )
     nvidia_product_label: bool = _opt(
         False, "also write nvidia.com/gpu.product (where GPU feature discovery is not installed)"
@@ -353,6 +362,14 @@ RULES: tuple[Rule, ...] = (
         (("card_modes", When(finds=EXCLUSIVE_ENTRY)), ("whole_cards", When((False,)))),
         "card_modes",
         "a card in exclusive mode needs whole_cards (--whole-cards) on",
+    ),
+    Rule(
+        (
+            ("device_list_strategy", When(finds=CDI_STRATEGY)),
+            ("cdi_spec_dirs", When(finds=NO_PATHS)),
+        ),
+        "cdi_spec_dirs",
+        "a cdi-* device_list_strategy needs a CDI spec directory (where the names are checked)",
     ),
 )
 

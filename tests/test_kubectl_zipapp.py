@@ -10,6 +10,7 @@ Python 3.9, and the krew manifest names the archive by its sha256.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import os
 import shutil
@@ -29,6 +30,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import build_kubectl_plugin  # noqa: E402
 
 
+@functools.lru_cache(maxsize=1)
 def oldest_python() -> str:
     """python3.9 (or the next oldest 3.x >= 3.9) if installed, else this interpreter."""
     for minor in (9, 10, 11, 12, 13):

@@ -106,3 +106,35 @@ def test_every_c_type_of_a_prototype_has_a_ctypes_type() -> None:
 
 def test_the_kernel_is_nul_terminated_ptx_with_its_entry() -> None:
     assert cuda.SPIN_PTX.endswith(b"\x00") and b".entry spin(" in cuda.SPIN_PTX
+
+
+def _ptxas() -> str | None:
+    """ptxas from the nvidia-cuda-nvcc-cu12 wheel if installed, else on the PATH."""
+    try:
+        import nvidia.cuda_nvcc as nvcc  # type: ignore[import-not-found]
+    except ImportError:
+        return shutil.which("ptxas")
+    for root in nvcc.__path__:
+        candidate = Path(root) / "bin" / "ptxas"
+        if candidate.is_file():
+            return str(candidate)
+    return shutil.which("ptxas")
+
+
+PTXAS = _ptxas()
+
+
+@pytest.mark.skipif(PTXAS is None, reason="no ptxas (pip install nvidia-cuda-nvcc-cu12)")
+@pytest.mark.parametrize("arch", ["sm_50", "sm_80", "sm_90"])
+def test_the_kernel_assembles_for_old_and_new_cards(arch: str, tmp_path: Path) -> None:
+    """The probe's hand-written PTX is valid: ptxas (no GPU needed) assembles it."""
+    assert PTXAS is not None
+    source = tmp_path / "spin.ptx"
+    source.write_bytes(cuda.SPIN_PTX.rstrip(b"\x00"))
+    result = subprocess.run(
+        [PTXAS, f"-arch={arch}", str(source), "-o", str(tmp_path / "spin.cubin")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr

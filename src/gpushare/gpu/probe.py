@@ -23,6 +23,7 @@ when the probe cannot run (no driver, no card). The last line of the output is
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -277,7 +278,9 @@ def _nvml_total() -> int:
         pynvml.nvmlShutdown()
 
 
-def run(env: Mapping[str, str], library: str = "libcuda.so.1") -> list[Check]:
+def run(
+    env: Mapping[str, str], library: str = "libcuda.so.1", spin_seconds: float = SPIN_SECONDS
+) -> list[Check]:
     """Every check, in this process (and the two child processes it starts)."""
     from gpushare.gpu.cuda import Driver
 
@@ -290,7 +293,7 @@ def run(env: Mapping[str, str], library: str = "libcuda.so.1") -> list[Check]:
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
         driver.call("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
         checks.append(judge_total("cuMemGetInfo reports the limit", total.value, limit))
-        checks.append(judge_total("NVML reports the limit", _nvml_total(), limit))
+        checks.append(_nvml_check(limit))
         chunk = max(limit // 64, 2 * MIB)
         got, stopped, pointers = _allocate_until_oom(driver, chunk, int(limit * ALLOC_CEILING))
         _free(driver, pointers)
@@ -302,13 +305,22 @@ def run(env: Mapping[str, str], library: str = "libcuda.so.1") -> list[Check]:
         code, size, unsupported = _bypass_create(driver, limit)
         checks.append(judge_bypass("cuMemCreate cannot pass the limit", code, size, limit,
                                    unsupported))  # fmt: skip
-        checks.append(_two_processes(driver, env, limit, chunk))
+        checks.append(_two_processes(driver, env, limit, chunk, library))
     else:
         checks.append(Check("memory limit", None, "no CUDA_DEVICE_MEMORY_LIMIT_0: not limited"))
     sm_limit = int(env.get("CUDA_DEVICE_SM_LIMIT", "0") or 0)
-    throttled = spin_throughput(driver) if 0 < sm_limit < 100 else 0.0
+    throttles = 0 < sm_limit < 100
+    throttled = spin_throughput(driver, spin_seconds) if throttles else 0.0
     driver.try_call("cuCtxDestroy_v2", context)
-    free_rate = _child_float(["--spin"], _unthrottled(env)) if 0 < sm_limit < 100 else 0.0
+    child = ["--spin", "--spin-seconds", str(spin_seconds), "--library", library]
+    free_rate = 0.0
+    if throttles:
+        free_env = _unthrottled(env)
+        try:
+            free_rate = _child_float(child, free_env)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(free_env["CUDA_DEVICE_MEMORY_SHARED_CACHE"])
     checks.append(judge_compute(throttled, free_rate, sm_limit))
     return checks
 
@@ -324,11 +336,22 @@ def _unthrottled(env: Mapping[str, str]) -> dict[str, str]:
     return free
 
 
-def _two_processes(driver: Any, env: Mapping[str, str], limit: int, chunk: int) -> Check:
+def _nvml_check(limit: int) -> Check:
+    name = "NVML reports the limit"
+    try:
+        total = _nvml_total()
+    except Exception as exc:  # pynvml.NVMLError and a missing libnvidia-ml alike
+        return Check(name, None, f"NVML not available: {str(exc)[:200]}", "memory")
+    return judge_total(name, total, limit)
+
+
+def _two_processes(
+    driver: Any, env: Mapping[str, str], limit: int, chunk: int, library: str
+) -> Check:
     name = "two processes share one limit"
     hold = (limit * 6 // 10) // chunk * chunk
     child = subprocess.Popen(
-        [sys.executable, "-m", "gpushare.gpu.probe", "--hold", str(hold)],
+        [sys.executable, "-m", "gpushare.gpu.probe", "--hold", str(hold), "--library", library],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -423,6 +446,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hold", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--spin", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--library", default="libcuda.so.1", help="the CUDA driver library")
+    parser.add_argument(
+        "--spin-seconds",
+        type=float,
+        default=SPIN_SECONDS,
+        help="length of each compute run (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     from gpushare.gpu.cuda import CudaError, Driver
 
@@ -439,9 +468,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.spin:  # the unthrottled baseline
             driver = Driver(args.library)
             _context(driver)
-            print(spin_throughput(driver), flush=True)
+            print(spin_throughput(driver, args.spin_seconds), flush=True)
             return 0
-        checks = run(os.environ, args.library)
+        checks = run(os.environ, args.library, args.spin_seconds)
     except (OSError, CudaError) as exc:
         print(f"probe: cannot run: {exc}", file=sys.stderr)
         return 2

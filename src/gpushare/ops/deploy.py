@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from gpushare.base.compat import zip_strict
 from gpushare.config import Settings
 from gpushare.gpu import mig
 from gpushare.kube import nodestate
@@ -133,6 +134,23 @@ def customise(
     return result
 
 
+def shipped_image(objects: Sequence[Mapping[str, Any]]) -> str:
+    """The image reference the shipped DaemonSet names (``gpushare:<version>``)."""
+    daemonset = next(obj for obj in objects if obj.get("kind") == "DaemonSet")
+    return str(_pod_spec(daemonset)["containers"][0].get("image", ""))
+
+
+def unbuilt_image_warning(shipped: str) -> str:
+    """What ``install`` says when no ``--image`` was given and no earlier install set one."""
+    name = shipped.rsplit("/", 1)[-1]
+    return (
+        f"warning: no --image given: the DaemonSet runs {shipped}, a reference no registry "
+        f"serves; build and push the image (make image PUSH=1 IMAGE=<registry>/{name}) and "
+        f"run install again with --image <registry>/{name}, or load {shipped} into every "
+        "GPU node's container runtime"
+    )
+
+
 def install(
     cluster: Cluster,
     nodes: Sequence[str],
@@ -150,7 +168,7 @@ def install(
         raise DeployError(f"no such node: {', '.join(missing)}")
     objects = _served_policies(cluster, objects, say)
     stored = [cluster.read(obj) for obj in objects]
-    pairs = list(zip(objects, stored, strict=True))
+    pairs = list(zip_strict(objects, stored))
     foreign = [describe(obj) for obj, now in pairs if now is not None and not is_ours(now)]
     if foreign:
         raise DeployError(
@@ -161,6 +179,11 @@ def install(
         (customise(obj, now, image, runtime_class) if obj.get("kind") == "DaemonSet" else obj, now)
         for obj, now in pairs
     ]
+    for obj, _ in pairs:
+        if obj.get("kind") == "DaemonSet" and image is None:
+            shipped = shipped_image(objects)
+            if _pod_spec(obj)["containers"][0].get("image") == shipped:
+                say(unbuilt_image_warning(shipped))
     for obj, before in pairs:
         after = cluster.apply(managed(obj))
         version = (after.get("metadata") or {}).get("resourceVersion")

@@ -29,6 +29,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from gpushare.base.buildinfo import build_info
 from gpushare.base.connguard import ConnectionGuard, GuardedHTTPServer, Limits
 from gpushare.gpu.health import HealthBoard
+from gpushare.kube.nodestate import CardExtras
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.usage import UsageLedger
 
@@ -79,6 +80,8 @@ def liveness(
 CARD_LABELS = ["gpu", "index", "model", "node"]
 #: Labels of every per-container series.
 CONTAINER_LABELS = ["namespace", "pod", "container", "gpu", "node"]
+#: Labels of a container's whole card or MIG device (``device`` = its UUID).
+DEVICE_LABELS = ["namespace", "pod", "container", "gpu", "device", "resource", "node"]
 MIB = 1 << 20
 
 
@@ -93,7 +96,9 @@ class _CardCollector:
         health: HealthBoard,
         extra: Callable[[], list[Metric]],
         node: str = "",
+        card_extras: Callable[[], CardExtras | None] = lambda: None,
     ) -> None:
+        self._card_extras = card_extras
         self._inventory = inventory
         self._usage = usage
         self._health = health
@@ -124,7 +129,11 @@ class _CardCollector:
                 "gpushare_core_units_allocated",
                 "Core units allocated per GPU (the kubelet's records and recent Allocates)",
             ),
-            "healthy": card_gauge("gpushare_gpu_healthy", "1 if the GPU is advertised Healthy"),
+            "healthy": card_gauge(
+                "gpushare_gpu_healthy",
+                "1 if the GPU itself is healthy (a card held whole is healthy; every card of "
+                "the node, shared or not, as kubectl gpushare inspect shows it)",
+            ),
         }
         unit_bytes = self._inventory.memory_unit_mib * MIB
         memory_used = self._usage.used_counts(Resource.MEMORY)
@@ -139,9 +148,42 @@ class _CardCollector:
             families["core_total"].add_metric(labels, card.units(Resource.CORE))
             families["core_used"].add_metric(labels, core_used.get(uuid, 0))
             families["healthy"].add_metric(labels, 1 if self._health.is_healthy(uuid) else 0)
+        extras = self._card_extras()
+        for whole in extras.whole if extras is not None else ():
+            labels = [whole.uuid, str(whole.index), whole.name, self._node]
+            families["healthy"].add_metric(labels, 1 if whole.healthy else 0)
         yield from families.values()
         yield from self._containers(unit_bytes)
+        if extras is not None:
+            yield from self._whole(extras)
         yield from self._extra()
+
+    def _whole(self, extras: CardExtras) -> Iterator[Metric]:
+        devices = GaugeMetricFamily(
+            "gpushare_container_devices",
+            "Whole cards and MIG devices each container holds (1 per device; gpu is the "
+            "card, device the card or MIG device; the kubelet's PodResources records)",
+            labels=DEVICE_LABELS,
+        )
+        for hold in extras.holds:
+            devices.add_metric(
+                [hold.namespace, hold.pod, hold.container, hold.card, hold.device,
+                 hold.resource, self._node],
+                1,
+            )  # fmt: skip
+        mig = GaugeMetricFamily(
+            "gpushare_mig_device_healthy",
+            "1 if the MIG device (served whole) is healthy",
+            labels=["gpu", "device", "profile", "node"],
+        )
+        for card in extras.whole:
+            for device in card.mig:
+                mig.add_metric(
+                    [card.uuid, device.uuid, device.profile, self._node],
+                    1 if device.healthy else 0,
+                )
+        yield devices
+        yield mig
 
     def _containers(self, unit_bytes: int) -> Iterator[Metric]:
         memory = GaugeMetricFamily(
@@ -201,7 +243,18 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_CardCollector(inventory, usage, health, self._extra, node))
+        #: Holders of whole cards and MIG devices, unshared cards (set by the daemon).
+        self.card_extras: Callable[[], CardExtras] | None = None
+        self.registry.register(
+            _CardCollector(
+                inventory,
+                usage,
+                health,
+                self._extra,
+                node,
+                lambda: self.card_extras() if self.card_extras is not None else None,
+            )
+        )
 
     def observe(self, resource: Resource, method: str, result: str, seconds: float) -> None:
         """The servicers' hook, called after every request."""

@@ -143,6 +143,8 @@ class KubeApiDouble:
         self._scheme = "http"
         #: The group/versions served (drop one to play an older cluster).
         self.groups = dict(GROUPS)
+        #: Container logs by pod object key, served at ``pods/{name}/log`` as text.
+        self.logs: dict[str, str] = {}
 
     # ------------------------------------------------------------------ control
     def start(self, tls: ssl.SSLContext | None = None) -> str:
@@ -334,6 +336,8 @@ class KubeApiDouble:
             resources = [{"name": p, "kind": KINDS[p]} for p in self.groups[version]]
             listing = {"kind": "APIResourceList", "groupVersion": version, "resources": resources}
             return self._reply(request, 200, listing)
+        if request.command == "GET" and parsed.path.endswith("/log"):
+            return self._log(request, parsed.path.rstrip("/").rsplit("/", 1)[0])
         with self._lock:
             status, answer = self._dispatch(request.command, parsed.path, query, content_type, body)
         self._reply(request, status, answer)
@@ -461,6 +465,19 @@ class KubeApiDouble:
             return 200, deepcopy(current)
         self._put(key, merged)
         return (201 if current is None else 200), deepcopy(merged)
+
+    def _log(self, request: BaseHTTPRequestHandler, pod_key: str) -> None:
+        with self._lock:
+            exists = pod_key in self.objects
+            text = self.logs.get(pod_key, "")
+        if not exists:
+            return self._reply(request, 404, self._status(404, "pod not found"))
+        data = text.encode()
+        request.send_response(200)
+        request.send_header("Content-Type", "text/plain")
+        request.send_header("Content-Length", str(len(data)))
+        request.end_headers()
+        request.wfile.write(data)
 
     @staticmethod
     def _reply(request: BaseHTTPRequestHandler, status: int, answer: Any) -> None:

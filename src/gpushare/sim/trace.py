@@ -30,7 +30,6 @@ report and exits 1 if any pod failed admission with the extender.
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import math
 import random
@@ -43,6 +42,7 @@ from pathlib import Path
 
 import structlog
 
+from gpushare.base.cli import Parser
 from gpushare.base.logs import configure_logging
 from gpushare.extender.fit import (
     BINPACK,
@@ -345,7 +345,7 @@ def run(pods: int, seed: int, load: float) -> tuple[list[RunResult], str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m gpushare.sim.trace",
         description="Trace-driven placement simulation, with and without the scheduler extender.",
     )

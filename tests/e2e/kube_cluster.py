@@ -9,7 +9,7 @@ Layout of one cluster (all under one short temporary directory, so sockets fit i
 
     etcd/ apiserver/ (cert-dir, logs) tokens.csv sa.key admin.kubeconfig
     node-1/kubelet/   bind-mounted over /var/lib/kubelet in node-1's mount namespace
-    node-1/vgpu/      bind-mounted over /usr/local/vgpu there (the daemon's --host-lib-dir)
+    node-1/vgpu/      the daemon's --host-lib-dir
     node-1/cri.sock   the CRI fake; node-1/containers.jsonl what it was asked to create
     node-1/gpus.yaml  the simulated cards (--simulate)
 """
@@ -57,8 +57,6 @@ FEATURE_GATES = {
     "DRADeviceTaints": True,
 }
 
-#: Hosts this kind of machine runs on are cgroup v1; the kubelet refuses those unless told.
-HOST_DIRS = ("/var/lib/kubelet", "/usr/local/vgpu")
 
 #: Node credentials exist for node-1 .. node-<SPARE_NODES> besides the nodes the cluster starts
 #: with, so that a test can add a node (Cluster.add_node) to the running cluster.
@@ -307,10 +305,13 @@ class NodeSpec:
 class NodeAgent:
     """One node: a private mount namespace holding the kubelet and the gpushare daemon.
 
-    The namespace has the node's own directories bind-mounted over ``/var/lib/kubelet`` and
-    ``/usr/local/vgpu``, so both programs run with their default paths, as on a real node,
-    and several nodes share this machine. The CRI fake runs outside it (a socket in the
-    node's directory)."""
+    In the namespace a tmpfs covers ``/var/lib`` (the host's stays as it is: nothing is
+    created, changed or removed on the host, and clusters of other checkouts running at the
+    same time cannot pull a mount point from under this one) and the node's own directory is
+    bind-mounted on ``/var/lib/kubelet``, so the kubelet and the daemon use their default
+    paths (device-plugins, pod-resources, plugins_registry), as on a real node, and several
+    nodes share this machine. The daemon's --host-lib-dir is the node's ``vgpu`` directory.
+    The CRI fake runs outside it (a socket in the node's directory)."""
 
     def __init__(self, cluster: Cluster, spec: NodeSpec, kubelet_port: int, healthz_port: int):
         self.cluster = cluster
@@ -318,7 +319,7 @@ class NodeAgent:
         self.name = spec.name
         self.dir = cluster.dir / spec.name
         self.root = self.dir / "kubelet"  # /var/lib/kubelet inside the namespace
-        self.vgpu = self.dir / "vgpu"  # /usr/local/vgpu inside the namespace
+        self.vgpu = self.dir / "vgpu"  # the daemon's --host-lib-dir
         self.records_file = self.dir / "containers.jsonl"
         self.cri_socket = self.dir / "cri.sock"
         self.gpus_file = self.dir / "gpus.yaml"
@@ -337,8 +338,8 @@ class NodeAgent:
             d.mkdir(parents=True, exist_ok=True)
         ready = self.dir / "namespace-ready"
         script = (
-            'mount --bind "$1" /var/lib/kubelet && mount --bind "$2" /usr/local/vgpu '
-            '&& touch "$3" && exec sleep infinity'
+            "mount -t tmpfs -o mode=0755 gpushare-e2e /var/lib && mkdir /var/lib/kubelet "
+            '&& mount --bind "$1" /var/lib/kubelet && touch "$3" && exec sleep infinity'
         )
         self.holder = Proc(
             "namespace",
@@ -541,6 +542,8 @@ class NodeAgent:
             "127.0.0.1",
             "--metrics-port",
             str(self.daemon_metrics_port),
+            "--host-lib-dir",
+            str(self.vgpu),
             *self.spec.daemon_args,
             *extra,
         ]
@@ -608,7 +611,6 @@ class Cluster:
         self.api: Api = Api(self.server, self.admin_token, self.ca)
         self.extender: Proc | None = None
         self.extender_port = 0
-        self._created_host_dirs: list[Path] = []
         self._protos: Path | None = None
 
     # ---- start and stop
@@ -628,11 +630,6 @@ class Cluster:
         if missing:
             raise E2EError(f"missing {missing} in {BIN}: run `make e2e` (it builds them)")
         urllib3.disable_warnings()
-        for d in HOST_DIRS:  # mount points for the nodes' private bind mounts
-            path = Path(d)
-            if not path.exists():
-                path.mkdir(parents=True)
-                self._created_host_dirs.append(path)
         self._start_etcd()
         self._start_apiserver()
         self._start_controller_manager()
@@ -645,8 +642,7 @@ class Cluster:
 
     def stop(self, logs: Path | None = None) -> None:
         """Every process stopped (TERM, then KILL after a deadline; namespaces end with their
-        last process), the mount points this cluster created removed, the logs and CRI records
-        copied to ``logs`` if given (replacing what was there), and the cluster's directory
+        last process), the logs and CRI records copied to ``logs`` if given (replacing what was there), and the cluster's directory
         removed (kept with GPUSHARE_E2E_KEEP=1)."""
         try:
             for agent in self.nodes.values():
@@ -661,9 +657,6 @@ class Cluster:
                 proc = self.procs.pop(name, None)
                 if proc is not None:
                     proc.stop(grace=15)
-            for path in reversed(self._created_host_dirs):
-                with contextlib.suppress(OSError):
-                    path.rmdir()
             if logs is not None:
                 self.copy_logs(logs)
             if os.environ.get("GPUSHARE_E2E_KEEP") != "1":

@@ -642,8 +642,8 @@ class Cluster:
 
     def stop(self, logs: Path | None = None) -> None:
         """Every process stopped (TERM, then KILL after a deadline; namespaces end with their
-        last process), the logs and CRI records copied to ``logs`` if given (replacing what was there), and the cluster's directory
-        removed (kept with GPUSHARE_E2E_KEEP=1)."""
+        last process), the logs and CRI records copied to ``logs`` if given (replacing what
+        was there), and the cluster's directory removed (kept with GPUSHARE_E2E_KEEP=1)."""
         try:
             for agent in self.nodes.values():
                 agent.stop()

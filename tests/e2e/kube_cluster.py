@@ -596,9 +596,14 @@ class Cluster:
     """etcd, kube-apiserver, kube-controller-manager, kube-scheduler and N nodes (each a
     real kubelet on a CRI fake, with the real gpushare daemon), all on 127.0.0.1."""
 
-    def __init__(self, nodes: list[NodeSpec], workdir: Path | None = None) -> None:
+    def __init__(
+        self, nodes: list[NodeSpec], workdir: Path | None = None, install: bool = True
+    ) -> None:
+        """``install=False``: neither the project's RBAC and policies nor the daemons (nodes
+        are started with ``daemon=False``), for tests of installing it."""
         self.dir = workdir or Path(tempfile.mkdtemp(prefix="gse2e-", dir="/tmp"))
         self.specs = nodes
+        self.install = install
         self.procs: dict[str, Proc] = {}
         self.nodes: dict[str, NodeAgent] = {}
         self.admin_token = secrets.token_hex(16)
@@ -636,9 +641,10 @@ class Cluster:
         self.start_scheduler()
         self.wait_service_account("default", "default")
         self.wait_service_account("kube-system", "default")
-        self.install_base()
-        for i, spec in enumerate(self.specs):
-            self.add_node(spec, i)
+        if self.install:
+            self.install_base()
+        for spec in self.specs:
+            self.add_node(spec, daemon=self.install)
 
     def stop(self, logs: Path | None = None) -> None:
         """Every process stopped (TERM, then KILL after a deadline; namespaces end with their
@@ -978,13 +984,17 @@ class Cluster:
 
         wait_for("the admission policies to be in force", refused, 60, step=0.25)
 
-    def add_node(self, spec: NodeSpec, index: int | None = None) -> NodeAgent:
+    def add_node(self, spec: NodeSpec, daemon: bool = True) -> NodeAgent:
+        """Start a node (namespace, CRI fake, kubelet) and wait until it is Ready; with
+        ``daemon``, also its DaemonSet-template pod and the gpushare daemon."""
         agent = NodeAgent(self, spec, free_port(), free_port())
         self.nodes[spec.name] = agent
         agent._start_namespace()
         agent._start_cri()
         agent.start_kubelet()
         self.wait_node_ready(spec.name)
+        if not daemon:
+            return agent
         reply = self.api.create(agent.daemon_pod_manifest())
         if reply.status_code not in (201, 409):
             raise E2EError(f"daemon pod for {spec.name}: {reply.status_code} {reply.text[:400]}")
@@ -1226,9 +1236,11 @@ def pod_manifest(
 
 
 @contextlib.contextmanager
-def running_cluster(nodes: list[NodeSpec], logs: Path | None = None) -> Iterator[Cluster]:
+def running_cluster(
+    nodes: list[NodeSpec], logs: Path | None = None, install: bool = True
+) -> Iterator[Cluster]:
     """A started cluster, stopped (and its logs copied to ``logs``) however the block ends."""
-    cluster = Cluster(nodes)
+    cluster = Cluster(nodes, install=install)
     try:
         cluster.start()
         yield cluster

@@ -1087,9 +1087,11 @@ class Cluster:
         return wait_for(f"the scheduler to refuse {ns}/{name}", probe, timeout, step=0.2)
 
     def delete_pod(self, ns: str, name: str, wait: bool = True) -> None:
-        """Delete and, unless told not, wait until the object is gone (the kubelet confirmed
-        its containers stopped; grace period 0 so the fake's containers end at once)."""
-        self.api.delete(f"/api/v1/namespaces/{ns}/pods/{name}", gracePeriodSeconds=0)
+        """Delete and, unless told not, wait until the object is gone. A grace period of 1 s,
+        not 0: with 0 the API server removes a bound pod at once, before its kubelet has
+        stopped it; with 1 the object goes when the kubelet has stopped the containers (the
+        fake stops them at once) and released their devices."""
+        self.api.delete(f"/api/v1/namespaces/{ns}/pods/{name}", gracePeriodSeconds=1)
         if wait:
             wait_for(
                 f"pod {ns}/{name} to be gone", lambda: self.pod(ns, name) is None, 90, step=0.2
@@ -1220,7 +1222,7 @@ def pod_manifest(
             for cname, lim in containers.items()
         ],
         "automountServiceAccountToken": False,
-        "terminationGracePeriodSeconds": 0,
+        "terminationGracePeriodSeconds": 1,
         "tolerations": [{"operator": "Exists"}],
     }
     if node is not None:

@@ -279,6 +279,18 @@ class Api:
                 )
 
 
+def find_proto(relative: str) -> Path:
+    """The repository's copy of a Kubernetes proto (``proto/<relative>``, or wherever it was
+    moved to inside the repository)."""
+    default = REPO / "proto" / relative
+    if default.exists():
+        return default
+    for path in sorted(REPO.rglob(relative)):
+        if ".venv" not in path.parts and "site-packages" not in path.parts:
+            return path
+    raise E2EError(f"no {relative} in {REPO}")
+
+
 def load_manifests(*paths: Path) -> list[dict[str, Any]]:
     """Every object of the YAML files (documents that are empty or kustomizations left out)."""
     objects = []
@@ -331,6 +343,7 @@ class NodeAgent:
         self.daemon: Proc | None = None
         self.daemon_metrics_port = 0
         self.daemon_pod = f"gpushare-{self.name}"
+        self.extra: list[Proc] = []  # what spawn() started
 
     # ---- the namespace
     def _start_namespace(self) -> None:
@@ -369,6 +382,19 @@ class NodeAgent:
     def _in_namespace(self, argv: list[str]) -> list[str]:
         assert self.holder is not None
         return ["nsenter", "--target", str(self.holder.pid), "--mount", "--", *argv]
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        """Run another program on this node, in its mount namespace (it sees the node's
+        /var/lib/kubelet: plugins_registry/, plugins/, device-plugins/, pod-resources/), its
+        output in ``<node>/<name>.log``; stopped with the node. For a DRA driver, say, with
+        ``cluster.node_kubeconfig(node)`` or a token of its own. ``env`` replaces the
+        environment (PATH and HOME are added when missing)."""
+        full = dict(env) if env is not None else dict(os.environ)
+        full.setdefault("PATH", f"{SCRIPTS}:{os.environ.get('PATH', '/usr/bin:/bin')}")
+        full.setdefault("HOME", str(self.dir))
+        proc = Proc(name, self._in_namespace(argv), self.dir / f"{name}.log", env=full)
+        self.extra.append(proc)
+        return proc
 
     # ---- the CRI fake and the kubelet
     def _start_cri(self) -> None:
@@ -583,9 +609,10 @@ class NodeAgent:
         return reply.text
 
     def stop(self) -> None:
-        for proc in (self.daemon, self.kubelet, self.cri, self.holder):
+        for proc in (*self.extra, self.daemon, self.kubelet, self.cri, self.holder):
             if proc is not None:
                 proc.stop(grace=10)
+        self.extra = []
         self.daemon = self.kubelet = self.cri = self.holder = None
 
 
@@ -876,6 +903,15 @@ class Cluster:
         if old is not None:
             old.stop()
 
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        """Run a program beside the control plane (not on a node), its output in
+        ``<workdir>/<name>.log``; stopped with the cluster (before the control plane)."""
+        if name in self.procs:
+            self.procs.pop(name).stop()
+        proc = Proc(name, argv, self.dir / f"{name}.log", env=env)
+        self.procs[name] = proc
+        return proc
+
     def start_extender(self, *extra: str) -> Proc:
         """``gpushare-scheduler-extender`` on a free loopback port with the token of its own
         ServiceAccount (daemonset/extender/extender.yaml's RBAC, applied here)."""
@@ -1152,15 +1188,16 @@ class Cluster:
         if self._protos is None:
             out = self.dir / "protos"
             out.mkdir(exist_ok=True)
+            proto = find_proto("podresources/v1/api.proto")
             subprocess.run(
                 [
                     sys.executable,
                     "-m",
                     "grpc_tools.protoc",
-                    f"-I{REPO / 'proto'}",
+                    f"-I{proto.parents[2]}",
                     f"--python_out={out}",
                     f"--grpc_python_out={out}",
-                    str(REPO / "proto" / "podresources" / "v1" / "api.proto"),
+                    str(proto),
                 ],
                 check=True,
                 capture_output=True,

@@ -696,6 +696,7 @@ class Cluster:
                 shutil.rmtree(self.dir, ignore_errors=True)
 
     def copy_logs(self, logs: Path) -> None:
+        """Each component's log and each node's CRI record into ``logs`` (replacing it)."""
         shutil.rmtree(logs, ignore_errors=True)
         for path in [*self.dir.rglob("*.log"), *self.dir.glob("*/containers.jsonl")]:
             if "kubelet" in path.relative_to(self.dir).parts[1:2]:

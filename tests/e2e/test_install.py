@@ -22,7 +22,9 @@ OPT_IN = "gpushare.io/enabled"
 def bare() -> Iterator[Cluster]:
     """A second cluster: one node with two cards, no label, no gpushare objects."""
     spec = NodeSpec(NODE, cards(7, CARD_4GIB, 2), labels={})
-    with running_cluster([spec], logs=REPO / "e2e" / "logs" / "install", install=False) as c:
+    with running_cluster(
+        [spec], logs=REPO / "e2e" / "logs" / "install-cluster", install=False
+    ) as c:
         yield c
 
 

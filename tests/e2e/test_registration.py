@@ -109,3 +109,36 @@ def test_a_program_spawned_on_a_node_sees_that_nodes_kubelet_directory(cluster: 
         assert not Path("/var/lib/kubelet/e2e-marker").exists()  # nor the host's
     finally:
         marker.unlink(missing_ok=True)
+
+
+def test_units_held_before_a_kubelet_restart_count_after_it(cluster: Cluster) -> None:
+    """node-2's cards hold 16 units each. A pod holding 12 on one card before the kubelet
+    restarts leaves 4 there: a second pod of 12 after the restart must get the other card,
+    memory and cores alike (the kubelet's checkpoint and the daemon's view agree)."""
+    limits = {MEMORY: 12, CORE: 50}
+    cluster.create_pod(pod_manifest("held-before", limits, node="node-2"))
+    try:
+        cluster.wait_pod("default", "held-before", "Running")
+        first = cluster.wait_record("node-2", "default", "held-before", "main")["env"]
+        cluster.nodes["node-2"].restart_kubelet()
+        cluster.create_pod(pod_manifest("held-after", limits, node="node-2"))
+        try:
+            cluster.wait_pod("default", "held-after", "Running")
+            second = cluster.wait_record("node-2", "default", "held-after", "main")["env"]
+            assert second["NVIDIA_VISIBLE_DEVICES"] != first["NVIDIA_VISIBLE_DEVICES"]
+            cards: dict[str, set[str]] = {}
+            for entry in cluster.nodes["node-2"].pod_resources():
+                if entry["name"] == "held-after":
+                    for c in entry["containers"]:
+                        for dev in c.get("devices", []):
+                            cards.setdefault(dev["resource_name"], set()).update(
+                                i.rpartition("::")[0] for i in dev["device_ids"]
+                            )
+            assert cards == {
+                MEMORY: {second["NVIDIA_VISIBLE_DEVICES"]},
+                CORE: {second["NVIDIA_VISIBLE_DEVICES"]},
+            }
+        finally:
+            cluster.delete_pod("default", "held-after")
+    finally:
+        cluster.delete_pod("default", "held-before")

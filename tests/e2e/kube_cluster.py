@@ -575,7 +575,15 @@ class NodeAgent:
         ]
         self.daemon = Proc("daemon", self._in_namespace(argv), self.dir / "daemon.log", env=env)
         if wait:
-            self.cluster.wait_allocatable(self.name, lambda a: int(a.get(MEMORY, "0")) > 0)
+            flags = [*self.spec.daemon_args, *extra]
+            prefix = PREFIX
+            for i, flag in enumerate(flags):
+                if flag == "--resource-prefix" and i + 1 < len(flags):
+                    prefix = flags[i + 1]
+                elif flag.startswith("--resource-prefix="):
+                    prefix = flag.split("=", 1)[1]
+            memory = f"{prefix}/vcuda-memory"
+            self.cluster.wait_allocatable(self.name, lambda a: int(a.get(memory, "0")) > 0)
         return self.daemon
 
     def kill_daemon(self, sig: int = signal.SIGKILL) -> None:

@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import json
 import os
+import platform
 import secrets
 import shutil
 import signal
@@ -95,11 +96,13 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float, step: flo
 
 
 def stub_library(path: Path) -> None:
-    """An ELF header of a 64-bit little-endian x86-64 shared object, and nothing else: what the
-    daemon checks of the interposer library it installs (never loaded here)."""
+    """An ELF header of a 64-bit little-endian shared object for this machine (x86-64 or
+    aarch64), and nothing else: what the daemon checks of the interposer library it installs
+    (never loaded here)."""
     ident = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9)
-    et_dyn, em_x86_64, ev_current = 3, 62, 1
-    header = ident + et_dyn.to_bytes(2, "little") + em_x86_64.to_bytes(2, "little")
+    et_dyn, ev_current = 3, 1
+    e_machine = {"aarch64": 183, "arm64": 183}.get(platform.machine().lower(), 62)
+    header = ident + et_dyn.to_bytes(2, "little") + e_machine.to_bytes(2, "little")
     header += ev_current.to_bytes(4, "little") + bytes(64 - 24)
     path.write_bytes(header + b"gpushare e2e stand-in for libvgpu.so\n")
 
@@ -617,11 +620,20 @@ class NodeAgent:
         return reply.text
 
     def stop(self) -> None:
-        for proc in (*self.extra, self.daemon, self.kubelet, self.cri, self.holder):
-            if proc is not None:
-                proc.stop(grace=10)
+        """Every process of the node stopped, the namespace holder last (the namespace and
+        its mounts end with it); all are tried even if one fails."""
+        procs = (*self.extra, self.daemon, self.kubelet, self.cri, self.holder)
         self.extra = []
         self.daemon = self.kubelet = self.cri = self.holder = None
+        errors = []
+        for proc in procs:
+            if proc is not None:
+                try:
+                    proc.stop(grace=10)
+                except Exception as exc:
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
 
 
 # --------------------------------------------------------------------------- the cluster
@@ -685,23 +697,31 @@ class Cluster:
         """Every process stopped (TERM, then KILL after a deadline; namespaces end with their
         last process), the logs and CRI records copied to ``logs`` if given (replacing what
         was there), and the cluster's directory removed (kept with GPUSHARE_E2E_KEEP=1)."""
-        try:
-            for agent in self.nodes.values():
-                agent.stop()
-            if self.extender is not None:
-                self.extender.stop()
-        finally:
-            # Schedulers and anything else first, then the control plane from the top down.
-            control_plane = ["kube-controller-manager", "kube-apiserver", "etcd"]
-            order = [n for n in self.procs if n not in control_plane] + control_plane
-            for name in order:
-                proc = self.procs.pop(name, None)
-                if proc is not None:
-                    proc.stop(grace=15)
-            if logs is not None:
-                self.copy_logs(logs)
-            if os.environ.get("GPUSHARE_E2E_KEEP") != "1":
-                shutil.rmtree(self.dir, ignore_errors=True)
+        errors: list[BaseException] = []
+
+        def attempt(stop: Callable[[], object]) -> None:
+            try:
+                stop()
+            except Exception as exc:  # go on stopping the rest; report the first at the end
+                errors.append(exc)
+
+        for agent in self.nodes.values():
+            attempt(agent.stop)
+        if self.extender is not None:
+            attempt(self.extender.stop)
+        # Schedulers and anything else first, then the control plane from the top down.
+        control_plane = ["kube-controller-manager", "kube-apiserver", "etcd"]
+        order = [n for n in self.procs if n not in control_plane] + control_plane
+        for name in order:
+            proc = self.procs.pop(name, None)
+            if proc is not None:
+                attempt(lambda p=proc: p.stop(grace=15))
+        if logs is not None:
+            attempt(lambda: self.copy_logs(logs))
+        if os.environ.get("GPUSHARE_E2E_KEEP") != "1":
+            shutil.rmtree(self.dir, ignore_errors=True)
+        if errors:
+            raise errors[0]
 
     def copy_logs(self, logs: Path) -> None:
         """Each component's log and each node's CRI record into ``logs`` (replacing it)."""

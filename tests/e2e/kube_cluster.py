@@ -63,6 +63,10 @@ FEATURE_GATES = {
 #: with, so that a test can add a node (Cluster.add_node) to the running cluster.
 SPARE_NODES = 8
 
+#: The init containers of the project's pods (the DaemonSet's tmpfs for cache directories):
+#: the CRI fake runs no processes, so it reports them finished as soon as they start.
+INIT_CONTAINERS = ("cache-fs",)
+
 T = TypeVar("T")
 
 
@@ -421,6 +425,9 @@ class NodeAgent:
                 str(self.cri_socket),
                 "--record",
                 str(self.records_file),
+                # the fake runs no processes: init containers must be told to finish
+                "--exit-at-start",
+                ",".join(INIT_CONTAINERS),
             ],
             self.dir / "crifake.log",
         )

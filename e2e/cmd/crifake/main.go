@@ -14,6 +14,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -59,6 +60,29 @@ type recorder struct {
 	*fake.RemoteRuntime
 	mu  sync.Mutex
 	out *os.File
+	// exitAtStart names containers reported exited with code 0 as soon as they start.
+	exitAtStart map[string]bool
+}
+
+// StartContainer starts the container in the fake. The fake runs no processes, so a
+// container that must finish (an init container, such as the DaemonSet's cache-fs) would
+// run for ever and hold its pod in Init; one named in --exit-at-start is reported exited
+// with code 0 at once, as a real one that did its job would be.
+func (r *recorder) StartContainer(ctx context.Context, req *kubeapi.StartContainerRequest) (*kubeapi.StartContainerResponse, error) {
+	resp, err := r.RemoteRuntime.StartContainer(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	svc := r.RemoteRuntime.RuntimeService
+	svc.Lock()
+	defer svc.Unlock()
+	if c, ok := svc.Containers[req.GetContainerId()]; ok && r.exitAtStart[c.GetMetadata().GetName()] {
+		c.State = kubeapi.ContainerState_CONTAINER_EXITED
+		c.ExitCode = 0
+		c.Reason = "Completed"
+		c.FinishedAt = time.Now().UnixNano()
+	}
+	return resp, nil
 }
 
 func (r *recorder) CreateContainer(ctx context.Context, req *kubeapi.CreateContainerRequest) (*kubeapi.CreateContainerResponse, error) {
@@ -112,7 +136,14 @@ func (r *recorder) CreateContainer(ctx context.Context, req *kubeapi.CreateConta
 func main() {
 	socket := flag.String("socket", "", "unix socket to serve the CRI on")
 	recordPath := flag.String("record", "", "file to append one JSON line per created container to")
+	exitAtStart := flag.String("exit-at-start", "", "comma-separated container names that exit 0 as soon as they start")
 	flag.Parse()
+	exiting := map[string]bool{}
+	for _, name := range strings.Split(*exitAtStart, ",") {
+		if name != "" {
+			exiting[name] = true
+		}
+	}
 	if *socket == "" || *recordPath == "" {
 		fmt.Fprintln(os.Stderr, "usage: crifake --socket PATH --record FILE")
 		os.Exit(2)
@@ -137,7 +168,7 @@ func main() {
 	// The fake's pulled images have size 0 unless told, and the kubelet refuses those.
 	rt.ImageService.SetFakeImageSize(1 << 20)
 	srv := grpc.NewServer()
-	kubeapi.RegisterRuntimeServiceServer(srv, &recorder{RemoteRuntime: rt, out: out})
+	kubeapi.RegisterRuntimeServiceServer(srv, &recorder{RemoteRuntime: rt, out: out, exitAtStart: exiting})
 	kubeapi.RegisterImageServiceServer(srv, rt)
 	sigs := make(chan os.Signal, 1)
 	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT)

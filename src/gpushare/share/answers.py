@@ -111,6 +111,51 @@ def build_answer(
     return Answer(envs, mounts, annotations)
 
 
+def merge_answers(first: Answer, second: Answer) -> Answer:
+    """Two answers as one, by the kubelet's rule for the answers of one container's
+    resources: the first value of a key wins, a mount already there is not repeated."""
+    mounts = list(first.mounts)
+    taken = {m.container_path for m in mounts}
+    mounts += [m for m in second.mounts if m.container_path not in taken]
+    return Answer(
+        envs={**second.envs, **first.envs},
+        mounts=mounts,
+        annotations={**second.annotations, **first.annotations},
+        cdi_devices=list(dict.fromkeys([*first.cdi_devices, *second.cdi_devices])),
+        device_specs=list(dict.fromkeys([*first.device_specs, *second.device_specs])),
+    )
+
+
+def build_share_answer(
+    uuid: str,
+    memory_units: int,
+    cores: int,
+    *,
+    memory_unit_mib: int,
+    enforcement: Enforcement,
+    cache_dir: Path | None = None,
+) -> Answer:
+    """One DRA share of card ``uuid`` (memory and cores in one claim) as one answer:
+    exactly what the device plugin answers for ``memory_units`` memory units and, when
+    ``cores`` > 0, for ``cores`` core units of the same card, merged as the kubelet
+    merges them. ``cores`` 0 sets no core limit (unthrottled), as a memory-only
+    container of the device plugin gets."""
+    answer = build_answer(
+        Resource.MEMORY,
+        uuid,
+        memory_units,
+        memory_unit_mib=memory_unit_mib,
+        enforcement=enforcement,
+        cache_dir=cache_dir,
+    )
+    if cores > 0:
+        core = build_answer(
+            Resource.CORE, uuid, cores, memory_unit_mib=memory_unit_mib, enforcement=enforcement
+        )
+        answer = merge_answers(answer, core)
+    return answer
+
+
 # --------------------------------------------------------------------------- exclusive
 
 

@@ -32,6 +32,7 @@ CDI_NAME_STRATEGIES = ("uuid", "index")
 #: A CDI kind: ``<vendor>/<class>`` (CDI spec: vendor a domain-like name, class alphanumeric).
 CDI_KIND = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?/[a-zA-Z0-9]([a-zA-Z0-9_.-]*[a-zA-Z0-9])?")
 DEVICE_LIST_STRATEGIES = ("envvar", "cdi-cri", "cdi-annotations")
+DRA_DRIVER = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)+")
 MIG_STRATEGIES = ("none", "single", "mixed")
 
 #: XIDs that report an application's own fault, not the card's (NVIDIA's defaults).
@@ -167,6 +168,26 @@ class Settings:
     )
     cdi_spec_dirs: str = _opt(
         "/etc/cdi,/var/run/cdi", "directories of CDI specs checked for the names we hand out"
+    )
+    # DRA (docs/dra.md) ------------------------------------------------------------------
+    dra_driver: str = _opt(
+        "gpu.gpushare.io",
+        "DRA driver name: the cards in card mode dra are published in ResourceSlices of it",
+    )
+    dra_kubelet_root: str = _opt(
+        "/var/lib/kubelet",
+        "the kubelet's root directory (its plugins_registry/ and plugins/ hold the DRA sockets)",
+    )
+    dra_cdi_dir: str = _opt(
+        "/var/run/cdi", "directory the DRA driver writes its per-claim CDI specs into"
+    )
+    dra_state_dir: str = _opt(
+        "", "directory of the DRA checkpoint and lock file (default: <host_lib_dir>/dra)"
+    )
+    dra_resync_seconds: float = _opt(
+        10.0,
+        "how often the node's ResourceSlices are checked (and re-published if deleted)",
+        bounds=(0.01, 3600),
     )
     nvidia_product_label: bool = _opt(
         False, "also write nvidia.com/gpu.product (where GPU feature discovery is not installed)"
@@ -353,6 +374,12 @@ def _validate(settings: Settings, origins: Mapping[str, str]) -> None:
         fail("device_list_strategy", str(exc))
     if not CDI_KIND.fullmatch(settings.cdi_kind):
         fail("cdi_kind", f"{settings.cdi_kind!r} is not <vendor>/<class> like nvidia.com/gpu")
+    if not DRA_DRIVER.fullmatch(settings.dra_driver) or len(settings.dra_driver) > 63:
+        fail(
+            "dra_driver",
+            f"{settings.dra_driver!r} is not a DNS subdomain of at most 63 characters "
+            "like gpu.gpushare.io",
+        )
     try:
         modes = parse_card_modes(settings.card_modes)
     except ValueError as exc:

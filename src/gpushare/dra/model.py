@@ -134,6 +134,7 @@ class Offered:
     shared: bool  # a card with consumable capacity (else a whole MIG device)
     card_index: int
     card_memory_mib: int = 0  # the physical card's (shared devices)
+    card_uuid: str = ""  # the physical card's (its health)
     attributes: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
 
 
@@ -208,6 +209,7 @@ def offered_devices(
                         mig.memory_mib,
                         shared=False,
                         card_index=gpu.index,
+                        card_uuid=gpu.uuid,
                         attributes=attributes,
                     )
                 )
@@ -223,6 +225,7 @@ def offered_devices(
                 shared=True,
                 card_index=gpu.index,
                 card_memory_mib=gpu.memory_mib,
+                card_uuid=gpu.uuid,
                 attributes=base,
             )
         )

@@ -15,6 +15,14 @@ answer of one JSON event per line (ADDED, MODIFIED, DELETED; BOOKMARK every
 kept history (see :meth:`KubeApiDouble.compact`) answers an ERROR event with a 410
 Status, as etcd's compaction makes the real server do. Lives in the package so that
 ``make bench`` can run the daemon against it.
+
+``resource.k8s.io/v1`` objects (ResourceSlices, ResourceClaims, DeviceClasses) are kept
+as written, like the 1.36 server does with its DRA gates on; PUT replaces an object (a
+stale ``metadata.resourceVersion`` is a 409), ``dryRun=All`` answers what would be
+stored without storing it, and DELETE of a collection removes what its selectors match.
+:attr:`KubeApiDouble.consumable_capacity` and :attr:`KubeApiDouble.device_taints` set to
+False make it drop, silently, what a server with those feature gates off drops
+(``allowMultipleAllocations`` and the capacities' ``requestPolicy``; device ``taints``).
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ KINDS = {
     "clusterroles": "ClusterRole",
     "clusterrolebindings": "ClusterRoleBinding",
     "daemonsets": "DaemonSet",
+    "resourceslices": "ResourceSlice",
+    "resourceclaims": "ResourceClaim",
+    "deviceclasses": "DeviceClass",
 }
 #: Stamps the server keeps on an object; an apply that changes nothing else is a no-op.
 _SERVER_FIELDS = ("resourceVersion", "uid", "managedFields", "creationTimestamp")
@@ -124,6 +135,9 @@ class KubeApiDouble:
         self._stopping = False
         self.bookmark_seconds = 60.0
         self._scheme = "http"
+        #: DRAConsumableCapacity / DRADeviceTaints of the server (False: dropped on write).
+        self.consumable_capacity = True
+        self.device_taints = True
 
     # ------------------------------------------------------------------ control
     def start(self, tls: ssl.SSLContext | None = None) -> str:
@@ -346,15 +360,44 @@ class KubeApiDouble:
                 "metadata": {"resourceVersion": str(self._version)},
                 "items": items,
             }
+        dry_run = (query.get("dryRun") or [""])[0] == "All"
+        if method in ("POST", "PUT") and isinstance(body, dict):
+            body = self._drop_disabled(body)
+        if method == "DELETE" and is_collection:
+            labels = (query.get("labelSelector") or [""])[0]
+            fields = (query.get("fieldSelector") or [""])[0]
+            doomed = [
+                key
+                for key, o in self._collections(path)
+                if _matches_labels(o, labels) and _matches_fields(o, fields)
+            ]
+            for key in doomed:
+                self._drop(key)
+            return 200, self._status(200, "deleted") | {"status": "Success"}
         if method == "POST" and is_collection:
             name = body["metadata"]["name"]
             key = f"{path.rstrip('/')}/{name}"
             if key in self.objects:
                 return 409, self._status(409, f"{name} already exists")
+            if dry_run:
+                return 201, deepcopy(body)
             self._put(key, body)
             return 201, deepcopy(body)
         key = path.rstrip("/")
         current = self.objects.get(key)
+        if method == "PUT":
+            if current is None:
+                return 404, self._status(404, f"{parts[-1]} not found")
+            asked = (body.get("metadata") or {}).get("resourceVersion")
+            if asked and asked != current["metadata"].get("resourceVersion"):
+                return 409, self._status(409, "the object has been modified") | {
+                    "reason": "Conflict"
+                }
+            body.setdefault("metadata", {})["uid"] = current["metadata"].get("uid")
+            if dry_run:
+                return 200, deepcopy(body)
+            self._put(key, body)
+            return 200, deepcopy(body)
         if method == "GET":
             if current is None:
                 return 404, self._status(404, f"{parts[-1]} not found")
@@ -378,6 +421,25 @@ class KubeApiDouble:
             self._put(key, merged)
             return 200, deepcopy(merged)
         return 400, self._status(400, f"{method} {path} is not supported by the double")
+
+    def _drop_disabled(self, body: dict[str, Any]) -> dict[str, Any]:
+        """What a server with the DRA gates off stores of a ResourceSlice: the gated
+        device fields are dropped without a word, as the real strategy's
+        dropDisabledFields does."""
+        if body.get("kind") != "ResourceSlice":
+            return body
+        body = deepcopy(body)
+        for device in (body.get("spec") or {}).get("devices") or []:
+            if not isinstance(device, dict):
+                continue
+            if not self.consumable_capacity:
+                device.pop("allowMultipleAllocations", None)
+                for entry in (device.get("capacity") or {}).values():
+                    if isinstance(entry, dict):
+                        entry.pop("requestPolicy", None)
+            if not self.device_taints:
+                device.pop("taints", None)
+        return body
 
     def _bind(self, pod_key: str, body: Any) -> tuple[int, Any]:
         """``pods/{name}/binding``: what the real server checks, then ``spec.nodeName``.

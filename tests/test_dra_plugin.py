@@ -253,7 +253,7 @@ def test_prepare_and_unprepare_are_idempotent(dra: DraNode) -> None:
     assert dra.kubelet.prepare([ref]) == first
     assert len(dra.api.calls("GET", "/resourceclaims/")) == gets  # from the checkpoint
     keys = [p for p in cache_root(dra.host).iterdir() if p.name.startswith("d-")]
-    assert len(keys) == 2  # the directory and its record
+    assert len(keys) == 1  # the directory (the checkpoint names its claim)
     assert dra.kubelet.unprepare([ref]) == {ref[2]: ""}
     assert list(dra.cdi.iterdir()) == []
     assert [p for p in cache_root(dra.host).iterdir() if p.name.startswith("d-")] == []
@@ -278,8 +278,7 @@ def test_leftovers_without_a_checkpoint_entry_are_tidied_at_start(dra: DraNode) 
     ref = dra.claim("c", {"request": "r", "device": "gpu-1"})
     dra.kubelet.prepare([ref])
     dra.stop()
-    state = dra.host / "dra" / "checkpoint.json"
-    state.write_text(json.dumps({"version": 1, "claims": {}}))  # as if killed before recording
+    (dra.host / "dra" / "claims" / f"{ref[2]}.json").unlink()  # as if killed before recording
     dra.start()
     assert list(dra.cdi.iterdir()) == []
     assert [p for p in cache_root(dra.host).iterdir() if p.name.startswith("d-")] == []
@@ -339,6 +338,18 @@ def test_a_second_daemon_holding_the_lock_serialises_prepare(dra: DraNode) -> No
     finally:
         release.set()
         other.join(10)
+
+
+def test_an_unreadable_entry_fails_its_claim_alone(dra: DraNode) -> None:
+    dra.start()
+    one = dra.claim("one", {"request": "r", "device": "gpu-0"})
+    two = dra.claim("two", {"request": "r", "device": "gpu-1"})
+    dra.kubelet.prepare([one, two])
+    (dra.host / "dra" / "claims" / f"{one[2]}.json").write_text("{not json")
+    errors = dra.kubelet.unprepare([one, two])
+    assert "unusable" in errors[one[2]] and errors[two[2]] == ""
+    # what the broken entry named is kept, never removed on a guess
+    assert [p.name for p in dra.cdi.iterdir()] == [f"{DRIVER}-claim_{one[2]}.json"]
 
 
 def test_sockets_are_private(dra: DraNode) -> None:

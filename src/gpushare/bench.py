@@ -658,6 +658,102 @@ def _latency_rows(plan: Plan, report: Report, runs: list[dict[str, tuple[float, 
     )
 
 
+# --------------------------------------------------------------------------- DRA
+
+
+def measure_dra(plan: Plan, report: Report) -> None:
+    """NodePrepareResources against one GET of the claim (issue 22): the DRA part serving
+    ``plan.cards`` simulated H200 in this process, the API-server double in its own, the
+    stand-in kubelet calling over the plugin's unix socket. Each round creates one
+    allocated claim (not timed), prepares it (timed: the GET, the checks, the answer, a
+    cache directory, the CDI spec and the checkpoint entry), GETs the same claim with the
+    same client (timed: the baseline), makes the same call with no claim (timed: the
+    gRPC floor, for context) and unprepares it."""
+    from gpushare.config import Settings
+    from gpushare.dra.part import build_dra_part
+    from gpushare.gpu.health import HealthBoard
+    from gpushare.host.library import ensure_lock_dir, install_library
+    from gpushare.kube.kubeclient import ApiClient, kubeconfig_endpoint
+    from gpushare.share.answers import DeviceListing, Enforcement
+    from gpushare.sim.drakubelet import DraKubelet, allocated_claim
+
+    rounds = max(20, plan.latency_containers // 2)
+    with temporary_root() as root:
+        api = ApiServer(root)
+        part = None
+        kubelet = DraKubelet(root / "kubelet")
+        try:
+            gpus = node_gpus(plan.cards, H200_MIB)
+            library = root / "libvgpu.so"
+            library.write_bytes(stand_in(b"bench interposer\n"))
+            host = root / "vgpu"
+            enforcement = Enforcement(
+                install_library(library, host), None, True, ensure_lock_dir(host)
+            )
+            client = ApiClient(kubeconfig_endpoint(api.kubeconfig))
+            settings = Settings(host_lib_dir=str(host), dra_cdi_dir=str(root / "cdi"))
+            part = build_dra_part(
+                settings,
+                gpus,
+                HealthBoard(g.uuid for g in gpus),
+                enforcement,
+                DeviceListing(),
+                host,
+                client,
+                NODE_NAME,
+                root / "kubelet",
+                pcie_roots={},
+            )
+            part.start()
+            kubelet.register()
+            prepare: list[float] = []
+            get: list[float] = []
+            empty: list[float] = []
+            path = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims"
+            for i in range(rounds):
+                claim = allocated_claim(
+                    "default",
+                    f"bench-{i}",
+                    settings.dra_driver,
+                    NODE_NAME,
+                    [
+                        {
+                            "request": "gpu",
+                            "device": f"gpu-{i % plan.cards}",
+                            "consumedCapacity": {"memory": "4Gi", "cores": "30"},
+                        }
+                    ],
+                )
+                if api.call("POST", path, claim) != 201:
+                    raise RuntimeError("the API-server double refused a claim")
+                ref = ("default", f"bench-{i}", claim["metadata"]["uid"])
+                began = time.perf_counter()
+                answers = kubelet.prepare([ref])
+                prepare.append(time.perf_counter() - began)
+                if answers[ref[2]].error:
+                    raise RuntimeError(f"prepare failed: {answers[ref[2]].error}")
+                began = time.perf_counter()
+                client.get(f"{path}/bench-{i}")
+                get.append(time.perf_counter() - began)
+                began = time.perf_counter()
+                kubelet.prepare([])  # the gRPC floor: the same call with no claim
+                empty.append(time.perf_counter() - began)
+                kubelet.unprepare([ref])
+        finally:
+            kubelet.close()
+            if part is not None:
+                part.stop()
+            api.stop()
+    p50, base = percentile(prepare, 50), percentile(get, 50)
+    report.add(
+        f"DRA NodePrepareResources, one share ({plan.cards} x H200, {rounds} claims)",
+        f"p50 {ms(p50)}, p99 {ms(percentile(prepare, 99))}",
+        "p50 <= 2x one GET of the claim",
+        f"GET p50 {ms(base)}; {p50 / base:.1f}x (empty call {ms(percentile(empty, 50))})",
+        p50 <= 2 * base,
+    )
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -680,7 +776,7 @@ def machine() -> str:
 
 def run(plan: Plan, phases: Sequence[Callable[[Plan, Report], None]] | None = None) -> Report:
     report = Report()
-    for phase in phases or (measure_messages, measure_start, measure_daemon):
+    for phase in phases or (measure_messages, measure_start, measure_daemon, measure_dra):
         phase(plan, report)
     return report
 

@@ -32,7 +32,6 @@ CDI_NAME_STRATEGIES = ("uuid", "index")
 #: A CDI kind: ``<vendor>/<class>`` (CDI spec: vendor a domain-like name, class alphanumeric).
 CDI_KIND = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?/[a-zA-Z0-9]([a-zA-Z0-9_.-]*[a-zA-Z0-9])?")
 DEVICE_LIST_STRATEGIES = ("envvar", "cdi-cri", "cdi-annotations")
-DRA_DRIVER = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)+")
 MIG_STRATEGIES = ("none", "single", "mixed")
 
 #: XIDs that report an application's own fault, not the card's (NVIDIA's defaults).
@@ -152,8 +151,9 @@ class Settings:
     )
     card_modes: str = _opt(
         "",
-        "fixed pools: <card index or UUID>=shared|exclusive|both, comma-separated "
-        "(cards not named: both, i.e. whichever use comes first)",
+        "fixed pools: <card index or UUID>=shared|exclusive|both|dra, comma-separated "
+        "(cards not named: both, i.e. whichever use comes first; dra: published for DRA "
+        "claims only, see docs/dra.md)",
     )
     exclusive_enforcement: bool = _opt(
         False, "whole cards also get the interposer, with 100%% limits (same accounting)"
@@ -374,7 +374,7 @@ def _validate(settings: Settings, origins: Mapping[str, str]) -> None:
         fail("device_list_strategy", str(exc))
     if not CDI_KIND.fullmatch(settings.cdi_kind):
         fail("cdi_kind", f"{settings.cdi_kind!r} is not <vendor>/<class> like nvidia.com/gpu")
-    if not DRA_DRIVER.fullmatch(settings.dra_driver) or len(settings.dra_driver) > 63:
+    if not _DNS_SUBDOMAIN.fullmatch(settings.dra_driver) or len(settings.dra_driver) > 63:
         fail(
             "dra_driver",
             f"{settings.dra_driver!r} is not a DNS subdomain of at most 63 characters "

@@ -1,11 +1,11 @@
 """What the DRA driver has prepared, on disk, and the lock that serialises it.
 
 The kubelet's NodeUnprepareResources carries only a claim's namespace, name and UID:
-what was made for it (the CDI spec, the cache directories) must be remembered across
-daemon restarts. The checkpoint is one JSON file, rewritten whole and atomically
-(temporary file, fsync, rename) on every change; an entry is written *before* anything
-is made for a claim (state ``preparing``, with the names of what will be made), so a
-daemon killed half-way leaves a trail that a later prepare or unprepare cleans up.
+what was made for it (the CDI spec, the cache directory) must be remembered across
+daemon restarts. The checkpoint holds one small JSON file per prepared claim, written
+atomically once everything for the claim is made. A daemon killed half-way leaves
+things no entry names: they are removed at the next start (``ClaimPreparer.tidy``),
+and a prepare retried by the kubelet makes everything afresh.
 
 Two daemons may run on a node for a moment (a rolling update). :class:`NodeLock` (an
 ``flock`` on a file beside the checkpoint) is held around every prepare and unprepare,
@@ -30,7 +30,6 @@ import structlog
 log = structlog.get_logger(__name__)
 
 VERSION = 1
-PREPARING = "preparing"
 PREPARED = "prepared"
 
 
@@ -73,50 +72,68 @@ class ClaimEntry:
 
 
 class CheckpointError(Exception):
-    """The checkpoint cannot be read or written; one readable line."""
+    """A checkpoint entry cannot be read or written; one readable line."""
 
 
 class Checkpoint:
-    """Claim UID -> :class:`ClaimEntry`, kept in ``path``. Not thread-safe by itself:
-    callers hold :class:`NodeLock`."""
+    """Claim UID -> :class:`ClaimEntry`, one file per claim in ``directory``
+    (``<uid>.json``): a prepare writes one small file whatever the number of claims on
+    the node, and an unreadable file loses one claim's record, not every claim's. Not
+    thread-safe by itself: callers hold :class:`NodeLock`.
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    Files are replaced atomically (temporary file, rename) but not fsynced: a killed
+    daemon loses nothing (the page cache outlives it); after a power loss the node's
+    containers are gone too, and what a lost entry named is removed at the next start
+    (:meth:`gpushare.dra.claims.ClaimPreparer.tidy`)."""
 
-    def load(self) -> dict[str, ClaimEntry]:
-        """The entries on disk; an absent file is empty. A file that is not ours is an
-        error (never silently forgotten: unprepare would leak what it names)."""
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def _path(self, uid: str) -> Path:
+        if not uid or "/" in uid or uid.startswith("."):
+            raise CheckpointError(f"{uid[:80]!r} is not a claim UID")
+        return self.directory / f"{uid}.json"
+
+    def get(self, uid: str) -> ClaimEntry | None:
+        """The entry of ``uid``; None if there is none. An entry that is not ours is
+        an error (never silently forgotten: unprepare would leak what it names)."""
+        path = self._path(uid)
         try:
-            text = self.path.read_text()
+            text = path.read_text()
         except FileNotFoundError:
-            return {}
+            return None
         except OSError as exc:
-            raise CheckpointError(f"cannot read the checkpoint {self.path}: {exc}") from None
+            raise CheckpointError(f"cannot read the checkpoint {path}: {exc}") from None
         try:
             data = json.loads(text)
             if not isinstance(data, dict) or data.get("version") != VERSION:
-                raise ValueError(f"not a version-{VERSION} checkpoint")
-            claims = data.get("claims") or {}
-            return {str(uid): ClaimEntry.from_json(entry) for uid, entry in claims.items()}
+                raise ValueError(f"not a version-{VERSION} entry")
+            return ClaimEntry.from_json(data.get("claim"))
         except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"the checkpoint {self.path} is unusable: {exc}") from None
+            raise CheckpointError(f"the checkpoint {path} is unusable: {exc}") from None
 
-    def save(self, entries: dict[str, ClaimEntry]) -> None:
-        document = {
-            "version": VERSION,
-            "claims": {uid: asdict(entry) for uid, entry in sorted(entries.items())},
-        }
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
+    def put(self, uid: str, entry: ClaimEntry) -> None:
+        path = self._path(uid)
+        data = json.dumps({"version": VERSION, "claim": asdict(entry)}).encode()
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{path.name}.")
         try:
-            with os.fdopen(fd, "w") as out:
-                json.dump(document, out, indent=1)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, self.path)
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+            os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+    def delete(self, uid: str) -> None:
+        self._path(uid).unlink(missing_ok=True)
+
+    def uids(self) -> list[str]:
+        try:
+            names = [p.name for p in self.directory.iterdir()]
+        except FileNotFoundError:
+            return []
+        return sorted(n[: -len(".json")] for n in names if n.endswith(".json") and n[0] != ".")
 
 
 class NodeLock:
@@ -127,17 +144,23 @@ class NodeLock:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._mutex = threading.Lock()
+        self._fd: int | None = None  # opened once, on first use
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
         with self._mutex:
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            if self._fd is None:
+                self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+                self._fd = os.open(self.path, flags, 0o600)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                try:
-                    yield
-                finally:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
+                yield
             finally:
-                os.close(fd)
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        with self._mutex:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None

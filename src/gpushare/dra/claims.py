@@ -8,9 +8,9 @@ container's answer with the device plugin's own functions
 limits from the rounded ``consumedCapacity``, the preload, the lock directory and a
 fresh cache directory; :func:`~gpushare.share.answers.build_exclusive_answer` for a
 MIG device), then writes one CDI spec per claim holding one CDI device per result and
-answers the CDI names. Everything is recorded in the checkpoint (written before
-anything is made), under the node lock; a claim already prepared is answered from the
-checkpoint, and unpreparing one that is not there succeeds.
+answers the CDI names. Each claim is recorded in the checkpoint once all of it is made,
+under the node lock; a claim already prepared is answered from the checkpoint, and
+unpreparing one that is not there succeeds.
 
 Nothing the caller sends is trusted: the namespace and name must be DNS names (they
 become a URL), the UID must be the claim's, and a result naming a device that is not
@@ -29,7 +29,6 @@ import structlog
 
 from gpushare.dra.checkpoint import (
     PREPARED,
-    PREPARING,
     Checkpoint,
     CheckpointError,
     ClaimEntry,
@@ -119,7 +118,7 @@ class ClaimPreparer:
         self.host_lib_dir = host_lib_dir
         self.cdi_dir = cdi_dir
         self.cdi_kind = f"{driver}/claim"
-        self.checkpoint = Checkpoint(state_dir / "checkpoint.json")
+        self.checkpoint = Checkpoint(state_dir / "claims")
         self.lock = NodeLock(state_dir / "prepare.lock")
         self.api_timeout = api_timeout
 
@@ -128,14 +127,9 @@ class ClaimPreparer:
         """Every claim's outcome, keyed by the UID the kubelet sent."""
         outcomes: dict[str, Outcome] = {}
         with self.lock.held():
-            try:
-                entries = self.checkpoint.load()
-            except CheckpointError as exc:
-                log.error("dra_checkpoint_unusable", error=str(exc))
-                return {c.uid: Outcome(error=str(exc)) for c in claims}
             for claim in claims:
                 try:
-                    devices = self._prepare_one(entries, claim)
+                    devices = self._prepare_one(claim)
                 except ClaimRefused as exc:
                     log.warning(
                         "claim_refused", claim=claim.describe(), uid=claim.uid, reason=str(exc)
@@ -196,9 +190,9 @@ class ClaimPreparer:
             ours.append(result)
         return ours
 
-    def _prepare_one(self, entries: dict[str, ClaimEntry], claim: ClaimRef) -> list[PreparedDevice]:
+    def _prepare_one(self, claim: ClaimRef) -> list[PreparedDevice]:
         self._check_ref(claim)
-        known = entries.get(claim.uid)
+        known = self.checkpoint.get(claim.uid)
         if known is not None and (known.namespace, known.name) != (claim.namespace, claim.name):
             raise ClaimRefused(
                 f"UID {claim.uid} was prepared as {known.namespace}/{known.name}, "
@@ -228,10 +222,6 @@ class ClaimPreparer:
             for request, device, _ in plan
             if device.shared and self.enforcement.library is not None
         ]
-        entries[claim.uid] = ClaimEntry(
-            claim.namespace, claim.name, PREPARING, spec_name=claim.uid, cache_keys=keys
-        )
-        self.checkpoint.save(entries)  # the trail first: a crash from here on is cleaned up
 
         cdi_devices: list[CdiDevice] = []
         prepared: list[PreparedDevice] = []
@@ -259,7 +249,7 @@ class ClaimPreparer:
             )
         if cdi_devices:
             write_spec(self.cdi_dir, self.cdi_kind, claim.uid, cdi_devices)
-        entries[claim.uid] = ClaimEntry(
+        entry = ClaimEntry(
             claim.namespace,
             claim.name,
             PREPARED,
@@ -267,7 +257,7 @@ class ClaimPreparer:
             cache_keys=keys,
             devices=prepared,
         )
-        self.checkpoint.save(entries)
+        self.checkpoint.put(claim.uid, entry)
         log.info("claim_prepared", claim=claim.describe(), uid=claim.uid, shares=shares)
         return prepared
 
@@ -284,9 +274,7 @@ class ClaimPreparer:
         cache_dir = None
         if self.enforcement.library is not None:
             cache_dir = prepare_claim_cache_dir(
-                self.host_lib_dir,
-                claim_cache_key(claim.uid, request, device.name),
-                {"namespace": claim.namespace, "name": claim.name, "uid": claim.uid},
+                self.host_lib_dir, claim_cache_key(claim.uid, request, device.name)
             )
         answer = build_share_answer(
             device.uuid,
@@ -303,21 +291,20 @@ class ClaimPreparer:
         """Every claim's error ("" when done); a claim not prepared here is done."""
         errors: dict[str, str] = {}
         with self.lock.held():
-            try:
-                entries = self.checkpoint.load()
-            except CheckpointError as exc:
-                log.error("dra_checkpoint_unusable", error=str(exc))
-                return {c.uid: str(exc) for c in claims}
             for claim in claims:
-                entry = entries.get(claim.uid)
+                try:
+                    entry = self.checkpoint.get(claim.uid)
+                except CheckpointError as exc:
+                    log.error("dra_checkpoint_unusable", uid=claim.uid, error=str(exc))
+                    errors[claim.uid] = str(exc)
+                    continue
                 if entry is None:
                     errors[claim.uid] = ""
                     continue
                 try:
                     self._release(entry)
-                    del entries[claim.uid]
-                    self.checkpoint.save(entries)
-                except (OSError, ValueError) as exc:
+                    self.checkpoint.delete(claim.uid)
+                except (OSError, ValueError, CheckpointError) as exc:
                     log.error("claim_unprepare_failed", uid=claim.uid, error=str(exc))
                     errors[claim.uid] = f"cannot unprepare the claim: {exc}"
                     continue
@@ -336,13 +323,18 @@ class ClaimPreparer:
         entry names (left by a daemon killed between making them and recording them,
         or by a lost checkpoint)."""
         with self.lock.held():
-            try:
-                entries = self.checkpoint.load()
-            except CheckpointError as exc:
-                log.error("dra_checkpoint_unusable", error=str(exc))
-                return
-            keys = {key for entry in entries.values() for key in entry.cache_keys}
-            specs = {spec_file_name(self.cdi_kind, e.spec_name) for e in entries.values()}
+            entries = []
+            for uid in self.checkpoint.uids():
+                try:
+                    entry = self.checkpoint.get(uid)
+                except CheckpointError as exc:
+                    # kept: what it names stays too (nothing is removed on a guess)
+                    log.error("dra_checkpoint_unusable", uid=uid, error=str(exc))
+                    return
+                if entry is not None:
+                    entries.append(entry)
+            keys = {key for entry in entries for key in entry.cache_keys}
+            specs = {spec_file_name(self.cdi_kind, e.spec_name) for e in entries}
             prefix = spec_file_name(self.cdi_kind, "x")[: -len("x.json")]
             try:
                 names = [p.name for p in cache_root(self.host_lib_dir).iterdir()]

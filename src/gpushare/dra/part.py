@@ -89,6 +89,7 @@ class DraPart:
     def stop(self) -> None:
         self.server.stop()
         self.publisher.stop()
+        self.preparer.lock.close()
         self._started = False
 
     def ready(self) -> tuple[bool, str]:

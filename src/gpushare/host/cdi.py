@@ -196,18 +196,16 @@ def spec_json(kind: str, devices: Sequence[CdiDevice]) -> dict[str, object]:
 
 def write_spec(directory: Path, kind: str, name: str, devices: Sequence[CdiDevice]) -> Path:
     """Write one spec atomically (a temporary file in the same directory, renamed over):
-    the runtime never reads half a spec. The directory is created (0755) if missing; the
-    file is 0644 and never followed if a link stands in its place (the rename replaces
-    the link itself)."""
-    document = json.dumps(spec_json(kind, devices), indent=1).encode()
+    the runtime never reads half a spec (not fsynced: see ``dra/checkpoint.py``). The
+    directory is created (0755) if missing; the file is 0644 and never followed if a
+    link stands in its place (the rename replaces the link itself)."""
+    document = json.dumps(spec_json(kind, devices)).encode()
     directory.mkdir(mode=0o755, parents=True, exist_ok=True)
     target = directory / spec_file_name(kind, name)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as out:
             out.write(document)
-            out.flush()
-            os.fsync(out.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
     except BaseException:

@@ -197,13 +197,13 @@ def claim_cache_key(claim_uid: str, request: str, device: str) -> str:
     return CLAIM_KEY_PREFIX + hashlib.sha256(joined).hexdigest()[:20]
 
 
-def prepare_claim_cache_dir(host_dir: Path, key: str, claim: Mapping[str, str]) -> Path:
+def prepare_claim_cache_dir(host_dir: Path, key: str) -> Path:
     """A fresh cache directory for a DRA claim (same rules as :func:`prepare_cache_dir`:
-    in the private root, a leftover buried, never reused); ``claim`` is written in its
-    record (namespace, name, uid) for whoever inspects the host."""
+    in the private root, a leftover buried, never reused). No record beside it: the DRA
+    driver's checkpoint names the claim of each key."""
     if not key.startswith(CLAIM_KEY_PREFIX) or "/" in key:
         raise ValueError(f"{key!r} is not a claim cache key")
-    return _fresh_cache_dir(host_dir, key, {"claim": dict(claim)})
+    return _fresh_cache_dir(host_dir, key, None)
 
 
 def release_cache_dir(host_dir: Path, key: str) -> bool:
@@ -222,10 +222,9 @@ def release_cache_dir(host_dir: Path, key: str) -> bool:
     return there
 
 
-def _fresh_cache_dir(host_dir: Path, key: str, facts: Mapping[str, object]) -> Path:
+def _fresh_cache_dir(host_dir: Path, key: str, facts: Mapping[str, object] | None) -> Path:
     root = cache_root(host_dir)
     path = root / key
-    record = json.dumps({**facts, "created": time.time()})
     buried = False
     with CACHE_LOCK:
         try:
@@ -238,15 +237,16 @@ def _fresh_cache_dir(host_dir: Path, key: str, facts: Mapping[str, object]) -> P
             buried = True
             os.mkdir(path, 0o777)
         os.chmod(path, 0o777)  # past the umask: non-root containers write their file here
-        fd = os.open(
-            root / f"{key}.json",
-            os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o644,
-        )
-        try:
-            os.write(fd, record.encode())
-        finally:
-            os.close(fd)
+        if facts is not None:
+            fd = os.open(
+                root / f"{key}.json",
+                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o644,
+            )
+            try:
+                os.write(fd, json.dumps({**facts, "created": time.time()}).encode())
+            finally:
+                os.close(fd)
     if buried:
         wake(root)
     return path

@@ -36,6 +36,9 @@ def _option_schema(option: Any) -> dict[str, Any]:
         if option.name == "resource_prefix":
             schema["pattern"] = DNS_SUBDOMAIN
             schema["maxLength"] = 253
+        elif option.name == "dra_driver":
+            schema["pattern"] = DNS_SUBDOMAIN
+            schema["maxLength"] = 63
         elif option.name == "kubelet_dir":
             schema["minLength"] = 1
     return schema

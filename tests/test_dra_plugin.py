@@ -66,10 +66,12 @@ class DraNode:
         self.host = host
         self.cdi = root / "cdi"
         self.settings = Settings(
-            host_lib_dir=str(host),
-            dra_cdi_dir=str(self.cdi),
-            dra_resync_seconds=0.05,
-            **settings,
+            **{
+                "host_lib_dir": str(host),
+                "dra_cdi_dir": str(self.cdi),
+                "dra_resync_seconds": 0.05,
+                **settings,
+            }
         )
         self.kubelet_root = root / "kubelet"
         self.client = ApiClient(kubeconfig_endpoint(api.kubeconfig(root / "kubeconfig")))

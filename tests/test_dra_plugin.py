@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NODE
 
 from gpushare.config import Settings
 from gpushare.dra.part import DraPart, build_dra_part
@@ -32,6 +31,9 @@ from gpushare.sim.apiserver import KubeApiDouble
 from gpushare.sim.drakubelet import DraKubelet, RegistrationRefused, allocated_claim
 
 DRIVER = "gpu.gpushare.io"
+#: conftest.NODE, the Node the ``api`` fixture holds (not imported: tests/e2e has its own
+#: conftest module, and the real-server tests there use DraNode too).
+NODE = "gpu-node-1"
 GIB = 1 << 30
 
 

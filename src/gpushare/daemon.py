@@ -59,6 +59,7 @@ from gpushare.share.usage import Holder, UsageLedger
 from gpushare.share.whole import ExclusiveDevice, ExclusiveLedger, ExclusiveResource, whole_cards
 
 if TYPE_CHECKING:  # imported when used: the metrics server and the API link are optional
+    from gpushare.dra.part import DraPart  # DRA driver (issue 22)
     from gpushare.kube.apilink import ApiLink
     from gpushare.ops.metrics import Metrics, MetricsServer
 
@@ -236,6 +237,7 @@ class Daemon:
         self.not_served = ""  # why nothing at all is served on this node (all MIG, ...)
         self.no_gpus = False  # no card and no MIG device to serve at all
         self.mig_health = HealthBoard(())  # MIG cards and devices, by UUID
+        self.dra: DraPart | None = None  # the DRA driver (card mode dra), docs/dra.md
         #: (name, stop) of every part started, in start order; stopped in reverse.
         self._parts: list[tuple[str, Callable[[], object]]] = []
         self._start_ms: dict[str, float] = {}
@@ -319,6 +321,8 @@ class Daemon:
             return False, "serving; not registered with the kubelet"
         if self.not_served:
             return False, f"serving nothing: {self.not_served}"
+        if self.dra is not None and not self.dra.ready()[0]:
+            return self.dra.ready()
         missing = self.cdi.missing() if self.cdi is not None else []
         if missing:
             return False, f"serving, but these CDI devices are in no CDI spec: {', '.join(missing)}"
@@ -575,6 +579,23 @@ class Daemon:
         self._launch("kubelet-link", link.start, link.stop)
         if self.api_link is not None:
             self._launch("api-link", self.api_link.start, self.api_link.stop)
+        # --- DRA driver (issue 22, docs/dra.md): the cards in card mode dra --------------
+        from gpushare.share.cardmodes import dra_cards
+
+        if dra := dra_cards([g for g in gpus if not g.parent_uuid], modes):
+            from gpushare.dra.part import build_dra_part
+            from gpushare.kube.apilink import ApiConfigMissing, connect_api
+
+            try:
+                self.dra = build_dra_part(
+                    settings, dra, health, enforcement, self.listing,
+                    Path(settings.host_lib_dir), connect_api(), settings.node_name,
+                    Path(settings.dra_kubelet_root),
+                )  # fmt: skip
+            except (ValueError, ApiConfigMissing) as exc:
+                raise NodeConfigurationError(f"card mode dra: {exc}") from None
+            self._launch("dra", self.dra.start, self.dra.stop)
+        # --- end of the DRA driver ---------------------------------------------------------
         self._launch("usage-refresher", refresher.start, refresher.stop)
         log.info(
             "daemon_started",

@@ -18,7 +18,16 @@ from typing import Any
 
 import pytest
 from conftest import TESLA_P4, cards
-from kube_cluster import REPO, Cluster, NodeSpec, load_manifests, wait_for
+from kube_cluster import (
+    CORE,
+    MEMORY,
+    REPO,
+    Cluster,
+    NodeSpec,
+    load_manifests,
+    pod_manifest,
+    wait_for,
+)
 
 DRIVER = "gpu.gpushare.io"
 RESOURCE = "/apis/resource.k8s.io/v1"
@@ -159,33 +168,50 @@ def mib(quantity: str) -> int:
     return int(quantity) // (1 << 20)
 
 
+def random_sizes() -> list[tuple[int, int]]:
+    """(memory MiB, cores) of the random workload, the same for DRA and the device plugin."""
+    rng = random.Random(2022)
+    return [
+        (
+            rng.choice([256, 700, 1024, 2048, 3000, 4096, 6000, 7424]),
+            rng.choice([0, 0, 10, 25, 40, 60]),
+        )
+        for _ in range(14)
+    ]
+
+
+#: Pods of the random workload that could not run: DRA's and the device plugin's.
+REFUSED: dict[str, int] = {}
+
+
+def settled(cluster: Cluster, names: list[str]) -> dict[str, dict[str, Any]] | None:
+    """Every pod Running, refused by the scheduler, or failed by the kubelet's admission."""
+    pods = {n: cluster.pod("default", n) or {} for n in names}
+    for pod in pods.values():
+        status = pod.get("status", {})
+        if status.get("phase") in ("Running", "Failed"):
+            continue
+        if any(
+            c["type"] == "PodScheduled" and c["status"] == "False"
+            for c in status.get("conditions", [])
+        ):
+            continue
+        return None
+    return pods
+
+
 def test_random_shares_land_on_one_card_never_overcommitted(
     cluster: Cluster, workload: Workload
 ) -> None:
-    rng = random.Random(2022)
     asked: dict[str, tuple[int, int]] = {}
-    for i in range(14):
-        memory = rng.choice([256, 700, 1024, 2048, 3000, 4096, 6000, 7424])
-        cores = rng.choice([0, 0, 10, 25, 40, 60])
+    for i, (memory, cores) in enumerate(random_sizes()):
         asked[f"dra-r{i}"] = (memory, cores)
         requests = {"memory": f"{memory}Mi"} | ({"cores": str(cores)} if cores else {})
         workload.create(f"dra-r{i}", requests)
 
-    def settled() -> dict[str, dict[str, Any]] | None:
-        pods = {n: cluster.pod("default", n) or {} for n in asked}
-        for pod in pods.values():
-            status = pod.get("status", {})
-            if status.get("phase") == "Running":
-                continue
-            if any(
-                c["type"] == "PodScheduled" and c["status"] == "False"
-                for c in status.get("conditions", [])
-            ):
-                continue
-            return None
-        return pods
-
-    pods = wait_for("every pod Running or unschedulable", settled, 180, step=0.5)
+    pods = wait_for(
+        "every pod Running or unschedulable", lambda: settled(cluster, list(asked)), 180, step=0.5
+    )
     used: dict[tuple[str, str], list[int]] = {}
     running = 0
     for name, (memory, cores) in asked.items():
@@ -222,6 +248,7 @@ def test_random_shares_land_on_one_card_never_overcommitted(
         ]
         assert not any(m >= need and c >= cores for m, c in free), (name, asked[name], free)
     assert running >= 4
+    REFUSED["dra"] = len(asked) - running
     print(f"dra e2e: {running} of {len(asked)} running; per card (MiB, cores): {used}")
 
 
@@ -260,3 +287,59 @@ def test_kubelet_restart_republishes_and_keeps_prepared_claims(
     assert (cluster.pod("default", "dra-keep") or {}).get("status", {}).get("phase") == "Running"
     workload.create("dra-after", {"memory": "1Gi", "cores": "10"})
     cluster.wait_pod("default", "dra-after", "Running", timeout=120)
+
+
+def test_the_same_workload_on_device_plugin_cards_for_comparison(
+    cluster: Cluster, dra_nodes: list[str]
+) -> None:
+    """The same sizes as vcuda-memory/vcuda-core pods on the same number of cards, served
+    by the device plugin with the stock scheduler and no extender (issue 22's yardstick)."""
+    for name in dra_nodes:  # cards 1 and 2 to the device plugin, card 0 to DRA
+        cluster.nodes[name].restart_daemon("--card-modes=0=dra")
+        cluster.wait_allocatable(name, lambda a: int(a.get(MEMORY, "0")) == 2 * 29)
+    names = []
+    try:
+        for i, (memory, cores) in enumerate(random_sizes()):
+            limits = {MEMORY: math.ceil(memory / 256)} | ({CORE: cores} if cores else {})
+            manifest = pod_manifest(f"dp-r{i}", limits)
+            manifest["spec"]["affinity"] = {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {
+                                        "key": "kubernetes.io/hostname",
+                                        "operator": "In",
+                                        "values": list(dra_nodes),
+                                    }
+                                ]
+                            }
+                        ]
+                    }
+                }
+            }
+            cluster.create_pod(manifest)
+            names.append(f"dp-r{i}")
+        pods = wait_for(
+            "every device-plugin pod Running, refused or failed",
+            lambda: settled(cluster, names),
+            180,
+            step=0.5,
+        )
+        failed = sum(1 for p in pods.values() if p["status"].get("phase") == "Failed")
+        pending = sum(
+            1 for p in pods.values() if p["status"].get("phase") not in ("Running", "Failed")
+        )
+        REFUSED["device plugin"] = failed + pending
+        print(
+            f"refused of {len(names)}: DRA {REFUSED.get('dra')}, device plugin without the "
+            f"extender {failed + pending} ({failed} failed admission, {pending} unschedulable)"
+        )
+    finally:
+        for name in names:
+            cluster.delete_pod("default", name, wait=False)
+        for name in names:
+            cluster.delete_pod("default", name)
+        for name in dra_nodes:
+            cluster.nodes[name].restart_daemon()

@@ -17,6 +17,7 @@ Layout of one cluster (all under one short temporary directory, so sockets fit i
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import secrets
@@ -107,6 +108,15 @@ def stub_library(path: Path) -> None:
 
 # --------------------------------------------------------------------------- processes
 
+_libc = ctypes.CDLL(None, use_errno=True)
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the test process dies, however it dies (kept
+    across exec, so nsenter's and unshare's programs get it too). Nothing outlives pytest."""
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
 
 class Proc:
     """One process the harness started, its output in ``log``; stopped with deadlines."""
@@ -126,6 +136,7 @@ class Proc:
             stdin=subprocess.DEVNULL,
             env=env,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
 
     @property
@@ -632,42 +643,40 @@ class Cluster:
         for i, spec in enumerate(self.specs):
             self.add_node(spec, i)
 
-    def stop(self) -> None:
-        """Every process stopped (TERM, then KILL after a deadline), namespaces gone with
-        their last process, the mount points this cluster created removed."""
-        for agent in self.nodes.values():
-            with contextlib.suppress(Exception):
-                agent.stop()
-        if self.extender is not None:
-            self.extender.stop()
-        # Schedulers and anything else first, then the control plane from the top down.
-        control_plane = ["kube-controller-manager", "kube-apiserver", "etcd"]
-        order = [n for n in self.procs if n not in control_plane] + control_plane
-        for name in order:
-            proc = self.procs.pop(name, None)
-            if proc is not None:
-                proc.stop(grace=15)
-        for path in reversed(self._created_host_dirs):
-            with contextlib.suppress(OSError):
-                path.rmdir()
-
-    def stop_keeping_logs(self, logs: Path) -> None:
-        """:meth:`stop`, then the logs copied to ``logs`` (replaced) and the rest removed
-        (kept whole with GPUSHARE_E2E_KEEP=1)."""
+    def stop(self, logs: Path | None = None) -> None:
+        """Every process stopped (TERM, then KILL after a deadline; namespaces end with their
+        last process), the mount points this cluster created removed, the logs and CRI records
+        copied to ``logs`` if given (replacing what was there), and the cluster's directory
+        removed (kept with GPUSHARE_E2E_KEEP=1)."""
         try:
-            self.stop()
+            for agent in self.nodes.values():
+                agent.stop()
+            if self.extender is not None:
+                self.extender.stop()
         finally:
-            shutil.rmtree(logs, ignore_errors=True)
-            for log in self.dir.rglob("*.log"):
-                target = logs / log.relative_to(self.dir)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(log, target)
-            for rec in self.dir.glob("*/containers.jsonl"):
-                target = logs / rec.relative_to(self.dir)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(rec, target)
+            # Schedulers and anything else first, then the control plane from the top down.
+            control_plane = ["kube-controller-manager", "kube-apiserver", "etcd"]
+            order = [n for n in self.procs if n not in control_plane] + control_plane
+            for name in order:
+                proc = self.procs.pop(name, None)
+                if proc is not None:
+                    proc.stop(grace=15)
+            for path in reversed(self._created_host_dirs):
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+            if logs is not None:
+                self.copy_logs(logs)
             if os.environ.get("GPUSHARE_E2E_KEEP") != "1":
                 shutil.rmtree(self.dir, ignore_errors=True)
+
+    def copy_logs(self, logs: Path) -> None:
+        shutil.rmtree(logs, ignore_errors=True)
+        for path in [*self.dir.rglob("*.log"), *self.dir.glob("*/containers.jsonl")]:
+            if "kubelet" in path.relative_to(self.dir).parts[1:2]:
+                continue  # the kubelet's root directory: pod logs of the fake, none useful
+            target = logs / path.relative_to(self.dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
 
     def _start_etcd(self) -> None:
         client, peer = free_port(), free_port()
@@ -1185,10 +1194,11 @@ def pod_manifest(
 
 
 @contextlib.contextmanager
-def running_cluster(nodes: list[NodeSpec]) -> Iterator[Cluster]:
+def running_cluster(nodes: list[NodeSpec], logs: Path | None = None) -> Iterator[Cluster]:
+    """A started cluster, stopped (and its logs copied to ``logs``) however the block ends."""
     cluster = Cluster(nodes)
     try:
         cluster.start()
         yield cluster
     finally:
-        cluster.stop()
+        cluster.stop(logs)

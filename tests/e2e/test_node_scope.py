@@ -4,10 +4,11 @@ the real API server: its own Node and its node's pods yes, anything else no."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
-from kube_cluster import Api, Cluster, pod_manifest
+from kube_cluster import MEMORY, Api, Cluster, pod_manifest, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +84,26 @@ def test_rbac_gives_the_daemon_nothing_else(daemon_api: Api) -> None:
         == 200
     )
     assert daemon_api.request("GET", "/api/v1/nodes/node-1").status_code == 200
+
+
+def test_the_daemons_own_writes_pass_the_policy(cluster: Cluster) -> None:
+    """What the daemon writes with that token gets through the real policy: the per-card
+    state on its Node, and the card annotation on a pod it served."""
+    node = cluster.node("node-1")
+    state = json.loads(node["metadata"]["annotations"]["gpushare.io/gpus"])
+    assert len(state["gpus"]) == 3
+    assert node["metadata"]["labels"]["gpushare.io/gpu.count"] == "3"
+    assert node["metadata"]["labels"]["gpushare.io/gpu.product"] == "Tesla-P4"
+    cluster.create_pod(pod_manifest("scope-served", {MEMORY: 4}, node="node-1"))
+    try:
+        cluster.wait_pod("default", "scope-served", "Running")
+        env = cluster.wait_record("node-1", "default", "scope-served", "main")["env"]
+
+        def annotated() -> str | None:
+            pod = cluster.pod("default", "scope-served") or {}
+            return pod.get("metadata", {}).get("annotations", {}).get("gpushare.io/gpu.main")
+
+        value = wait_for("the daemon's annotation on its pod", annotated, 60)
+        assert env["NVIDIA_VISIBLE_DEVICES"] in value
+    finally:
+        cluster.delete_pod("default", "scope-served")

@@ -3,7 +3,7 @@ kubelet restart (both seen through the Node object and pods the real kubelet adm
 
 from __future__ import annotations
 
-from conftest import NODES
+from e2e_nodes import NODES
 from kube_cluster import CORE, MEMORY, Cluster, pod_manifest
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import NODES
+from e2e_nodes import NODES
 from kube_cluster import CORE, MEMORY, REPO, Cluster, load_manifests, pod_manifest
 
 PROFILE = "gpushare-scheduler"

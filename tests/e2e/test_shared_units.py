@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import NODES
+from e2e_nodes import NODES
 from kube_cluster import CORE, MEMORY, Cluster, pod_manifest
 
 

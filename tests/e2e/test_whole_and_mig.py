@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import TESLA_P4, cards
+from e2e_nodes import TESLA_P4, cards
 from kube_cluster import CORE, MEMORY, PREFIX, WHOLE, Cluster, NodeSpec, pod_manifest
 
 NODE = "node-3"

@@ -356,6 +356,24 @@ def test_an_unreadable_entry_fails_its_claim_alone(dra: DraNode) -> None:
     assert [p.name for p in dra.cdi.iterdir()] == [f"{DRIVER}-claim_{one[2]}.json"]
 
 
+def test_an_old_instance_stopping_leaves_the_new_ones_sockets(dra: DraNode) -> None:
+    """A rolling update: the new daemon takes the socket paths over while the old one
+    still runs; the old one stopping must not remove what the new one serves on."""
+    old = dra.start()
+    new = dra.build()
+    new.start()
+    try:
+        old.stop()
+        dra.part = None
+        kubelet = DraKubelet(dra.kubelet_root)
+        assert kubelet.register() == "v1.DRAPlugin"
+        ref = dra.claim("c", {"request": "r", "device": "gpu-0"})
+        assert kubelet.prepare([ref])[ref[2]].error == ""
+        kubelet.close()
+    finally:
+        new.stop()
+
+
 def test_sockets_are_private(dra: DraNode) -> None:
     dra.start()
     for path in (

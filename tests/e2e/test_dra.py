@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TESLA_P4, cards
+from e2e_nodes import TESLA_P4, cards
 from kube_cluster import (
     CORE,
     MEMORY,
@@ -62,7 +62,7 @@ def dra_nodes(cluster: Cluster) -> Iterator[list[str]]:
     finally:
         for name in DRA_NODES:
             cluster.remove_node(name)
-        cluster.api.delete(f"{RESOURCE}/resourceslices", fieldSelector=f"spec.driver={DRIVER}")
+            cluster.api.delete(f"{RESOURCE}/resourceslices", fieldSelector=f"spec.nodeName={name}")
 
 
 def published(cluster: Cluster, node: str) -> list[str]:

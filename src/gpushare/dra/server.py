@@ -159,15 +159,27 @@ class _Health(health_grpc.DRAResourceHealthServicer):  # type: ignore[misc]
 
     def NodeWatchResources(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         seen = self.board.version
+        # A kubelet that goes away ends the wait at once (the stream holds a worker thread).
+        context.add_callback(self.board.wake)
+
+        def done() -> bool:
+            return self.stopping.is_set() or not context.is_active()
+
         yield self.snapshot()
-        while context.is_active() and not self.stopping.is_set():
-            version = self.board.wait_for_change(
-                seen, HEALTH_RESEND_SECONDS, give_up=self.stopping.is_set
-            )
+        while not done():
+            version = self.board.wait_for_change(seen, HEALTH_RESEND_SECONDS, give_up=done)
             if self.stopping.is_set() or not context.is_active():
                 return
             seen = version
             yield self.snapshot()
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
 
 
 def _clear_socket(path: Path) -> None:
@@ -203,6 +215,7 @@ class DraServer:
         self.registered: bool | None = None  # None: the kubelet has not reported yet
         self.registration_error = ""
         self._server: grpc.Server | None = None
+        self._made: dict[Path, tuple[int, int] | None] = {}
         self._board = board
         self._servicers = (
             _V1(preparer, v1, observe),
@@ -221,25 +234,32 @@ class DraServer:
     def start(self) -> None:
         for path in (self.service_path, self.registration_path):
             path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-            _clear_socket(path)
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS))
         v1_servicer, v1beta1_servicer, registration, health = self._servicers
         v1_grpc.add_DRAPluginServicer_to_server(v1_servicer, server)
         v1beta1_grpc.add_DRAPluginServicer_to_server(v1beta1_servicer, server)
         reg_grpc.add_RegistrationServicer_to_server(registration, server)
         health_grpc.add_DRAResourceHealthServicer_to_server(health, server)
-        # The registration socket is bound under a hidden name (the plugin watcher skips
-        # dot files) and renamed into place once the server answers: the kubelet calls
-        # GetInfo as soon as it sees the socket.
-        hidden = self.registration_path.with_name(f".{self.registration_path.name}")
-        _clear_socket(hidden)
-        server.add_insecure_port(f"unix://{self.service_path}")
-        server.add_insecure_port(f"unix://{hidden}")
+        # Both sockets are bound under hidden names of this instance (the plugin watcher
+        # skips dot files) and renamed into place once the server answers: the kubelet
+        # calls GetInfo as soon as it sees the registration socket, and gRPC, which
+        # unlinks its socket paths when it shuts down, then unlinks only names that no
+        # longer exist, never the sockets of a newer instance (a rolling update).
+        tag = f"{os.getpid()}-{id(self):x}"
+        hidden = {
+            p: p.with_name(f".{p.name}.{tag}") for p in (self.service_path, self.registration_path)
+        }
+        for temporary in hidden.values():
+            _clear_socket(temporary)
+            server.add_insecure_port(f"unix://{temporary}")
         server.start()
-        os.chmod(self.service_path, 0o600)
-        os.chmod(hidden, 0o600)
-        os.rename(hidden, self.registration_path)
+        for path, temporary in hidden.items():  # the service first: it is called second
+            os.chmod(temporary, 0o600)
+            os.rename(temporary, path)
         self._server = server
+        # What this instance made: stop() removes these files only, never the sockets of a
+        # newer instance that took the paths over (a rolling update).
+        self._made = {p: _identity(p) for p in (self.registration_path, self.service_path)}
         log.info(
             "dra_serving",
             driver=self.driver,
@@ -253,6 +273,8 @@ class DraServer:
         if self._server is not None:
             self._server.stop(grace=1.0).wait()
             self._server = None
-        for path in (self.registration_path, self.service_path):
-            with contextlib.suppress(OSError):
-                _clear_socket(path)
+        for path, made in self._made.items():
+            if made is not None and _identity(path) == made:
+                with contextlib.suppress(OSError):
+                    _clear_socket(path)
+        self._made = {}

@@ -78,3 +78,18 @@ def test_a_bad_driver_name_is_refused_in_one_line() -> None:
         load_settings(["--dra-driver=Not_A.Domain"], {})
     assert "\n" not in str(caught.value)
     assert load_settings([], {}).dra_driver == "gpu.gpushare.io"
+
+
+def test_shared_units_are_admitted_beside_a_dra_card(node: Node, api: KubeApiDouble) -> None:
+    """Without whole cards the device plugin's offer is the cards' own health board, which
+    holds the DRA card too: its placement must look at its own cards only (found by the
+    e2e comparison run: every GetPreferredAllocation failed with a KeyError)."""
+    node.start(
+        cards(TESLA_P4, 2),
+        card_modes="0=dra",
+        node_name=NODE,
+        dra_kubelet_root=str(node.root / "kubelet"),
+        dra_cdi_dir=str(node.root / "cdi"),
+    )
+    admitted = node.kubelet.admit("p", "main", {node.memory: 4, node.core: 30})
+    assert {card_of(d) for ids in admitted.devices.values() for d in ids} == {gpu_uuid(1)}

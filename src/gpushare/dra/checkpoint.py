@@ -115,8 +115,11 @@ class Checkpoint:
     def put(self, uid: str, entry: ClaimEntry) -> None:
         path = self._path(uid)
         data = json.dumps({"version": VERSION, "claim": asdict(entry)}).encode()
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{path.name}.")
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{path.name}.")
+        except FileNotFoundError:  # the first entry: the directory is made once
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{path.name}.")
         try:
             with os.fdopen(fd, "wb") as out:
                 out.write(data)

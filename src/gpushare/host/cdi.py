@@ -200,9 +200,12 @@ def write_spec(directory: Path, kind: str, name: str, devices: Sequence[CdiDevic
     directory is created (0755) if missing; the file is 0644 and never followed if a
     link stands in its place (the rename replaces the link itself)."""
     document = json.dumps(spec_json(kind, devices)).encode()
-    directory.mkdir(mode=0o755, parents=True, exist_ok=True)
     target = directory / spec_file_name(kind, name)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
+    except FileNotFoundError:  # the first spec: the directory is made once
+        directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as out:
             out.write(document)

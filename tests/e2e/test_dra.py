@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from kube_cluster import (
     CORE,
     MEMORY,
     REPO,
+    WHOLE,
     Cluster,
     NodeSpec,
     load_manifests,
@@ -63,6 +65,8 @@ def dra_nodes(cluster: Cluster) -> Iterator[list[str]]:
         for name in DRA_NODES:
             cluster.remove_node(name)
             cluster.api.delete(f"{RESOURCE}/resourceslices", fieldSelector=f"spec.nodeName={name}")
+        for obj in load_manifests(REPO / "daemonset" / "dra" / "deviceclasses.yaml"):
+            cluster.api.delete(cluster.api.path(obj))
 
 
 def published(cluster: Cluster, node: str) -> list[str]:
@@ -343,3 +347,26 @@ def test_the_same_workload_on_device_plugin_cards_for_comparison(
             cluster.delete_pod("default", name)
         for name in dra_nodes:
             cluster.nodes[name].restart_daemon()
+
+
+def test_an_unchanged_whole_card_pod_lands_on_a_dra_card(
+    cluster: Cluster, dra_nodes: list[str]
+) -> None:
+    """KEP-5004: `gpushare.io/gpu: 1` on nodes whose device plugin does not offer it is
+    served by the DeviceClass with extendedResourceName: the scheduler charges the
+    capacities' defaults (the whole memory, no cores), so the pod gets a whole DRA card."""
+    cluster.create_pod(pod_manifest("dra-whole", {WHOLE: 1}))
+    try:
+        pod = cluster.wait_pod("default", "dra-whole", "Running", timeout=120)
+        node = pod["spec"]["nodeName"]
+        assert node in dra_nodes
+        record = cluster.wait_record(node, "default", "dra-whole", "main")
+        uids = re.findall(rf"{re.escape(DRIVER)}/claim=([0-9a-f-]{{36}})-", str(record))
+        assert len(set(uids)) == 1, record["cdi_devices"]
+        spec_file = cdi_dir(cluster, node) / f"{DRIVER}-claim_{uids[0]}.json"
+        (device,) = json.loads(spec_file.read_text())["devices"]
+        env = dict(e.split("=", 1) for e in device["containerEdits"]["env"])
+        assert env["CUDA_DEVICE_MEMORY_LIMIT_0"] == f"{CARD_MIB}m"  # the whole card
+        assert "CUDA_DEVICE_SM_LIMIT" not in env
+    finally:
+        cluster.delete_pod("default", "dra-whole")

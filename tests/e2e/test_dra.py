@@ -293,6 +293,33 @@ def test_kubelet_restart_republishes_and_keeps_prepared_claims(
     cluster.wait_pod("default", "dra-after", "Running", timeout=120)
 
 
+def test_an_unchanged_whole_card_pod_lands_on_a_dra_card(
+    cluster: Cluster, dra_nodes: list[str]
+) -> None:
+    """KEP-5004: `gpushare.io/gpu: 1` on nodes whose device plugin does not offer it is
+    served by the DeviceClass with extendedResourceName: the scheduler charges the
+    capacities' defaults (the whole memory, no cores), so the pod gets a whole DRA card."""
+    cluster.create_pod(pod_manifest("dra-whole", {WHOLE: 1}))
+    try:
+        try:
+            pod = cluster.wait_pod("default", "dra-whole", "Running", timeout=120)
+        except AssertionError as exc:
+            status = (cluster.pod("default", "dra-whole") or {}).get("status")
+            raise AssertionError(f"{exc}; pod status: {status}") from None
+        node = pod["spec"]["nodeName"]
+        assert node in dra_nodes
+        record = cluster.wait_record(node, "default", "dra-whole", "main")
+        uids = re.findall(rf"{re.escape(DRIVER)}/claim=([0-9a-f-]{{36}})-", str(record))
+        assert len(set(uids)) == 1, record["cdi_devices"]
+        spec_file = cdi_dir(cluster, node) / f"{DRIVER}-claim_{uids[0]}.json"
+        (device,) = json.loads(spec_file.read_text())["devices"]
+        env = dict(e.split("=", 1) for e in device["containerEdits"]["env"])
+        assert env["CUDA_DEVICE_MEMORY_LIMIT_0"] == f"{CARD_MIB}m"  # the whole card
+        assert "CUDA_DEVICE_SM_LIMIT" not in env
+    finally:
+        cluster.delete_pod("default", "dra-whole")
+
+
 def test_the_same_workload_on_device_plugin_cards_for_comparison(
     cluster: Cluster, dra_nodes: list[str]
 ) -> None:
@@ -347,26 +374,8 @@ def test_the_same_workload_on_device_plugin_cards_for_comparison(
             cluster.delete_pod("default", name)
         for name in dra_nodes:
             cluster.nodes[name].restart_daemon()
-
-
-def test_an_unchanged_whole_card_pod_lands_on_a_dra_card(
-    cluster: Cluster, dra_nodes: list[str]
-) -> None:
-    """KEP-5004: `gpushare.io/gpu: 1` on nodes whose device plugin does not offer it is
-    served by the DeviceClass with extendedResourceName: the scheduler charges the
-    capacities' defaults (the whole memory, no cores), so the pod gets a whole DRA card."""
-    cluster.create_pod(pod_manifest("dra-whole", {WHOLE: 1}))
-    try:
-        pod = cluster.wait_pod("default", "dra-whole", "Running", timeout=120)
-        node = pod["spec"]["nodeName"]
-        assert node in dra_nodes
-        record = cluster.wait_record(node, "default", "dra-whole", "main")
-        uids = re.findall(rf"{re.escape(DRIVER)}/claim=([0-9a-f-]{{36}})-", str(record))
-        assert len(set(uids)) == 1, record["cdi_devices"]
-        spec_file = cdi_dir(cluster, node) / f"{DRIVER}-claim_{uids[0]}.json"
-        (device,) = json.loads(spec_file.read_text())["devices"]
-        env = dict(e.split("=", 1) for e in device["containerEdits"]["env"])
-        assert env["CUDA_DEVICE_MEMORY_LIMIT_0"] == f"{CARD_MIB}m"  # the whole card
-        assert "CUDA_DEVICE_SM_LIMIT" not in env
-    finally:
-        cluster.delete_pod("default", "dra-whole")
+            wait_for(
+                f"{name}'s DRA cards published again",
+                lambda name=name: published(cluster, name) == ["gpu-1", "gpu-2"],
+                60,
+            )

@@ -165,3 +165,16 @@ def test_read_back_catches_a_server_that_drops_only_on_real_writes(dra: DraNode)
         lambda: dra.part is not None and "DRAConsumableCapacity" in dra.part.ready()[1]
     )
     assert wait_until(lambda: devices(dra.api) == {})
+
+
+def test_a_restarted_daemon_rewrites_nothing_that_did_not_change(dra: DraNode) -> None:
+    """The slices carry a digest of what was written: a new instance (a restart, or the
+    second daemon of a rolling update) finds its own content and leaves it, generation too."""
+    dra.start()
+    assert wait_until(lambda: published(dra))
+    generation = slices(dra.api)[0]["spec"]["pool"]["generation"]
+    dra.stop()
+    part = dra.start()
+    assert part.publisher.wait_passes(3, 10)
+    assert part.publisher.writes == 0
+    assert slices(dra.api)[0]["spec"]["pool"]["generation"] == generation

@@ -19,6 +19,8 @@ part's readiness) says why. Likewise an unhealthy device is published with a
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,7 +32,6 @@ from gpushare.dra.model import (
     Offered,
     device_json,
     lost_in_storage,
-    slice_name,
     slices_json,
     taints_lost,
 )
@@ -40,6 +41,21 @@ from gpushare.kube.kubeclient import ApiClient, ApiStatusError
 log = structlog.get_logger(__name__)
 
 SLICES = f"/apis/{API_VERSION}/resourceslices"
+
+
+def shape(devices: list[dict[str, Any]]) -> list[tuple[Any, bool, bool]]:
+    """What of the devices the server keeps as written: names, sharing, taints (a slice
+    edited by someone else, or stored by a server that drops fields, differs here)."""
+    return [
+        (d.get("name"), bool(d.get("allowMultipleAllocations")), bool(d.get("taints")))
+        for d in devices
+    ]
+
+
+def content_digest(devices: list[dict[str, Any]]) -> str:
+    """A digest of the devices as we write them (not as the server canonicalises them)."""
+    text = json.dumps(devices, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class SlicePublisher:
@@ -71,8 +87,11 @@ class SlicePublisher:
         self.writes = 0  # slice writes made (creates and updates)
         self._probed = False
         self._owner: dict[str, Any] | None = None
-        #: slice name -> (resourceVersion the server gave, the devices we wrote)
-        self._written: dict[str, tuple[str, list[dict[str, Any]]]] = {}
+        #: Each slice carries a digest of the devices written into it: a pass (this
+        #: daemon's, a restarted one's or a second instance's in a rolling update) that
+        #: finds the same content, names, count and one generation writes nothing, whatever
+        #: canonical form the server gave the quantities.
+        self._content_key = f"{driver}/devices-sha256"
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -213,11 +232,18 @@ class SlicePublisher:
         existing = self._existing()
         wanted = slices_json(self.node, self.driver, 0, devices, None)
         names = [s["metadata"]["name"] for s in wanted]
-        unchanged = set(existing) == set(names) and all(
-            name in self._written
-            and self._written[name][0] == existing[name]["metadata"].get("resourceVersion")
-            and self._written[name][1] == s["spec"]["devices"]
-            for name, s in zip(names, wanted, strict=True)
+        pools = [(s.get("spec") or {}).get("pool") or {} for s in existing.values()]
+        unchanged = (
+            set(existing) == set(names)
+            and len({p.get("generation") for p in pools}) == 1
+            and all(p.get("resourceSliceCount") == len(names) for p in pools)
+            and all(
+                (existing[name]["metadata"].get("annotations") or {}).get(self._content_key)
+                == content_digest(s["spec"]["devices"])
+                and shape(existing[name]["spec"].get("devices") or [])
+                == shape(s["spec"]["devices"])
+                for name, s in zip(names, wanted, strict=True)
+            )
         )
         if unchanged:
             self.published = True
@@ -234,31 +260,29 @@ class SlicePublisher:
         slices = slices_json(
             self.node, self.driver, self.generation, devices, self._owner_reference()
         )
-        written: dict[str, tuple[str, list[dict[str, Any]]]] = {}
+        written: dict[str, list[dict[str, Any]]] = {}
         for piece in slices:
             name = piece["metadata"]["name"]
+            digest = content_digest(piece["spec"]["devices"])
+            piece["metadata"]["annotations"] = {self._content_key: digest}
             if name in existing:
                 piece["metadata"]["resourceVersion"] = existing[name]["metadata"].get(
                     "resourceVersion"
                 )
-                stored = self.api.request("PUT", f"{SLICES}/{name}", body=piece)
+                self.api.request("PUT", f"{SLICES}/{name}", body=piece)
             else:
-                stored = self.api.request("POST", SLICES, body=piece)
+                self.api.request("POST", SLICES, body=piece)
             self.writes += 1
-            written[name] = (
-                stored["metadata"].get("resourceVersion", ""),
-                piece["spec"]["devices"],
-            )
+            written[name] = piece["spec"]["devices"]
         for name in sorted(set(existing) - set(written)):
             try:
                 self.api.request("DELETE", f"{SLICES}/{name}")
             except ApiStatusError as exc:
                 if exc.status != 404:
                     raise
-        self._written = written
         # Read back what the server kept.
         capacity_before, taints_before = self.capacity_off, self.taints_off
-        for name, (_, wrote) in written.items():
+        for name, wrote in written.items():
             self._check_kept(wrote, self.api.get(f"{SLICES}/{name}"))
         log.info(
             "dra_slices_published",
@@ -271,6 +295,3 @@ class SlicePublisher:
             self._write(self.desired(), self._existing())  # withdraw at once
             return
         self.published = True
-
-    def slice_names(self) -> list[str]:
-        return [slice_name(self.node, self.driver, i) for i in range(len(self._written))]

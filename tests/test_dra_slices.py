@@ -178,3 +178,7 @@ def test_a_restarted_daemon_rewrites_nothing_that_did_not_change(dra: DraNode) -
     assert part.publisher.wait_passes(3, 10)
     assert part.publisher.writes == 0
     assert slices(dra.api)[0]["spec"]["pool"]["generation"] == generation
+    # and when the kubelet deletes them, the new instance's slices are newer still
+    dra.client.request("DELETE", SLICES, query={"fieldSelector": f"spec.nodeName={NODE}"})
+    assert wait_until(lambda: bool(slices(dra.api)))
+    assert slices(dra.api)[0]["spec"]["pool"]["generation"] > generation

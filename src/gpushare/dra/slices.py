@@ -246,6 +246,9 @@ class SlicePublisher:
             )
         )
         if unchanged:
+            # Adopted as ours: a later re-creation (the kubelet deletes the node's slices
+            # as it starts) must carry a newer generation than these.
+            self.generation = max(self.generation, int(pools[0].get("generation") or 0))
             self.published = True
             return False
         self._write(devices, existing)

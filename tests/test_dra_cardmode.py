@@ -10,8 +10,9 @@ from conftest import NODE, TESLA_P4, Node, cards, gpu_uuid
 from procs import poll
 from test_exclusion import card_of, gpu, start
 
+from gpushare.base.startup import NodeConfigurationError
 from gpushare.config import ConfigError, load_settings
-from gpushare.daemon import Daemon, NodeConfigurationError
+from gpushare.daemon import Daemon
 from gpushare.gpu.gpus import Gpu
 from gpushare.share.cardmodes import CardMode, card_modes, dra_cards, parse_card_modes
 from gpushare.sim.apiserver import KubeApiDouble

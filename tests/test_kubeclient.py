@@ -258,7 +258,9 @@ def test_the_watch_follows_pods_of_this_node_from_the_lists_version(
     watches = [r for r in api.calls("GET", "/api/v1/pods") if "watch" in r.query]
     assert len(lists) == 1  # changes arrive by the watch, not by listing again
     first = watches[0].query
-    assert first["fieldSelector"] == [f"spec.nodeName={NODE}"]
+    assert first["fieldSelector"] == [
+        f"spec.nodeName={NODE},status.phase!=Succeeded,status.phase!=Failed"
+    ]
     assert first["allowWatchBookmarks"] == ["true"]
     assert first["resourceVersion"][0]  # from the list's version, not "now"
 
@@ -355,9 +357,9 @@ START_WITH_API_LINK = textwrap.dedent(
     from gpushare.daemon import Daemon
     daemon = Daemon(load_settings(sys.argv[1:]))
     daemon.start()
-    registered = daemon.link.registered.wait(20)
-    published = daemon.api_link.published.wait(20)
-    listed = daemon.api_link.pods.listed.wait(20)
+    registered = daemon.plugin.link.registered.wait(20)
+    published = daemon.core.api_link.published.wait(20)
+    listed = daemon.core.api_link.pods.listed.wait(20)
     slow = sorted(m for m in sys.modules if m.split(".")[0] == "kubernetes")
     daemon.stop()
     print(registered, published, listed, slow, flush=True)

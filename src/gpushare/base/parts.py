@@ -10,6 +10,7 @@ handed to it at construction, as a value or a callable.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import structlog
@@ -62,3 +63,26 @@ class Parts:
     def stop_all(self) -> None:
         while self._started:
             self._started.pop().stop()
+
+
+class Task:
+    """A part made of a start and a stop function, ready as soon as it runs (a
+    background thread such as the reaper or the health monitor)."""
+
+    def __init__(
+        self, name: str, start: Callable[[], object], stop: Callable[[], object]
+    ) -> None:
+        self._name, self._start, self._stop = name, start, stop
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def start(self) -> None:
+        self._start()
+
+    def stop(self) -> None:
+        self._stop()
+
+    def ready(self) -> tuple[bool, str]:
+        return True, ""

@@ -29,8 +29,6 @@ MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"
 CAP_DEVICE_DIR = "/dev/nvidia-caps"
 #: Control nodes a CUDA program opens besides its card, passed where the host has them.
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
-#: The prefix of NVIDIA's plugin, for ``--mig-nvidia-names``.
-NVIDIA_PREFIX = "nvidia.com"
 
 
 def resources(plan: MigPlan, prefix: str) -> list[tuple[str, ExclusiveResource]]:
@@ -54,11 +52,6 @@ def exclusive_device(cards: Mapping[str, Gpu], device: MigDevice) -> ExclusiveDe
         memory_mib=device.memory_mib,
         cdi_id=f"{parent.index}:{device.index}",  # NVIDIA's CDI index name of a MIG device
     )
-
-
-def health_keys(plan: MigPlan) -> list[str]:
-    """The health board's keys for MIG: the cards and their served MIG devices."""
-    return [gpu.uuid for gpu in plan.mig_cards] + [d.uuid for d in plan.mig_devices]
 
 
 # --------------------------------------------------------------------------- device nodes

@@ -102,15 +102,15 @@ class _DraServicer:
         return response
 
 
-class _V1(_DraServicer, v1_grpc.DRAPluginServicer):  # type: ignore[misc]
+class _V1(_DraServicer, v1_grpc.DRAPluginServicer):
     pass
 
 
-class _V1beta1(_DraServicer, v1beta1_grpc.DRAPluginServicer):  # type: ignore[misc]
+class _V1beta1(_DraServicer, v1beta1_grpc.DRAPluginServicer):
     pass
 
 
-class _Registration(reg_grpc.RegistrationServicer):  # type: ignore[misc]
+class _Registration(reg_grpc.RegistrationServicer):
     def __init__(self, driver: str, endpoint: Path, on_status: Callable[[bool, str], None]):
         self.driver = driver
         self.endpoint = endpoint
@@ -134,7 +134,7 @@ DeviceCards = Callable[[], Sequence[tuple[str, str]]]
 Observer = Callable[[str, str, float], None]
 
 
-class _Health(health_grpc.DRAResourceHealthServicer):  # type: ignore[misc]
+class _Health(health_grpc.DRAResourceHealthServicer):
     def __init__(
         self, pool: str, devices: DeviceCards, board: HealthBoard, stopping: threading.Event
     ) -> None:

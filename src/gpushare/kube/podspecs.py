@@ -171,16 +171,16 @@ class PodSpecBook:
         with self._lock:
             return len(self._pods)
 
-    def _find(self, holder: Holder) -> _Entry | None:
-        """The pod of that name being admitted: Pending and not being deleted. A copy of
-        the same name that runs or is going away (a pod deleted and created again while
-        the watch lags) is not it; two live copies are ambiguous: None."""
+    def _find(self, holder: Holder, *, pending_only: bool) -> _Entry | None:
+        """The live pod of that name (not being deleted; the book keeps no terminal
+        pod); with ``pending_only``, only a Pending one. Two live copies are ambiguous:
+        None."""
         with self._lock:
             live = [
                 entry
                 for entry in self._pods.values()
                 if (entry.namespace, entry.name) == (holder.namespace, holder.pod)
-                and entry.phase == "Pending"
+                and (entry.phase == "Pending" or not pending_only)
                 and not entry.deleting
             ]
         return live[0] if len(live) == 1 else None
@@ -194,12 +194,19 @@ class PodSpecBook:
         return None
 
     def requests_of(self, holder: Holder) -> dict[Resource, int] | None:
-        """Units of each resource the container of a pod being admitted asks for; None
-        if no such pod is on record (after one bounded re-read of the pods, when the
-        book has a way to re-read)."""
-        entry = self._find(holder)
+        """Units of each resource the named container asks for; None if the book
+        cannot tell.
+
+        From the book as the watch left it, only a Pending pod of that name speaks: a
+        copy that runs may be a pod deleted and created again while the watch lags.
+        Otherwise the pods are re-read once (bounded, rate-limited): the API server
+        holds at most one pod of a name, so after that fresh read the one live pod of
+        that name speaks whatever its phase. A container bound moments ago by a pod
+        that has started since (Running) is still the holder the records name, and its
+        spec is still a fact (issue 23 item 8)."""
+        entry = self._find(holder, pending_only=True)
         if entry is None and self.on_miss is not None and self.on_miss():
-            entry = self._find(holder)
+            entry = self._find(holder, pending_only=False)
         if entry is None:
             return None
         for container in entry.containers:
@@ -282,10 +289,7 @@ class PodSpecBook:
         Candidates must ask exactly ``size`` of ``resource``; if they disagree on what
         to place, the answer is only what they agree on (or nothing).
         """
-        held = records.devices if records is not None else {}
-        candidates = self._candidates(resource, size, held, last_holder)
-        if not candidates and self.on_miss is not None and self.on_miss():
-            candidates = self._candidates(resource, size, held, last_holder)
+        candidates = [plan for _holder, plan in self._asking(resource, size, records, last_holder)]
         if not candidates:
             return None
         first = candidates[0]
@@ -295,13 +299,38 @@ class PodSpecBook:
             return first[:1]
         return None
 
+    def asking_without_memory(
+        self, size: int, records: Snapshot | None, last_holder: Holder | None = None
+    ) -> Holder | None:
+        """The container now asking ``size`` core units, when the pods on record show
+        it asks no memory units (none, or 0: the kubelet skips a zero quantity), so that
+        it would run with the whole card's memory; None when it asks memory or the book
+        cannot tell which container it is. Every candidate must agree."""
+        candidates = self._asking(Resource.CORE, size, records, last_holder)
+        if not candidates or any(plan[0].memory for _holder, plan in candidates):
+            return None
+        return candidates[0][0]
+
+    def _asking(
+        self,
+        resource: Resource,
+        size: int,
+        records: Snapshot | None,
+        last_holder: Holder | None,
+    ) -> list[tuple[Holder, list[Need]]]:
+        held = records.devices if records is not None else {}
+        candidates = self._candidates(resource, size, held, last_holder)
+        if not candidates and self.on_miss is not None and self.on_miss():
+            candidates = self._candidates(resource, size, held, last_holder)
+        return candidates
+
     def _candidates(
         self,
         resource: Resource,
         size: int,
         held: Mapping[Holder, Any],
         last_holder: Holder | None,
-    ) -> list[list[Need]]:
+    ) -> list[tuple[Holder, list[Need]]]:
         with self._lock:
             pods = list(self._pods.values())
 
@@ -318,14 +347,16 @@ class PodSpecBook:
                 after = entry.containers[names.index(last_holder.container) + 1 :]
                 rest = [c for c in after if not holds(entry, c)]
                 if rest and rest[0].needs.get(resource, 0) == size:
-                    return [_plan_from(rest)]
+                    return [(Holder(entry.namespace, entry.name, rest[0].name), _plan_from(rest))]
                 break
         found = []
         for entry in pods:
-            if entry.phase != "Pending":
+            if entry.phase != "Pending" or entry.deleting:
                 continue
             if any(holds(entry, c) for c in entry.containers if not c.init):
                 continue
-            if entry.containers[0].needs.get(resource, 0) == size:
-                found.append(_plan_from(entry.containers))
+            first = entry.containers[0]
+            if first.needs.get(resource, 0) == size:
+                holder = Holder(entry.namespace, entry.name, first.name)
+                found.append((holder, _plan_from(entry.containers)))
         return found

@@ -48,7 +48,7 @@ class UsageRefresher:
         self._read = read
         self._ledger = ledger
         self._interval = interval_seconds
-        self._after_read = after_read
+        self.after_read = after_read
         self._clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -102,9 +102,9 @@ class UsageRefresher:
             self.failures += 1
             return False
         self.reads += 1
-        if self._after_read is not None:
+        if self.after_read is not None:
             try:
-                self._after_read(snapshot)
+                self.after_read(snapshot)
             except Exception:
                 log.exception("after_pod_resources_read_failed")
         return True

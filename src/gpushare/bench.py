@@ -661,7 +661,7 @@ def _latency_rows(plan: Plan, report: Report, runs: list[dict[str, tuple[float, 
 
 
 def measure_dra(plan: Plan, report: Report) -> None:
-    """NodePrepareResources against one GET of the claim (issue 22), against the
+    """NodePrepareResources against one GET of the claim (docs/dra.md), against the
     API-server double (in its own process) and, where ``make e2e`` built them, a real
     kube-apiserver v1.36.3 (TLS, token authentication, RBAC, etcd)."""
     from gpushare.kube.kubeclient import ApiClient, kubeconfig_endpoint

@@ -1,4 +1,4 @@
-"""Issue 22 on the real cluster: the DRA driver in the daemon, the real scheduler's allocator and
+"""The DRA driver (docs/dra.md) on the real cluster: in in the daemon, the real scheduler's allocator and
 the real kubelet's DRA manager (plugin watcher, NodePrepareResources, its claim checkpoint).
 
 Two nodes are added with three Tesla P4 each (29 units of 256 MiB: 7424 MiB published per
@@ -324,7 +324,7 @@ def test_the_same_workload_on_device_plugin_cards_for_comparison(
     cluster: Cluster, dra_nodes: list[str]
 ) -> None:
     """The same sizes as vcuda-memory/vcuda-core pods on the same number of cards, served
-    by the device plugin with the stock scheduler and no extender (issue 22's yardstick)."""
+    by the device plugin with the stock scheduler and no extender (the yardstick of docs/dra.md)."""
     for name in dra_nodes:  # cards 1 and 2 to the device plugin, card 0 to DRA
         cluster.nodes[name].restart_daemon("--card-modes=0=dra")
         cluster.wait_allocatable(name, lambda a: int(a.get(MEMORY, "0")) == 2 * 29)

@@ -1,5 +1,6 @@
-"""The DRA driver (docs/dra.md) on the real cluster: in in the daemon, the real scheduler's allocator and
-the real kubelet's DRA manager (plugin watcher, NodePrepareResources, its claim checkpoint).
+"""The DRA driver (docs/dra.md) on the real cluster: the driver in the daemon, the real
+scheduler's allocator and the real kubelet's DRA manager (plugin watcher,
+NodePrepareResources, its claim checkpoint).
 
 Two nodes are added with three Tesla P4 each (29 units of 256 MiB: 7424 MiB published per
 card): card 0 stays with the device plugin, cards 1 and 2 are in card mode ``dra``. The

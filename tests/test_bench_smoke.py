@@ -27,6 +27,7 @@ ROWS = [
     "pods created and deleted on the API server during the run",
     "idle wake-ups over",
     "idle CPU over",
+    "DRA NodePrepareResources, one share",
 ]
 
 

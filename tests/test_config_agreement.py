@@ -50,7 +50,13 @@ TEXT_SAMPLES: dict[str, list[Any]] = {
         "gpushare.io\n",
     ],
     "ignored_xids": ["13,31", " 13 , 31 ", "all", "ALL", "", "13;31", "13,", "x", "13\n", "\u0661"],
+    "dra_driver": ["gpu.gpushare.io", "gpu", "Gpu.io", "a" * 63 + ".io", "x.io\n", ""],
+    "dra_kubelet_root": ["/var/lib/kubelet", "var/lib/kubelet", ""],
+    "dra_cdi_dir": ["/var/run/cdi", "run/cdi", ""],
+    "dra_state_dir": ["", "/var/lib/gpushare/dra", "dra"],
     "card_modes": [
+        "0=dra",
+        "0=DRA,1=shared",
         "0=exclusive",
         " 0 = Exclusive , GPU-1a2b=shared,",
         "0=both,1=shared",

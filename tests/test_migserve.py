@@ -16,10 +16,10 @@ from gpushare.deviceplugin.migserve import (
     read_device_specs,
     resources,
     socket_name,
-    with_mig_names,
 )
 from gpushare.gpu.gpus import SimulatedBackend
 from gpushare.gpu.mig import MigPlan, MigStrategy, plan
+from gpushare.node.enforcement import with_mig_names
 from gpushare.share.answers import CDI_CRI, ENVVAR, DeviceListing, DeviceSpec
 
 # As the driver writes it for GPU minor 0 with GPU instances 2, 3, 9, 10 (CI 0 each).

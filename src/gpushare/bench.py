@@ -657,6 +657,158 @@ def _latency_rows(plan: Plan, report: Report, runs: list[dict[str, tuple[float, 
     )
 
 
+# --------------------------------------------------------------------------- DRA
+
+
+def measure_dra(plan: Plan, report: Report) -> None:
+    """NodePrepareResources against one GET of the claim (docs/dra.md), against the
+    API-server double (in its own process) and, where ``make e2e`` built them, a real
+    kube-apiserver v1.36.3 (TLS, token authentication, RBAC, etcd)."""
+    from gpushare.kube.kubeclient import ApiClient, kubeconfig_endpoint
+    from gpushare.sim import controlplane
+
+    rounds = max(20, plan.latency_containers // 2)
+    claims = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims"
+    with temporary_root() as root:
+        api = ApiServer(root)
+        try:
+            client = ApiClient(kubeconfig_endpoint(api.kubeconfig))
+
+            def post_double(claim: dict[str, Any]) -> None:
+                if api.call("POST", claims, claim) != 201:
+                    raise RuntimeError("the API-server double refused a claim")
+
+            row = _dra_rounds(plan, root, client, post_double, rounds)
+        finally:
+            api.stop()
+    # Information only: the double's GET (a dict lookup behind Python's HTTP server) costs
+    # less than an empty gRPC call, so 2x of it is no yardstick; the target is the real one.
+    report.add(
+        f"DRA NodePrepareResources, one share, API-server double ({row[0]}",
+        row[1],
+        "information (the target is against a real API server)",
+        row[3],
+        None,
+    )
+    if not controlplane.available():
+        report.notes.append(
+            f"DRA prepare against a real kube-apiserver not measured: no binaries in "
+            f"{controlplane.BIN} (make e2e builds them; GPUSHARE_E2E_BIN)"
+        )
+        return
+    with temporary_root() as root:
+        plane = controlplane.ControlPlane(root, {"DRAConsumableCapacity": True}, node=NODE_NAME)
+        try:
+            plane.add_node()
+            admin = plane.admin
+
+            def post_real(claim: dict[str, Any]) -> None:
+                status = claim.pop("status")
+                claim["spec"]["devices"]["requests"] = [
+                    {"name": "gpu", "exactly": {"deviceClassName": "gpushare.io"}}
+                ]
+                created = admin.request("POST", claims, body=claim)
+                created["status"] = status  # as the scheduler writes it
+                name = created["metadata"]["name"]
+                stored = admin.request("PUT", f"{claims}/{name}/status", body=created)
+                claim["metadata"]["uid"] = stored["metadata"]["uid"]
+
+            row = _dra_rounds(plan, root, admin, post_real, rounds)
+        finally:
+            plane.stop()
+    report.add(f"DRA NodePrepareResources, one share, real kube-apiserver ({row[0]}", *row[1:])
+
+
+def _dra_rounds(
+    plan: Plan, root: Path, client: Any, create: Callable[[dict[str, Any]], None], rounds: int
+) -> tuple[str, str, str, str, bool]:
+    """The DRA part serving ``plan.cards`` simulated H200 in this process, the stand-in
+    kubelet calling over the plugin's unix socket. Each round creates one allocated
+    claim (not timed), prepares it (timed: the GET, the checks, the answer, a cache
+    directory, the CDI spec and the checkpoint entry), GETs the same claim with the same
+    client (timed: the baseline), makes the same call with no claim (timed: the gRPC
+    floor, for context) and unprepares it. Returns the row's cells."""
+    from gpushare.base.logs import configure_logging
+    from gpushare.config import Settings
+    from gpushare.dra.part import build_dra_part
+    from gpushare.gpu.health import HealthBoard
+    from gpushare.host.library import ensure_lock_dir, install_library
+    from gpushare.share.answers import DeviceListing, Enforcement
+    from gpushare.sim.drakubelet import DraKubelet, allocated_claim
+
+    # The part logs as the DaemonSet's daemon does: JSON lines, info and up, here to a file.
+    log_file = (root / "dra.log").open("w")
+    configure_logging("json", "info", log_file)
+    part = None
+    kubelet = DraKubelet(root / "kubelet")
+    prepare: list[float] = []
+    get: list[float] = []
+    empty: list[float] = []
+    path = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims"
+    try:
+        gpus = node_gpus(plan.cards, H200_MIB)
+        library = root / "libvgpu.so"
+        library.write_bytes(stand_in(b"bench interposer\n"))
+        host = root / "vgpu"
+        enforcement = Enforcement(install_library(library, host), None, True, ensure_lock_dir(host))
+        settings = Settings(host_lib_dir=str(host), dra_cdi_dir=str(root / "cdi"))
+        part = build_dra_part(
+            settings,
+            gpus,
+            HealthBoard(g.uuid for g in gpus),
+            enforcement,
+            DeviceListing(),
+            host,
+            client,
+            NODE_NAME,
+            root / "kubelet",
+            pcie_roots={},
+        )
+        part.start()
+        kubelet.register()
+        for i in range(rounds):
+            claim = allocated_claim(
+                "default",
+                f"bench-{i}",
+                settings.dra_driver,
+                NODE_NAME,
+                [
+                    {
+                        "request": "gpu",
+                        "device": f"gpu-{i % plan.cards}",
+                        "consumedCapacity": {"memory": "4Gi", "cores": "30"},
+                    }
+                ],
+            )
+            create(claim)
+            ref = ("default", f"bench-{i}", claim["metadata"]["uid"])
+            began = time.perf_counter()
+            answers = kubelet.prepare([ref])
+            prepare.append(time.perf_counter() - began)
+            if answers[ref[2]].error:
+                raise RuntimeError(f"prepare failed: {answers[ref[2]].error}")
+            began = time.perf_counter()
+            client.get(f"{path}/bench-{i}")
+            get.append(time.perf_counter() - began)
+            began = time.perf_counter()
+            kubelet.prepare([])  # the gRPC floor: the same call with no claim
+            empty.append(time.perf_counter() - began)
+            kubelet.unprepare([ref])
+    finally:
+        kubelet.close()
+        if part is not None:
+            part.stop()
+        log_file.close()
+    p50, base = percentile(prepare, 50), percentile(get, 50)
+    return (
+        f"{plan.cards} x H200, {rounds} claims)",
+        f"p50 {ms(p50)}, p99 {ms(percentile(prepare, 99))}",
+        "p50 <= 2x one GET of the claim",
+        f"GET p50 {ms(base)}; {p50 / base:.1f}x (empty call {ms(percentile(empty, 50))})",
+        p50 <= 2 * base,
+    )
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -679,7 +831,7 @@ def machine() -> str:
 
 def run(plan: Plan, phases: Sequence[Callable[[Plan, Report], None]] | None = None) -> Report:
     report = Report()
-    for phase in phases or (measure_messages, measure_start, measure_daemon):
+    for phase in phases or (measure_messages, measure_start, measure_daemon, measure_dra):
         phase(plan, report)
     return report
 

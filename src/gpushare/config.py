@@ -211,10 +211,11 @@ class Settings:
     )
     card_modes: str = _opt(
         "",
-        "fixed pools: <card index or UUID>=shared|exclusive|both, comma-separated "
-        "(cards not named: both, i.e. whichever use comes first)",
+        "fixed pools: <card index or UUID>=shared|exclusive|both|dra, comma-separated "
+        "(cards not named: both, i.e. whichever use comes first; dra: published for DRA "
+        "claims only, see docs/dra.md)",
         pattern=CARD_MODES_PATTERN,
-        shape="<card index or UUID>=shared|exclusive|both, comma-separated",
+        shape="<card index or UUID>=shared|exclusive|both|dra, comma-separated",
     )
     exclusive_enforcement: bool = _opt(
         False, "whole cards also get the interposer, with 100%% limits (same accounting)"
@@ -239,6 +240,37 @@ class Settings:
         "directories of CDI specs checked for the names we hand out",
         pattern=PATH_LIST_PATTERN,
         shape="comma-separated absolute paths",
+    )
+    # DRA (docs/dra.md) ------------------------------------------------------------------
+    dra_driver: str = _opt(
+        "gpu.gpushare.io",
+        "DRA driver name: the cards in card mode dra are published in ResourceSlices of it",
+        pattern=DNS_SUBDOMAIN,
+        max_length=63,
+        shape="a DNS subdomain of at most 63 characters like gpu.gpushare.io",
+    )
+    dra_kubelet_root: str = _opt(
+        "/var/lib/kubelet",
+        "the kubelet's root directory (its plugins_registry/ and plugins/ hold the DRA sockets)",
+        pattern=ABSOLUTE_PATH,
+        shape="an absolute path",
+    )
+    dra_cdi_dir: str = _opt(
+        "/var/run/cdi",
+        "directory the DRA driver writes its per-claim CDI specs into",
+        pattern=ABSOLUTE_PATH,
+        shape="an absolute path",
+    )
+    dra_state_dir: str = _opt(
+        "",
+        "directory of the DRA checkpoint and lock file (default: <host_lib_dir>/dra)",
+        pattern=r"^(/.*)?$",
+        shape="empty or an absolute path",
+    )
+    dra_resync_seconds: float = _opt(
+        10.0,
+        "how often the node's ResourceSlices are checked (and re-published if deleted)",
+        bounds=(0.01, 3600),
     )
     nvidia_product_label: bool = _opt(
         False, "also write nvidia.com/gpu.product (where GPU feature discovery is not installed)"

@@ -33,6 +33,7 @@ from gpushare.gpu.gpus import GpuBackend
 from gpushare.kube.podspecs import PodSpecBook
 from gpushare.node.core import NodeCore, build_core, core_parts, late_parts
 from gpushare.node.discovery import Discovery
+from gpushare.share.cardmodes import CardMode
 from gpushare.share.devices import Resource
 
 if TYPE_CHECKING:  # imported when used: the metrics server is optional
@@ -95,6 +96,12 @@ class Daemon:
             self._launch(part)
         self._launch(plugin)
         self.plugin = plugin
+        if CardMode.DRA in core.modes.values():  # the second front door, beside the first
+            from gpushare.dra.part import dra_part_for  # only where a card is in card mode dra
+
+            dra = dra_part_for(core)
+            if dra is not None:
+                self._launch(dra)
         for part in late_parts(core):
             self._launch(part)
         log.info(

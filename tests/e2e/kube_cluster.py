@@ -542,6 +542,10 @@ class NodeAgent:
             c = {k: v for k, v in c.items() if k not in ("livenessProbe", "readinessProbe")}
             containers.append(c)
         spec["containers"] = containers
+        # The CRI fake never ends a container: an init container (the DaemonSet's
+        # size-bounded tmpfs set-up) would keep the pod from Running. Its work is a mount in
+        # the pod, which the daemon run here in the node's namespace does not use.
+        spec.pop("initContainers", None)
         return {
             "apiVersion": "v1",
             "kind": "Pod",

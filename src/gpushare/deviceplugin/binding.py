@@ -207,7 +207,9 @@ class Binder:
                 raise BindingError(
                     Refusal.INVALID, "must_include_deviceIDs are not all in available_deviceIDs"
                 )
-        healthy = self.health.healthy_cards()
+        # The board may hold cards that are not this binder's (a card in DRA mode beside
+        # shared ones, without whole cards, shares the cards' own board).
+        healthy = [u for u in self.health.healthy_cards() if u in self.inventory.cards]
         self.usage.observe_available(resource, free, healthy)
         last, decision, snapshot = self._decide(resource, size, arrival)
         with self._lock:

@@ -41,7 +41,6 @@ from gpushare.gpu.gputype import CardChoice
 from gpushare.gpu.topology import Topology, prefer
 from gpushare.host.cdi import CdiCheck
 from gpushare.node.core import NodeCore
-from gpushare.node.enforcement import device_listing
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.usage import Holder
 from gpushare.share.whole import ExclusiveDevice, ExclusiveResource
@@ -102,10 +101,7 @@ class DevicePluginFrontDoor:
         check_message_sizes(core.inventory)
         self.core, self.stopping = core, stopping
         plan = core.found.mig_plan
-        by_index = settings.cdi_name_strategy == "index"
-        self.listing = migserve.with_mig_names(
-            device_listing(settings, core.found.gpus), plan, by_index
-        )
+        self.listing = core.listing
         self.cdi: CdiCheck | None = None
         if self.listing.uses_cdi:
             uuids = [g.uuid for g in core.found.gpus] + [d.uuid for d in plan.mig_devices]

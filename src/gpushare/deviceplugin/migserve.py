@@ -124,19 +124,6 @@ def socket_name(resource: ExclusiveResource) -> str:
     return f"gpushare-{name}.sock"
 
 
-def with_mig_names(listing: DeviceListing, plan: MigPlan, by_index: bool) -> DeviceListing:
-    """``listing`` naming MIG devices as NVIDIA's CDI specs do under the ``index`` name
-    strategy, ``<card index>:<MIG index>`` (sliced ones too); unchanged by UUID."""
-    if not by_index:
-        return listing
-    cards = {gpu.uuid: gpu for gpu in plan.mig_cards}
-    names = {
-        d.uuid: f"{cards[d.parent_uuid].index}:{d.index}"
-        for d in plan.mig_devices + list(plan.shared_mig)
-    }
-    return replace(listing, cdi_ids={**listing.cdi_ids, **names})
-
-
 def answer_builder(
     listing: DeviceListing,
     *,

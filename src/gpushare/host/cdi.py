@@ -11,11 +11,18 @@ failed pod.
 
 A spec (CDI specification, ``cdiVersion``/``kind``/``devices[].name``) is a YAML or
 JSON file; a device's fully qualified name is ``<kind>=<name>``.
+
+The DRA driver also *writes* specs (:func:`write_spec`): one per prepared claim, whose
+devices carry the claim's environment and mounts (the interposer, its limits, the
+claim's cache directory).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import tempfile
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -130,3 +137,90 @@ class CdiCheck:
                 log.info("cdi_names_resolved", names=len(self.wanted))
             self._missing = missing
             return list(missing)
+
+
+# --------------------------------------------------------------------------- writing
+
+#: The CDI version the claim specs are written in: environment and mounts only, which
+#: every CDI-aware runtime (containerd >= 1.7, CRI-O >= 1.23) reads.
+CDI_VERSION = "0.5.0"
+_CDI_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+
+
+@dataclass(frozen=True)
+class CdiMount:
+    container_path: str
+    host_path: str
+    read_only: bool
+
+
+@dataclass(frozen=True)
+class CdiDevice:
+    """One device of a spec: its name and the edits it makes to a container."""
+
+    name: str
+    env: tuple[tuple[str, str], ...] = ()
+    mounts: tuple[CdiMount, ...] = ()
+
+
+def spec_file_name(kind: str, name: str) -> str:
+    """``<vendor>-<class>_<name>.json``: the file of one spec (the name must be safe)."""
+    if not _CDI_NAME.match(name) or "/" in name:
+        raise ValueError(f"{name!r} is not a safe CDI spec name")
+    return f"{kind.replace('/', '-')}_{name}.json"
+
+
+def spec_json(kind: str, devices: Sequence[CdiDevice]) -> dict[str, object]:
+    """The CDI spec document for ``devices`` of ``kind`` (``vendor/class``)."""
+    if "/" not in kind:
+        raise ValueError(f"kind {kind!r} is not <vendor>/<class>")
+    entries = []
+    for device in devices:
+        if not _CDI_NAME.match(device.name):
+            raise ValueError(f"{device.name!r} is not a CDI device name")
+        edits: dict[str, object] = {}
+        if device.env:
+            edits["env"] = [f"{k}={v}" for k, v in device.env]
+        if device.mounts:
+            edits["mounts"] = [
+                {
+                    "hostPath": m.host_path,
+                    "containerPath": m.container_path,
+                    "options": ["ro" if m.read_only else "rw", "nosuid", "nodev", "rbind"],
+                }
+                for m in device.mounts
+            ]
+        entries.append({"name": device.name, "containerEdits": edits})
+    return {"cdiVersion": CDI_VERSION, "kind": kind, "devices": entries}
+
+
+def write_spec(directory: Path, kind: str, name: str, devices: Sequence[CdiDevice]) -> Path:
+    """Write one spec atomically (a temporary file in the same directory, renamed over):
+    the runtime never reads half a spec (not fsynced: see ``dra/checkpoint.py``). The
+    directory is created (0755) if missing; the file is 0644 and never followed if a
+    link stands in its place (the rename replaces the link itself)."""
+    document = json.dumps(spec_json(kind, devices)).encode()
+    target = directory / spec_file_name(kind, name)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
+    except FileNotFoundError:  # the first spec: the directory is made once
+        directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(document)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def remove_spec(directory: Path, kind: str, name: str) -> bool:
+    """Remove one spec written by :func:`write_spec`; True if it was there."""
+    try:
+        (directory / spec_file_name(kind, name)).unlink()
+    except FileNotFoundError:
+        return False
+    return True

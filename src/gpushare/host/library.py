@@ -19,7 +19,7 @@ import stat
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
@@ -231,10 +231,49 @@ def prepare_cache_dir(host_dir: Path, device_ids: list[str]) -> Path:
     is never reused nor emptied here: the directory is buried (one rename) and a new
     one made, so this costs the same whatever the tree it left behind.
     """
+    return _fresh_cache_dir(host_dir, cache_key(device_ids), {"device_ids": sorted(device_ids)})
+
+
+#: Cache directories of DRA claims: another prefix than the device plugin's, so that its
+#: garbage collection (which knows only PodResources' units) never takes them; the DRA
+#: driver releases them itself at unprepare, from its checkpoint.
+CLAIM_KEY_PREFIX = "d-"
+
+
+def claim_cache_key(claim_uid: str, request: str, device: str) -> str:
+    """The directory name of one claim's share of one device."""
+    joined = "\n".join((claim_uid, request, device)).encode()
+    return CLAIM_KEY_PREFIX + hashlib.sha256(joined).hexdigest()[:20]
+
+
+def prepare_claim_cache_dir(host_dir: Path, key: str) -> Path:
+    """A fresh cache directory for a DRA claim (same rules as :func:`prepare_cache_dir`:
+    in the private root, a leftover buried, never reused). No record beside it: the DRA
+    driver's checkpoint names the claim of each key."""
+    if not key.startswith(CLAIM_KEY_PREFIX) or "/" in key:
+        raise ValueError(f"{key!r} is not a claim cache key")
+    return _fresh_cache_dir(host_dir, key, None)
+
+
+def release_cache_dir(host_dir: Path, key: str) -> bool:
+    """Remove a cache directory and its record (the directory is buried, one rename;
+    the reaper deletes it). True if there was something to remove."""
     root = cache_root(host_dir)
-    key = cache_key(device_ids)
+    if "/" in key or key in ("", ".", ".."):
+        raise ValueError(f"{key!r} is not a cache key")
+    with CACHE_LOCK:
+        (root / f"{key}.json").unlink(missing_ok=True)
+        there = os.path.lexists(root / key)
+        if there:
+            bury(root, key)
+    if there:
+        wake(root)
+    return there
+
+
+def _fresh_cache_dir(host_dir: Path, key: str, facts: Mapping[str, object] | None) -> Path:
+    root = cache_root(host_dir)
     path = root / key
-    record = json.dumps({"device_ids": sorted(device_ids), "created": time.time()})
     buried = False
     with CACHE_LOCK:
         try:
@@ -247,15 +286,16 @@ def prepare_cache_dir(host_dir: Path, device_ids: list[str]) -> Path:
             buried = True
             os.mkdir(path, 0o777)
         os.chmod(path, 0o777)  # past the umask: non-root containers write their file here
-        fd = os.open(
-            root / f"{key}.json",
-            os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o644,
-        )
-        try:
-            os.write(fd, record.encode())
-        finally:
-            os.close(fd)
+        if facts is not None:
+            fd = os.open(
+                root / f"{key}.json",
+                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o644,
+            )
+            try:
+                os.write(fd, json.dumps({**facts, "created": time.time()}).encode())
+            finally:
+                os.close(fd)
     if buried:
         wake(root)
     return path

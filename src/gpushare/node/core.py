@@ -33,10 +33,10 @@ from gpushare.kube.labels import LabelFacts
 from gpushare.kube.podspecs import PodSpecBook
 from gpushare.node.cardfacts import CardFacts
 from gpushare.node.discovery import Discovered
-from gpushare.node.enforcement import prepare_enforcement
+from gpushare.node.enforcement import device_listing, prepare_enforcement
 from gpushare.node.podresources import PodResourcesClient
 from gpushare.node.refresh import UsageRefresher
-from gpushare.share.answers import Enforcement
+from gpushare.share.answers import DeviceListing, Enforcement
 from gpushare.share.cardmodes import CardMode, card_modes, parse_card_modes
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.exclusion import Exclusion
@@ -67,6 +67,7 @@ class NodeCore:
     modes: dict[str, CardMode]
     inventory: Inventory
     enforcement: Enforcement
+    listing: DeviceListing  # how every front door names cards and MIG devices
     health: HealthBoard  # the cards' own health
     mig_health: HealthBoard  # MIG cards and devices, by UUID (see health.expand)
     offer: HealthBoard  # what the shared units are offered from
@@ -203,6 +204,7 @@ def build_core(
         modes,
         inventory,
         enforcement,
+        device_listing(settings, found.gpus, found.mig_plan),
         health,
         mig_health,
         offer,

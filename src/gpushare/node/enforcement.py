@@ -4,6 +4,7 @@ the preload file, the lock directory, and how answers name their cards."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import structlog
@@ -11,6 +12,7 @@ import structlog
 from gpushare.base.startup import BadLibrary, StartupError
 from gpushare.config import Settings
 from gpushare.gpu.gpus import Gpu
+from gpushare.gpu.mig import MigPlan
 from gpushare.host.elf import NotASharedObject, check_shared_object
 from gpushare.host.library import (
     LibraryError,
@@ -67,11 +69,29 @@ def prepare_enforcement(settings: Settings) -> Enforcement:
     )
 
 
-def device_listing(settings: Settings, gpus: Sequence[Gpu]) -> DeviceListing:
-    """How answers name their cards (``--device-list-strategy`` and the CDI settings)."""
+def device_listing(
+    settings: Settings, gpus: Sequence[Gpu], plan: MigPlan | None = None
+) -> DeviceListing:
+    """How answers name their cards and MIG devices (``--device-list-strategy`` and the
+    CDI settings); every front door answers with the same listing."""
     by_index = settings.cdi_name_strategy == "index"
-    return DeviceListing(
+    listing = DeviceListing(
         strategies=settings.device_list_strategies(),
         cdi_kind=settings.cdi_kind,
         cdi_ids={g.uuid: str(g.index) for g in gpus} if by_index else {},
     )
+    return with_mig_names(listing, plan, by_index) if plan is not None else listing
+
+
+def with_mig_names(listing: DeviceListing, plan: MigPlan, by_index: bool) -> DeviceListing:
+    """``listing`` naming MIG devices as NVIDIA's CDI specs do under the ``index`` name
+    strategy, ``<card index>:<MIG index>`` (sliced ones too); unchanged by UUID."""
+    if not by_index:
+        return listing
+    cards = {gpu.uuid: gpu for gpu in plan.mig_cards}
+    names = {
+        d.uuid: f"{cards[d.parent_uuid].index}:{d.index}"
+        for d in plan.mig_devices + list(plan.shared_mig)
+    }
+    return replace(listing, cdi_ids={**listing.cdi_ids, **names})
+

@@ -1,6 +1,8 @@
-"""Which way each card may be offered: ``cardModes``, shared, exclusive or both.
+"""Which way each card may be offered: ``cardModes``, shared, exclusive, both or dra.
 
-Pure parsing and lookup; :mod:`gpushare.share.exclusion` enforces it.
+Pure parsing and lookup; :mod:`gpushare.share.exclusion` enforces it. A card in ``dra``
+mode is in none of the device plugin's lists: the DRA driver (:mod:`gpushare.dra`)
+publishes it in the node's ResourceSlice instead.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ def _any_case(word: str) -> str:
     return "".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else c for c in word)
 
 
-_MODE = "(" + "|".join(_any_case(m) for m in ("shared", "exclusive", "both")) + ")"
+_MODE = "(" + "|".join(_any_case(m) for m in ("shared", "exclusive", "both", "dra")) + ")"
 #: A card as cardModes names it: its index or its UUID (``GPU-...``).
 CARD_KEY = "[A-Za-z0-9_.:-]+"
 _ENTRY = f"{CARD_KEY} *= *{_MODE}"
@@ -35,14 +37,17 @@ class CardMode(enum.Enum):
     SHARED = "shared"
     EXCLUSIVE = "exclusive"
     BOTH = "both"
+    DRA = "dra"
 
     @property
     def shared(self) -> bool:
-        return self is not CardMode.EXCLUSIVE
+        """Offered as the device plugin's memory and core units."""
+        return self in (CardMode.SHARED, CardMode.BOTH)
 
     @property
     def exclusive(self) -> bool:
-        return self is not CardMode.SHARED
+        """Offered whole by the device plugin."""
+        return self in (CardMode.EXCLUSIVE, CardMode.BOTH)
 
 
 def parse_card_modes(text: str) -> dict[str, CardMode]:
@@ -65,7 +70,7 @@ def parse_card_modes(text: str) -> dict[str, CardMode]:
             mode = CardMode(value.lower() if value.isascii() else value)
         except ValueError:
             raise ValueError(
-                f"{part!r}: mode {value!r} is not one of shared, exclusive, both"
+                f"{part!r}: mode {value!r} is not one of shared, exclusive, both, dra"
             ) from None
         if key in modes:
             raise ValueError(f"card {key} is given a mode twice")
@@ -85,3 +90,8 @@ def card_modes(gpus: Iterable[Gpu], spec: Mapping[str, CardMode]) -> dict[str, C
     if unknown:
         raise ValueError(f"cardModes names no GPU of this node: {', '.join(unknown)}")
     return {gpu.uuid: spec.get(gpu.uuid, spec.get(str(gpu.index), CardMode.BOTH)) for gpu in gpus}
+
+
+def dra_cards(gpus: Iterable[Gpu], modes: Mapping[str, CardMode]) -> list[Gpu]:
+    """The cards the DRA driver publishes (mode ``dra``), in the order given."""
+    return [g for g in gpus if modes.get(g.uuid) is CardMode.DRA]

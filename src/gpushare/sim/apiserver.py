@@ -17,6 +17,14 @@ answer of one JSON event per line (ADDED, MODIFIED, DELETED; BOOKMARK every
 kept history (see :meth:`KubeApiDouble.compact`) answers an ERROR event with a 410
 Status, as etcd's compaction makes the real server do. Lives in the package so that
 ``make bench`` can run the daemon against it.
+
+``resource.k8s.io/v1`` objects (ResourceSlices, ResourceClaims, DeviceClasses) are kept
+as written, like the 1.36 server does with its DRA gates on; PUT replaces an object (a
+stale ``metadata.resourceVersion`` is a 409), ``dryRun=All`` answers what would be
+stored without storing it, and DELETE of a collection removes what its selectors match.
+:attr:`KubeApiDouble.consumable_capacity` and :attr:`KubeApiDouble.device_taints` set to
+False make it drop, silently, what a server with those feature gates off drops
+(``allowMultipleAllocations`` and the capacities' ``requestPolicy``; device ``taints``).
 """
 
 from __future__ import annotations
@@ -44,6 +52,9 @@ KINDS = {
     "clusterroles": "ClusterRole",
     "clusterrolebindings": "ClusterRoleBinding",
     "daemonsets": "DaemonSet",
+    "resourceslices": "ResourceSlice",
+    "resourceclaims": "ResourceClaim",
+    "deviceclasses": "DeviceClass",
     "networkpolicies": "NetworkPolicy",
     "validatingadmissionpolicies": "ValidatingAdmissionPolicy",
     "validatingadmissionpolicybindings": "ValidatingAdmissionPolicyBinding",
@@ -58,6 +69,7 @@ GROUPS = {
         "validatingadmissionpolicies",
         "validatingadmissionpolicybindings",
     ),
+    "resource.k8s.io/v1": ("resourceslices", "resourceclaims", "deviceclasses"),
 }
 #: Stamps the server keeps on an object; an apply that changes nothing else is a no-op.
 _SERVER_FIELDS = ("resourceVersion", "uid", "managedFields", "creationTimestamp")
@@ -145,6 +157,9 @@ class KubeApiDouble:
         self.groups = dict(GROUPS)
         #: Container logs by pod object key, served at ``pods/{name}/log`` as text.
         self.logs: dict[str, str] = {}
+        #: DRAConsumableCapacity / DRADeviceTaints of the server (False: dropped on write).
+        self.consumable_capacity = True
+        self.device_taints = True
 
     # ------------------------------------------------------------------ control
     def start(self, tls: ssl.SSLContext | None = None) -> str:
@@ -153,6 +168,10 @@ class KubeApiDouble:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"  # kept-alive connections and chunked watches
+            # An answer goes out as two writes (headers, body): with Nagle's algorithm the
+            # body waits for the client's delayed ACK, 40 ms a request, as no real API
+            # server makes anyone wait.
+            disable_nagle_algorithm = True
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -363,15 +382,44 @@ class KubeApiDouble:
         is_collection = parts[-1] in KINDS or (
             len(parts) >= 2 and parts[-2] == "namespaces" and False
         )
+        dry_run = (query.get("dryRun") or [""])[0] == "All"
+        if method in ("POST", "PUT") and isinstance(body, dict):
+            body = self._drop_disabled(body)
+        if method == "DELETE" and is_collection:
+            labels = (query.get("labelSelector") or [""])[0]
+            fields = (query.get("fieldSelector") or [""])[0]
+            doomed = [
+                key
+                for key, o in self._collections(path)
+                if _matches_labels(o, labels) and _matches_fields(o, fields)
+            ]
+            for key in doomed:
+                self._drop(key)
+            return 200, self._status(200, "deleted") | {"status": "Success"}
         if method == "POST" and is_collection:
             name = body["metadata"]["name"]
             key = f"{path.rstrip('/')}/{name}"
             if key in self.objects:
                 return 409, self._status(409, f"{name} already exists")
+            if dry_run:
+                return 201, deepcopy(body)
             self._put(key, body)
             return 201, deepcopy(body)
         key = path.rstrip("/")
         current = self.objects.get(key)
+        if method == "PUT":
+            if current is None:
+                return 404, self._status(404, f"{parts[-1]} not found")
+            asked = (body.get("metadata") or {}).get("resourceVersion")
+            if asked and asked != current["metadata"].get("resourceVersion"):
+                return 409, self._status(409, "the object has been modified") | {
+                    "reason": "Conflict"
+                }
+            body.setdefault("metadata", {})["uid"] = current["metadata"].get("uid")
+            if dry_run:
+                return 200, deepcopy(body)
+            self._put(key, body)
+            return 200, deepcopy(body)
         if method == "GET":
             if current is None:
                 return 404, self._status(404, f"{parts[-1]} not found")
@@ -395,6 +443,25 @@ class KubeApiDouble:
             self._put(key, merged)
             return 200, deepcopy(merged)
         return 400, self._status(400, f"{method} {path} is not supported by the double")
+
+    def _drop_disabled(self, body: dict[str, Any]) -> dict[str, Any]:
+        """What a server with the DRA gates off stores of a ResourceSlice: the gated
+        device fields are dropped without a word, as the real strategy's
+        dropDisabledFields does."""
+        if body.get("kind") != "ResourceSlice":
+            return body
+        body = deepcopy(body)
+        for device in (body.get("spec") or {}).get("devices") or []:
+            if not isinstance(device, dict):
+                continue
+            if not self.consumable_capacity:
+                device.pop("allowMultipleAllocations", None)
+                for entry in (device.get("capacity") or {}).values():
+                    if isinstance(entry, dict):
+                        entry.pop("requestPolicy", None)
+            if not self.device_taints:
+                device.pop("taints", None)
+        return body
 
     def _bind(self, pod_key: str, body: Any) -> tuple[int, Any]:
         """``pods/{name}/binding``: what the real server checks, then ``spec.nodeName``.

@@ -1,0 +1,356 @@
+"""Prepare and unprepare ResourceClaims: the work behind NodePrepareResources.
+
+The kubelet sends only a claim's namespace, name and UID. For each claim this reads
+the claim from the API server, refuses it unless it is allocated and has that UID,
+takes the results of this driver on this node's pool, and for each one builds the
+container's answer with the device plugin's own functions
+(:func:`~gpushare.share.answers.enforcement_answer`, the one enforcement port, for a
+share of a card: HAMi-core's
+limits from the rounded ``consumedCapacity``, the preload, the lock directory and a
+fresh cache directory; :func:`~gpushare.share.answers.build_exclusive_answer` for a
+MIG device), then writes one CDI spec per claim holding one CDI device per result and
+answers the CDI names. Each claim is recorded in the checkpoint once all of it is made,
+under the node lock; a claim already prepared is answered from the checkpoint, and
+unpreparing one that is not there succeeds.
+
+Nothing the caller sends is trusted: the namespace and name must be DNS names (they
+become a URL), the UID must be the claim's, and a result naming a device that is not
+one of this node's, or a capacity no card holds, fails that claim alone, with one line.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from gpushare.dra.checkpoint import (
+    PREPARED,
+    Checkpoint,
+    CheckpointError,
+    ClaimEntry,
+    NodeLock,
+    PreparedDevice,
+)
+from gpushare.dra.model import API_VERSION, Offered, ShareError, share_of
+from gpushare.gpu.health import HealthBoard
+from gpushare.host.cdi import CdiDevice, CdiMount, remove_spec, spec_file_name, write_spec
+from gpushare.host.library import (
+    CLAIM_KEY_PREFIX,
+    cache_root,
+    claim_cache_key,
+    prepare_claim_cache_dir,
+    release_cache_dir,
+)
+from gpushare.kube.kubeclient import ApiClient, ApiStatusError
+from gpushare.share.answers import (
+    Answer,
+    DeviceListing,
+    Enforcement,
+    Grant,
+    build_exclusive_answer,
+    enforcement_answer,
+    with_device_list,
+)
+
+log = structlog.get_logger(__name__)
+
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
+_NOT_CDI = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    namespace: str
+    name: str
+    uid: str
+
+    def describe(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one claim's preparation answers: its devices, or why it failed."""
+
+    devices: list[PreparedDevice] = field(default_factory=list)
+    error: str = ""
+
+
+class ClaimRefused(Exception):
+    """This claim cannot be prepared; the message is the one line the kubelet shows."""
+
+
+def claim_path(namespace: str, name: str) -> str:
+    return f"/apis/{API_VERSION}/namespaces/{namespace}/resourceclaims/{name}"
+
+
+class ClaimPreparer:
+    """Prepares claims of this node's pool from the checkpoint and the API server."""
+
+    def __init__(
+        self,
+        *,
+        api: ApiClient,
+        driver: str,
+        pool: str,
+        devices: Callable[[], Mapping[str, Offered]],
+        health: HealthBoard,
+        enforcement: Enforcement,
+        listing: DeviceListing,
+        unit_mib: int,
+        host_lib_dir: Path,
+        cdi_dir: Path,
+        state_dir: Path,
+        api_timeout: float = 5.0,
+    ) -> None:
+        self.api = api
+        self.driver = driver
+        self.pool = pool
+        self.devices = devices
+        self.health = health
+        self.enforcement = enforcement
+        self.listing = listing
+        self.unit_mib = unit_mib
+        self.host_lib_dir = host_lib_dir
+        self.cdi_dir = cdi_dir
+        self.cdi_kind = f"{driver}/claim"
+        self.checkpoint = Checkpoint(state_dir / "claims")
+        self.lock = NodeLock(state_dir / "prepare.lock")
+        self.api_timeout = api_timeout
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Outcome]:
+        """Every claim's outcome, keyed by the UID the kubelet sent."""
+        outcomes: dict[str, Outcome] = {}
+        with self.lock.held():
+            for claim in claims:
+                try:
+                    devices = self._prepare_one(claim)
+                except ClaimRefused as exc:
+                    log.warning(
+                        "claim_refused", claim=claim.describe(), uid=claim.uid, reason=str(exc)
+                    )
+                    outcomes[claim.uid] = Outcome(error=str(exc))
+                except (OSError, CheckpointError) as exc:
+                    log.error("claim_prepare_failed", claim=claim.describe(), error=str(exc))
+                    outcomes[claim.uid] = Outcome(error=f"cannot prepare the claim: {exc}")
+                else:
+                    outcomes[claim.uid] = Outcome(devices=devices)
+        return outcomes
+
+    def _check_ref(self, claim: ClaimRef) -> None:
+        if not _DNS_SUBDOMAIN.match(claim.namespace) or len(claim.namespace) > 63:
+            raise ClaimRefused(f"namespace {claim.namespace[:80]!r} is not a namespace name")
+        if not _DNS_SUBDOMAIN.match(claim.name):
+            raise ClaimRefused(f"name {claim.name[:80]!r} is not a ResourceClaim name")
+        if not _UID.match(claim.uid):
+            raise ClaimRefused(f"UID {claim.uid[:80]!r} is not a UID")
+
+    def _read_claim(self, claim: ClaimRef) -> dict[str, Any]:
+        try:
+            found = self.api.get(claim_path(claim.namespace, claim.name), timeout=self.api_timeout)
+        except ApiStatusError as exc:
+            if exc.status == 404:
+                raise ClaimRefused(f"claim {claim.describe()} not found") from None
+            raise ClaimRefused(f"cannot read claim {claim.describe()}: {exc}") from None
+        except OSError as exc:
+            raise ClaimRefused(
+                f"cannot read claim {claim.describe()}: API server unreachable ({exc})"
+            ) from None
+        if not isinstance(found, dict):
+            raise ClaimRefused(f"claim {claim.describe()}: the API server sent no object")
+        return found
+
+    def _results(self, claim: ClaimRef, found: dict[str, Any]) -> list[dict[str, Any]]:
+        uid = (found.get("metadata") or {}).get("uid")
+        if uid != claim.uid:
+            raise ClaimRefused(
+                f"claim {claim.describe()} has UID {uid}, not {claim.uid}: "
+                "it was deleted and created again"
+            )
+        allocation = (found.get("status") or {}).get("allocation")
+        if not isinstance(allocation, dict):
+            raise ClaimRefused(f"claim {claim.describe()} is not allocated")
+        results = (allocation.get("devices") or {}).get("results") or []
+        if not isinstance(results, list):
+            raise ClaimRefused(f"claim {claim.describe()}: allocation results are not a list")
+        ours = []
+        for result in results:
+            if not isinstance(result, dict) or result.get("driver") != self.driver:
+                continue
+            if result.get("pool") != self.pool:
+                raise ClaimRefused(
+                    f"claim {claim.describe()} is allocated device {result.get('device')} of "
+                    f"pool {result.get('pool')}, not of this node ({self.pool})"
+                )
+            ours.append(result)
+        return ours
+
+    def _prepare_one(self, claim: ClaimRef) -> list[PreparedDevice]:
+        self._check_ref(claim)
+        known = self.checkpoint.get(claim.uid)
+        if known is not None and (known.namespace, known.name) != (claim.namespace, claim.name):
+            raise ClaimRefused(
+                f"UID {claim.uid} was prepared as {known.namespace}/{known.name}, "
+                f"not {claim.describe()}"
+            )
+        if known is not None and known.state == PREPARED:
+            return known.devices  # idempotent: the same answer again
+        results = self._results(claim, self._read_claim(claim))
+        offered = self.devices()
+        plan = []
+        for result in results:
+            device = offered.get(str(result.get("device")))
+            if device is None:
+                raise ClaimRefused(
+                    f"claim {claim.describe()}: device {result.get('device')!r} "
+                    "is not one of this node's"
+                )
+            if not self.health.is_healthy(device.card_uuid):
+                reason = self.health.reason(device.card_uuid) or "unhealthy"
+                raise ClaimRefused(
+                    f"claim {claim.describe()}: device {device.name} is unhealthy ({reason})"
+                )
+            request = str(result.get("request") or "")
+            plan.append((request, device, result))
+        keys = [
+            claim_cache_key(claim.uid, request, device.name)
+            for request, device, _ in plan
+            if device.shared and self.enforcement.library is not None
+        ]
+
+        cdi_devices: list[CdiDevice] = []
+        prepared: list[PreparedDevice] = []
+        shares = []
+        for request, device, result in plan:
+            answer = self._answer(claim, request, device, result)
+            cdi_name = f"{claim.uid}-{_NOT_CDI.sub('_', request)}-{device.name}"
+            cdi_devices.append(
+                CdiDevice(
+                    cdi_name,
+                    env=tuple(sorted(answer.envs.items())),
+                    mounts=tuple(
+                        CdiMount(m.container_path, m.host_path, m.read_only) for m in answer.mounts
+                    ),
+                )
+            )
+            ids = [f"{self.cdi_kind}={cdi_name}", *answer.cdi_devices]
+            prepared.append(PreparedDevice(request, self.pool, device.name, ids))
+            shares.append(
+                {
+                    "device": device.name,
+                    "memory": answer.envs.get("CUDA_DEVICE_MEMORY_LIMIT_0", ""),
+                    "cores": answer.envs.get("CUDA_DEVICE_SM_LIMIT", ""),
+                }
+            )
+        if cdi_devices:
+            write_spec(self.cdi_dir, self.cdi_kind, claim.uid, cdi_devices)
+        entry = ClaimEntry(
+            claim.namespace,
+            claim.name,
+            PREPARED,
+            spec_name=claim.uid,
+            cache_keys=keys,
+            devices=prepared,
+        )
+        self.checkpoint.put(claim.uid, entry)
+        log.info("claim_prepared", claim=claim.describe(), uid=claim.uid, shares=shares)
+        return prepared
+
+    def _answer(
+        self, claim: ClaimRef, request: str, device: Offered, result: Mapping[str, Any]
+    ) -> Answer:
+        if not device.shared:
+            answer = build_exclusive_answer([device.uuid])
+            return with_device_list(answer, [device.uuid], self.listing)
+        try:
+            share = share_of(result.get("consumedCapacity"), device.card_memory_mib, self.unit_mib)
+        except ShareError as exc:
+            raise ClaimRefused(f"claim {claim.describe()}, device {device.name}: {exc}") from None
+        cache_dir = None
+        if self.enforcement.library is not None:
+            cache_dir = prepare_claim_cache_dir(
+                self.host_lib_dir, claim_cache_key(claim.uid, request, device.name)
+            )
+        grant = Grant(
+            device.uuid,
+            memory_mib=share.memory_units * self.unit_mib,
+            cores=share.cores or None,  # no cores asked: unthrottled, as memory-only
+        )
+        return enforcement_answer(
+            grant, enforcement=self.enforcement, cache_dir=cache_dir, listing=self.listing
+        )
+
+    # ------------------------------------------------------------------ unprepare
+    def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
+        """Every claim's error ("" when done); a claim not prepared here is done."""
+        errors: dict[str, str] = {}
+        with self.lock.held():
+            for claim in claims:
+                try:
+                    entry = self.checkpoint.get(claim.uid)
+                except CheckpointError as exc:
+                    log.error("dra_checkpoint_unusable", uid=claim.uid, error=str(exc))
+                    errors[claim.uid] = str(exc)
+                    continue
+                if entry is None:
+                    errors[claim.uid] = ""
+                    continue
+                try:
+                    self._release(entry)
+                    self.checkpoint.delete(claim.uid)
+                except (OSError, ValueError, CheckpointError) as exc:
+                    log.error("claim_unprepare_failed", uid=claim.uid, error=str(exc))
+                    errors[claim.uid] = f"cannot unprepare the claim: {exc}"
+                    continue
+                log.info("claim_unprepared", claim=f"{entry.namespace}/{entry.name}", uid=claim.uid)
+                errors[claim.uid] = ""
+        return errors
+
+    def _release(self, entry: ClaimEntry) -> None:
+        remove_spec(self.cdi_dir, self.cdi_kind, entry.spec_name)
+        for key in entry.cache_keys:
+            release_cache_dir(self.host_lib_dir, key)
+
+    # ------------------------------------------------------------------ start
+    def tidy(self) -> None:
+        """At start: remove claim cache directories and claim specs that no checkpoint
+        entry names (left by a daemon killed between making them and recording them,
+        or by a lost checkpoint)."""
+        with self.lock.held():
+            entries = []
+            for uid in self.checkpoint.uids():
+                try:
+                    entry = self.checkpoint.get(uid)
+                except CheckpointError as exc:
+                    # kept: what it names stays too (nothing is removed on a guess)
+                    log.error("dra_checkpoint_unusable", uid=uid, error=str(exc))
+                    return
+                if entry is not None:
+                    entries.append(entry)
+            keys = {key for entry in entries for key in entry.cache_keys}
+            specs = {spec_file_name(self.cdi_kind, e.spec_name) for e in entries}
+            prefix = spec_file_name(self.cdi_kind, "x")[: -len("x.json")]
+            try:
+                names = [p.name for p in cache_root(self.host_lib_dir).iterdir()]
+            except OSError:
+                names = []
+            for name in names:
+                key = name.removesuffix(".json")
+                if key.startswith(CLAIM_KEY_PREFIX) and key not in keys:
+                    release_cache_dir(self.host_lib_dir, key)
+                    log.info("claim_cache_dir_tidied", key=key)
+            try:
+                spec_names = [p.name for p in self.cdi_dir.iterdir()]
+            except OSError:
+                spec_names = []
+            for name in spec_names:
+                if name.startswith(prefix) and name.endswith(".json") and name not in specs:
+                    (self.cdi_dir / name).unlink(missing_ok=True)
+                    log.info("claim_cdi_spec_tidied", file=name)

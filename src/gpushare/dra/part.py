@@ -1,0 +1,195 @@
+"""The DRA driver as one part of the daemon (see :mod:`gpushare.base.parts`).
+
+:func:`build_dra_part` takes everything from the composition root, explicitly: the
+settings, the cards in ``dra`` card mode, the node's health board, the enforcement and
+device-listing decisions already made for the device plugin (the same answers, the
+same interposer file), the host directory of the cache directories, an API client, the
+node's name and the kubelet's root directory. The part then
+
+* publishes the cards in the node's ResourceSlices (:mod:`gpushare.dra.slices`),
+* serves the kubelet plugin (:mod:`gpushare.dra.server`) that prepares claims
+  (:mod:`gpushare.dra.claims`),
+
+and is ready once the slices are published with consumable capacity kept.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import structlog
+
+from gpushare.base.startup import NodeConfigurationError
+from gpushare.config import Settings
+from gpushare.dra.claims import ClaimPreparer
+from gpushare.dra.model import Offered, offered_devices
+from gpushare.dra.server import DraServer
+from gpushare.dra.slices import SlicePublisher
+from gpushare.gpu.gpus import Gpu
+from gpushare.gpu.health import HealthBoard
+from gpushare.kube.kubeclient import ApiClient
+from gpushare.node.core import NodeCore
+from gpushare.share.answers import DeviceListing, Enforcement
+from gpushare.share.cardmodes import dra_cards
+
+log = structlog.get_logger(__name__)
+
+SYSFS_PCI_DEVICES = Path("/sys/bus/pci/devices")
+
+
+def pcie_root(bus_id: str, sysfs: Path = SYSFS_PCI_DEVICES) -> str | None:
+    """The PCIe root complex (``pci0000:3a``) of an NVML bus ID (``00000000:3B:00.0``),
+    from sysfs; None where sysfs does not tell."""
+    if not bus_id:
+        return None
+    domain, _, rest = bus_id.lower().partition(":")
+    name = f"{domain[-4:]}:{rest}"
+    try:
+        target = os.path.realpath(sysfs / name)
+    except OSError:
+        return None
+    for part in Path(target).parts:
+        if part.startswith("pci") and ":" in part:
+            return part
+    return None
+
+
+class DraPart:
+    """The DRA driver: slice publisher and kubelet plugin, started and stopped together."""
+
+    name = "dra"
+
+    def __init__(
+        self,
+        devices: Sequence[Offered],
+        publisher: SlicePublisher,
+        server: DraServer,
+        preparer: ClaimPreparer,
+    ) -> None:
+        self.devices = list(devices)
+        self.publisher = publisher
+        self.server = server
+        self.preparer = preparer
+        self._started = False
+
+    def start(self) -> None:
+        self.preparer.tidy()
+        self.publisher.start()
+        try:
+            self.server.start()
+        except BaseException:
+            self.publisher.stop()
+            raise
+        self._started = True
+        log.info(
+            "dra_started",
+            driver=self.publisher.driver,
+            devices=[d.name for d in self.devices],
+        )
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.publisher.stop()
+        self.preparer.lock.close()
+        self._started = False
+
+    def ready(self) -> tuple[bool, str]:
+        if not self._started:
+            return False, "dra: not started"
+        problem = self.publisher.problem()
+        if problem:
+            return False, f"dra: {problem}"
+        if self.server.registered is False:
+            return False, f"dra: the kubelet refused the plugin: {self.server.registration_error}"
+        return True, "dra: slices published"
+
+
+def build_dra_part(
+    settings: Settings,
+    gpus: Sequence[Gpu],
+    board: HealthBoard,
+    enforcement: Enforcement,
+    listing: DeviceListing,
+    host_lib_dir: Path,
+    api: ApiClient,
+    node_name: str,
+    kubelet_root: Path,
+    *,
+    driver_version: str | None = None,
+    pcie_roots: Mapping[str, str] | None = None,
+) -> DraPart:
+    """The DRA part for ``gpus`` (the cards in ``dra`` card mode; one in MIG mode is
+    published as its MIG devices). ``board`` must hold every card of ``gpus`` by UUID.
+    ``pcie_roots`` (card UUID -> root) default to what sysfs says."""
+    if not node_name:
+        raise ValueError("the DRA driver needs the node's name (NODE_NAME / --node-name)")
+    roots = (
+        dict(pcie_roots)
+        if pcie_roots is not None
+        else {g.uuid: r for g in gpus if (r := pcie_root(g.pci_bus_id)) is not None}
+    )
+    devices = offered_devices(
+        gpus, settings.memory_unit_mib, driver_version=driver_version, pcie_roots=roots
+    )
+    by_name = {d.name: d for d in devices}
+    driver = settings.dra_driver
+    state_dir = Path(settings.dra_state_dir) if settings.dra_state_dir else host_lib_dir / "dra"
+    preparer = ClaimPreparer(
+        api=api,
+        driver=driver,
+        pool=node_name,
+        devices=lambda: by_name,
+        health=board,
+        enforcement=enforcement,
+        listing=listing,
+        unit_mib=settings.memory_unit_mib,
+        host_lib_dir=host_lib_dir,
+        cdi_dir=Path(settings.dra_cdi_dir),
+        state_dir=state_dir,
+    )
+    publisher = SlicePublisher(
+        api=api,
+        driver=driver,
+        node=node_name,
+        devices=lambda: devices,
+        unit_mib=settings.memory_unit_mib,
+        board=board,
+        interval=settings.dra_resync_seconds,
+    )
+    server = DraServer(
+        kubelet_root=kubelet_root,
+        driver=driver,
+        pool=node_name,
+        preparer=preparer,
+        devices=lambda: [(d.name, d.card_uuid) for d in devices],
+        board=board,
+    )
+    return DraPart(devices, publisher, server, preparer)
+
+
+def dra_part_for(core: NodeCore) -> DraPart | None:
+    """The DRA front door of this node's core: ``None`` when no card is in card mode
+    ``dra``; :class:`NodeConfigurationError` when the driver cannot work here (no node
+    name, no API server)."""
+    from gpushare.kube.apilink import ApiConfigMissing, connect_api
+
+    settings = core.settings
+    cards = dra_cards([g for g in core.found.gpus if not g.parent_uuid], core.modes)
+    if not cards:
+        return None
+    try:
+        return build_dra_part(
+            settings,
+            cards,
+            core.health,
+            core.enforcement,
+            core.listing,
+            Path(settings.host_lib_dir),
+            connect_api(),
+            settings.node_name,
+            Path(settings.dra_kubelet_root),
+        )
+    except (ValueError, ApiConfigMissing) as exc:
+        raise NodeConfigurationError(f"card mode dra: {exc}") from None

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpushare.base.quantity import whole_units
 from gpushare.share.devices import Resource
 from gpushare.share.placement import Need
 from gpushare.share.records import Snapshot
@@ -33,11 +34,7 @@ TERMINAL_PHASES = ("Succeeded", "Failed")
 def _units(resources: Mapping[str, Any] | None, name: str) -> int:
     if not resources:
         return 0
-    value = resources.get(name)
-    try:
-        return int(str(value)) if value is not None else 0
-    except ValueError:
-        return 0
+    return whole_units(resources.get(name)) or 0
 
 
 def exclusive_requests(container: Mapping[str, Any], prefix: str) -> tuple[str, ...]:

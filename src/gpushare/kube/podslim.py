@@ -19,8 +19,8 @@ from typing import Any
 
 from gpushare.base.quantity import whole_units
 from gpushare.gpu.gputype import NAMES, OTHER_PREFIX
+from gpushare.kube.podspecs import TERMINAL_PHASES
 
-TERMINAL_PHASES = ("Succeeded", "Failed")
 #: A card-choice annotation is a short comma list; a longer value is cut.
 MAX_ANNOTATION_CHARS = 4096
 #: Names and quantities are short in valid objects; anything longer is cut.

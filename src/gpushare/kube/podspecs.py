@@ -2,7 +2,7 @@
 
 The kubelet's GetPreferredAllocation and Allocate do not say which container is being
 admitted or what else it will ask for. The pod specs do: a watch on the pods of this
-node (see ``node.py``) feeds :class:`PodSpecBook`, and the binder asks it:
+node (see ``podwatch.py``) feeds :class:`PodSpecBook`, and the binder asks it:
 
 * what a container asks for (:meth:`PodSpecBook.requests_of`): the partner decision
   of ``pairing.py`` needs it for the container the kubelet's records name;

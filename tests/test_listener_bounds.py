@@ -11,6 +11,7 @@ process is ``test_rss_under_5000_slow_metrics_connections`` (marker ``slow``).
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import socket
 import subprocess
@@ -265,3 +266,43 @@ def test_the_manifests_let_only_the_monitoring_namespace_reach_the_metrics_port(
     (custom,) = rendered({"networkPolicy": {"metricsFrom": scrapers}})
     assert custom["spec"]["ingress"][0]["from"] == scrapers  # type: ignore[index]
     assert not rendered({"networkPolicy": {"enabled": False}})
+
+
+def test_an_extender_client_that_does_not_read_its_answer_is_cut_at_the_deadline() -> None:
+    """The deadline covers writing the answer: a client that posts a filter whose answer
+    is large (the nodes it sent, echoed) and never reads it used to hold its connection
+    and the buffered answer for ever (the timer stopped when the answer was prepared)."""
+
+    async def scenario() -> None:
+        limits = Limits(max_connections=4, max_per_peer=2, deadline=3.0)
+        settings = ExtenderSettings(api_server="http://127.0.0.1:9", max_body_bytes=64 << 20)
+        guard = ConnectionGuard(limits)
+        runner, port = await start(build_app(settings), "127.0.0.1", 0, guard=guard)
+        try:
+            nodes = [{"metadata": {"name": f"n{i}", "labels": {"x": "y" * 4000}}}
+                     for i in range(2500)]  # fmt: skip
+            body = json.dumps(
+                {"Pod": {"metadata": {"name": "p", "namespace": "d"}, "spec": {}},
+                 "Nodes": {"items": nodes}}
+            ).encode()  # fmt: skip
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+            head = (
+                f"POST /gpushare/filter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                f"\r\nContent-Length: {len(body)}\r\n\r\n"
+            ).encode()
+            await asyncio.get_running_loop().sock_sendall(sock, head + body)
+            try:
+                deadline = time.monotonic() + 30
+                while guard.active and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                assert guard.active == 0, "a client that reads nothing still holds its answer"
+                assert guard.expired >= 1
+            finally:
+                sock.close()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())

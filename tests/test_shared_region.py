@@ -248,3 +248,23 @@ def test_the_daemon_exports_used_memory_and_utilisation_per_container(node: Node
     assert refused["value"] == 1
     limits = {s["pod"]: s["value"] for s in _samples(node, "gpushare_container_memory_bytes")}
     assert limits["a"] == 8 * 256 << 20 and c.card()  # the allocation beside the use
+
+
+def test_a_file_claiming_every_slot_is_read_a_little_at_a_time(tmp_path: Path) -> None:
+    """Scrapes run in up to 32 threads: a tenant's file claiming 1024 processes must not
+    make each of them hold its 2 MB of slots at once."""
+    import tracemalloc
+
+    full = region.build_region([(i + 1, 1 << 20, 0) for i in range(region.MAX_PROCESSES)])
+    path = tmp_path / "vgpu.cache"
+    path.write_bytes(full)
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        usage = region.read_region(path)
+        _now, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert usage == region.parse_region(full)
+    assert usage.processes == region.MAX_PROCESSES
+    assert peak < 8 * region.SLOTS_PER_READ * region.SLOT_SIZE, f"peak {peak} bytes"

@@ -225,3 +225,72 @@ def test_a_hostile_report_is_printed_escaped_on_one_line(
     code, said, _ = _run(api, cluster, "Succeeded", probe.render(evil))
     assert code == verify.EXIT_NOT_ENFORCED
     assert all("\x1b" not in line and "\n" not in line and "\u202e" not in line for line in said)
+
+
+class Impostor(StandInNode):
+    """Deletes the verify pod and creates one of the same name (another UID) that
+    "finishes" at once with an enforcing report: a forged verdict."""
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, obj in list(self.api.objects.items()):
+                if "/pods/gpushare-verify-" in key and not self.seen:
+                    self.seen = obj
+                    fake = {
+                        **obj,
+                        "metadata": {**obj["metadata"], "uid": "uid-impostor"},
+                        "status": {"phase": "Succeeded"},
+                    }
+                    with self.api._lock:
+                        self.api.objects[key] = fake
+                    self.api.logs[key] = self.log
+            self._stop.wait(0.02)
+
+
+def test_a_pod_replaced_under_the_same_name_gives_no_verdict(
+    api: KubeApiDouble, cluster: Cluster
+) -> None:
+    node = Impostor(api, "Succeeded", probe.render(GOOD))
+    said: list[str] = []
+    try:
+        code = verify.run(
+            cluster, verify.Request(node="gpu-1", image="reg/gpushare:1"), said.append,
+            poll_seconds=0.02,
+        )  # fmt: skip
+    finally:
+        node.stop()
+    assert code == verify.EXIT_NO_REPORT
+    assert not any(line.startswith("VERDICT") for line in said)
+    assert "gone before it finished" in said[-2]
+
+
+class HostileStatus(StandInNode):
+    """Leaves the verify pod Pending with a status message full of terminal escapes
+    (anyone who may write pods/status there can)."""
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, obj in list(self.api.objects.items()):
+                if "/pods/gpushare-verify-" in key and not self.seen:
+                    self.seen = obj
+                    with self.api._lock:
+                        obj["status"] = {"phase": "Pending", "message": "\x1b[2J\nVERDICT: ok"}
+            self._stop.wait(0.02)
+
+
+def test_a_hostile_status_of_a_pod_that_never_finishes_is_printed_escaped(
+    api: KubeApiDouble, cluster: Cluster
+) -> None:
+    node = HostileStatus(api, None, "")
+    said: list[str] = []
+    try:
+        code = verify.run(
+            cluster, verify.Request(node="gpu-1", image="reg/gpushare:1", timeout_seconds=0.5),
+            said.append, poll_seconds=0.02,
+        )  # fmt: skip
+    finally:
+        node.stop()
+    assert code == verify.EXIT_NO_REPORT
+    assert node.seen, "the stand-in never saw the pod"
+    assert "did not finish within" in said[-2] and "\\x1b[2J\\x0aVERDICT: ok" in said[-2]
+    assert all("\x1b" not in line and "\n" not in line for line in said)

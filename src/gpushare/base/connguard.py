@@ -306,6 +306,7 @@ class _GuardedProtocol(asyncio.Protocol):
         self.peer = ""
         self.admitted = False
         self.timer: asyncio.TimerHandle | None = None
+        self.done = False  # the current request's answer is prepared
 
     def _arm(self) -> None:
         if self.timer is None:
@@ -314,14 +315,22 @@ class _GuardedProtocol(asyncio.Protocol):
 
     def _expire(self) -> None:
         self.timer = None
+        transport = self.transport
+        if self.done and transport is not None and not transport.get_write_buffer_size():
+            return  # answered and written out: an idle kept-alive connection (keep-alive ends it)
         self.guard.expired += 1
-        if self.transport is not None:
-            self.transport.abort()
+        if transport is not None:
+            transport.abort()
 
-    def answered(self) -> None:
+    def _cancel(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+
+    def answered(self) -> None:
+        """The answer is prepared. The deadline still covers writing it: a client that
+        does not read its answer is cut when it passes (the answer waits in our buffer)."""
+        self.done = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -338,6 +347,9 @@ class _GuardedProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.admitted:
+            if self.done:  # the next request on a kept-alive connection: a deadline of its own
+                self.done = False
+                self._cancel()
             self._arm()
             self.inner.data_received(data)
 
@@ -357,7 +369,7 @@ class _GuardedProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.admitted:
             return
-        self.answered()
+        self._cancel()
         self.admitted = False
         self.registry.pop(self.transport, None)
         self.guard.release(self.peer)
@@ -366,9 +378,10 @@ class _GuardedProtocol(asyncio.Protocol):
 
 class GuardedFactory:
     """An asyncio protocol factory under a :class:`ConnectionGuard`. The server calls
-    :meth:`answered` with a request's transport once its answer is ready (a kept-alive
-    connection then waits for its next request without a deadline running; the
-    server's own keep-alive timeout closes it)."""
+    :meth:`answered` with a request's transport once its answer is ready; the deadline
+    then still runs until the answer is written out (a client that does not read it is
+    cut), after which a kept-alive connection waits for its next request without a
+    deadline (the server's own keep-alive timeout closes it)."""
 
     def __init__(self, factory: Callable[[], Any], guard: ConnectionGuard) -> None:
         self.factory = factory

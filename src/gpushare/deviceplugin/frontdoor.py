@@ -121,8 +121,10 @@ class DevicePluginFrontDoor:
         )
         self.kubelet_dir = Path(settings.kubelet_dir)
         self.servers: list[PluginServer] = []
-        named = [*self._shared_servers(observe), *self._whole_servers(), *self._mig_servers()]
-        self.link = KubeletLink(settings.kubelet_socket, named)
+        self._named = [*self._shared_servers(observe), *self._whole_servers(), *self._mig_servers()]
+        #: Built when the servers serve: its directory watch holds descriptors, which a
+        #: front door that never starts (a start-up that fails before it) must not.
+        self.link: KubeletLink | None = None
 
     # ------------------------------------------------------------------ the servers
     def _serve(
@@ -200,24 +202,23 @@ class DevicePluginFrontDoor:
             )
         if self.core.found.not_served:
             log.error("nothing_served", reason=self.core.found.not_served)
-        started: list[PluginServer] = []
         try:
             for server in self.servers:
                 server.start()
-                started.append(server)
+            self.link = KubeletLink(self.core.settings.kubelet_socket, self._named)
             self.link.start()
         except (OSError, RuntimeError) as exc:
-            for server in reversed(started):
-                server.stop()
+            self.stop()  # every server, the one that failed half-way too (a no-op if unstarted)
             raise StartupError(f"cannot serve in {self.kubelet_dir}: {exc}") from None
 
     def stop(self) -> None:
-        self.link.stop()  # first: the streams that end with the servers must not re-register
+        if self.link is not None:  # first: streams that end with the servers must not re-register
+            self.link.stop()
         for server in reversed(self.servers):
             server.stop()
 
     def ready(self) -> tuple[bool, str]:
-        if not self.link.registered.is_set():
+        if self.link is None or not self.link.registered.is_set():
             return False, "serving; not registered with the kubelet"
         if self.core.found.not_served:
             return False, f"serving nothing: {self.core.found.not_served}"
@@ -232,6 +233,8 @@ class DevicePluginFrontDoor:
         # The link thread restarts a server whose socket vanished; a server down for
         # that moment is not a reason to be restarted, a dead link thread is.
         link = self.link
+        if link is None:  # not serving yet
+            return LinkHealth(serving=False, registered=False, unregistered_seconds=0.0)
         return LinkHealth(
             serving=not self.stopping.is_set() and link.alive(),
             registered=link.registered.is_set(),
@@ -240,7 +243,8 @@ class DevicePluginFrontDoor:
 
     def registered_resources(self) -> dict[str, bool]:
         """Resource name -> registered with the kubelet now (all register together)."""
-        registered = self.link.registered.is_set() and not self.stopping.is_set()
+        link = self.link
+        registered = link is not None and link.registered.is_set() and not self.stopping.is_set()
         prefix = self.core.settings.resource_prefix
         return {resource.name_with(prefix): registered for resource in Resource}
 

@@ -129,8 +129,9 @@ class KubeletLink:
             self._unregistered_since = time.monotonic()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="kubelet-link", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._run, name="kubelet-link", daemon=True)
+        thread.start()
+        self._thread = thread  # only once it runs: stop() joins it
 
     def stop(self) -> None:
         self._stop.set()

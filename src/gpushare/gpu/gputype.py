@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gpushare.base.quantity import whole_units
+
 NAMES = ("use-gputype", "nouse-gputype", "use-gpuuuid", "nouse-gpuuuid")
 #: Besides ``<prefix>/``, the spellings users of HAMi already write.
 OTHER_PREFIX = "nvidia.com"
@@ -87,10 +89,7 @@ def _units(container: Mapping[str, Any], resource: str) -> int:
     for kind in ("limits", "requests"):
         value = (resources.get(kind) or {}).get(resource)
         if value is not None:
-            try:
-                return int(str(value))
-            except ValueError:
-                return 0
+            return whole_units(value) or 0
     return 0
 
 

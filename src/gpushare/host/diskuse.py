@@ -1,8 +1,10 @@
 """How much disk a tenant-written directory takes, measured with bounded work.
 
-A container's cache directory lies on the host's filesystem and nothing the daemon may
-do (no CAP_SYS_ADMIN: no quota, no tmpfs mount) stops a tenant from filling it. So it
-is measured, reported as a metric and logged when it passes a limit (docs/security.md).
+A container's cache directory is the tenant's to write. The space all of them share is
+bounded by the size-limited file system the DaemonSet's init container mounts
+(``cachefs.py``), not per directory (the daemon has no CAP_SYS_ADMIN: no quota, no mount
+per container). So each is measured, reported as a metric and logged when it passes a
+limit (docs/security.md).
 The measurement is iterative, never follows a link, opens at most ``MAX_DEPTH``
 directories at a time and looks at no more than ``max_entries`` entries: a tree built
 to make it slow yields a lower bound marked incomplete, which is reason enough to

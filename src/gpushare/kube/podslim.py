@@ -17,9 +17,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from gpushare.base.quantity import whole_units
 from gpushare.gpu.gputype import NAMES, OTHER_PREFIX
+from gpushare.kube.podspecs import TERMINAL_PHASES
 
-TERMINAL_PHASES = ("Succeeded", "Failed")
 #: A card-choice annotation is a short comma list; a longer value is cut.
 MAX_ANNOTATION_CHARS = 4096
 #: Names and quantities are short in valid objects; anything longer is cut.
@@ -45,7 +46,7 @@ def _quantities(section: Any, prefix: str) -> dict[str, str]:
 
 
 def _positive(value: str) -> bool:
-    return value.isascii() and value.isdigit() and int(value) > 0
+    return (whole_units(value) or 0) > 0
 
 
 def _container(container: Any, prefix: str) -> dict[str, Any] | None:

@@ -2,7 +2,7 @@
 
 The kubelet's GetPreferredAllocation and Allocate do not say which container is being
 admitted or what else it will ask for. The pod specs do: a watch on the pods of this
-node (see ``node.py``) feeds :class:`PodSpecBook`, and the binder asks it:
+node (see ``podwatch.py``) feeds :class:`PodSpecBook`, and the binder asks it:
 
 * what a container asks for (:meth:`PodSpecBook.requests_of`): the partner decision
   of ``pairing.py`` needs it for the container the kubelet's records name;
@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpushare.base.quantity import whole_units
 from gpushare.share.devices import Resource
 from gpushare.share.placement import Need
 from gpushare.share.records import Snapshot
@@ -33,11 +34,7 @@ TERMINAL_PHASES = ("Succeeded", "Failed")
 def _units(resources: Mapping[str, Any] | None, name: str) -> int:
     if not resources:
         return 0
-    value = resources.get(name)
-    try:
-        return int(str(value)) if value is not None else 0
-    except ValueError:
-        return 0
+    return whole_units(resources.get(name)) or 0
 
 
 def exclusive_requests(container: Mapping[str, Any], prefix: str) -> tuple[str, ...]:

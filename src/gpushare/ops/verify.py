@@ -100,6 +100,14 @@ def _why_not_running(pod: Mapping[str, Any]) -> str:
     return "; ".join(p.strip() for p in parts if p.strip()) or "no status yet"
 
 
+def _same_pod(stored: Mapping[str, Any] | None, uid: str) -> bool:
+    """Whether ``stored`` is the pod verify created: a pod of the same name created by
+    someone else after deleting it (its log could say anything) is not."""
+    if stored is None:
+        return False
+    return not uid or str((stored.get("metadata") or {}).get("uid") or "") == uid
+
+
 def run(
     cluster: Cluster,
     request: Request,
@@ -116,7 +124,8 @@ def run(
         raise ApiError(f"no such node: {request.node}")
     name = f"gpushare-verify-{secrets.token_hex(3)}"
     pod = verify_pod(request, image, name)
-    cluster.create(pod)
+    created = cluster.create(pod)
+    uid = str((created.get("metadata") or {}).get("uid") or "")
     say(
         f"created pod {request.namespace}/{name} on {request.node} ({image}; "
         f"{request.memory_units} memory units, {request.core_units} core units)"
@@ -126,7 +135,7 @@ def run(
         stored: dict[str, Any] | None = None
         while clock() < deadline:
             stored = cluster.read(pod)
-            if stored is None:
+            if stored is None or not _same_pod(stored, uid):
                 say("the pod is gone before it finished (deleted by someone?)")
                 return EXIT_NO_REPORT
             if (stored.get("status") or {}).get("phase") in TERMINAL:
@@ -135,10 +144,13 @@ def run(
         else:
             say(
                 f"the pod did not finish within {request.timeout_seconds:.0f} s: "
-                f"{_why_not_running(stored or {})}"
+                f"{printable(_why_not_running(stored or {}), 400)}"
             )
             return EXIT_NO_REPORT
         log = cluster.pod_log(request.namespace, name) or ""
+        if not _same_pod(cluster.read(pod), uid):  # the log read may be another pod's
+            say("the pod was replaced before its log was read (by someone else?): no verdict")
+            return EXIT_NO_REPORT
         checks = parse_report(log)
         if checks is None:
             tail = " | ".join(log.strip().splitlines()[-5:]) or "(empty log)"

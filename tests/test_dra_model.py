@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpushare.base.quantity import MIB, QuantityError, parse_quantity
 from gpushare.dra.model import (
     MAX_DEVICES_PER_SLICE,
     ShareError,
@@ -30,7 +31,6 @@ from gpushare.dra.model import (
 )
 from gpushare.gpu.gpus import Gpu, MigDevice
 from gpushare.share.answers import Enforcement, Grant, enforcement_answer
-from gpushare.share.quantity import MIB, QuantityError, parse_quantity
 
 ENFORCING = Enforcement(
     library=Path("/var/lib/gpushare/libvgpu.so.abc"), preload_file=None, use_ld_preload_env=True

@@ -31,8 +31,8 @@ from typing import Any, TypeVar
 import pytest
 from test_dra_plugin import DRIVER, DraNode, gpu
 
+from gpushare.base.quantity import MIB, parse_quantity
 from gpushare.gpu.health import HealthBoard
-from gpushare.share.quantity import MIB, parse_quantity
 from gpushare.sim.controlplane import BIN, ControlPlane, available, poll
 
 pytestmark = pytest.mark.skipif(

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from gpushare.base.quantity import MIB, QuantityError, mebibytes, parse_quantity
 from gpushare.gpu.gpus import Gpu, MigDevice
 from gpushare.kube.labels import arch_family
-from gpushare.share.quantity import MIB, QuantityError, mebibytes, parse_quantity
 
 DEFAULT_DRIVER = "gpu.gpushare.io"
 API_VERSION = "resource.k8s.io/v1"

@@ -138,25 +138,306 @@ def _is_collection(parts: list[str]) -> bool:
     return len(rest) == 1
 
 
-class KubeApiDouble:
+class ObjectStore:
+    """The double's objects: one version counter, every change an event (what watches
+    replay), and the helpers tests use to put objects in place without HTTP."""
+
     def __init__(self) -> None:
         self.objects: dict[str, dict[str, Any]] = {}  # collection path/name -> object
         self.requests: list[Recorded] = []
-        self._failures: list[int] = []
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._version = 1
-        self._server: ThreadingHTTPServer | None = None
         #: (resourceVersion, type, key, object) of every change, oldest first.
         self.events: list[tuple[int, str, str, dict[str, Any]]] = []
         self._oldest = 1  # watches from before this version answer 410 Gone
         self._stopping = False
         self.bookmark_seconds = 60.0
+        #: Container logs by pod object key, served at ``pods/{name}/log`` as text.
+        self.logs: dict[str, str] = {}
+
+    def add(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Store an object (Node, Pod, ...) as if it had been created."""
+        kind = obj["kind"]
+        plural = next(p for p, k in KINDS.items() if k == kind)
+        meta = obj.setdefault("metadata", {})
+        base = "/api/v1" if "/" not in obj.get("apiVersion", "v1") else f"/apis/{obj['apiVersion']}"
+        namespace = meta.get("namespace")
+        collection = f"{base}/namespaces/{namespace}/{plural}" if namespace else f"{base}/{plural}"
+        with self._lock:
+            self._put(f"{collection}/{meta['name']}", obj)
+        return obj
+
+    @staticmethod
+    def _path(kind: str, name: str, namespace: str | None, api_version: str) -> str:
+        plural = next(p for p, k in KINDS.items() if k == kind)
+        base = "/api/v1" if "/" not in api_version else f"/apis/{api_version}"
+        if namespace:
+            return f"{base}/namespaces/{namespace}/{plural}/{name}"
+        return f"{base}/{plural}/{name}"
+
+    def get(
+        self, kind: str, name: str, namespace: str | None = None, api_version: str = "v1"
+    ) -> dict[str, Any] | None:
+        with self._lock:
+            return deepcopy(self.objects.get(self._path(kind, name, namespace, api_version)))
+
+    def delete(
+        self, kind: str, name: str, namespace: str | None = None, api_version: str = "v1"
+    ) -> None:
+        """Remove an object as a controller would (not recorded as a request)."""
+        with self._lock:
+            self._drop(self._path(kind, name, namespace, api_version))
+
+    def compact(self) -> None:
+        """Forget the change history, as etcd compaction does: older watches get 410."""
+        with self._lock:
+            self.events.clear()
+            self._oldest = self._version + 1
+
+    def calls(self, method: str, path_part: str = "") -> list[Recorded]:
+        with self._lock:
+            return [r for r in self.requests if r.method == method and path_part in r.path]
+
+    def _put(self, key: str, obj: dict[str, Any]) -> None:
+        """Store a new or changed object with a new resourceVersion (lock held)."""
+        kind = "MODIFIED" if key in self.objects else "ADDED"
+        self._stamp(obj)
+        self.objects[key] = obj
+        self._record(kind, key, obj)
+
+    def _drop(self, key: str) -> None:
+        obj = self.objects.pop(key)
+        self._version += 1
+        gone = deepcopy(obj)
+        gone.setdefault("metadata", {})["resourceVersion"] = str(self._version)
+        self._record("DELETED", key, gone)
+
+    def _record(self, kind: str, key: str, obj: dict[str, Any]) -> None:
+        self.events.append((self._version, kind, key, deepcopy(obj)))
+        self._changed.notify_all()
+
+    def _stamp(self, obj: dict[str, Any]) -> None:
+        self._version += 1
+        meta = obj.setdefault("metadata", {})
+        meta["resourceVersion"] = str(self._version)
+        meta.setdefault("uid", f"uid-{meta.get('name', '')}-{self._version}")
+
+    def _collections(self, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Objects whose key lies in the collection ``path`` (cluster-wide lists too)."""
+        parts = path.rstrip("/").split("/")
+        plural = parts[-1]
+        for key, obj in self.objects.items():
+            key_parts = key.split("/")
+            if key_parts[-2] != plural:
+                continue
+            if "namespaces" in parts and key.rsplit("/", 1)[0] != path.rstrip("/"):
+                continue
+            yield key, obj
+
+    def add_many(self, objs: Iterator[dict[str, Any]]) -> int:
+        """Store objects as if they had been there before any watch began: no events,
+        no copies (large objects may share parts), for measurements at scale."""
+        count = 0
+        with self._lock:
+            for obj in objs:
+                meta = obj["metadata"]
+                plural = next(p for p, k in KINDS.items() if k == obj["kind"])
+                namespace = meta.get("namespace")
+                base = f"/api/v1/namespaces/{namespace}" if namespace else "/api/v1"
+                self._version += 1
+                meta["resourceVersion"] = str(self._version)
+                meta.setdefault("uid", f"uid-{meta['name']}-{self._version}")
+                self.objects[f"{base}/{plural}/{meta['name']}"] = obj
+                count += 1
+            self._oldest = self._version + 1  # no history before them
+        return count
+
+    def _in_collection(self, key: str, path: str) -> bool:
+        parts = path.rstrip("/").split("/")
+        if key.split("/")[-2] != parts[-1]:
+            return False
+        return "namespaces" not in parts or key.rsplit("/", 1)[0] == path.rstrip("/")
+
+
+class CollectionReads(ObjectStore):
+    """The double's reads of a collection: lists (label and field selectors, pages with
+    ``limit``/``continue``, streamed one item at a time) and watches (events from a
+    resourceVersion, bookmarks, 410 Gone before the oldest kept)."""
+
+    def _list(
+        self, request: BaseHTTPRequestHandler, path: str, query: dict[str, list[str]]
+    ) -> None:
+        """A list, in pages when asked (``limit``, ``continue``), streamed one item at a
+        time: each item is serialised under the lock, written without it, so a list of
+        thousands of large objects never sits in this process as one answer."""
+        labels = (query.get("labelSelector") or [""])[0]
+        fields = (query.get("fieldSelector") or [""])[0]
+        try:
+            limit = int((query.get("limit") or ["0"])[0] or 0)
+            version, _, start = ((query.get("continue") or [""])[0] or ":0").partition(":")
+            offset = int(start)
+        except ValueError:
+            return self._reply(request, 400, self._status(400, "limit/continue is not valid"))
+        with self._lock:
+            version = version or str(self._version)
+            if int(version) < self._oldest - 1:
+                gone = self._status(410, "the continue token has expired") | {"reason": "Expired"}
+                return self._reply(request, 410, gone | {"code": 410})
+            keys = [
+                key
+                for key, o in self._collections(path)
+                if _matches_labels(o, labels) and _matches_fields(o, fields)
+            ]
+        page = keys[offset : offset + limit] if limit > 0 else keys[offset:]
+        more = limit > 0 and offset + limit < len(keys)
+        meta: dict[str, Any] = {"resourceVersion": version}
+        if more:
+            meta["continue"] = f"{version}:{offset + limit}"
+        kind = KINDS.get(path.rstrip("/").split("/")[-1], "Object") + "List"
+        head = {"kind": kind, "apiVersion": "v1", "metadata": meta}
+        request.send_response(200)
+        request.send_header("Content-Type", "application/json")
+        request.send_header("Transfer-Encoding", "chunked")
+        request.end_headers()
+
+        def send(data: bytes) -> None:
+            if data:
+                request.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+        try:
+            send(json.dumps(head).encode()[:-1] + b', "items": [')
+            first = True
+            for key in page:
+                with self._lock:
+                    obj = self.objects.get(key)
+                    data = json.dumps(obj).encode() if obj is not None else b""
+                if data:
+                    send(data if first else b"," + data)
+                    first = False
+                del data
+            send(b"]}")
+            request.wfile.write(b"0\r\n\r\n")
+            request.wfile.flush()
+        except OSError:
+            request.close_connection = True  # the client went away
+
+    def _watch(
+        self, request: BaseHTTPRequestHandler, path: str, query: dict[str, list[str]]
+    ) -> None:
+        labels = (query.get("labelSelector") or [""])[0]
+        fields = (query.get("fieldSelector") or [""])[0]
+        bookmarks = (query.get("allowWatchBookmarks") or [""])[0] == "true"
+        timeout = float((query.get("timeoutSeconds") or ["1800"])[0])
+        try:
+            since = int((query.get("resourceVersion") or ["0"])[0] or 0)
+        except ValueError:
+            return self._reply(request, 400, self._status(400, "resourceVersion is not a number"))
+        request.send_response(200)
+        request.send_header("Content-Type", "application/json")
+        request.send_header("Transfer-Encoding", "chunked")
+        request.end_headers()
+
+        def send(event: dict[str, Any]) -> None:
+            line = json.dumps(event).encode() + b"\n"
+            request.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+            request.wfile.flush()
+
+        deadline = time.monotonic() + timeout
+        next_bookmark = time.monotonic() + self.bookmark_seconds
+        try:
+            with self._lock:
+                if since and since < self._oldest - 1:
+                    gone = self._status(410, "too old resource version") | {"reason": "Expired"}
+                    pending: list[dict[str, Any]] = [{"type": "ERROR", "object": gone}]
+                    position = None
+                else:
+                    pending, position = [], since or self._version
+            while position is not None:
+                for event in pending:
+                    send(event)
+                with self._lock:
+                    now = time.monotonic()
+                    if self._stopping or now >= deadline:
+                        break
+                    fresh = [e for e in self.events if e[0] > position]
+                    if not fresh:
+                        wait = min(deadline, next_bookmark if bookmarks else deadline) - now
+                        self._changed.wait(max(0.0, wait))
+                        fresh = [e for e in self.events if e[0] > position]
+                    pending = []
+                    for version, kind, key, obj in fresh:
+                        position = version
+                        if (
+                            self._in_collection(key, path)
+                            and _matches_labels(obj, labels)
+                            and (_matches_fields(obj, fields))
+                        ):
+                            pending.append({"type": kind, "object": deepcopy(obj)})
+                    if bookmarks and time.monotonic() >= next_bookmark:
+                        next_bookmark = time.monotonic() + self.bookmark_seconds
+                        pending.append(
+                            {
+                                "type": "BOOKMARK",
+                                "object": {"metadata": {"resourceVersion": str(self._version)}},
+                            }
+                        )
+                        position = self._version
+            for event in pending if position is None else []:
+                send(event)
+            request.wfile.write(b"0\r\n\r\n")
+            request.wfile.flush()
+        except OSError:
+            pass  # the client went away
+        request.close_connection = True
+
+    @staticmethod
+    def _status(code: int, message: str) -> dict[str, Any]:
+        reason = {404: "NotFound", 409: "AlreadyExists", 400: "BadRequest"}.get(
+            code, "InternalError"
+        )
+        return {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "status": "Failure",
+            "message": message,
+            "reason": reason,
+            "code": code,
+        }
+
+    @staticmethod
+    def _reply(request: BaseHTTPRequestHandler, status: int, answer: Any) -> None:
+        data = json.dumps(answer).encode()
+        request.send_response(status)
+        request.send_header("Content-Type", "application/json")
+        request.send_header("Content-Length", str(len(data)))
+        request.end_headers()
+        request.wfile.write(data)
+
+    def _log(self, request: BaseHTTPRequestHandler, pod_key: str) -> None:
+        with self._lock:
+            exists = pod_key in self.objects
+            text = self.logs.get(pod_key, "")
+        if not exists:
+            return self._reply(request, 404, self._status(404, "pod not found"))
+        data = text.encode()
+        request.send_response(200)
+        request.send_header("Content-Type", "text/plain")
+        request.send_header("Content-Length", str(len(data)))
+        request.end_headers()
+        request.wfile.write(data)
+
+
+class KubeApiDouble(CollectionReads):
+    """An API server over HTTP(S) for tests: the verbs, binding, apply, logs, discovery."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._failures: list[int] = []
+        self._server: ThreadingHTTPServer | None = None
         self._scheme = "http"
         #: The group/versions served (drop one to play an older cluster).
         self.groups = dict(GROUPS)
-        #: Container logs by pod object key, served at ``pods/{name}/log`` as text.
-        self.logs: dict[str, str] = {}
         #: DRAConsumableCapacity / DRADeviceTaints of the server (False: dropped on write).
         self.consumable_capacity = True
         self.device_taints = True
@@ -239,85 +520,7 @@ class KubeApiDouble:
         with self._lock:
             self._failures.extend([status] * count)
 
-    def add(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """Store an object (Node, Pod, ...) as if it had been created."""
-        kind = obj["kind"]
-        plural = next(p for p, k in KINDS.items() if k == kind)
-        meta = obj.setdefault("metadata", {})
-        base = "/api/v1" if "/" not in obj.get("apiVersion", "v1") else f"/apis/{obj['apiVersion']}"
-        namespace = meta.get("namespace")
-        collection = f"{base}/namespaces/{namespace}/{plural}" if namespace else f"{base}/{plural}"
-        with self._lock:
-            self._put(f"{collection}/{meta['name']}", obj)
-        return obj
-
-    @staticmethod
-    def _path(kind: str, name: str, namespace: str | None, api_version: str) -> str:
-        plural = next(p for p, k in KINDS.items() if k == kind)
-        base = "/api/v1" if "/" not in api_version else f"/apis/{api_version}"
-        if namespace:
-            return f"{base}/namespaces/{namespace}/{plural}/{name}"
-        return f"{base}/{plural}/{name}"
-
-    def get(
-        self, kind: str, name: str, namespace: str | None = None, api_version: str = "v1"
-    ) -> dict[str, Any] | None:
-        with self._lock:
-            return deepcopy(self.objects.get(self._path(kind, name, namespace, api_version)))
-
-    def delete(
-        self, kind: str, name: str, namespace: str | None = None, api_version: str = "v1"
-    ) -> None:
-        """Remove an object as a controller would (not recorded as a request)."""
-        with self._lock:
-            self._drop(self._path(kind, name, namespace, api_version))
-
-    def compact(self) -> None:
-        """Forget the change history, as etcd compaction does: older watches get 410."""
-        with self._lock:
-            self.events.clear()
-            self._oldest = self._version + 1
-
-    def calls(self, method: str, path_part: str = "") -> list[Recorded]:
-        with self._lock:
-            return [r for r in self.requests if r.method == method and path_part in r.path]
-
     # ------------------------------------------------------------------ serving
-    def _put(self, key: str, obj: dict[str, Any]) -> None:
-        """Store a new or changed object with a new resourceVersion (lock held)."""
-        kind = "MODIFIED" if key in self.objects else "ADDED"
-        self._stamp(obj)
-        self.objects[key] = obj
-        self._record(kind, key, obj)
-
-    def _drop(self, key: str) -> None:
-        obj = self.objects.pop(key)
-        self._version += 1
-        gone = deepcopy(obj)
-        gone.setdefault("metadata", {})["resourceVersion"] = str(self._version)
-        self._record("DELETED", key, gone)
-
-    def _record(self, kind: str, key: str, obj: dict[str, Any]) -> None:
-        self.events.append((self._version, kind, key, deepcopy(obj)))
-        self._changed.notify_all()
-
-    def _stamp(self, obj: dict[str, Any]) -> None:
-        self._version += 1
-        meta = obj.setdefault("metadata", {})
-        meta["resourceVersion"] = str(self._version)
-        meta.setdefault("uid", f"uid-{meta.get('name', '')}-{self._version}")
-
-    def _collections(self, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
-        """Objects whose key lies in the collection ``path`` (cluster-wide lists too)."""
-        parts = path.rstrip("/").split("/")
-        plural = parts[-1]
-        for key, obj in self.objects.items():
-            key_parts = key.split("/")
-            if key_parts[-2] != plural:
-                continue
-            if "namespaces" in parts and key.rsplit("/", 1)[0] != path.rstrip("/"):
-                continue
-            yield key, obj
 
     def _handle(self, request: BaseHTTPRequestHandler) -> None:
         parsed = urlparse(request.path)
@@ -360,20 +563,6 @@ class KubeApiDouble:
         with self._lock:
             status, answer = self._dispatch(request.command, parsed.path, query, content_type, body)
         self._reply(request, status, answer)
-
-    @staticmethod
-    def _status(code: int, message: str) -> dict[str, Any]:
-        reason = {404: "NotFound", 409: "AlreadyExists", 400: "BadRequest"}.get(
-            code, "InternalError"
-        )
-        return {
-            "kind": "Status",
-            "apiVersion": "v1",
-            "status": "Failure",
-            "message": message,
-            "reason": reason,
-            "code": code,
-        }
 
     def _dispatch(
         self, method: str, path: str, query: dict[str, list[str]], content_type: str, body: Any
@@ -533,178 +722,7 @@ class KubeApiDouble:
         self._put(key, merged)
         return (201 if current is None else 200), deepcopy(merged)
 
-    def _log(self, request: BaseHTTPRequestHandler, pod_key: str) -> None:
-        with self._lock:
-            exists = pod_key in self.objects
-            text = self.logs.get(pod_key, "")
-        if not exists:
-            return self._reply(request, 404, self._status(404, "pod not found"))
-        data = text.encode()
-        request.send_response(200)
-        request.send_header("Content-Type", "text/plain")
-        request.send_header("Content-Length", str(len(data)))
-        request.end_headers()
-        request.wfile.write(data)
-
-    @staticmethod
-    def _reply(request: BaseHTTPRequestHandler, status: int, answer: Any) -> None:
-        data = json.dumps(answer).encode()
-        request.send_response(status)
-        request.send_header("Content-Type", "application/json")
-        request.send_header("Content-Length", str(len(data)))
-        request.end_headers()
-        request.wfile.write(data)
-
-    def _list(
-        self, request: BaseHTTPRequestHandler, path: str, query: dict[str, list[str]]
-    ) -> None:
-        """A list, in pages when asked (``limit``, ``continue``), streamed one item at a
-        time: each item is serialised under the lock, written without it, so a list of
-        thousands of large objects never sits in this process as one answer."""
-        labels = (query.get("labelSelector") or [""])[0]
-        fields = (query.get("fieldSelector") or [""])[0]
-        try:
-            limit = int((query.get("limit") or ["0"])[0] or 0)
-            version, _, start = ((query.get("continue") or [""])[0] or ":0").partition(":")
-            offset = int(start)
-        except ValueError:
-            return self._reply(request, 400, self._status(400, "limit/continue is not valid"))
-        with self._lock:
-            version = version or str(self._version)
-            if int(version) < self._oldest - 1:
-                gone = self._status(410, "the continue token has expired") | {"reason": "Expired"}
-                return self._reply(request, 410, gone | {"code": 410})
-            keys = [
-                key
-                for key, o in self._collections(path)
-                if _matches_labels(o, labels) and _matches_fields(o, fields)
-            ]
-        page = keys[offset : offset + limit] if limit > 0 else keys[offset:]
-        more = limit > 0 and offset + limit < len(keys)
-        meta: dict[str, Any] = {"resourceVersion": version}
-        if more:
-            meta["continue"] = f"{version}:{offset + limit}"
-        kind = KINDS.get(path.rstrip("/").split("/")[-1], "Object") + "List"
-        head = {"kind": kind, "apiVersion": "v1", "metadata": meta}
-        request.send_response(200)
-        request.send_header("Content-Type", "application/json")
-        request.send_header("Transfer-Encoding", "chunked")
-        request.end_headers()
-
-        def send(data: bytes) -> None:
-            if data:
-                request.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-
-        try:
-            send(json.dumps(head).encode()[:-1] + b', "items": [')
-            first = True
-            for key in page:
-                with self._lock:
-                    obj = self.objects.get(key)
-                    data = json.dumps(obj).encode() if obj is not None else b""
-                if data:
-                    send(data if first else b"," + data)
-                    first = False
-                del data
-            send(b"]}")
-            request.wfile.write(b"0\r\n\r\n")
-            request.wfile.flush()
-        except OSError:
-            request.close_connection = True  # the client went away
-
-    def add_many(self, objs: Iterator[dict[str, Any]]) -> int:
-        """Store objects as if they had been there before any watch began: no events,
-        no copies (large objects may share parts), for measurements at scale."""
-        count = 0
-        with self._lock:
-            for obj in objs:
-                meta = obj["metadata"]
-                plural = next(p for p, k in KINDS.items() if k == obj["kind"])
-                namespace = meta.get("namespace")
-                base = f"/api/v1/namespaces/{namespace}" if namespace else "/api/v1"
-                self._version += 1
-                meta["resourceVersion"] = str(self._version)
-                meta.setdefault("uid", f"uid-{meta['name']}-{self._version}")
-                self.objects[f"{base}/{plural}/{meta['name']}"] = obj
-                count += 1
-            self._oldest = self._version + 1  # no history before them
-        return count
-
     # ------------------------------------------------------------------ watches
-    def _in_collection(self, key: str, path: str) -> bool:
-        parts = path.rstrip("/").split("/")
-        if key.split("/")[-2] != parts[-1]:
-            return False
-        return "namespaces" not in parts or key.rsplit("/", 1)[0] == path.rstrip("/")
-
-    def _watch(
-        self, request: BaseHTTPRequestHandler, path: str, query: dict[str, list[str]]
-    ) -> None:
-        labels = (query.get("labelSelector") or [""])[0]
-        fields = (query.get("fieldSelector") or [""])[0]
-        bookmarks = (query.get("allowWatchBookmarks") or [""])[0] == "true"
-        timeout = float((query.get("timeoutSeconds") or ["1800"])[0])
-        try:
-            since = int((query.get("resourceVersion") or ["0"])[0] or 0)
-        except ValueError:
-            return self._reply(request, 400, self._status(400, "resourceVersion is not a number"))
-        request.send_response(200)
-        request.send_header("Content-Type", "application/json")
-        request.send_header("Transfer-Encoding", "chunked")
-        request.end_headers()
-
-        def send(event: dict[str, Any]) -> None:
-            line = json.dumps(event).encode() + b"\n"
-            request.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
-            request.wfile.flush()
-
-        deadline = time.monotonic() + timeout
-        next_bookmark = time.monotonic() + self.bookmark_seconds
-        try:
-            with self._lock:
-                if since and since < self._oldest - 1:
-                    gone = self._status(410, "too old resource version") | {"reason": "Expired"}
-                    pending: list[dict[str, Any]] = [{"type": "ERROR", "object": gone}]
-                    position = None
-                else:
-                    pending, position = [], since or self._version
-            while position is not None:
-                for event in pending:
-                    send(event)
-                with self._lock:
-                    now = time.monotonic()
-                    if self._stopping or now >= deadline:
-                        break
-                    fresh = [e for e in self.events if e[0] > position]
-                    if not fresh:
-                        wait = min(deadline, next_bookmark if bookmarks else deadline) - now
-                        self._changed.wait(max(0.0, wait))
-                        fresh = [e for e in self.events if e[0] > position]
-                    pending = []
-                    for version, kind, key, obj in fresh:
-                        position = version
-                        if (
-                            self._in_collection(key, path)
-                            and _matches_labels(obj, labels)
-                            and (_matches_fields(obj, fields))
-                        ):
-                            pending.append({"type": kind, "object": deepcopy(obj)})
-                    if bookmarks and time.monotonic() >= next_bookmark:
-                        next_bookmark = time.monotonic() + self.bookmark_seconds
-                        pending.append(
-                            {
-                                "type": "BOOKMARK",
-                                "object": {"metadata": {"resourceVersion": str(self._version)}},
-                            }
-                        )
-                        position = self._version
-            for event in pending if position is None else []:
-                send(event)
-            request.wfile.write(b"0\r\n\r\n")
-            request.wfile.flush()
-        except OSError:
-            pass  # the client went away
-        request.close_connection = True
 
 
 def main() -> None:

@@ -50,6 +50,7 @@ from gpushare.kube.labels import LabelFacts
 from gpushare.kube.podspecs import PodSpecBook
 from gpushare.node.podresources import PodResourcesClient
 from gpushare.node.refresh import UsageRefresher
+from gpushare.node.releases import watch_releases
 from gpushare.share.answers import DeviceListing, Enforcement
 from gpushare.share.cardmodes import CardMode, card_modes, parse_card_modes
 from gpushare.share.devices import Inventory, Resource
@@ -446,6 +447,7 @@ class Daemon:
                 + [name for name, _r, _b in exclusive],
             )
             self.choices.on_miss = self.api_link.refresh_pods_now
+            watch_releases(refresher, self.api_link)  # freed units published promptly
             self.api_link.pod_listeners.append(self.choices.replace_all)
             driver = getattr(backend, "cuda_driver_version", None)
             self.api_link.label_facts = LabelFacts(

@@ -7,7 +7,16 @@ extender and ``kubectl gpushare inspect`` read it. JSON, one object per card::
      "memoryUnitMiB": 256,
      "gpus": [{"uuid": "GPU-...", "index": 0, "name": "Tesla P4", "memory_mib": 7611,
                "memory_units": 29, "memory_units_used": 20, "core_units": 100,
-               "core_units_used": 30, "healthy": true}]}
+               "core_units_used": 30, "healthy": true,
+               "pods": {"6f1c...": [20, 30]}, "pods_truncated": false}]}
+
+``pods`` names what the card's counts include, per pod: its UID (or
+``namespace/name`` when the daemon does not know the UID yet) -> the memory and core
+units it holds there, as the kubelet's PodResources records showed them. Every pod
+listed is included in ``memory_units_used``/``core_units_used``; the counts may hold
+more (an Allocate the records do not show yet, or pods left out past
+:data:`MAX_PODS_PER_CARD`, then ``pods_truncated`` is true). A daemon that does not
+say (older versions) omits both keys: ``CardState.pods`` is then None.
 """
 
 from __future__ import annotations
@@ -18,6 +27,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 VERSION = 1
+#: The most pods listed per card (about 50 bytes each); the rest set ``pods_truncated``.
+MAX_PODS_PER_CARD = 64
+#: Longest pod key read (a UID is 36 characters; ``namespace/name`` at most 317).
+MAX_POD_KEY = 320
 
 
 @dataclass(frozen=True)
@@ -31,6 +44,10 @@ class CardState:
     core_units: int
     core_units_used: int
     healthy: bool
+    #: pod key (UID, else ``namespace/name``) -> (memory, core) units counted here;
+    #: None when the daemon does not say
+    pods: tuple[tuple[str, int, int], ...] | None = None
+    pods_truncated: bool = False
 
     @property
     def memory_units_free(self) -> int:
@@ -84,6 +101,15 @@ def label_keys(prefix: str) -> list[str]:
     ]
 
 
+def _card_json(card: CardState) -> dict[str, Any]:
+    data = asdict(card)
+    del data["pods"], data["pods_truncated"]
+    if card.pods is not None:
+        data["pods"] = {key: [memory, core] for key, memory, core in card.pods}
+        data["pods_truncated"] = card.pods_truncated
+    return data
+
+
 def encode(state: NodeGpuState) -> str:
     return json.dumps(
         {
@@ -91,10 +117,32 @@ def encode(state: NodeGpuState) -> str:
             "generation": state.generation,
             "updated": state.updated,
             "memoryUnitMiB": state.memory_unit_mib,
-            "gpus": [asdict(card) for card in state.cards],
+            "gpus": [_card_json(card) for card in state.cards],
         },
         separators=(",", ":"),
     )
+
+
+def _pods(entry: dict[str, Any], where: str) -> tuple[tuple[str, int, int], ...] | None:
+    if "pods" not in entry:
+        return None
+    pods = entry["pods"]
+    if not isinstance(pods, dict):
+        raise ValueError(f"{where}: 'pods' must be an object")
+    if len(pods) > MAX_PODS_PER_CARD:
+        raise ValueError(f"{where}: more than {MAX_PODS_PER_CARD} pods listed")
+    listed = []
+    for key, units in pods.items():
+        if not key or len(key) > MAX_POD_KEY:
+            raise ValueError(f"{where}: a pod key must have 1 to {MAX_POD_KEY} characters")
+        if (
+            not isinstance(units, list)
+            or len(units) != 2
+            or not all(type(n) is int and 0 <= n <= 1 << 30 for n in units)
+        ):
+            raise ValueError(f"{where}: pod units must be [memory, core], whole numbers")
+        listed.append((key, units[0], units[1]))
+    return tuple(listed)
 
 
 def _field(data: dict[str, Any], key: str, kind: type, where: str) -> Any:
@@ -133,6 +181,8 @@ def decode(text: str) -> NodeGpuState:
                 core_units=_field(entry, "core_units", int, where),
                 core_units_used=_field(entry, "core_units_used", int, where),
                 healthy=_field(entry, "healthy", bool, where),
+                pods=_pods(entry, where),
+                pods_truncated=entry.get("pods_truncated") is True,
             )
         )
     return NodeGpuState(

@@ -193,6 +193,17 @@ class PodSpecBook:
                     return uid
         return None
 
+    def only_uid_of(self, namespace: str, name: str) -> str | None:
+        """The UID of the one pod of that name on record; None if none or several (a pod
+        deleted and created again under its name while the old one still goes away)."""
+        with self._lock:
+            uids = [
+                uid
+                for uid, entry in self._pods.items()
+                if (entry.namespace, entry.name) == (namespace, name)
+            ]
+        return uids[0] if len(uids) == 1 else None
+
     def requests_of(self, holder: Holder) -> dict[Resource, int] | None:
         """Units of each resource the container of a pod being admitted asks for; None
         if no such pod is on record (after one bounded re-read of the pods, when the

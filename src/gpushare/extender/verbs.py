@@ -30,7 +30,6 @@ from gpushare.extender.fit import (
     fit_pod,
     pod_need,
     score,
-    subtract,
 )
 from gpushare.extender.ledger import AdmissionLedger
 from gpushare.gpu.gputype import CardChoice
@@ -206,10 +205,17 @@ def judge_state(
     exclude_pod: str = "",
     choice: CardChoice | None = None,
 ) -> NodeVerdict:
-    """Fit the pod on the node's published cards less what the ledger holds there and
-    the cards the pod's annotations exclude."""
-    held = ledger.pending_use(name, state.generation, exclude_pod)
-    rooms, excluded = excluded_rooms(subtract(card_rooms(state), held), state, choice)
+    """Fit the pod on the node's cards as the ledger counts them (the published state,
+    less pods bound since, plus pods ended since) less the cards the pod's annotations
+    exclude."""
+    if ledger.awaiting_list:
+        reason = (
+            "the extender has not read the cluster's pods yet (it counts the pods bound "
+            "to each node); the pod is retried"
+        )
+        return NodeVerdict(name, Fit(None, reason), state.generation, "not_ready")
+    occupancy = ledger.occupancy(name, state, policy.placement, exclude_pod)
+    rooms, excluded = excluded_rooms(occupancy.rooms, state, choice)
     if excluded and len(excluded) == len(rooms):
         reason = f"the pod's card choice excludes every card: {', '.join(excluded)}"
         return NodeVerdict(name, Fit(None, reason), state.generation, "card_choice")
@@ -218,10 +224,9 @@ def judge_state(
         return NodeVerdict(name, fit, state.generation)
     if excluded:
         fit = Fit(None, f"{fit.reason} (excluded by the pod's card choice: {', '.join(excluded)})")
-    if held:
-        pending = ledger.pending_pods(name, exclude_pod)
+    if occupancy.pending:
         reason = (
-            f"{fit.reason} (counting {pending} pod(s) bound here that the node's "
+            f"{fit.reason} (counting {occupancy.pending} pod(s) bound here that the node's "
             "annotation does not show yet)"
         )
         return NodeVerdict(name, Fit(None, reason), state.generation, "held")
@@ -361,7 +366,11 @@ def bind_verb(body: Any, policy: ExtenderPolicy, state: ExtenderState) -> Bindin
             f"node {args.node} no longer holds pod {args.label}: {verdict.fit.reason}"
         )
     state.ledger.record(
-        args.uid, args.node, published.generation, verdict.fit.placement.use_by_card()
+        args.uid,
+        args.node,
+        published.generation,
+        verdict.fit.placement.use_by_card(),
+        pod_key=args.label,
     )
     state.pods.pop(args.uid)
     return args

@@ -66,6 +66,9 @@ class LedgerEntry:
     admitted_at: float
     use_by_card: Mapping[str, tuple[int, int]]  # UUID -> (memory units, core units)
     pod_key: str = ""  # namespace/name
+    #: the first generation seen counting the pod: older states (a scheduler's copy from
+    #: before) still need the hold
+    confirmed_in: int | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,11 @@ class AdmissionLedger:
         gone_horizon = now - GONE_SECONDS
         while self._gone and next(iter(self._gone.values())).at < gone_horizon:
             self._forget_gone(next(iter(self._gone)))
+
+    def _confirm(self, entry: LedgerEntry, generation: int) -> None:
+        confirmed = replace(entry, confirmed_in=generation)
+        self._by_time[entry.pod_uid] = confirmed
+        self._by_node[entry.node][entry.pod_uid] = confirmed
 
     def forget_pod(self, pod_uid: str) -> None:
         """Drop the pod's hold (its binding failed, or it is being scheduled again)."""
@@ -336,8 +344,15 @@ class AdmissionLedger:
                 and live_names.get(entry.pod_key, 0) <= 1
                 and entry.pod_key not in gone_names
             )
+            if entry.confirmed_in is not None and state.generation >= entry.confirmed_in:
+                continue
             if entry.pod_uid in listed or entry.pod_uid in counted or by_name:
-                self._drop(entry.pod_uid)  # confirmed: the counts include it
+                # Confirmed: the counts include it. Once the watch knows the pod, it
+                # covers older states too; until then the hold does, for them.
+                if entry.pod_uid in self._live:
+                    self._drop(entry.pod_uid)
+                elif entry.confirmed_in is None or state.generation < entry.confirmed_in:
+                    self._confirm(entry, state.generation)
                 continue
             if (truncated or not self.watching) and entry.admitted_at < unconfirmable_after:
                 self._drop(entry.pod_uid)

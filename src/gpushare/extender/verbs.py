@@ -247,8 +247,21 @@ def judge_node(
     published, code, reason = read_node_state(node, policy.resource_prefix)
     if published is None:
         return NodeVerdict(name, Fit(None, reason), None, code)
+    published = newest(state.nodes.get(name), published)
     state.nodes.put(name, published)
     return judge_state(name, published, need, policy, state.ledger, exclude_pod, choice)
+
+
+def newest(
+    seen: nodestate.NodeGpuState | None, given: nodestate.NodeGpuState
+) -> nodestate.NodeGpuState:
+    """The newer of the node's state seen before and the one a request carries: a
+    scheduler's copy may be older than one seen already (the extender has then dropped
+    holds that only the newer one confirms). A lower generation with a later timestamp
+    is a daemon that started counting again (its annotation was removed): the new one."""
+    if seen is None or given.generation >= seen.generation or given.updated > seen.updated:
+        return given
+    return seen
 
 
 def _need(args: ExtenderArgs, policy: ExtenderPolicy) -> PodNeed:

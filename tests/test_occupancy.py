@@ -10,12 +10,13 @@ published state and the API server.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import NODE, TESLA_P4, Node, cards
+from conftest import CARD_4GIB, NODE, TESLA_P4, Node, cards
 from extender_kit import RunningExtender, args, container, extender_factory, kept, pod
 from kube_double import KubeApiDouble
 
@@ -96,9 +97,11 @@ def cluster(
     api: KubeApiDouble,
     extender_factory: Callable[..., RunningExtender],
     monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> Cluster:
     monkeypatch.setattr(apilink, "REFRESH_SECONDS", 3600.0)  # publishes come from changes
-    node.start(cards(TESLA_P4, 1), node_name=NODE, pod_resources_interval_seconds=3600)
+    gpus = getattr(request, "param", cards(TESLA_P4, 1))
+    node.start(gpus, node_name=NODE, pod_resources_interval_seconds=3600)
     eventually(
         lambda: "gpushare.io/gpus" in (api.get("Node", NODE)["metadata"].get("annotations") or {})
     )
@@ -184,3 +187,33 @@ def test_a_restarted_extender_counts_pods_bound_before_it_started(cluster: Clust
     cluster.admit("p1", 20)
     eventually(lambda: cluster.uid("p1") in cluster.listed())
     assert cluster.schedule("p2").startswith("no single card has 20 free units: GPU0 9")
+
+
+@pytest.mark.parametrize("cluster", [cards(CARD_4GIB, 2)], indirect=True)
+def test_pods_admitted_in_another_order_than_bound_land_where_the_extender_counted(
+    cluster: Cluster,
+) -> None:
+    """Issue 26's rare refusal: ``a container must stay on one GPU`` for a pod the
+    extender had placed. Two 16-unit cards; the extender binds 10, 10, 6, 6 (one 10 and
+    one 6 per card). A kubelet that admits them in another order (after a restart it
+    admits by creation time; bindings posted together land in any order) used to put
+    both 6s on one card, where the daemon's binpack sends the first two: the last 10
+    then found no single card. The daemon now follows the plan the extender wrote with
+    each Binding."""
+    sizes = {"p1": 10, "p2": 10, "p3": 6, "p4": 6}
+    for name, memory in sizes.items():
+        cluster.create(name, memory)
+    for name in sizes:
+        assert cluster.schedule(name) == ""
+    plans = {
+        name: cluster.api.get("Pod", name, "default")["metadata"]["annotations"]["gpushare.io/plan"]
+        for name in sizes
+    }
+    book = cluster.node.daemon.specs if cluster.node.daemon else None
+    assert book is not None
+    eventually(lambda: all(book.only_uid_of("default", name) for name in sizes))
+    placed = {}
+    for name in ("p3", "p4", "p1", "p2"):  # not the order they were bound in
+        cluster.admit(name, sizes[name])
+        placed[name] = cluster.node.kubelet.admitted[("default", name, "main")].card()
+    assert {name: json.loads(plans[name])["main"] for name in sizes} == placed

@@ -45,6 +45,7 @@ class Pod:
     core: int
     node: str = ""
     card: str = ""  # admitted on
+    plan: str = ""  # the card the extender planned (the Binding's annotation)
     ended: bool = False
     deleted: bool = False  # gone from the API server (ended too)
 
@@ -63,7 +64,8 @@ class Pod:
 
     def facts(self) -> PodFacts:
         need = pod_need(self.obj(), PREFIX)
-        return PodFacts(self.uid, f"default/{self.name}", self.node, need, self.ended)
+        plan = (("main", self.plan),) if self.plan else ()
+        return PodFacts(self.uid, f"default/{self.name}", self.node, need, self.ended, plan)
 
 
 @dataclass
@@ -170,17 +172,28 @@ class Occupancy(RuleBasedStateMachine):
         if not answer["Nodes"]["items"]:
             return
         binding = {"PodName": pod.name, "PodNamespace": "default", "PodUID": pod.uid, "Node": NODE}
-        bind_verb(binding, self.policy, self.state)
+        bound = bind_verb(binding, self.policy, self.state)
+        pod.plan = dict(bound.plan).get("main", "")
         pod.node = NODE
         self.feed.append(("MODIFIED", pod.facts()))
+
+    @rule(sizes=st.lists(st.integers(1, 12), min_size=2, max_size=4), data=st.data())
+    def burst(self, sizes: list[int], data: st.DataObject) -> None:
+        """Several pods created and scheduled back to back, none admitted in between."""
+        for memory in sizes:
+            self.create(memory, 0)
+            self.schedule(data, False)
 
     @precondition(lambda self: self._bound_waiting())
     @rule(data=st.data())
     def admit(self, data: st.DataObject) -> None:
-        """The kubelet admits a bound pod, in any order; the daemon picks its card."""
+        """The kubelet admits a bound pod, in any order; the daemon follows the plan
+        when it fits (binding.py), else picks by its policy."""
         pod = data.draw(st.sampled_from(self._bound_waiting()))
         need = pod_need(pod.obj(), PREFIX)
-        fit = fit_pod(self.world.rooms(), need, "binpack")
+        rooms = self.world.rooms()
+        planned = [r for r in rooms if r.uuid == pod.plan and r.holds(need.containers[0])]
+        fit = fit_pod(planned or rooms, need, "binpack")
         assert fit.placement is not None, (
             f"{pod.name} ({pod.memory} units, {pod.core} cores) bound by the extender finds "
             f"no card: {fit.reason}"

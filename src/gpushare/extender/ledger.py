@@ -80,6 +80,9 @@ class PodFacts:
     node: str  # spec.nodeName; "" while unbound
     need: PodNeed | None  # None: no gpushare container (not kept)
     ended: bool  # Succeeded or Failed (deleted pods come as ``pod_deleted``)
+    #: container -> card, as planned by the extender that bound it (``<prefix>/plan``):
+    #: the daemon follows it, so a restarted extender counts the pod there too
+    plan: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -369,14 +372,38 @@ class AdmissionLedger:
                     continue
                 if truncated and self._live_since[uid] < unconfirmable_after:
                     continue
-                fit = fit_pod(rooms, facts.need, policy)
-                if fit.placement is not None:
+                planned = _planned_use(rooms, facts)
+                fit = fit_pod(rooms, facts.need, policy) if planned is None else None
+                if planned is not None:
+                    rooms = _take(rooms, planned)
+                elif fit is not None and fit.placement is not None:
                     rooms = _take(rooms, fit.placement.use_by_card())
                 else:  # it fits nowhere that we know: count it everywhere
                     need = (facts.need.memory_units, facts.need.core_units)
                     rooms = _take(rooms, {room.uuid: need for room in rooms})
                 pending += 1
         return Occupancy(rooms, pending, len(released_pods))
+
+
+def _planned_use(rooms: Iterable[CardRoom], facts: PodFacts) -> dict[str, tuple[int, int]] | None:
+    """The pod's use per card by its plan, if the plan names a card for each of its
+    containers and those cards hold them (the daemon follows such a plan)."""
+    if facts.need is None or not facts.plan:
+        return None
+    plan = dict(facts.plan)
+    use: dict[str, tuple[int, int]] = {}
+    for container in facts.need.containers:
+        uuid = plan.get(container.name)
+        if uuid is None:
+            return None
+        memory, core = use.get(uuid, (0, 0))
+        use[uuid] = (memory + container.memory_units, core + container.core_units)
+    free = {room.uuid: room for room in rooms if room.healthy}
+    for uuid, (memory, core) in use.items():
+        room = free.get(uuid)
+        if room is None or room.memory_free < memory or room.core_free < core:
+            return None
+    return use
 
 
 def _take(rooms: Iterable[CardRoom], use: Mapping[str, tuple[int, int]]) -> tuple[CardRoom, ...]:

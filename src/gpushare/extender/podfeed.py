@@ -33,6 +33,7 @@ import structlog
 from gpushare.extender.fit import PodSpecError, pod_need
 from gpushare.extender.ledger import AdmissionLedger, PodFacts
 from gpushare.kube.kubeclient import ApiClient, ApiStatusError, Endpoint, Watch
+from gpushare.kube.nodestate import decode_plan, plan_annotation_key
 
 log = structlog.get_logger(__name__)
 
@@ -71,6 +72,10 @@ def facts_of(pod: Mapping[str, Any], prefix: str) -> PodFacts:
     if need is not None and not need.wants_gpu:
         need = None
     phase = status.get("phase") if isinstance(status, Mapping) else None
+    annotations = meta.get("annotations")
+    text = (
+        annotations.get(plan_annotation_key(prefix)) if isinstance(annotations, Mapping) else None
+    )
     key = f"{meta.get('namespace') or ''}/{meta.get('name') or ''}"[:320]
     return PodFacts(
         uid=str(meta.get("uid") or "")[:253],
@@ -78,6 +83,7 @@ def facts_of(pod: Mapping[str, Any], prefix: str) -> PodFacts:
         node=str(spec.get("nodeName") or "")[:253],
         need=need,
         ended=phase in TERMINAL,
+        plan=tuple(sorted(decode_plan(text).items())),
     )
 
 

@@ -46,6 +46,7 @@ from gpushare.extender.verbs import (
     filter_verb,
     prioritize_verb,
 )
+from gpushare.kube import nodestate
 from gpushare.kube.kubeclient import ApiClient
 
 log = structlog.get_logger(__name__)
@@ -178,7 +179,11 @@ def build_app(
             metrics.bindings.labels("failed").inc()
             return {"Error": "binding is not configured (no API server address)"}
         try:
-            await binder.bind(args.namespace, args.name, args.uid, args.node)
+            annotations = {}
+            if args.plan:
+                key = nodestate.plan_annotation_key(policy.resource_prefix)
+                annotations[key] = nodestate.encode_plan(dict(args.plan))
+            await binder.bind(args.namespace, args.name, args.uid, args.node, annotations)
         except BindError as exc:
             state.ledger.forget_pod(args.uid)
             metrics.bindings.labels("failed").inc()

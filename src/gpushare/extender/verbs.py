@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
 from gpushare.extender.body import BadRequest
@@ -331,6 +331,8 @@ class BindingArgs:
     namespace: str
     uid: str
     node: str
+    #: container -> the card the extender planned for it (the daemon follows it)
+    plan: tuple[tuple[str, str], ...] = ()
 
     @property
     def label(self) -> str:
@@ -361,8 +363,15 @@ class BindRefused(Exception):
 
 def bind_verb(body: Any, policy: ExtenderPolicy, state: ExtenderState) -> BindingArgs:
     """Check the pod still fits the chosen node, counting the pods bound before it, and
-    record its hold there. The caller posts the Binding and calls
-    ``state.ledger.forget_pod`` if that fails."""
+    record its hold there. The caller posts the Binding, with the planned card of each
+    container (``plan``) as an annotation, and calls ``state.ledger.forget_pod`` if
+    that fails.
+
+    The plan matters when the kubelet admits pods bound close together in another order
+    than they were bound (a kubelet restart admits them by creation time; bindings posted
+    at once may land in any order): the daemon's placement would then see other free
+    room than the extender did, and a pod that fits in bind order may find no single
+    card. Following the plan, every admission order lands where the holds counted."""
     args = read_binding_args(body)
     need = state.pods.get(args.uid)
     if need is None:
@@ -386,4 +395,5 @@ def bind_verb(body: Any, policy: ExtenderPolicy, state: ExtenderState) -> Bindin
         pod_key=args.label,
     )
     state.pods.pop(args.uid)
-    return args
+    plan = tuple((need.name, uuid) for uuid, need in verdict.fit.placement.cards)
+    return replace(args, plan=plan)

@@ -83,6 +83,42 @@ def pod_annotation_key(prefix: str, container: str) -> str:
     return f"{prefix}/{name}"
 
 
+def plan_annotation_key(prefix: str) -> str:
+    """``<prefix>/plan``: the card the extender planned for each container of a pod,
+    written with the pod's Binding (the API server copies a Binding's annotations onto
+    the pod together with ``spec.nodeName``)."""
+    return f"{prefix}/plan"
+
+
+#: The most containers a plan names, and the longest names read from it.
+MAX_PLAN_ENTRIES = 64
+MAX_PLAN_NAME = 253
+
+
+def encode_plan(plan: dict[str, str]) -> str:
+    return json.dumps(plan, separators=(",", ":"), sort_keys=True)
+
+
+def decode_plan(text: object) -> dict[str, str]:
+    """Container name -> card UUID; anything malformed or too large reads as no plan."""
+    if not isinstance(text, str) or len(text) > MAX_PLAN_ENTRIES * 2 * (MAX_PLAN_NAME + 8):
+        return {}
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        return {}
+    if not isinstance(data, dict) or len(data) > MAX_PLAN_ENTRIES:
+        return {}
+    plan = {}
+    for name, uuid in data.items():
+        if not isinstance(uuid, str) or not 0 < len(uuid) <= MAX_PLAN_NAME:
+            return {}
+        if not 0 < len(name) <= MAX_PLAN_NAME:
+            return {}
+        plan[name] = uuid
+    return plan
+
+
 #: The node labels the daemon publishes, ``<prefix>/gpu.<name>``.
 LABEL_NAMES = ("product", "count", "memory", "family", "compute.major", "compute.minor")
 #: ...and ``<prefix>/cuda.driver.major|minor`` (see labels.py).

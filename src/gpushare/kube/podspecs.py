@@ -25,6 +25,7 @@ from typing import Any
 from gpushare.share.devices import Resource
 from gpushare.share.placement import Need
 from gpushare.share.records import Snapshot
+from gpushare.kube.nodestate import decode_plan, plan_annotation_key
 from gpushare.share.usage import Holder
 
 TERMINAL_PHASES = ("Succeeded", "Failed")
@@ -87,14 +88,28 @@ class _Entry:
     phase: str
     containers: tuple[SpecContainer, ...]  # GPU containers only, in admission order
     deleting: bool = False  # deletionTimestamp set: on its way out, never being admitted
+    #: container -> the card the scheduler extender planned for it (``<prefix>/plan``)
+    plan: tuple[tuple[str, str], ...] = ()
 
 
-def _plan_from(containers: Sequence[SpecContainer]) -> list[Need]:
+def _together(containers: Sequence[SpecContainer]) -> list[SpecContainer]:
     """What to place together, starting with the first of ``containers``: an init
     container alone, an app container with the app containers after it."""
     if containers[0].init:
-        return [containers[0].need]
-    return [c.need for c in containers if not c.init]
+        return [containers[0]]
+    return [c for c in containers if not c.init]
+
+
+def _plan_from(containers: Sequence[SpecContainer]) -> list[Need]:
+    return [c.need for c in _together(containers)]
+
+
+def _planned(entry: _Entry, containers: Sequence[SpecContainer]) -> tuple[str, ...] | None:
+    """The extender's card for each container placed together, or None if it planned
+    not all of them (an init container is never planned: it fits anywhere alone)."""
+    plan = dict(entry.plan)
+    cards = tuple(plan.get(c.name, "") for c in _together(containers))
+    return cards if cards and all(cards) and not containers[0].init else None
 
 
 class PodSpecBook:
@@ -140,7 +155,14 @@ class PodSpecBook:
             return uid, None
         namespace, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
         deleting = bool(meta.get("deletionTimestamp"))
-        return uid, _Entry(namespace, name, phase, tuple(containers), deleting)
+        annotations = meta.get("annotations")
+        text = (
+            annotations.get(plan_annotation_key(self.prefix))
+            if isinstance(annotations, Mapping)
+            else None
+        )
+        plan = tuple(sorted(decode_plan(text).items()))
+        return uid, _Entry(namespace, name, phase, tuple(containers), deleting, plan)
 
     def update(self, pod: Mapping[str, Any]) -> None:
         """Record (or replace) a pod as the API server shows it."""
@@ -250,9 +272,7 @@ class PodSpecBook:
                     return holder
         return None
 
-    def init_waiting(
-        self, bound: Resource, bound_size: int, resource: Resource, size: int
-    ) -> bool:
+    def init_waiting(self, bound: Resource, bound_size: int, resource: Resource, size: int) -> bool:
         """Whether an ordinary init container asking ``bound_size`` of ``bound`` and
         ``size`` of ``resource`` may be mid-admission (PodResources never lists those).
 
@@ -293,12 +313,31 @@ class PodSpecBook:
         Candidates must ask exactly ``size`` of ``resource``; if they disagree on what
         to place, the answer is only what they agree on (or nothing).
         """
+        return self.asking_planned(resource, size, records, last_holder)[0]
+
+    def asking_planned(
+        self,
+        resource: Resource,
+        size: int,
+        records: Snapshot | None,
+        last_holder: Holder | None = None,
+    ) -> tuple[list[Need] | None, list[tuple[str, ...]]]:
+        """:meth:`asking`, and the cards the scheduler extender planned for those
+        containers, one plan per pod the asking container can be that needs exactly
+        what the answer places (pods alike in what they ask are interchangeable: any of
+        their plans that still fits will do)."""
         held = records.devices if records is not None else {}
-        candidates = self._candidates(resource, size, held, last_holder)
-        if not candidates and self.on_miss is not None and self.on_miss():
-            candidates = self._candidates(resource, size, held, last_holder)
-        if not candidates:
-            return None
+        found = self._candidates(resource, size, held, last_holder)
+        if not found and self.on_miss is not None and self.on_miss():
+            found = self._candidates(resource, size, held, last_holder)
+        if not found:
+            return None, []
+        agreed = self._agreed([needs for needs, _cards in found])
+        plans = [cards for needs, cards in found if cards is not None and needs == agreed]
+        return agreed, plans
+
+    @staticmethod
+    def _agreed(candidates: list[list[Need]]) -> list[Need] | None:
         first = candidates[0]
         if all(c == first for c in candidates):
             return first
@@ -312,7 +351,7 @@ class PodSpecBook:
         size: int,
         held: Mapping[Holder, Any],
         last_holder: Holder | None,
-    ) -> list[list[Need]]:
+    ) -> list[tuple[list[Need], tuple[str, ...] | None]]:
         with self._lock:
             pods = list(self._pods.values())
 
@@ -329,7 +368,7 @@ class PodSpecBook:
                 after = entry.containers[names.index(last_holder.container) + 1 :]
                 rest = [c for c in after if not holds(entry, c)]
                 if rest and rest[0].needs.get(resource, 0) == size:
-                    return [_plan_from(rest)]
+                    return [(_plan_from(rest), _planned(entry, rest))]
                 break
         found = []
         for entry in pods:
@@ -338,5 +377,5 @@ class PodSpecBook:
             if any(holds(entry, c) for c in entry.containers if not c.init):
                 continue
             if entry.containers[0].needs.get(resource, 0) == size:
-                found.append(_plan_from(entry.containers))
+                found.append((_plan_from(entry.containers), _planned(entry, entry.containers)))
         return found

@@ -380,8 +380,9 @@ class KubeApiDouble:
         return 400, self._status(400, f"{method} {path} is not supported by the double")
 
     def _bind(self, pod_key: str, body: Any) -> tuple[int, Any]:
-        """``pods/{name}/binding``: what the real server checks, then ``spec.nodeName``.
-        A UID in the Binding must be the pod's (409 otherwise); a bound pod is 409."""
+        """``pods/{name}/binding``: what the real server checks, then ``spec.nodeName``
+        and the Binding's annotations merged into the pod's. A UID in the Binding must
+        be the pod's (409 otherwise); a bound pod is 409."""
         pod = self.objects.get(pod_key)
         name = pod_key.rsplit("/", 1)[-1]
         if pod is None:
@@ -402,6 +403,11 @@ class KubeApiDouble:
                 409, f'pod {name} is already assigned to node "{pod["spec"]["nodeName"]}"'
             )
         pod.setdefault("spec", {})["nodeName"] = target["name"]
+        annotations = meta.get("annotations")
+        if isinstance(annotations, dict) and annotations:  # merged, as the real server does
+            pod["metadata"].setdefault("annotations", {}).update(
+                {str(k): str(v) for k, v in annotations.items()}
+            )
         self._put(pod_key, pod)  # a MODIFIED event for watches
         return 201, {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}
 

@@ -104,9 +104,48 @@ class Extender:
             return json.loads(answer.read())
 
 
+class Informer:
+    """kube-scheduler's view of cluster events: its own watches of pods and Nodes over
+    HTTP, as late as the extender's (an event counts when the watch delivers it)."""
+
+    def __init__(self, url: str) -> None:
+        from gpushare.extender.podfeed import endpoint_of
+        from gpushare.kube.kubeclient import ApiClient
+
+        self.client = ApiClient(endpoint_of(url, "", ""))
+        self.events = 0
+        self.node_events = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._watch, args=(path,), daemon=True)
+            for path in ("/api/v1/pods", "/api/v1/nodes")
+        ]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self, path: str) -> None:
+        version = str(self.client.get(path).get("metadata", {}).get("resourceVersion", ""))
+        while not self._stop.is_set():
+            query = {"resourceVersion": version, "timeoutSeconds": "5"}
+            for kind, obj in self.client.watch(path, query, read_timeout=10):
+                version = str(obj.get("metadata", {}).get("resourceVersion", version))
+                if kind == "DELETED" or path.endswith("nodes"):
+                    with self._lock:
+                        self.events += 1
+                        self.node_events += path.endswith("nodes")
+
+
 class Churn:
-    def __init__(self, api: KubeApiDouble, node: DaemonNode, extender: Extender) -> None:
-        self.api, self.node, self.extender = api, node, extender
+    def __init__(
+        self, api: KubeApiDouble, node: DaemonNode, extender: Extender, informer: Informer
+    ) -> None:
+        self.api, self.node, self.extender, self.informer = api, node, extender, informer
         self.count = 0
         self.results = Results()
 
@@ -187,25 +226,23 @@ class Churn:
         # They have waited a while (their first back-off has run out) when pods end.
         time.sleep(INITIAL_BACKOFF * 1.2)
         gone, running = running[:delete], running[delete:]
-        free_before = self.published_free()
+        node_events = self.informer.node_events
         deleted_at = time.monotonic()
         for name in gone:
             self.node.kubelet.release(name)
             self.api.delete("Pod", name, "default")
-        for pod in waiting:
-            pod.woken = True  # the pod deletions are cluster events
         published = False
-        node_version = self._node_version()
+        seen = self.informer.events
         deadline = deleted_at + 120
         while waiting and time.monotonic() < deadline:
-            version = self._node_version()
-            if version != node_version:  # a Node update is an event too
-                node_version = version
+            events = self.informer.events
+            if events != seen:  # a pod deleted, a Node updated: pods are retried
+                seen = events
                 for pod in waiting:
                     pod.woken = True
-                if not published and self.published_free() > free_before:
-                    published = True
-                    self.results.publish.append(time.monotonic() - deleted_at)
+            if not published and self.informer.node_events != node_events:
+                published = True
+                self.results.publish.append(time.monotonic() - deleted_at)
             for pod in list(waiting):
                 if not pod.woken or time.monotonic() < pod.next_try:
                     continue
@@ -220,17 +257,25 @@ class Churn:
                     backoff = min(MAX_BACKOFF, INITIAL_BACKOFF * 2 ** (pod.attempts - 1))
                     pod.next_try = time.monotonic() + backoff
                     pod.woken = False
-            time.sleep(0.005)
+            time.sleep(0.002)
         if waiting:
             raise RuntimeError(f"{len(waiting)} pods never bound")
         return running
 
-    def _node_version(self) -> str:
-        the_node = self.api.get("Node", NODE) or {}
-        return str((the_node.get("metadata") or {}).get("resourceVersion", ""))
 
+def run(rounds: int, watch_pods: bool, delete: int = 3, legacy: bool = False) -> Results:
+    """``legacy``: the daemon does not publish on release (as before issue 26): its Node
+    is updated at admissions and every 30 s only."""
+    if legacy:
+        import gpushare.daemon
 
-def run(rounds: int, watch_pods: bool, delete: int = 3) -> Results:
+        names = vars(gpushare.daemon)
+        saved = names["watch_releases"]
+        names["watch_releases"] = lambda *_args: None
+        try:
+            return run(rounds, watch_pods, delete)
+        finally:
+            names["watch_releases"] = saved
     api = KubeApiDouble()
     api.start()
     work = Path(tempfile.mkdtemp(prefix="gs-churn-", dir="/tmp"))
@@ -250,11 +295,14 @@ def run(rounds: int, watch_pods: bool, delete: int = 3) -> Results:
             if time.monotonic() > deadline:
                 raise RuntimeError("the daemon did not publish")
             time.sleep(0.05)
+        informer = Informer(api.url)
+        informer.start()
         with Extender(settings) as extender:
-            churn = Churn(api, node, extender)
+            churn = Churn(api, node, extender, informer)
             running = churn.fill()
             for _ in range(rounds):
                 running = churn.round(running, delete)
+            informer.stop()
             return churn.results
     finally:
         node.stop()
@@ -287,7 +335,7 @@ def percentile(values: Sequence[float], share: float) -> float:
 def table(rows: list[tuple[str, Results]]) -> str:
     lines = [
         "| extender | pods | deletion to binding p50 / p95 / max | deletion to admission "
-        "p50 / p95 | deletion to the daemon's Node update p50 | refused admissions | "
+        "p50 / p95 | deletion to the next Node update p50 | refused admissions | "
         "overcommitted cards |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
@@ -308,6 +356,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpushare-churn", description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--delete", type=int, default=3, help="pods deleted per round")
+    parser.add_argument(
+        "--legacy", action="store_true", help="also measure the daemon without publish-on-release"
+    )
     args = parser.parse_args(argv)
     from gpushare.base.logs import configure_logging
 
@@ -316,6 +367,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("with its pod watch", run(args.rounds, True, args.delete)),
         ("without (--no-watch-pods)", run(args.rounds, False, args.delete)),
     ]
+    if args.legacy:
+        rows.append(
+            (
+                "without, daemon publishing only on admission or every 30 s (before)",
+                run(args.rounds, False, args.delete, legacy=True),
+            )
+        )
     print(table(rows))
     return 0
 

@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 PROTOS := $(shell find proto -name '*.proto')
 comma  := ,
 
-.PHONY: demo test lint bench simulate churn image image-local version manifests clean verify-pairing
+.PHONY: demo test lint bench simulate churn image image-local version manifests clean verify-pairing e2e e2e-build
 
 demo: $(VENV)/.installed  ## run the daemon on a simulated node with a simulated kubelet
 	$(BIN)/gpushare-demo
@@ -15,6 +15,16 @@ test: $(VENV)/.installed-test  ## lint, type-check, check the layers and run the
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/pytest -q
+
+# A real Kubernetes v1.36 (etcd, kube-apiserver, kube-scheduler, kube-controller-manager and
+# kubelets on a CRI fake) built from Go modules into e2e/bin, and the suite in tests/e2e that
+# runs the daemon on it. Needs Go >= 1.26, root (mount namespaces) and, the first time, the
+# Go module proxy. See e2e/README.md.
+e2e-build:
+	e2e/build.sh
+
+e2e: $(VENV)/.installed-test e2e-build  ## build the e2e cluster's programs and run tests/e2e on them
+	$(BIN)/pytest -q -m e2e tests/e2e
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check src tests
@@ -79,4 +89,4 @@ $(VENV)/.installed-test: $(BIN)/python pyproject.toml setup.py $(PROTOS)
 	touch $@ $(VENV)/.installed
 
 clean:
-	rm -rf $(VENV) src/gpushare/_proto build dist src/*.egg-info
+	rm -rf $(VENV) src/gpushare/_proto build dist src/*.egg-info e2e/bin e2e/logs

@@ -1,0 +1,153 @@
+// crifake serves Kubernetes' own CRI fake (k8s.io/cri-client/pkg/fake) on a unix socket for one
+// kubelet, and records what the kubelet asks the runtime to create: for every CreateContainer,
+// one JSON line with the pod, the container and the merged config the runtime would get (env,
+// mounts, devices, CDI devices, annotations). The e2e tests read that file instead of looking
+// inside a real container. Nothing else is changed: every call, CreateContainer included, is
+// answered by the fake.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"net"
+	"os"
+	"os/signal"
+	"sync"
+	"syscall"
+	"time"
+
+	"google.golang.org/grpc"
+	kubeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
+	"k8s.io/cri-client/pkg/fake"
+)
+
+type mount struct {
+	ContainerPath string `json:"container_path"`
+	HostPath      string `json:"host_path"`
+	Readonly      bool   `json:"readonly"`
+}
+
+type device struct {
+	ContainerPath string `json:"container_path"`
+	HostPath      string `json:"host_path"`
+	Permissions   string `json:"permissions"`
+}
+
+type record struct {
+	Time         string            `json:"time"`
+	ContainerID  string            `json:"container_id"`
+	PodSandboxID string            `json:"pod_sandbox_id"`
+	Namespace    string            `json:"namespace"`
+	Pod          string            `json:"pod"`
+	PodUID       string            `json:"pod_uid"`
+	Container    string            `json:"container"`
+	Attempt      uint32            `json:"attempt"`
+	Image        string            `json:"image"`
+	Command      []string          `json:"command"`
+	Args         []string          `json:"args"`
+	Env          map[string]string `json:"env"`
+	Mounts       []mount           `json:"mounts"`
+	Devices      []device          `json:"devices"`
+	CDIDevices   []string          `json:"cdi_devices"`
+	Annotations  map[string]string `json:"annotations"`
+}
+
+// recorder is the runtime service the kubelet talks to: the fake, with CreateContainer recorded.
+type recorder struct {
+	*fake.RemoteRuntime
+	mu  sync.Mutex
+	out *os.File
+}
+
+func (r *recorder) CreateContainer(ctx context.Context, req *kubeapi.CreateContainerRequest) (*kubeapi.CreateContainerResponse, error) {
+	resp, err := r.RemoteRuntime.CreateContainer(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	cfg := req.GetConfig()
+	rec := record{
+		Time:         time.Now().UTC().Format(time.RFC3339Nano),
+		ContainerID:  resp.GetContainerId(),
+		PodSandboxID: req.GetPodSandboxId(),
+		Namespace:    req.GetSandboxConfig().GetMetadata().GetNamespace(),
+		Pod:          req.GetSandboxConfig().GetMetadata().GetName(),
+		PodUID:       req.GetSandboxConfig().GetMetadata().GetUid(),
+		Container:    cfg.GetMetadata().GetName(),
+		Attempt:      cfg.GetMetadata().GetAttempt(),
+		Image:        cfg.GetImage().GetImage(),
+		Command:      cfg.GetCommand(),
+		Args:         cfg.GetArgs(),
+		Env:          map[string]string{},
+		Mounts:       []mount{},
+		Devices:      []device{},
+		CDIDevices:   []string{},
+		Annotations:  cfg.GetAnnotations(),
+	}
+	for _, kv := range cfg.GetEnvs() {
+		rec.Env[kv.GetKey()] = string(kv.GetValue())
+	}
+	for _, m := range cfg.GetMounts() {
+		rec.Mounts = append(rec.Mounts, mount{m.GetContainerPath(), m.GetHostPath(), m.GetReadonly()})
+	}
+	for _, d := range cfg.GetDevices() {
+		rec.Devices = append(rec.Devices, device{d.GetContainerPath(), d.GetHostPath(), d.GetPermissions()})
+	}
+	for _, c := range cfg.GetCDIDevices() {
+		rec.CDIDevices = append(rec.CDIDevices, c.GetName())
+	}
+	line, err := json.Marshal(rec)
+	if err != nil {
+		return nil, err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if _, err := r.out.Write(append(line, '\n')); err != nil {
+		return nil, fmt.Errorf("recording container: %w", err)
+	}
+	return resp, nil
+}
+
+func main() {
+	socket := flag.String("socket", "", "unix socket to serve the CRI on")
+	recordPath := flag.String("record", "", "file to append one JSON line per created container to")
+	flag.Parse()
+	if *socket == "" || *recordPath == "" {
+		fmt.Fprintln(os.Stderr, "usage: crifake --socket PATH --record FILE")
+		os.Exit(2)
+	}
+	out, err := os.OpenFile(*recordPath, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	_ = os.Remove(*socket)
+	lis, err := net.Listen("unix", *socket)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	rt := fake.NewFakeRemoteRuntime()
+	// What fake.RemoteRuntime.Start sets: the runtime and its network report ready.
+	rt.RuntimeService.FakeStatus = &kubeapi.RuntimeStatus{Conditions: []*kubeapi.RuntimeCondition{
+		{Type: kubeapi.RuntimeReady, Status: true},
+		{Type: kubeapi.NetworkReady, Status: true},
+	}}
+	// The fake's pulled images have size 0 unless told, and the kubelet refuses those.
+	rt.ImageService.SetFakeImageSize(1 << 20)
+	srv := grpc.NewServer()
+	kubeapi.RegisterRuntimeServiceServer(srv, &recorder{RemoteRuntime: rt, out: out})
+	kubeapi.RegisterImageServiceServer(srv, rt)
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT)
+	go func() {
+		<-sigs
+		srv.Stop()
+	}()
+	fmt.Fprintf(os.Stderr, "crifake: serving %s, recording to %s\n", *socket, *recordPath)
+	if err := srv.Serve(lis); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+}

@@ -1,0 +1,1204 @@
+"""A real Kubernetes cluster on loopback for the e2e tests, driven the way an operator would.
+
+Everything here talks to the components through their public interfaces only: the API
+server's REST API, the kubelet's device-plugin directory and PodResources socket (through the
+real gpushare daemon, a console script), and the CRI fake's record of created containers. No
+gpushare module is imported: the daemon, the extender and kubectl-gpushare run as processes.
+
+Layout of one cluster (all under one short temporary directory, so sockets fit in 108 bytes):
+
+    etcd/ apiserver/ (cert-dir, logs) tokens.csv sa.key admin.kubeconfig
+    node-1/kubelet/   bind-mounted over /var/lib/kubelet in node-1's mount namespace
+    node-1/vgpu/      bind-mounted over /usr/local/vgpu there (the daemon's --host-lib-dir)
+    node-1/cri.sock   the CRI fake; node-1/containers.jsonl what it was asked to create
+    node-1/gpus.yaml  the simulated cards (--simulate)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import requests
+import urllib3
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+#: The harness binaries `make e2e` builds (e2e/build.sh).
+BIN = Path(os.environ.get("GPUSHARE_E2E_BIN", str(REPO / "e2e" / "bin")))
+#: The console scripts of the repository's virtual environment (the one running pytest).
+SCRIPTS = Path(sys.executable).parent
+
+PREFIX = "gpushare.io"
+MEMORY = f"{PREFIX}/vcuda-memory"
+CORE = f"{PREFIX}/vcuda-core"
+WHOLE = f"{PREFIX}/gpu"
+
+#: Feature gates given to every component (all beta and on by default in 1.36; named so that a
+#: version bump that changes a default shows up here rather than as a silent behaviour change).
+FEATURE_GATES = {
+    "DRAConsumableCapacity": True,
+    "DRAPartitionableDevices": True,
+    "DRAExtendedResource": True,
+    "DRADeviceTaints": True,
+}
+
+#: Hosts this kind of machine runs on are cgroup v1; the kubelet refuses those unless told.
+HOST_DIRS = ("/var/lib/kubelet", "/usr/local/vgpu")
+
+#: Node credentials exist for node-1 .. node-<SPARE_NODES> besides the nodes the cluster starts
+#: with, so that a test can add a node (Cluster.add_node) to the running cluster.
+SPARE_NODES = 8
+
+T = TypeVar("T")
+
+
+class E2EError(AssertionError):
+    """Something the cluster did not do within its deadline (a test failure, with context)."""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float, step: float = 0.1) -> T:
+    """Re-run ``probe`` until it returns something truthy or ``timeout`` passes (then fail,
+    naming ``what`` and the last exception the probe raised, if any)."""
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    while True:
+        try:
+            value = probe()
+            if value:
+                return value
+        except (requests.RequestException, OSError, KeyError, ValueError) as exc:
+            last = exc
+        if time.monotonic() >= deadline:
+            raise E2EError(
+                f"timed out after {timeout:.0f} s waiting for {what}; last error: {last!r}"
+            )
+        time.sleep(step)
+
+
+def stub_library(path: Path) -> None:
+    """An ELF header of a 64-bit little-endian x86-64 shared object, and nothing else: what the
+    daemon checks of the interposer library it installs (never loaded here)."""
+    ident = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9)
+    et_dyn, em_x86_64, ev_current = 3, 62, 1
+    header = ident + et_dyn.to_bytes(2, "little") + em_x86_64.to_bytes(2, "little")
+    header += ev_current.to_bytes(4, "little") + bytes(64 - 24)
+    path.write_bytes(header + b"gpushare e2e stand-in for libvgpu.so\n")
+
+
+# --------------------------------------------------------------------------- processes
+
+_libc = ctypes.CDLL(None, use_errno=True)
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the test process dies, however it dies (kept
+    across exec, so nsenter's and unshare's programs get it too). Nothing outlives pytest."""
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class Proc:
+    """One process the harness started, its output in ``log``; stopped with deadlines."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.argv = argv
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._out = log.open("ab")
+        self._out.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(argv)}\n".encode())
+        self._out.flush()
+        self.popen = subprocess.Popen(
+            argv,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.popen.pid, sig)
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL once ``grace`` passes; waits for the process either way."""
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._out.close()
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        """SIGKILL to the process, wait until it is gone (it cannot ignore it)."""
+        self.signal(signal.SIGKILL)
+        self.popen.wait(30)
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+# --------------------------------------------------------------------------- the API
+
+
+class Api:
+    """A small REST client of the API server (requests; one bearer token)."""
+
+    def __init__(self, server: str, token: str, ca: Path) -> None:
+        self.server = server
+        self.token = token
+        self.session = requests.Session()
+        # Not the environment's CA bundle (REQUESTS_CA_BUNDLE would win over `verify`) nor
+        # its proxies: this cluster's own CA, on loopback.
+        self.session.trust_env = False
+        self.session.headers["Authorization"] = f"Bearer {token}"
+        # The API server's self-signed serving certificate (its --cert-dir) is for 127.0.0.1.
+        self.session.verify = str(ca)
+        self._resources: dict[tuple[str, str], tuple[str, bool]] = {}
+
+    def as_token(self, token: str) -> Api:
+        other = Api(self.server, token, Path(str(self.session.verify)))
+        other._resources = self._resources
+        return other
+
+    def request(self, method: str, path: str, **kwargs: Any) -> requests.Response:
+        kwargs.setdefault("timeout", 30)
+        return self.session.request(method, self.server + path, **kwargs)
+
+    def get(self, path: str, **params: Any) -> dict[str, Any]:
+        reply = self.request("GET", path, params=params)
+        reply.raise_for_status()
+        return dict(reply.json())
+
+    def get_or_none(self, path: str) -> dict[str, Any] | None:
+        reply = self.request("GET", path)
+        if reply.status_code == 404:
+            return None
+        reply.raise_for_status()
+        return dict(reply.json())
+
+    def post(self, path: str, body: dict[str, Any], **params: Any) -> requests.Response:
+        return self.request("POST", path, json=body, params=params)
+
+    def patch(self, path: str, body: dict[str, Any], kind: str = "merge") -> requests.Response:
+        types = {
+            "merge": "application/merge-patch+json",
+            "strategic": "application/strategic-merge-patch+json",
+            "json": "application/json-patch+json",
+        }
+        return self.request(
+            "PATCH", path, data=json.dumps(body), headers={"Content-Type": types[kind]}
+        )
+
+    def delete(self, path: str, **params: Any) -> requests.Response:
+        return self.request("DELETE", path, params=params)
+
+    # Paths of objects, from the server's own discovery documents.
+    def resource(self, api_version: str, kind: str) -> tuple[str, bool]:
+        """(collection path prefix, namespaced) of ``kind`` in ``api_version``."""
+        key = (api_version, kind)
+        if key not in self._resources:
+            base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+            for item in self.get(base)["resources"]:
+                if "/" not in item["name"]:
+                    self._resources[(api_version, item["kind"])] = (
+                        f"{base}/{item['name']}",
+                        bool(item["namespaced"]),
+                    )
+        if key not in self._resources:
+            raise KeyError(f"the API server serves no {kind} in {api_version}")
+        return self._resources[key]
+
+    def path(self, obj: dict[str, Any], named: bool = True) -> str:
+        base, namespaced = self.resource(obj["apiVersion"], obj["kind"])
+        meta = obj.get("metadata", {})
+        if namespaced:
+            ns = meta.get("namespace", "default")
+            prefix, plural = base.rsplit("/", 1)
+            base = f"{prefix}/namespaces/{ns}/{plural}"
+        return f"{base}/{meta['name']}" if named else base
+
+    def create(self, obj: dict[str, Any], dry_run: bool = False) -> requests.Response:
+        params = {"dryRun": "All"} if dry_run else {}
+        return self.post(self.path(obj, named=False), obj, **params)
+
+    def apply(self, obj: dict[str, Any], dry_run: bool = False) -> requests.Response:
+        """Server-side apply (what `kubectl apply --server-side` sends)."""
+        params: dict[str, str] = {"fieldManager": "gpushare-e2e", "force": "true"}
+        if dry_run:
+            params["dryRun"] = "All"
+        return self.request(
+            "PATCH",
+            self.path(obj),
+            data=json.dumps(obj),
+            params=params,
+            headers={"Content-Type": "application/apply-patch+yaml"},
+        )
+
+    def apply_all(self, objects: Iterable[dict[str, Any]]) -> None:
+        for obj in objects:
+            reply = self.apply(obj)
+            if reply.status_code >= 300:
+                raise E2EError(
+                    f"apply {obj['kind']}/{obj['metadata']['name']}: "
+                    f"{reply.status_code} {reply.text[:500]}"
+                )
+
+
+def load_manifests(*paths: Path) -> list[dict[str, Any]]:
+    """Every object of the YAML files (documents that are empty or kustomizations left out)."""
+    objects = []
+    for path in paths:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") != "Kustomization":
+                objects.append(doc)
+    return objects
+
+
+# --------------------------------------------------------------------------- nodes
+
+
+@dataclass
+class NodeSpec:
+    """A node of the cluster: its name, its simulated cards and the daemon's extra flags."""
+
+    name: str
+    gpus: list[dict[str, Any]]
+    daemon_args: list[str] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=lambda: {f"{PREFIX}/enabled": "true"})
+
+
+class NodeAgent:
+    """One node: a private mount namespace holding the kubelet and the gpushare daemon.
+
+    The namespace has the node's own directories bind-mounted over ``/var/lib/kubelet`` and
+    ``/usr/local/vgpu``, so both programs run with their default paths, as on a real node,
+    and several nodes share this machine. The CRI fake runs outside it (a socket in the
+    node's directory)."""
+
+    def __init__(self, cluster: Cluster, spec: NodeSpec, kubelet_port: int, healthz_port: int):
+        self.cluster = cluster
+        self.spec = spec
+        self.name = spec.name
+        self.dir = cluster.dir / spec.name
+        self.root = self.dir / "kubelet"  # /var/lib/kubelet inside the namespace
+        self.vgpu = self.dir / "vgpu"  # /usr/local/vgpu inside the namespace
+        self.records_file = self.dir / "containers.jsonl"
+        self.cri_socket = self.dir / "cri.sock"
+        self.gpus_file = self.dir / "gpus.yaml"
+        self.kubelet_port = kubelet_port
+        self.healthz_port = healthz_port
+        self.holder: Proc | None = None
+        self.cri: Proc | None = None
+        self.kubelet: Proc | None = None
+        self.daemon: Proc | None = None
+        self.daemon_metrics_port = 0
+        self.daemon_pod = f"gpushare-{self.name}"
+
+    # ---- the namespace
+    def _start_namespace(self) -> None:
+        for d in (self.root, self.vgpu):
+            d.mkdir(parents=True, exist_ok=True)
+        ready = self.dir / "namespace-ready"
+        script = (
+            'mount --bind "$1" /var/lib/kubelet && mount --bind "$2" /usr/local/vgpu '
+            '&& touch "$3" && exec sleep infinity'
+        )
+        self.holder = Proc(
+            "namespace",
+            [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "--",
+                "sh",
+                "-c",
+                script,
+                "sh",
+                str(self.root),
+                str(self.vgpu),
+                str(ready),
+            ],
+            self.dir / "namespace.log",
+        )
+        wait_for(f"{self.name}'s mount namespace", lambda: ready.exists() or self._dead(), 20)
+        if not self.holder.alive():
+            raise E2EError(f"{self.name}: the mount namespace did not start:\n{self.holder.tail()}")
+
+    def _dead(self) -> bool:
+        return self.holder is not None and not self.holder.alive()
+
+    def _in_namespace(self, argv: list[str]) -> list[str]:
+        assert self.holder is not None
+        return ["nsenter", "--target", str(self.holder.pid), "--mount", "--", *argv]
+
+    # ---- the CRI fake and the kubelet
+    def _start_cri(self) -> None:
+        self.cri = Proc(
+            "crifake",
+            [
+                str(BIN / "crifake"),
+                "--socket",
+                str(self.cri_socket),
+                "--record",
+                str(self.records_file),
+            ],
+            self.dir / "crifake.log",
+        )
+        wait_for(f"{self.name}'s CRI fake", self.cri_socket.exists, 20)
+
+    def _write_kubelet_config(self) -> Path:
+        endpoint = f"unix://{self.cri_socket}"
+        config = {
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
+            "address": "127.0.0.1",
+            "port": self.kubelet_port,
+            "readOnlyPort": 0,
+            "healthzBindAddress": "127.0.0.1",
+            "healthzPort": self.healthz_port,
+            "authentication": {
+                "anonymous": {"enabled": True},
+                "webhook": {"enabled": False},
+            },
+            "authorization": {"mode": "AlwaysAllow"},
+            "containerRuntimeEndpoint": endpoint,
+            "imageServiceEndpoint": endpoint,
+            "failSwapOn": False,
+            "failCgroupV1": False,
+            "cgroupsPerQOS": False,
+            "enforceNodeAllocatable": [],
+            "cgroupDriver": "cgroupfs",
+            "resolvConf": "",
+            "registerNode": True,
+            "nodeStatusUpdateFrequency": "2s",
+            "nodeStatusReportFrequency": "2s",
+            "syncFrequency": "5s",
+            "serializeImagePulls": False,
+            "localStorageCapacityIsolation": False,
+            "evictionHard": {
+                "memory.available": "1Mi",
+                "nodefs.available": "1%",
+                "imagefs.available": "1%",
+                "nodefs.inodesFree": "1%",
+            },
+            "featureGates": dict(FEATURE_GATES),
+        }
+        path = self.dir / "kubelet-config.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    def start_kubelet(self) -> None:
+        config = self._write_kubelet_config()
+        self.kubelet = Proc(
+            "kubelet",
+            self._in_namespace(
+                [
+                    str(BIN / "kubelet"),
+                    "--config",
+                    str(config),
+                    "--kubeconfig",
+                    str(self.cluster.node_kubeconfig(self.name)),
+                    "--hostname-override",
+                    self.name,
+                    "--node-ip",
+                    "127.0.0.1",
+                    "--cert-dir",
+                    str(self.dir / "kubelet-pki"),
+                    "--node-labels",
+                    ",".join(f"{k}={v}" for k, v in self.spec.labels.items()),
+                    "-v",
+                    "2",
+                ]
+            ),
+            self.dir / "kubelet.log",
+        )
+        wait_for(f"{self.name}'s kubelet /healthz", self._kubelet_healthy, 90, step=0.25)
+
+    def _kubelet_healthy(self) -> bool:
+        if self.kubelet is not None and not self.kubelet.alive():
+            raise E2EError(f"{self.name}: the kubelet exited:\n{self.kubelet.tail()}")
+        try:
+            reply = requests.get(f"http://127.0.0.1:{self.healthz_port}/healthz", timeout=2)
+        except requests.RequestException:
+            return False
+        return reply.status_code == 200
+
+    def stop_kubelet(self, grace: float = 10.0) -> None:
+        if self.kubelet is not None:
+            self.kubelet.stop(grace)
+            self.kubelet = None
+
+    def restart_kubelet(self) -> None:
+        """Stop the kubelet (SIGTERM, KILL after a deadline) and start it again: it deletes
+        and re-creates kubelet.sock, and a device plugin must register again."""
+        self.stop_kubelet()
+        self.start_kubelet()
+        self.cluster.wait_node_ready(self.name)
+
+    # ---- the daemon
+    def write_gpus(self, gpus: list[dict[str, Any]]) -> None:
+        self.gpus_file.write_text(yaml.safe_dump({"gpus": gpus}))
+
+    def daemon_pod_manifest(self) -> dict[str, Any]:
+        """The DaemonSet's own pod template (daemonset/daemonset.yaml), pinned to this node.
+        Probes are left out: the CRI fake gives the pod no reachable address."""
+        ds = next(
+            o
+            for o in load_manifests(REPO / "daemonset" / "daemonset.yaml")
+            if o["kind"] == "DaemonSet"
+        )
+        template = ds["spec"]["template"]
+        spec = dict(template["spec"])
+        spec["nodeName"] = self.name
+        containers = []
+        for c in spec["containers"]:
+            c = {k: v for k, v in c.items() if k not in ("livenessProbe", "readinessProbe")}
+            containers.append(c)
+        spec["containers"] = containers
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": self.daemon_pod,
+                "namespace": "kube-system",
+                "labels": dict(template["metadata"]["labels"]),
+            },
+            "spec": spec,
+        }
+
+    def start_daemon(
+        self, *extra: str, gpus: list[dict[str, Any]] | None = None, wait: bool = True
+    ) -> Proc:
+        """Run ``gpushare-device-plugin`` in the node's namespace as its DaemonSet pod would:
+        the command, arguments and env the kubelet gave that pod's container (read from the
+        CRI fake's record), a token bound to that pod (carrying the node's name), simulated
+        cards, and ``extra`` flags. Waits until the Node shows the resources unless told not."""
+        if self.daemon is not None and self.daemon.alive():
+            raise E2EError(f"{self.name}: a daemon runs already")
+        self.write_gpus(gpus if gpus is not None else self.spec.gpus)
+        record = self.cluster.wait_record(self.name, "kube-system", self.daemon_pod, "gpushare")
+        token = self.cluster.token_for_pod("kube-system", "gpushare", self.daemon_pod)
+        kubeconfig = self.dir / "daemon.kubeconfig"
+        self.cluster.write_kubeconfig(kubeconfig, token)
+        env = {k: v for k, v in record["env"].items() if not k.startswith("KUBERNETES_")}
+        env.update(
+            {
+                "PATH": f"{SCRIPTS}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+                "KUBECONFIG": str(kubeconfig),
+                "HOME": str(self.dir),
+            }
+        )
+        library = self.dir / "libvgpu.so"
+        stub_library(library)
+        self.daemon_metrics_port = free_port()
+        command = [*record["command"], *record["args"]]
+        command[0] = str(SCRIPTS / Path(command[0]).name)
+        argv = [
+            *command,
+            "--simulate",
+            str(self.gpus_file),
+            "--library",
+            str(library),
+            "--metrics-address",
+            "127.0.0.1",
+            "--metrics-port",
+            str(self.daemon_metrics_port),
+            *self.spec.daemon_args,
+            *extra,
+        ]
+        self.daemon = Proc("daemon", self._in_namespace(argv), self.dir / "daemon.log", env=env)
+        if wait:
+            self.cluster.wait_allocatable(self.name, lambda a: int(a.get(MEMORY, "0")) > 0)
+        return self.daemon
+
+    def kill_daemon(self, sig: int = signal.SIGKILL) -> None:
+        assert self.daemon is not None
+        self.daemon.signal(sig)
+        self.daemon.popen.wait(30)
+
+    def stop_daemon(self) -> None:
+        if self.daemon is not None:
+            self.daemon.stop()
+            self.daemon = None
+
+    def restart_daemon(self, *extra: str, gpus: list[dict[str, Any]] | None = None) -> Proc:
+        self.stop_daemon()
+        return self.start_daemon(*extra, gpus=gpus)
+
+    # ---- what the node shows
+    def records(self) -> list[dict[str, Any]]:
+        """Every container the kubelet asked the runtime to create, oldest first."""
+        if not self.records_file.exists():
+            return []
+        return [json.loads(line) for line in self.records_file.read_text().splitlines() if line]
+
+    def pod_resources(self) -> list[dict[str, Any]]:
+        """The kubelet's PodResources List answer, as JSON (protobuf's field names)."""
+        return self.cluster.pod_resources(self.root / "pod-resources" / "kubelet.sock")
+
+    def daemon_metrics(self) -> str:
+        reply = requests.get(f"http://127.0.0.1:{self.daemon_metrics_port}/metrics", timeout=5)
+        reply.raise_for_status()
+        return reply.text
+
+    def stop(self) -> None:
+        for proc in (self.daemon, self.kubelet, self.cri, self.holder):
+            if proc is not None:
+                proc.stop(grace=10)
+        self.daemon = self.kubelet = self.cri = self.holder = None
+
+
+# --------------------------------------------------------------------------- the cluster
+
+
+class Cluster:
+    """etcd, kube-apiserver, kube-controller-manager, kube-scheduler and N nodes (each a
+    real kubelet on a CRI fake, with the real gpushare daemon), all on 127.0.0.1."""
+
+    def __init__(self, nodes: list[NodeSpec], workdir: Path | None = None) -> None:
+        self.dir = workdir or Path(tempfile.mkdtemp(prefix="gse2e-", dir="/tmp"))
+        self.specs = nodes
+        self.procs: dict[str, Proc] = {}
+        self.nodes: dict[str, NodeAgent] = {}
+        self.admin_token = secrets.token_hex(16)
+        # The API server reads its token file once: credentials for nodes added later too.
+        names = [n.name for n in nodes] + [f"node-{i}" for i in range(1, SPARE_NODES + 1)]
+        self.node_tokens = {name: secrets.token_hex(16) for name in names}
+        self.api_port = free_port()
+        self.server = f"https://127.0.0.1:{self.api_port}"
+        self.ca = self.dir / "apiserver" / "apiserver.crt"
+        self.api: Api = Api(self.server, self.admin_token, self.ca)
+        self.extender: Proc | None = None
+        self.extender_port = 0
+        self._created_host_dirs: list[Path] = []
+        self._protos: Path | None = None
+
+    # ---- start and stop
+    def start(self) -> None:
+        missing = [
+            b
+            for b in (
+                "etcd",
+                "kube-apiserver",
+                "kube-scheduler",
+                "kube-controller-manager",
+                "kubelet",
+                "crifake",
+            )
+            if not (BIN / b).exists()
+        ]
+        if missing:
+            raise E2EError(f"missing {missing} in {BIN}: run `make e2e` (it builds them)")
+        urllib3.disable_warnings()
+        for d in HOST_DIRS:  # mount points for the nodes' private bind mounts
+            path = Path(d)
+            if not path.exists():
+                path.mkdir(parents=True)
+                self._created_host_dirs.append(path)
+        self._start_etcd()
+        self._start_apiserver()
+        self._start_controller_manager()
+        self.start_scheduler()
+        self.wait_service_account("default", "default")
+        self.wait_service_account("kube-system", "default")
+        self.install_base()
+        for i, spec in enumerate(self.specs):
+            self.add_node(spec, i)
+
+    def stop(self, logs: Path | None = None) -> None:
+        """Every process stopped (TERM, then KILL after a deadline; namespaces end with their
+        last process), the mount points this cluster created removed, the logs and CRI records
+        copied to ``logs`` if given (replacing what was there), and the cluster's directory
+        removed (kept with GPUSHARE_E2E_KEEP=1)."""
+        try:
+            for agent in self.nodes.values():
+                agent.stop()
+            if self.extender is not None:
+                self.extender.stop()
+        finally:
+            # Schedulers and anything else first, then the control plane from the top down.
+            control_plane = ["kube-controller-manager", "kube-apiserver", "etcd"]
+            order = [n for n in self.procs if n not in control_plane] + control_plane
+            for name in order:
+                proc = self.procs.pop(name, None)
+                if proc is not None:
+                    proc.stop(grace=15)
+            for path in reversed(self._created_host_dirs):
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+            if logs is not None:
+                self.copy_logs(logs)
+            if os.environ.get("GPUSHARE_E2E_KEEP") != "1":
+                shutil.rmtree(self.dir, ignore_errors=True)
+
+    def copy_logs(self, logs: Path) -> None:
+        shutil.rmtree(logs, ignore_errors=True)
+        for path in [*self.dir.rglob("*.log"), *self.dir.glob("*/containers.jsonl")]:
+            if "kubelet" in path.relative_to(self.dir).parts[1:2]:
+                continue  # the kubelet's root directory: pod logs of the fake, none useful
+            target = logs / path.relative_to(self.dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+
+    def _start_etcd(self) -> None:
+        client, peer = free_port(), free_port()
+        self.etcd_url = f"http://127.0.0.1:{client}"
+        self.procs["etcd"] = Proc(
+            "etcd",
+            [
+                str(BIN / "etcd"),
+                "--name",
+                "e2e",
+                "--data-dir",
+                str(self.dir / "etcd"),
+                "--listen-client-urls",
+                self.etcd_url,
+                "--advertise-client-urls",
+                self.etcd_url,
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{peer}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{peer}",
+                "--initial-cluster",
+                f"e2e=http://127.0.0.1:{peer}",
+                "--log-level",
+                "warn",
+                "--unsafe-no-fsync",
+            ],
+            self.dir / "etcd.log",
+        )
+        wait_for(
+            "etcd /health", lambda: self._healthy(self.procs["etcd"], f"{self.etcd_url}/health"), 60
+        )
+
+    def _alive(self, proc: Proc) -> bool:
+        if not proc.alive():
+            raise E2EError(f"{proc.name} exited:\n{proc.tail()}")
+        return True
+
+    def _healthy(self, proc: Proc, url: str, **kwargs: Any) -> bool:
+        if not proc.alive():
+            raise E2EError(f"{proc.name} exited:\n{proc.tail()}")
+        try:
+            return requests.get(url, timeout=2, **kwargs).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def _start_apiserver(self) -> None:
+        d = self.dir / "apiserver"
+        d.mkdir(parents=True, exist_ok=True)
+        key = self.dir / "sa.key"
+        subprocess.run(
+            ["openssl", "genrsa", "-out", str(key), "2048"], check=True, capture_output=True
+        )
+        tokens = [f'{self.admin_token},admin,admin,"system:masters"']
+        for name, token in self.node_tokens.items():
+            tokens.append(f'{token},system:node:{name},node-{name},"system:nodes"')
+        (self.dir / "tokens.csv").write_text("\n".join(tokens) + "\n")
+        gates = ",".join(f"{k}={str(v).lower()}" for k, v in FEATURE_GATES.items())
+        self.procs["kube-apiserver"] = Proc(
+            "kube-apiserver",
+            [
+                str(BIN / "kube-apiserver"),
+                "--etcd-servers",
+                self.etcd_url,
+                "--bind-address",
+                "127.0.0.1",
+                "--advertise-address",
+                "127.0.0.1",
+                "--secure-port",
+                str(self.api_port),
+                "--cert-dir",
+                str(d),
+                "--token-auth-file",
+                str(self.dir / "tokens.csv"),
+                "--authorization-mode",
+                "Node,RBAC",
+                "--service-account-issuer",
+                "https://kubernetes.default.svc.cluster.local",
+                "--service-account-key-file",
+                str(key),
+                "--service-account-signing-key-file",
+                str(key),
+                "--service-cluster-ip-range",
+                "10.96.0.0/16",
+                "--enable-admission-plugins",
+                "NodeRestriction",
+                "--allow-privileged",
+                "--feature-gates",
+                gates,
+                "--runtime-config",
+                # resource.k8s.io/v1 is on by default; MutatingAdmissionPolicy is GA (v1) in
+                # 1.36, its v1beta1 is off by default: on for the manifests written for it.
+                "resource.k8s.io/v1=true,admissionregistration.k8s.io/v1beta1=true",
+                "--profiling=false",
+            ],
+            self.dir / "kube-apiserver.log",
+        )
+        wait_for(
+            "kube-apiserver /readyz",
+            lambda: (
+                self.ca.exists()
+                and self._healthy(
+                    self.procs["kube-apiserver"],
+                    f"{self.server}/readyz",
+                    headers={"Authorization": f"Bearer {self.admin_token}"},
+                    verify=str(self.ca),
+                )
+            ),
+            120,
+            step=0.25,
+        )
+        self.write_kubeconfig(self.dir / "admin.kubeconfig", self.admin_token)
+        for name, token in self.node_tokens.items():
+            self.write_kubeconfig(self.node_kubeconfig(name), token)
+
+    def write_kubeconfig(self, path: Path, token: str) -> Path:
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [
+                        {
+                            "name": "e2e",
+                            "cluster": {
+                                "server": self.server,
+                                "certificate-authority": str(self.ca),
+                            },
+                        }
+                    ],
+                    "users": [{"name": "user", "user": {"token": token}}],
+                    "contexts": [{"name": "e2e", "context": {"cluster": "e2e", "user": "user"}}],
+                    "current-context": "e2e",
+                }
+            )
+        )
+        return path
+
+    @property
+    def admin_kubeconfig(self) -> Path:
+        return self.dir / "admin.kubeconfig"
+
+    def node_kubeconfig(self, name: str) -> Path:
+        return self.dir / f"{name}.kubeconfig"
+
+    def _start_controller_manager(self) -> None:
+        gates = ",".join(f"{k}={str(v).lower()}" for k, v in FEATURE_GATES.items())
+        self.procs["kube-controller-manager"] = Proc(
+            "kube-controller-manager",
+            [
+                str(BIN / "kube-controller-manager"),
+                "--kubeconfig",
+                str(self.admin_kubeconfig),
+                "--service-account-private-key-file",
+                str(self.dir / "sa.key"),
+                "--root-ca-file",
+                str(self.ca),
+                "--use-service-account-credentials=false",
+                "--leader-elect=false",
+                "--secure-port",
+                "0",
+                "--controllers",
+                "*",
+                "--feature-gates",
+                gates,
+            ],
+            self.dir / "kube-controller-manager.log",
+        )
+
+    def start_scheduler(
+        self, config: dict[str, Any] | None = None, name: str = "kube-scheduler"
+    ) -> Proc:
+        """(Re)start the kube-scheduler process ``name``: stock, or with a
+        KubeSchedulerConfiguration (its client connection and leader election are set to this
+        cluster's; an extender urlPrefix on 127.0.0.1:9446 is pointed at this cluster's
+        extender). Several can run at once under different names (other profiles)."""
+        self.stop_scheduler(name)
+        gates = ",".join(f"{k}={str(v).lower()}" for k, v in FEATURE_GATES.items())
+        argv = [str(BIN / "kube-scheduler"), "--secure-port", "0", "--feature-gates", gates]
+        if config is None:
+            argv += ["--kubeconfig", str(self.admin_kubeconfig), "--leader-elect=false"]
+        else:
+            config = json.loads(json.dumps(config))
+            config["clientConnection"] = {"kubeconfig": str(self.admin_kubeconfig)}
+            config["leaderElection"] = {"leaderElect": False}
+            for ext in config.get("extenders", []):
+                ext["urlPrefix"] = ext["urlPrefix"].replace(
+                    "127.0.0.1:9446", f"127.0.0.1:{self.extender_port}"
+                )
+            path = self.dir / f"{name}-config.yaml"
+            path.write_text(yaml.safe_dump(config))
+            argv += ["--config", str(path)]
+        proc = Proc(name, argv, self.dir / f"{name}.log")
+        self.procs[name] = proc
+        return proc
+
+    def stop_scheduler(self, name: str = "kube-scheduler") -> None:
+        old = self.procs.pop(name, None)
+        if old is not None:
+            old.stop()
+
+    def start_extender(self, *extra: str) -> Proc:
+        """``gpushare-scheduler-extender`` on a free loopback port with the token of its own
+        ServiceAccount (daemonset/extender/extender.yaml's RBAC, applied here)."""
+        if self.extender is not None:
+            self.extender.stop()
+        self.api.apply_all(
+            o
+            for o in load_manifests(REPO / "daemonset/extender/extender.yaml")
+            if o["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")
+        )
+        token = self.token_for_account("kube-system", "gpushare-scheduler-extender")
+        token_file = self.dir / "extender.token"
+        token_file.write_text(token)
+        self.extender_port = free_port()
+        probe = free_port()
+        self.extender = Proc(
+            "extender",
+            [
+                str(SCRIPTS / "gpushare-scheduler-extender"),
+                "--address",
+                "127.0.0.1",
+                "--port",
+                str(self.extender_port),
+                "--url-prefix",
+                "/gpushare",
+                "--api-server",
+                self.server,
+                "--token-file",
+                str(token_file),
+                "--ca-file",
+                str(self.ca),
+                "--probe-address",
+                "127.0.0.1",
+                "--probe-port",
+                str(probe),
+                "--log-format",
+                "json",
+                *extra,
+            ],
+            self.dir / "extender.log",
+        )
+        ext = self.extender
+        wait_for(
+            "the extender's /readyz",
+            lambda: self._healthy(ext, f"http://127.0.0.1:{probe}/readyz"),
+            30,
+        )
+        return ext
+
+    def install_base(self) -> None:
+        """The project's RBAC (the daemon's ServiceAccount and roles) and admission policies,
+        through the API server, and a wait until the policies are in force."""
+        self.api.apply_all(load_manifests(REPO / "daemonset" / "rbac.yaml"))
+        policies = sorted((REPO / "daemonset" / "policies").glob("*.yaml"))
+        self.api.apply_all(load_manifests(*policies))
+        self.wait_policies_in_force()
+
+    def wait_policies_in_force(self) -> None:
+        """A dry-run pod asking vcuda-core alone is refused once the policy is loaded."""
+        probe_pod = pod_manifest("policy-probe", {CORE: 10})
+
+        def refused() -> bool:
+            reply = self.api.create(probe_pod, dry_run=True)
+            return reply.status_code == 422 or (
+                reply.status_code == 403 and "vcuda-memory" in reply.text
+            )
+
+        wait_for("the admission policies to be in force", refused, 60, step=0.25)
+
+    def add_node(self, spec: NodeSpec, index: int | None = None) -> NodeAgent:
+        agent = NodeAgent(self, spec, free_port(), free_port())
+        self.nodes[spec.name] = agent
+        agent._start_namespace()
+        agent._start_cri()
+        agent.start_kubelet()
+        self.wait_node_ready(spec.name)
+        reply = self.api.create(agent.daemon_pod_manifest())
+        if reply.status_code not in (201, 409):
+            raise E2EError(f"daemon pod for {spec.name}: {reply.status_code} {reply.text[:400]}")
+        self.wait_pod("kube-system", agent.daemon_pod, "Running")
+        agent.start_daemon()
+        return agent
+
+    def remove_node(self, name: str) -> None:
+        """Stop the node's daemon, kubelet and namespace; delete its Node object (its pods
+        go with it: the daemon pod is deleted first)."""
+        agent = self.nodes.pop(name)
+        agent.stop()
+        self.api.delete(
+            f"/api/v1/namespaces/kube-system/pods/{agent.daemon_pod}", gracePeriodSeconds=0
+        )
+        self.api.delete(f"/api/v1/nodes/{name}")
+
+    # ---- waits
+    def wait_service_account(self, ns: str, name: str) -> None:
+        wait_for(
+            f"ServiceAccount {ns}/{name}",
+            lambda: self.api.get_or_none(f"/api/v1/namespaces/{ns}/serviceaccounts/{name}"),
+            90,
+            step=0.25,
+        )
+
+    def node(self, name: str) -> dict[str, Any]:
+        return self.api.get(f"/api/v1/nodes/{name}")
+
+    def wait_node_ready(self, name: str, timeout: float = 90) -> dict[str, Any]:
+        def ready() -> dict[str, Any] | None:
+            node = self.api.get_or_none(f"/api/v1/nodes/{name}")
+            if node is None:
+                return None
+            conditions = node.get("status", {}).get("conditions", [])
+            ok = any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+            return node if ok else None
+
+        return wait_for(f"node {name} Ready", ready, timeout, step=0.25)
+
+    def allocatable(self, name: str) -> dict[str, str]:
+        return dict(self.node(name).get("status", {}).get("allocatable", {}))
+
+    def wait_allocatable(
+        self, name: str, predicate: Callable[[dict[str, str]], bool], timeout: float = 60
+    ) -> dict[str, str]:
+        def probe() -> dict[str, str] | None:
+            alloc = self.allocatable(name)
+            return alloc if predicate(alloc) else None
+
+        return wait_for(f"node {name}'s allocatable to change", probe, timeout, step=0.25)
+
+    def pod(self, ns: str, name: str) -> dict[str, Any] | None:
+        return self.api.get_or_none(f"/api/v1/namespaces/{ns}/pods/{name}")
+
+    def create_pod(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        reply = self.api.create(manifest)
+        if reply.status_code != 201:
+            raise E2EError(
+                f"create pod {manifest['metadata']['name']}: {reply.status_code} {reply.text[:600]}"
+            )
+        return dict(reply.json())
+
+    def wait_pod(self, ns: str, name: str, *phases: str, timeout: float = 90) -> dict[str, Any]:
+        """Until the pod's phase is one of ``phases`` (fails at once on an unexpected end)."""
+
+        def probe() -> dict[str, Any] | None:
+            pod = self.pod(ns, name)
+            if pod is None:
+                return None
+            phase = pod.get("status", {}).get("phase")
+            if phase in phases:
+                return pod
+            if phase in ("Failed", "Succeeded"):
+                raise E2EError(f"pod {ns}/{name} ended {phase}: {pod.get('status')}")
+            return None
+
+        return wait_for(f"pod {ns}/{name} to be {'/'.join(phases)}", probe, timeout, step=0.2)
+
+    def wait_scheduling_refused(self, ns: str, name: str, timeout: float = 60) -> dict[str, Any]:
+        """Until the scheduler said it cannot place the pod (PodScheduled False, Unschedulable)."""
+
+        def probe() -> dict[str, Any] | None:
+            pod = self.pod(ns, name)
+            for c in (pod or {}).get("status", {}).get("conditions", []):
+                if c["type"] == "PodScheduled" and c["status"] == "False":
+                    return c
+            return None
+
+        return wait_for(f"the scheduler to refuse {ns}/{name}", probe, timeout, step=0.2)
+
+    def delete_pod(self, ns: str, name: str, wait: bool = True) -> None:
+        """Delete and, unless told not, wait until the object is gone (the kubelet confirmed
+        its containers stopped; grace period 0 so the fake's containers end at once)."""
+        self.api.delete(f"/api/v1/namespaces/{ns}/pods/{name}", gracePeriodSeconds=0)
+        if wait:
+            wait_for(
+                f"pod {ns}/{name} to be gone", lambda: self.pod(ns, name) is None, 90, step=0.2
+            )
+
+    def records(self, node: str, ns: str, pod: str) -> dict[str, dict[str, Any]]:
+        """The latest record of each container of the pod on ``node`` (by container name)."""
+        out: dict[str, dict[str, Any]] = {}
+        for rec in self.nodes[node].records():
+            if rec["namespace"] == ns and rec["pod"] == pod:
+                out[rec["container"]] = rec
+        return out
+
+    def wait_record(self, node: str, ns: str, pod: str, container: str) -> dict[str, Any]:
+        return wait_for(
+            f"the CRI record of {ns}/{pod}/{container} on {node}",
+            lambda: self.records(node, ns, pod).get(container),
+            60,
+            step=0.2,
+        )
+
+    # ---- tokens
+    def token_for_pod(self, ns: str, account: str, pod: str) -> str:
+        """A bound ServiceAccount token for ``account``, bound to ``pod`` (TokenRequest): what
+        the kubelet mounts into the pod; it carries the pod's node name."""
+        obj = self.api.get(f"/api/v1/namespaces/{ns}/pods/{pod}")
+        body = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {
+                "expirationSeconds": 7200,
+                "boundObjectRef": {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "name": pod,
+                    "uid": obj["metadata"]["uid"],
+                },
+            },
+        }
+        return self._token(ns, account, body)
+
+    def token_for_account(self, ns: str, account: str) -> str:
+        body = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {"expirationSeconds": 7200},
+        }
+        return self._token(ns, account, body)
+
+    def _token(self, ns: str, account: str, body: dict[str, Any]) -> str:
+        reply = self.api.post(f"/api/v1/namespaces/{ns}/serviceaccounts/{account}/token", body)
+        if reply.status_code != 201:
+            raise E2EError(f"TokenRequest for {ns}/{account}: {reply.status_code} {reply.text}")
+        return str(reply.json()["status"]["token"])
+
+    # ---- PodResources, read in a separate interpreter (no gpushare module loaded there)
+    def pod_resources(self, socket_path: Path) -> list[dict[str, Any]]:
+        if self._protos is None:
+            out = self.dir / "protos"
+            out.mkdir(exist_ok=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "grpc_tools.protoc",
+                    f"-I{REPO / 'proto'}",
+                    f"--python_out={out}",
+                    f"--grpc_python_out={out}",
+                    str(REPO / "proto" / "podresources" / "v1" / "api.proto"),
+                ],
+                check=True,
+                capture_output=True,
+            )
+            self._protos = out
+        reply = subprocess.run(
+            [
+                sys.executable,
+                str(Path(__file__).parent / "podresources_list.py"),
+                str(self._protos),
+                str(socket_path),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        return list(json.loads(reply.stdout).get("pod_resources", []))
+
+    # ---- kubectl gpushare, as a user would run it
+    def kubectl_gpushare(
+        self, *args: str, token: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        env = dict(os.environ)
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        config = self.admin_kubeconfig
+        if token is not None:
+            config = self.write_kubeconfig(self.dir / "user.kubeconfig", token)
+        env["KUBECONFIG"] = str(config)
+        return subprocess.run(
+            [str(SCRIPTS / "kubectl-gpushare"), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+
+def pod_manifest(
+    name: str,
+    limits: dict[str, int] | None = None,
+    *,
+    containers: dict[str, dict[str, int]] | None = None,
+    namespace: str = "default",
+    node: str | None = None,
+    scheduler: str | None = None,
+) -> dict[str, Any]:
+    """A pod of pause containers: one container ``main`` asking ``limits``, or one per entry
+    of ``containers`` (name -> limits). ``node`` is a nodeSelector on the hostname label."""
+    if containers is None:
+        containers = {"main": limits or {}}
+    spec: dict[str, Any] = {
+        "containers": [
+            {
+                "name": cname,
+                "image": "registry.k8s.io/pause:3.10",
+                "resources": {"limits": {k: str(v) for k, v in lim.items()}} if lim else {},
+            }
+            for cname, lim in containers.items()
+        ],
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": 0,
+        "tolerations": [{"operator": "Exists"}],
+    }
+    if node is not None:
+        spec["nodeSelector"] = {"kubernetes.io/hostname": node}
+    if scheduler is not None:
+        spec["schedulerName"] = scheduler
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": spec,
+    }
+
+
+@contextlib.contextmanager
+def running_cluster(nodes: list[NodeSpec], logs: Path | None = None) -> Iterator[Cluster]:
+    """A started cluster, stopped (and its logs copied to ``logs``) however the block ends."""
+    cluster = Cluster(nodes)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop(logs)

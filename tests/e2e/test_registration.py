@@ -1,0 +1,80 @@
+"""Scenario 1: the daemon registers with the real kubelet; it survives kill -9 of itself and a
+kubelet restart (both seen through the Node object and pods the real kubelet admits)."""
+
+from __future__ import annotations
+
+from e2e_nodes import NODES
+from kube_cluster import CORE, MEMORY, Cluster, pod_manifest
+
+
+def expected_units(node: str) -> tuple[int, int]:
+    """(vcuda-memory, vcuda-core) the node's simulated cards make: 256 MiB and 1 % units."""
+    spec = next(n for n in NODES if n.name == node)
+    return sum(g["memory_mib"] // 256 for g in spec.gpus), 100 * len(spec.gpus)
+
+
+def test_the_daemon_registers_both_resources_with_the_kubelet(cluster: Cluster) -> None:
+    for node in ("node-1", "node-2"):
+        memory, core = expected_units(node)
+        alloc = cluster.allocatable(node)
+        assert int(alloc[MEMORY]) == memory, alloc
+        assert int(alloc[CORE]) == core, alloc
+        capacity = cluster.node(node)["status"]["capacity"]
+        assert int(capacity[MEMORY]) == memory
+
+
+def test_a_pod_is_admitted_and_gets_the_daemons_answer(cluster: Cluster) -> None:
+    cluster.create_pod(pod_manifest("reg-first", {MEMORY: 4, CORE: 10}, node="node-1"))
+    try:
+        cluster.wait_pod("default", "reg-first", "Running")
+        env = cluster.wait_record("node-1", "default", "reg-first", "main")["env"]
+        assert env["CUDA_DEVICE_MEMORY_LIMIT_0"] == "1024m"
+        assert env["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-")
+    finally:
+        cluster.delete_pod("default", "reg-first")
+
+
+def test_kill_9_of_the_daemon_and_its_restart(cluster: Cluster) -> None:
+    agent = cluster.nodes["node-2"]
+    memory, _ = expected_units("node-2")
+    agent.kill_daemon()
+    # The kubelet sees the plugin's stream end and stops offering its devices.
+    cluster.wait_allocatable("node-2", lambda a: int(a.get(MEMORY, "0")) == 0)
+    cluster.create_pod(pod_manifest("reg-while-down", {MEMORY: 2}, node="node-2"))
+    try:
+        cluster.wait_scheduling_refused("default", "reg-while-down")
+        agent.start_daemon()
+        cluster.wait_allocatable("node-2", lambda a: int(a.get(MEMORY, "0")) == memory)
+        # The pod that waited is placed once the units are back, and admitted.
+        cluster.wait_pod("default", "reg-while-down", "Running")
+        env = cluster.wait_record("node-2", "default", "reg-while-down", "main")["env"]
+        assert env["CUDA_DEVICE_MEMORY_LIMIT_0"] == "512m"
+    finally:
+        cluster.delete_pod("default", "reg-while-down")
+
+
+def test_the_daemon_registers_again_after_a_kubelet_restart(cluster: Cluster) -> None:
+    agent = cluster.nodes["node-1"]
+    memory, core = expected_units("node-1")
+    cluster.create_pod(pod_manifest("reg-before", {MEMORY: 4, CORE: 10}, node="node-1"))
+    try:
+        cluster.wait_pod("default", "reg-before", "Running")
+        daemon = agent.daemon
+        agent.restart_kubelet()
+        assert daemon is not None and daemon.alive(), "the daemon died with the kubelet"
+        # A pod admitted after the restart needs Allocate through the NEW kubelet's
+        # registration of the daemon: Running proves it re-registered.
+        cluster.create_pod(pod_manifest("reg-after", {MEMORY: 8, CORE: 20}, node="node-1"))
+        try:
+            cluster.wait_pod("default", "reg-after", "Running")
+            env = cluster.wait_record("node-1", "default", "reg-after", "main")["env"]
+            assert env["CUDA_DEVICE_MEMORY_LIMIT_0"] == "2048m"
+            alloc = cluster.wait_allocatable("node-1", lambda a: int(a.get(MEMORY, "0")) == memory)
+            assert int(alloc[CORE]) == core
+            # The pod from before the restart is still running.
+            pod = cluster.pod("default", "reg-before")
+            assert pod is not None and pod["status"]["phase"] == "Running"
+        finally:
+            cluster.delete_pod("default", "reg-after")
+    finally:
+        cluster.delete_pod("default", "reg-before")

@@ -124,7 +124,9 @@ def build_app(
         ledger = AdmissionLedger(settings.ledger_timeout_seconds)
     state = ExtenderState(ledger)
     policy = settings.policy
-    metrics = ExtenderMetrics(lambda: len(state.ledger), lambda: len(state.pods))
+    metrics = ExtenderMetrics(
+        lambda: len(state.ledger), lambda: len(state.pods), lambda: state.ledger.live_pods
+    )
     url = settings.api_server or in_cluster_url()
     if binder is None:
         binder = BindingClient(url, settings.token_file, settings.ca_file) if url else None

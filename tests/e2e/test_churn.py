@@ -1,0 +1,185 @@
+"""Issue 26: freed GPU room reaches placement in seconds, measured on the real cluster.
+
+node-1's three Tesla P4 (29 units each) are filled with pods of 9 units and 10 cores
+(three per card). Each round, three more such pods are created and refused (no card
+holds them), then the three pods of one card are deleted; the time from the deletion
+(the pod objects gone) to each waiting pod's binding and to its Running phase is
+recorded. Once with the extender (the sample KubeSchedulerConfiguration in place of
+the stock scheduler), once with the stock scheduler alone; one more extender round
+restarts the kubelet right after the deletions (issue 26 item 4: no refusal at
+admission after deletions and a kubelet restart).
+
+Correctness is asserted: every waiting pod binds and runs (none refused at admission)
+and no card ever holds more than its 29 units. The timings are written to
+``e2e/logs/churn.md`` for docs/benchmarks.md; no test asserts a duration.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kube_cluster import CORE, MEMORY, REPO, Cluster, load_manifests, pod_manifest, wait_for
+
+UNITS, CORES, CARD_UNITS = 9, 10, 29
+ROUNDS = int(os.environ.get("GPUSHARE_E2E_CHURN_ROUNDS", "5"))
+RESULTS = REPO / "e2e" / "logs" / "churn.md"
+
+
+def sample_config() -> dict[str, Any]:
+    (config,) = load_manifests(REPO / "daemonset" / "extender" / "scheduler-config.yaml")
+    return config
+
+
+class Churn:
+    def __init__(self, cluster: Cluster, prefix: str) -> None:
+        self.cluster, self.prefix = cluster, prefix
+        self.count = 0
+        self.running: list[str] = []
+        self.bind: list[float] = []
+        self.run: list[float] = []
+        self.restart_bind: list[float] = []
+        self.restart_run: list[float] = []
+        self.overcommitted = 0
+
+    def create(self) -> str:
+        self.count += 1
+        name = f"{self.prefix}-{self.count}"
+        self.cluster.create_pod(pod_manifest(name, {MEMORY: UNITS, CORE: CORES}, node="node-1"))
+        return name
+
+    def card(self, name: str) -> str:
+        env = self.cluster.wait_record("node-1", "default", name, "main")["env"]
+        return str(env["NVIDIA_VISIBLE_DEVICES"])
+
+    def check_cards(self) -> None:
+        per_card: dict[str, int] = {}
+        for name in self.running:
+            card = self.card(name)
+            per_card[card] = per_card.get(card, 0) + UNITS
+        self.overcommitted += sum(1 for units in per_card.values() if units > CARD_UNITS)
+
+    def fill(self) -> None:
+        for _ in range(9):
+            self.running.append(self.create())
+        for name in self.running:
+            self.cluster.wait_pod("default", name, "Running", timeout=120)
+        self.check_cards()
+
+    def round(self, restart_kubelet: bool = False) -> None:
+        waiting = [self.create() for _ in range(3)]
+        for name in waiting:
+            self.cluster.wait_scheduling_refused("default", name)
+        card = self.card(self.running[0])
+        victims = [n for n in self.running if self.card(n) == card]
+        for name in victims:
+            self.cluster.delete_pod("default", name, wait=False)
+        gone = wait_for(
+            "the deleted pods to be gone",
+            lambda: (
+                all(self.cluster.pod("default", n) is None for n in victims) and time.monotonic()
+            ),
+            90,
+            step=0.01,
+        )
+        if restart_kubelet:
+            self.cluster.nodes["node-1"].restart_kubelet()
+        self.running = [n for n in self.running if n not in victims]
+        bound: dict[str, float] = {}
+        ran: dict[str, float] = {}
+
+        def progress() -> bool:
+            for name in waiting:
+                if name in ran:
+                    continue
+                pod = self.cluster.pod("default", name) or {}
+                phase = pod.get("status", {}).get("phase")
+                assert phase != "Failed", (name, pod.get("status"))
+                now = time.monotonic()
+                if pod.get("spec", {}).get("nodeName") and name not in bound:
+                    bound[name] = now - gone
+                if phase == "Running":
+                    ran[name] = now - gone
+            return len(ran) == len(waiting)
+
+        wait_for("the waiting pods to run", progress, 180, step=0.02)
+        (self.restart_bind if restart_kubelet else self.bind).extend(bound.values())
+        (self.restart_run if restart_kubelet else self.run).extend(ran.values())
+        self.running += waiting
+        self.check_cards()
+
+    def cleanup(self) -> None:
+        for name in self.running:
+            self.cluster.delete_pod("default", name, wait=False)
+        for name in self.running:
+            wait_for(f"{name} gone", lambda n=name: self.cluster.pod("default", n) is None, 90)
+
+
+def _pct(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(share * (len(ordered) - 1)))]
+
+
+def _row(label: str, churn: Churn, bind: list[float], run: list[float]) -> str:
+    return (
+        f"| {label} | {len(bind)} | {_pct(bind, 0.5):.2f} / {_pct(bind, 0.95):.2f} / "
+        f"{max(bind):.2f} s | {_pct(run, 0.5):.2f} / {_pct(run, 0.95):.2f} s | "
+        f"0 | {churn.overcommitted} |"
+    )
+
+
+@pytest.fixture(scope="module")
+def table() -> Iterator[list[str]]:
+    rows: list[str] = []
+    yield rows
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    header = (
+        "| scheduler | pods | deletion to binding p50 / p95 / max | deletion to Running "
+        "p50 / p95 | refused at admission | overcommitted cards |\n"
+        "|---|---:|---:|---:|---:|---:|\n"
+    )
+    RESULTS.write_text(header + "\n".join(rows) + "\n")
+
+
+def test_churn_with_the_extender(cluster: Cluster, table: list[str]) -> None:
+    cluster.start_extender()
+    cluster.start_scheduler(sample_config())
+    churn = Churn(cluster, "churn-ext")
+    try:
+        churn.fill()
+        for _ in range(ROUNDS):
+            churn.round()
+        churn.round(restart_kubelet=True)
+    finally:
+        churn.cleanup()
+        cluster.start_scheduler()
+        if cluster.extender is not None:
+            cluster.extender.stop()
+            cluster.extender = None
+    assert churn.overcommitted == 0
+    table.append(_row("extender", churn, churn.bind, churn.run))
+    table.append(
+        _row(
+            "extender, kubelet restarted after the deletions",
+            churn,
+            churn.restart_bind,
+            churn.restart_run,
+        )
+    )
+    statistics.median(churn.bind)  # the round produced figures
+
+
+def test_churn_with_the_stock_scheduler(cluster: Cluster, table: list[str]) -> None:
+    churn = Churn(cluster, "churn-stock")
+    try:
+        churn.fill()
+        for _ in range(ROUNDS):
+            churn.round()
+    finally:
+        churn.cleanup()
+    assert churn.overcommitted == 0
+    table.append(_row("stock kube-scheduler", churn, churn.bind, churn.run))

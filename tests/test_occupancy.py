@@ -217,3 +217,22 @@ def test_pods_admitted_in_another_order_than_bound_land_where_the_extender_count
         cluster.admit(name, sizes[name])
         placed[name] = cluster.node.kubelet.admitted[("default", name, "main")].card()
     assert {name: json.loads(plans[name])["main"] for name in sizes} == placed
+
+
+def test_a_restarted_extender_keeps_no_node_until_it_has_read_the_pods(
+    api: KubeApiDouble, extender_factory: Callable[..., RunningExtender]
+) -> None:
+    """Never from an empty ledger: while the pod list cannot be read, the filter keeps
+    no node and /readyz says so; once it is read, the node is kept."""
+    from extender_kit import card, get, node
+
+    api.fail_next(1000, status=503)
+    server = extender_factory(api_server=api.url, token_file="", ca_file="")
+    the_pod = pod("p", container("main", memory=1))
+    answer = server.filter(args(the_pod, node("n0", [card(0)])))
+    assert answer["FailedNodes"]["n0"].startswith("the extender has not read the cluster's pods")
+    assert get(server, "/readyz")[0] == 503
+    with api._lock:
+        api._failures.clear()  # the API server answers again
+    eventually(lambda: kept(server.filter(args(the_pod, node("n0", [card(0)])))) == ["n0"])
+    assert get(server, "/readyz")[0] == 200

@@ -215,3 +215,43 @@ def _report(table: list[str], label: str, churn: Churn) -> None:
         in_restart and "requested number of devices unavailable" in message
         for in_restart, _name, message in churn.refusals
     ), churn.refusals
+
+
+def test_a_burst_never_overcommits_a_card(cluster: Cluster) -> None:
+    """Issue 23 item 4: nine pods of 12 units created at once for node-1's three 29-unit
+    cards: two per card bind and run, the rest wait Pending; none is refused at
+    admission (the extender's holds last until the daemon's state lists each pod)."""
+    cluster.start_extender()
+    cluster.start_scheduler(sample_config())
+    names = [f"burst-{i}" for i in range(9)]
+    try:
+        for name in names:
+            cluster.create_pod(pod_manifest(name, {MEMORY: 12, CORE: 10}, node="node-1"))
+
+        def settled() -> list[dict[str, Any]] | None:
+            pods = [cluster.pod("default", n) or {} for n in names]
+            for pod in pods:
+                assert pod.get("status", {}).get("phase") != "Failed", pod.get("status")
+            running = [p for p in pods if p.get("status", {}).get("phase") == "Running"]
+            return pods if len(running) == 6 else None
+
+        pods = wait_for("six of the burst to run", settled, 120, step=0.2)
+        for pod in pods:
+            if pod["status"]["phase"] != "Running":
+                cluster.wait_scheduling_refused("default", pod["metadata"]["name"])
+        per_card: dict[str, int] = {}
+        for pod in pods:
+            if pod["status"]["phase"] == "Running":
+                env = cluster.wait_record("node-1", "default", pod["metadata"]["name"], "main")
+                card = env["env"]["NVIDIA_VISIBLE_DEVICES"]
+                per_card[card] = per_card.get(card, 0) + 12
+        assert sorted(per_card.values()) == [24, 24, 24]
+    finally:
+        for name in names:
+            cluster.delete_pod("default", name, wait=False)
+        for name in names:
+            wait_for(f"{name} gone", lambda n=name: cluster.pod("default", n) is None, 90)
+        cluster.start_scheduler()
+        if cluster.extender is not None:
+            cluster.extender.stop()
+            cluster.extender = None

@@ -22,10 +22,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpushare.kube.nodestate import decode_plan, plan_annotation_key
 from gpushare.share.devices import Resource
 from gpushare.share.placement import Need
 from gpushare.share.records import Snapshot
-from gpushare.kube.nodestate import decode_plan, plan_annotation_key
 from gpushare.share.usage import Holder
 
 TERMINAL_PHASES = ("Succeeded", "Failed")

@@ -935,14 +935,53 @@ class Cluster:
         self.wait_policies_in_force()
 
     def wait_policies_in_force(self) -> None:
-        """A dry-run pod asking vcuda-core alone is refused once the policy is loaded."""
-        probe_pod = pod_manifest("policy-probe", {CORE: 10})
+        """Policies work once the API server's policy informer has them; nothing reports that.
+        A sentinel policy of the harness, created after the project's, refuses pods labelled
+        ``e2e.gpushare.io/sentinel``: once it refuses one, the policies before it are loaded
+        too (one informer, events in order). The project's own policies are not used as the
+        probe, so that a broken policy fails its tests, not the cluster's start."""
+        sentinel = "e2e-sentinel"
+        self.api.apply_all(
+            [
+                {
+                    "apiVersion": "admissionregistration.k8s.io/v1",
+                    "kind": "ValidatingAdmissionPolicy",
+                    "metadata": {"name": sentinel},
+                    "spec": {
+                        "failurePolicy": "Fail",
+                        "matchConstraints": {
+                            "resourceRules": [
+                                {
+                                    "apiGroups": [""],
+                                    "apiVersions": ["v1"],
+                                    "operations": ["CREATE"],
+                                    "resources": ["pods"],
+                                }
+                            ]
+                        },
+                        "validations": [
+                            {
+                                "expression": "!has(object.metadata.labels) || "
+                                "!('e2e.gpushare.io/sentinel' in object.metadata.labels)",
+                                "message": "e2e sentinel",
+                            }
+                        ],
+                    },
+                },
+                {
+                    "apiVersion": "admissionregistration.k8s.io/v1",
+                    "kind": "ValidatingAdmissionPolicyBinding",
+                    "metadata": {"name": sentinel},
+                    "spec": {"policyName": sentinel, "validationActions": ["Deny"]},
+                },
+            ]
+        )
+        probe_pod = pod_manifest("policy-probe", {})
+        probe_pod["metadata"]["labels"] = {"e2e.gpushare.io/sentinel": "true"}
 
         def refused() -> bool:
             reply = self.api.create(probe_pod, dry_run=True)
-            return reply.status_code == 422 or (
-                reply.status_code == 403 and "vcuda-memory" in reply.text
-            )
+            return reply.status_code in (403, 422) and "e2e sentinel" in reply.text
 
         wait_for("the admission policies to be in force", refused, 60, step=0.25)
 

@@ -131,11 +131,11 @@ def test_memory_only_then_core_and_memory_never_splits(node: Node, core_first: b
 
 def fits_somewhere(node: Node, memory: int, core: int) -> bool:
     free_memory, free_core = per_card(node, node.memory), per_card(node, node.core)
-    assert node.daemon is not None and node.daemon.inventory is not None
+    assert node.daemon is not None and node.daemon.core.inventory is not None
     return any(
         card.memory_units - free_memory.get(card.uuid, 0) >= memory
         and 100 - free_core.get(card.uuid, 0) >= core
-        for card in node.daemon.inventory.cards.values()
+        for card in node.daemon.core.inventory.cards.values()
     )
 
 
@@ -337,8 +337,8 @@ def test_an_empty_allocate_request_is_invalid(
 def test_an_unhealthy_card_is_refused(
     node: Node, stubs: dict[Resource, api_pb2_grpc.DevicePluginStub]
 ) -> None:
-    assert node.daemon is not None and node.daemon.health is not None
-    node.daemon.health.set(gpu_uuid(1), False, "XID 79")
+    assert node.daemon is not None and node.daemon.core.health is not None
+    node.daemon.core.health.set(gpu_uuid(1), False, "XID 79")
     with pytest.raises(grpc.RpcError) as error:
         allocate(stubs[Resource.CORE], [f"{gpu_uuid(1)}::0"])
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION

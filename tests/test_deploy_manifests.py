@@ -296,7 +296,7 @@ def daemon_api_verbs() -> set[tuple[str, str]]:
         double.add(pod)
         daemon = node.start(cards(TESLA_P4, 1), node_name="n")
         node.kubelet.admit("a", "main", {node.memory: 2})
-        assert daemon.api_link is not None
+        assert daemon.core.api_link is not None
         assert poll(lambda: bool(double.calls("PATCH", "/pods/a")), 15.0)
         assert poll(lambda: bool(double.calls("GET", "/api/v1/pods")), 15.0)
         assert poll(lambda: any("watch" in r.query for r in double.requests), 15.0)

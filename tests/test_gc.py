@@ -30,8 +30,8 @@ def library_of(admitted: Admitted) -> Path:
 
 def reads_after(daemon: Daemon, count: int, timeout: float = 3.0) -> bool:
     """Wait for ``count`` more successful PodResources reads (each may collect)."""
-    assert daemon.refresher is not None
-    refresher = daemon.refresher
+    assert daemon.core.refresher is not None
+    refresher = daemon.core.refresher
     target = refresher.reads + count
     return poll(lambda: refresher.reads >= target, timeout)
 
@@ -63,8 +63,8 @@ def test_an_unreadable_kubelet_collects_nothing(node: Node) -> None:
         cards(TESLA_P4, 1), gc_grace_seconds=GRACE, pod_resources_interval_seconds=0.05
     )
     a = node.kubelet.admit("a", "main", {node.memory: 2})
-    assert daemon.refresher is not None
-    refresher = daemon.refresher
+    assert daemon.core.refresher is not None
+    refresher = daemon.core.refresher
     node.kubelet.stop()  # PodResources gone with it: no evidence, no removal
     failures = refresher.failures
     assert poll(lambda: refresher.failures >= failures + 3, 5.0)

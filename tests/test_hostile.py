@@ -292,8 +292,8 @@ def test_a_unit_number_parses_only_as_the_text_gpushare_writes(value: int | str)
 
 def test_non_ascii_digits_in_the_kubelets_records_never_stop_the_refresher(node: Node) -> None:
     daemon = node.start(cards(TESLA_P4, 1), pod_resources_interval_seconds=0.05)
-    assert daemon.refresher is not None and daemon.usage is not None
-    refresher, usage = daemon.refresher, daemon.usage
+    assert daemon.core.refresher is not None and daemon.core.usage is not None
+    refresher, usage = daemon.core.refresher, daemon.core.usage
     hostile = [f"{HEALTHY[0]}::{d}" for d in ("\u0663", "\u00b2", "\u0660", "9" * 5000, "3\u0663")]
     record = Admitted("odd", "main", "default", {node.memory: hostile}, {}, {}, {}, {}, [])
     with node.kubelet._lock:  # the stand-in serves whatever it holds in PodResources

@@ -355,9 +355,9 @@ START_WITH_API_LINK = textwrap.dedent(
     from gpushare.daemon import Daemon
     daemon = Daemon(load_settings(sys.argv[1:]))
     daemon.start()
-    registered = daemon.link.registered.wait(20)
-    published = daemon.api_link.published.wait(20)
-    listed = daemon.api_link.pods.listed.wait(20)
+    registered = daemon.plugin.link.registered.wait(20)
+    published = daemon.core.api_link.published.wait(20)
+    listed = daemon.core.api_link.pods.listed.wait(20)
     slow = sorted(m for m in sys.modules if m.split(".")[0] == "kubernetes")
     daemon.stop()
     print(registered, published, listed, slow, flush=True)

@@ -85,7 +85,7 @@ def test_admitted_pods_are_annotated_and_use_is_published(node: Node, api: KubeA
     # Six allocations in a burst: debounced into far fewer Node updates.
     assert len(api.calls("PATCH", f"/nodes/{NODE}")) - patches_before <= 3
     # ...and each container annotated once, not once per resource.
-    link = node.daemon.api_link if node.daemon is not None else None
+    link = node.daemon.core.api_link if node.daemon is not None else None
     assert link is not None
     eventually(lambda: link.annotations_handled >= 6)
     for name in ("a", "b", "c"):

@@ -15,7 +15,8 @@ from conftest import TESLA_P4, Node, cards
 from procs import daemon_command, error_lines, free_port, poll, scrape
 from structlog.testing import capture_logs
 
-from gpushare.daemon import BadKubeletDir, BadLibrary, Daemon, StartupError
+from gpushare.base.startup import BadKubeletDir, BadLibrary, StartupError
+from gpushare.daemon import Daemon
 from gpushare.deviceplugin.kubelet import MISSING_LOG_SECONDS, KubeletLink
 from gpushare.host.elf import NotASharedObject, check_shared_object, stand_in
 

@@ -234,9 +234,10 @@ class RealNode(RuleBasedStateMachine):
 
     def free(self) -> dict[str, list[int]]:
         node = self.node
-        assert node.daemon is not None and node.daemon.inventory is not None
+        assert node.daemon is not None and node.daemon.core is not None
+        cards_now = node.daemon.core.inventory.cards.values()
         free = {
-            card.uuid: [card.memory_units, 100] for card in node.daemon.inventory.cards.values()
+            card.uuid: [card.memory_units, 100] for card in cards_now
         }
         for record in node.kubelet.admitted.values():
             for resource, ids in record.devices.items():

@@ -256,8 +256,8 @@ def test_a_tree_deeper_than_the_recursion_limit_costs_nobody_anything(node: Node
             20.0,
         ), sorted(p.name for p in root.iterdir())
         assert not cache_dir(other).exists()
-        assert daemon.refresher is not None and daemon.refresher._thread is not None
-        assert daemon.refresher._thread.is_alive()
+        assert daemon.core.refresher is not None and daemon.core.refresher._thread is not None
+        assert daemon.core.refresher._thread.is_alive()
     finally:
         node.stop()  # then delete the deep trees the daemon may have left
         reap(node.root)
@@ -361,8 +361,8 @@ def test_an_oversized_cache_directory_is_measured_logged_and_exported(node: Node
             out.write(os.urandom(3 << 20))
             out.flush()
             os.fsync(out.fileno())
-        assert daemon.collector is not None
-        collector = daemon.collector
+        assert daemon.core.collector is not None
+        collector = daemon.core.collector
         assert poll(lambda: collector.over_limit == 1, 10.0)
     over = [e for e in logs if e["event"] == "cache_dir_over_limit"]
     assert len(over) == 1 and over[0]["holder"] == "default/big/main"

@@ -12,7 +12,8 @@ from conftest import H200, Node, cards, gpu_uuid
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpushare.daemon import Daemon, NodeConfigurationError
+from gpushare.base.startup import NodeConfigurationError
+from gpushare.daemon import Daemon
 from gpushare.gpu.gpus import GpuError, SimulatedBackend
 from gpushare.gpu.topology import EXHAUSTIVE_LIMIT, Topology, from_description, pair, prefer
 

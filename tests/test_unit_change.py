@@ -9,7 +9,8 @@ from conftest import CARD_4GIB, Node, cards, gpu_uuid
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpushare.daemon import Daemon, StartupError
+from gpushare.base.startup import StartupError
+from gpushare.daemon import Daemon
 from gpushare.host.unitguard import UnitSizeChanged, check_unit_size
 from gpushare.share.devices import Resource
 from gpushare.share.records import Snapshot

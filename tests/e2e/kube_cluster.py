@@ -366,8 +366,20 @@ class NodeAgent:
         return self.holder is not None and not self.holder.alive()
 
     def _in_namespace(self, argv: list[str]) -> list[str]:
+        """``argv`` run in the node's mount namespace, in the node's own directory: entering
+        a mount namespace moves the working directory to ``/``, and the kubelet unlinks a
+        relative ``bin`` in its working directory (seen with strace: ``unlinkat(AT_FDCWD,
+        "bin")``), which on a merged-/usr host is the ``/bin`` link itself."""
         assert self.holder is not None
-        return ["nsenter", "--target", str(self.holder.pid), "--mount", "--", *argv]
+        return [
+            "nsenter",
+            "--target",
+            str(self.holder.pid),
+            "--mount",
+            f"--wd={self.dir}",
+            "--",
+            *argv,
+        ]
 
     # ---- the CRI fake and the kubelet
     def _start_cri(self) -> None:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
+import grpc
 import structlog
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2
@@ -141,8 +141,10 @@ class ExclusiveServicer(ListingServicer):
         except InvalidDeviceIds as exc:
             raise BindingError(Refusal.INVALID, str(exc)) from None
 
-    def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
-        def handle() -> Any:
+    def GetPreferredAllocation(
+        self, request: api_pb2.PreferredAllocationRequest, context: grpc.ServicerContext
+    ) -> api_pb2.PreferredAllocationResponse:
+        def handle() -> api_pb2.PreferredAllocationResponse:
             responses = []
             for container in request.container_requests:
                 available = self._resolve(container.available_deviceIDs)
@@ -175,8 +177,10 @@ class ExclusiveServicer(ListingServicer):
 
         return self._serve("GetPreferredAllocation", request, context, handle)
 
-    def Allocate(self, request: Any, context: Any) -> Any:
-        def handle() -> Any:
+    def Allocate(
+        self, request: api_pb2.AllocateRequest, context: grpc.ServicerContext
+    ) -> api_pb2.AllocateResponse:
+        def handle() -> api_pb2.AllocateResponse:
             if not request.container_requests:
                 raise BindingError(Refusal.INVALID, "the request holds no container requests")
             refusal = self.guard() if self.guard is not None else None

@@ -56,11 +56,6 @@ def exclusive_device(cards: Mapping[str, Gpu], device: MigDevice) -> ExclusiveDe
     )
 
 
-def health_keys(plan: MigPlan) -> list[str]:
-    """The health board's keys for MIG: the cards and their served MIG devices."""
-    return [gpu.uuid for gpu in plan.mig_cards] + [d.uuid for d in plan.mig_devices]
-
-
 # --------------------------------------------------------------------------- device nodes
 
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -38,6 +38,9 @@ from gpushare.share.answers import Answer, DeviceListing, with_device_list
 from gpushare.share.devices import Inventory, Resource, format_device_id
 
 log = structlog.get_logger(__name__)
+
+#: The reply message of one request.
+Reply = TypeVar("Reply")
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
@@ -97,7 +100,7 @@ def device_list_message(
     return api_pb2.ListAndWatchResponse(devices=devices)
 
 
-class ListingServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[misc]
+class ListingServicer(api_pb2_grpc.DevicePluginServicer):
     """What every resource's server shares: the ListAndWatch stream of whole device
     lists (one per version of ``board``), the stream bookkeeping the kubelet link
     reads, and turning a refusal into a gRPC status. Subclasses build the list and
@@ -130,12 +133,16 @@ class ListingServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[misc]
             return response
 
     # ---------------------------------------------------------------- RPCs
-    def GetDevicePluginOptions(self, request: Any, context: Any) -> Any:
+    def GetDevicePluginOptions(
+        self, request: api_pb2.Empty, context: grpc.ServicerContext
+    ) -> api_pb2.DevicePluginOptions:
         return api_pb2.DevicePluginOptions(
             pre_start_required=False, get_preferred_allocation_available=True
         )
 
-    async def ListAndWatch(self, request: Any, context: Any) -> AsyncIterator[Any]:
+    async def ListAndWatch(
+        self, request: api_pb2.Empty, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[api_pb2.ListAndWatchResponse]:
         """A coroutine on the servers' event loop: it holds no thread while it waits.
         A cancelled stream (the kubelet went away, the server stops) ends at its await."""
         self._count_stream(+1)
@@ -176,13 +183,21 @@ class ListingServicer(api_pb2_grpc.DevicePluginServicer):  # type: ignore[misc]
                 return 0.0
             return time.monotonic() - self.streams_changed_at
 
-    def PreStartContainer(self, request: Any, context: Any) -> Any:
+    def PreStartContainer(
+        self, request: api_pb2.PreStartContainerRequest, context: grpc.ServicerContext
+    ) -> api_pb2.PreStartContainerResponse:
         return api_pb2.PreStartContainerResponse()
 
     def observed(self, method: str, result: str, seconds: float) -> None:
         """Called after every request (metrics); nothing by default."""
 
-    def _serve(self, method: str, request: Any, context: Any, handle: Callable[[], Any]) -> Any:
+    def _serve(
+        self,
+        method: str,
+        request: object,
+        context: grpc.ServicerContext,
+        handle: Callable[[], Reply],
+    ) -> Reply:
         started = time.perf_counter()
         result = "ok"
         try:
@@ -245,8 +260,10 @@ class DevicePluginServicer(ListingServicer):
         if self.observe is not None:
             self.observe(self.resource, method, result, seconds)
 
-    def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
-        def handle() -> Any:
+    def GetPreferredAllocation(
+        self, request: api_pb2.PreferredAllocationRequest, context: grpc.ServicerContext
+    ) -> api_pb2.PreferredAllocationResponse:
+        def handle() -> api_pb2.PreferredAllocationResponse:
             responses = []
             for container in request.container_requests:
                 ids = self.binder.preferred(
@@ -261,8 +278,10 @@ class DevicePluginServicer(ListingServicer):
 
         return self._serve("GetPreferredAllocation", request, context, handle)
 
-    def Allocate(self, request: Any, context: Any) -> Any:
-        def handle() -> Any:
+    def Allocate(
+        self, request: api_pb2.AllocateRequest, context: grpc.ServicerContext
+    ) -> api_pb2.AllocateResponse:
+        def handle() -> api_pb2.AllocateResponse:
             if not request.container_requests:
                 raise BindingError(Refusal.INVALID, "the request holds no container requests")
             responses = []

@@ -195,3 +195,8 @@ def labels(plan: MigPlan, prefix: str) -> dict[str, str]:
         result[base + memory] = str(min(device.memory_mib for device in devices))
         result[base + sms] = str(min(device.sm_count for device in devices))
     return result
+
+
+def health_keys(plan: MigPlan) -> list[str]:
+    """The health board's keys for MIG: the cards and their served MIG devices."""
+    return [gpu.uuid for gpu in plan.mig_cards] + [d.uuid for d in plan.mig_devices]

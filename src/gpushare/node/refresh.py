@@ -48,7 +48,7 @@ class UsageRefresher:
         self._read = read
         self._ledger = ledger
         self._interval = interval_seconds
-        self._after_read = after_read
+        self.after_read = after_read
         self._clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -107,7 +107,7 @@ class UsageRefresher:
             self.failures += 1
             return False
         self.reads += 1
-        for hook in [self._after_read, *self.read_listeners]:
+        for hook in [self.after_read, *self.read_listeners]:
             if hook is None:
                 continue
             try:

@@ -13,6 +13,10 @@ answers set is identical:
 
 A variable that is not set means "no limit" to libvgpu: memory without core runs
 unthrottled, core without memory may use the whole card's memory.
+
+:func:`enforcement_answer` is the one port every front door calls: a :class:`Grant`
+(this card, these limits) in, the answer out. A DRA claim grants both limits at once
+and gets in one answer what the kubelet merges from the device plugin's two.
 """
 
 from __future__ import annotations
@@ -75,6 +79,60 @@ def lock_mount(enforcement: Enforcement) -> Mount:
     return Mount(LOCK_DIR, str(enforcement.lock_dir or LOCK_DIR), read_only=False)
 
 
+@dataclass(frozen=True)
+class Grant:
+    """What one container (or one claim) gets of one card: the enforcement port's input.
+
+    ``memory_mib`` and ``cores`` are the limits to enforce; ``None`` leaves that limit
+    out of this answer (a device-plugin Allocate carries one resource at a time, the
+    kubelet merges the two answers; a DRA claim carries both at once)."""
+
+    uuid: str
+    memory_mib: int | None = None
+    cores: int | None = None
+
+
+def enforcement_answer(
+    grant: Grant,
+    *,
+    enforcement: Enforcement,
+    cache_dir: Path | None = None,
+    listing: DeviceListing | None = None,
+    cdi_id: str | None = None,
+) -> Answer:
+    """The one port from "this container gets these limits on this card" to what the
+    runtime applies: HAMi-core's environment (``CUDA_DEVICE_MEMORY_LIMIT_0``,
+    ``CUDA_DEVICE_SM_LIMIT``), the interposer and its preload, the lock directory, the
+    container's cache directory (``cache_dir``, with a memory limit) and, with
+    ``listing``, the card named as the device-list strategy says (``cdi_id``: its CDI
+    device part where that is not the UUID). Pure; every front door calls it."""
+    envs = {"NVIDIA_VISIBLE_DEVICES": grant.uuid}
+    mounts: list[Mount] = []
+    annotations: dict[str, str] = {}
+    if grant.memory_mib is not None:
+        envs["CUDA_DEVICE_MEMORY_LIMIT_0"] = f"{grant.memory_mib}m"
+    if grant.cores is not None:
+        envs["CUDA_DEVICE_SM_LIMIT"] = str(grant.cores)
+    if enforcement.library is None:
+        annotations[ANNOTATION_NO_ENFORCEMENT] = (
+            "disabled: gpushare runs with --no-enforcement, limits are advisory"
+        )
+    else:
+        mounts.append(Mount(CONTAINER_LIBRARY, str(enforcement.library), read_only=True))
+        mounts.append(lock_mount(enforcement))
+        if enforcement.use_ld_preload_env:
+            envs["LD_PRELOAD"] = CONTAINER_LIBRARY
+        if enforcement.preload_file is not None:
+            mounts.append(Mount(LD_SO_PRELOAD, str(enforcement.preload_file), read_only=True))
+        if grant.memory_mib is not None and cache_dir is not None:
+            envs["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = CONTAINER_CACHE_FILE
+            mounts.append(Mount(CONTAINER_CACHE_DIR, str(cache_dir), read_only=False))
+    answer = Answer(envs, mounts, annotations)
+    if listing is None:
+        return answer
+    return with_device_list(answer, [grant.uuid], listing, [cdi_id] if cdi_id else None)
+
+
 def build_answer(
     resource: Resource,
     uuid: str,
@@ -84,31 +142,12 @@ def build_answer(
     enforcement: Enforcement,
     cache_dir: Path | None = None,
 ) -> Answer:
-    """The answer binding a container to card ``uuid`` with ``units`` of ``resource``."""
-    envs = {"NVIDIA_VISIBLE_DEVICES": uuid}
-    mounts: list[Mount] = []
-    annotations: dict[str, str] = {}
+    """A device-plugin Allocate's answer: ``units`` of one ``resource`` on card ``uuid``."""
     if resource is Resource.MEMORY:
-        envs["CUDA_DEVICE_MEMORY_LIMIT_0"] = f"{units * memory_unit_mib}m"
+        grant = Grant(uuid, memory_mib=units * memory_unit_mib)
     else:
-        envs["CUDA_DEVICE_SM_LIMIT"] = str(units)
-
-    if enforcement.library is None:
-        annotations[ANNOTATION_NO_ENFORCEMENT] = (
-            "disabled: gpushare runs with --no-enforcement, limits are advisory"
-        )
-        return Answer(envs, mounts, annotations)
-
-    mounts.append(Mount(CONTAINER_LIBRARY, str(enforcement.library), read_only=True))
-    mounts.append(lock_mount(enforcement))
-    if enforcement.use_ld_preload_env:
-        envs["LD_PRELOAD"] = CONTAINER_LIBRARY
-    if enforcement.preload_file is not None:
-        mounts.append(Mount(LD_SO_PRELOAD, str(enforcement.preload_file), read_only=True))
-    if resource is Resource.MEMORY and cache_dir is not None:
-        envs["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = CONTAINER_CACHE_FILE
-        mounts.append(Mount(CONTAINER_CACHE_DIR, str(cache_dir), read_only=False))
-    return Answer(envs, mounts, annotations)
+        grant = Grant(uuid, cores=units)
+    return enforcement_answer(grant, enforcement=enforcement, cache_dir=cache_dir)
 
 
 # --------------------------------------------------------------------------- exclusive

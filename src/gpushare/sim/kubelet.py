@@ -117,7 +117,7 @@ class ContainerSpec:
     restartable: bool = False  # an init container with ``restartPolicy: Always``
 
 
-class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourcesListerServicer):  # type: ignore[misc]
+class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourcesListerServicer):
     def __init__(
         self,
         plugin_dir: Path,
@@ -203,7 +203,9 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
         self.start()
 
     # ---------------------------------------------------------------- Registration
-    def Register(self, request: Any, context: Any) -> Any:
+    def Register(
+        self, request: api_pb2.RegisterRequest, context: grpc.ServicerContext
+    ) -> api_pb2.Empty:
         if request.version != "v1beta1":
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"unsupported version {request.version}"
@@ -424,7 +426,9 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
             if self.observe is not None:
                 self.observe(resource, "Allocate", clock() - started)
         except grpc.RpcError as exc:
-            raise AdmissionError("UnexpectedAdmissionError", exc.details(), exc.code()) from None
+            raise AdmissionError(
+                "UnexpectedAdmissionError", exc.details() or "", exc.code()
+            ) from None
         record.devices[resource] = chosen
         record.responses[resource] = response
         for name, value in response.envs.items():
@@ -464,7 +468,7 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
             self._list_tokens -= 1.0
             return True
 
-    def list_response(self) -> Any:
+    def list_response(self) -> pr_pb2.ListPodResourcesResponse:
         """What ``List`` answers: active pods, app containers and sidecars only."""
         with self._lock:
             by_pod: dict[tuple[str, str], list[Admitted]] = {}
@@ -492,7 +496,9 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
             ]
         )
 
-    def List(self, request: Any, context: Any) -> Any:
+    def List(
+        self, request: pr_pb2.ListPodResourcesRequest, context: grpc.ServicerContext
+    ) -> pr_pb2.ListPodResourcesResponse:
         if not self._take_list_token():
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate limit exceeded")
         if self.list_delay:

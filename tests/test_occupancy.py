@@ -209,7 +209,8 @@ def test_pods_admitted_in_another_order_than_bound_land_where_the_extender_count
         name: cluster.api.get("Pod", name, "default")["metadata"]["annotations"]["gpushare.io/plan"]
         for name in sizes
     }
-    book = cluster.node.daemon.specs if cluster.node.daemon else None
+    core = cluster.node.daemon.core if cluster.node.daemon else None
+    book = core.specs if core else None
     assert book is not None
     eventually(lambda: all(book.only_uid_of("default", name) for name in sizes))
     placed = {}

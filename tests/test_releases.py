@@ -97,11 +97,13 @@ def test_the_api_server_may_tell_before_the_kubelet_forgets(
     bound_pod(api, node, "a", {node.memory: 9})
     node.kubelet.admit("a", "main", {node.memory: 9})
     eventually(lambda: len(pods_on(published(api))) == 1)
-    link = node.daemon.api_link if node.daemon else None
+    link = node.daemon.core.api_link if node.daemon and node.daemon.core else None
     assert link is not None
     api.delete("Pod", "a", "default")
-    reads = node.daemon.refresher.reads if node.daemon and node.daemon.refresher else 0
-    eventually(lambda: node.daemon and node.daemon.refresher.reads >= reads + 2)
+    core = node.daemon.core if node.daemon else None
+    assert core is not None
+    reads = core.refresher.reads
+    eventually(lambda: core.refresher.reads >= reads + 2)
     node.kubelet.release("a")  # the kubelet catches up
     state = eventually(lambda: (s := published(api)) and not pods_on(s) and s)
     assert state.cards[0].memory_units_used == 0
@@ -116,7 +118,7 @@ def test_a_burst_of_endings_is_coalesced_into_few_node_writes(
         bound_pod(api, node, name, {node.memory: 3})
         node.kubelet.admit(name, "main", {node.memory: 3})
     eventually(lambda: len(pods_on(published(api))) == 8)
-    link = node.daemon.api_link if node.daemon else None
+    link = node.daemon.core.api_link if node.daemon and node.daemon.core else None
     assert link is not None
     before = link.publishes
     for name in names:
@@ -132,7 +134,7 @@ def test_an_unchanged_state_is_not_written_again(
 ) -> None:
     start(node, 1)
     eventually(lambda: published(api))
-    link = node.daemon.api_link if node.daemon else None
+    link = node.daemon.core.api_link if node.daemon and node.daemon.core else None
     assert link is not None
     writes = link.publishes
     for _ in range(5):

@@ -42,6 +42,7 @@ class Churn:
         self.cluster, self.prefix = cluster, prefix
         self.count = 0
         self.running: list[str] = []
+        self.waiting: list[str] = []  # created this round, not running yet
         self.bind: list[float] = []
         self.run: list[float] = []
         self.restart_bind: list[float] = []
@@ -75,7 +76,7 @@ class Churn:
         self.check_cards()
 
     def round(self, restart_kubelet: bool = False) -> None:
-        waiting = [self.create() for _ in range(3)]
+        waiting = self.waiting = [self.create() for _ in range(3)]
         for name in waiting:
             self.cluster.wait_scheduling_refused("default", name)
         card = self.card(self.running[0])
@@ -124,9 +125,10 @@ class Churn:
         self.check_cards()
 
     def cleanup(self) -> None:
-        for name in self.running:
+        every = self.running + [n for n in self.waiting if n not in self.running]
+        for name in every:
             self.cluster.delete_pod("default", name, wait=False)
-        for name in self.running:
+        for name in every:
             wait_for(f"{name} gone", lambda n=name: self.cluster.pod("default", n) is None, 90)
 
 

@@ -3,6 +3,7 @@
 # run fast; `go mod download` fetches the modules on a fresh clone (the Go module proxy).
 set -euo pipefail
 cd "$(dirname "$0")"
+command -v go >/dev/null || { echo "e2e/build.sh: needs Go >= 1.26 on PATH (https://go.dev/dl/)" >&2; exit 1; }
 go mod download
 K8S_VERSION=$(go list -m -f '{{.Version}}' k8s.io/kubernetes)
 minor=${K8S_VERSION#v1.}; minor=${minor%%.*}

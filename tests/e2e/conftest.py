@@ -6,6 +6,7 @@ builds the Kubernetes programs and runs ``pytest -m e2e tests/e2e``."""
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,11 @@ from e2e_nodes import NODES
 from kube_cluster import REPO, Cluster, running_cluster
 
 HERE = Path(__file__).parent
+LOGS = REPO / "e2e" / "logs"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    shutil.rmtree(LOGS, ignore_errors=True)  # this run's logs only
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -28,5 +34,5 @@ def cluster() -> Iterator[Cluster]:
     started, restore the scheduler and daemons they changed."""
     if os.geteuid() != 0:
         pytest.fail("the e2e cluster needs root (mount namespaces for its kubelets)")
-    with running_cluster(NODES, logs=REPO / "e2e" / "logs") as c:
+    with running_cluster(NODES, logs=LOGS / "cluster") as c:
         yield c

@@ -9,7 +9,7 @@ Layout of one cluster (all under one short temporary directory, so sockets fit i
 
     etcd/ apiserver/ (cert-dir, logs) tokens.csv sa.key admin.kubeconfig
     node-1/kubelet/   bind-mounted over /var/lib/kubelet in node-1's mount namespace
-    node-1/vgpu/      bind-mounted over /usr/local/vgpu there (the daemon's --host-lib-dir)
+    node-1/vgpu/      the daemon's --host-lib-dir
     node-1/cri.sock   the CRI fake; node-1/containers.jsonl what it was asked to create
     node-1/gpus.yaml  the simulated cards (--simulate)
 """
@@ -57,8 +57,6 @@ FEATURE_GATES = {
     "DRADeviceTaints": True,
 }
 
-#: Hosts this kind of machine runs on are cgroup v1; the kubelet refuses those unless told.
-HOST_DIRS = ("/var/lib/kubelet", "/usr/local/vgpu")
 
 #: Node credentials exist for node-1 .. node-<SPARE_NODES> besides the nodes the cluster starts
 #: with, so that a test can add a node (Cluster.add_node) to the running cluster.
@@ -281,6 +279,18 @@ class Api:
                 )
 
 
+def find_proto(relative: str) -> Path:
+    """The repository's copy of a Kubernetes proto (``proto/<relative>``, or wherever it was
+    moved to inside the repository)."""
+    default = REPO / "proto" / relative
+    if default.exists():
+        return default
+    for path in sorted(REPO.rglob(relative)):
+        if ".venv" not in path.parts and "site-packages" not in path.parts:
+            return path
+    raise E2EError(f"no {relative} in {REPO}")
+
+
 def load_manifests(*paths: Path) -> list[dict[str, Any]]:
     """Every object of the YAML files (documents that are empty or kustomizations left out)."""
     objects = []
@@ -307,10 +317,13 @@ class NodeSpec:
 class NodeAgent:
     """One node: a private mount namespace holding the kubelet and the gpushare daemon.
 
-    The namespace has the node's own directories bind-mounted over ``/var/lib/kubelet`` and
-    ``/usr/local/vgpu``, so both programs run with their default paths, as on a real node,
-    and several nodes share this machine. The CRI fake runs outside it (a socket in the
-    node's directory)."""
+    In the namespace a tmpfs covers ``/var/lib`` (the host's stays as it is: nothing is
+    created, changed or removed on the host, and clusters of other checkouts running at the
+    same time cannot pull a mount point from under this one) and the node's own directory is
+    bind-mounted on ``/var/lib/kubelet``, so the kubelet and the daemon use their default
+    paths (device-plugins, pod-resources, plugins_registry), as on a real node, and several
+    nodes share this machine. The daemon's --host-lib-dir is the node's ``vgpu`` directory.
+    The CRI fake runs outside it (a socket in the node's directory)."""
 
     def __init__(self, cluster: Cluster, spec: NodeSpec, kubelet_port: int, healthz_port: int):
         self.cluster = cluster
@@ -318,7 +331,7 @@ class NodeAgent:
         self.name = spec.name
         self.dir = cluster.dir / spec.name
         self.root = self.dir / "kubelet"  # /var/lib/kubelet inside the namespace
-        self.vgpu = self.dir / "vgpu"  # /usr/local/vgpu inside the namespace
+        self.vgpu = self.dir / "vgpu"  # the daemon's --host-lib-dir
         self.records_file = self.dir / "containers.jsonl"
         self.cri_socket = self.dir / "cri.sock"
         self.gpus_file = self.dir / "gpus.yaml"
@@ -330,6 +343,7 @@ class NodeAgent:
         self.daemon: Proc | None = None
         self.daemon_metrics_port = 0
         self.daemon_pod = f"gpushare-{self.name}"
+        self.extra: list[Proc] = []  # what spawn() started
 
     # ---- the namespace
     def _start_namespace(self) -> None:
@@ -337,8 +351,8 @@ class NodeAgent:
             d.mkdir(parents=True, exist_ok=True)
         ready = self.dir / "namespace-ready"
         script = (
-            'mount --bind "$1" /var/lib/kubelet && mount --bind "$2" /usr/local/vgpu '
-            '&& touch "$3" && exec sleep infinity'
+            "mount -t tmpfs -o mode=0755 gpushare-e2e /var/lib && mkdir /var/lib/kubelet "
+            '&& mount --bind "$1" /var/lib/kubelet && touch "$3" && exec sleep infinity'
         )
         self.holder = Proc(
             "namespace",
@@ -380,6 +394,19 @@ class NodeAgent:
             "--",
             *argv,
         ]
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        """Run another program on this node, in its mount namespace (it sees the node's
+        /var/lib/kubelet: plugins_registry/, plugins/, device-plugins/, pod-resources/), its
+        output in ``<node>/<name>.log``; stopped with the node. For a DRA driver, say, with
+        ``cluster.node_kubeconfig(node)`` or a token of its own. ``env`` replaces the
+        environment (PATH and HOME are added when missing)."""
+        full = dict(env) if env is not None else dict(os.environ)
+        full.setdefault("PATH", f"{SCRIPTS}:{os.environ.get('PATH', '/usr/bin:/bin')}")
+        full.setdefault("HOME", str(self.dir))
+        proc = Proc(name, self._in_namespace(argv), self.dir / f"{name}.log", env=full)
+        self.extra.append(proc)
+        return proc
 
     # ---- the CRI fake and the kubelet
     def _start_cri(self) -> None:
@@ -553,12 +580,22 @@ class NodeAgent:
             "127.0.0.1",
             "--metrics-port",
             str(self.daemon_metrics_port),
+            "--host-lib-dir",
+            str(self.vgpu),
             *self.spec.daemon_args,
             *extra,
         ]
         self.daemon = Proc("daemon", self._in_namespace(argv), self.dir / "daemon.log", env=env)
         if wait:
-            self.cluster.wait_allocatable(self.name, lambda a: int(a.get(MEMORY, "0")) > 0)
+            flags = [*self.spec.daemon_args, *extra]
+            prefix = PREFIX
+            for i, flag in enumerate(flags):
+                if flag == "--resource-prefix" and i + 1 < len(flags):
+                    prefix = flags[i + 1]
+                elif flag.startswith("--resource-prefix="):
+                    prefix = flag.split("=", 1)[1]
+            memory = f"{prefix}/vcuda-memory"
+            self.cluster.wait_allocatable(self.name, lambda a: int(a.get(memory, "0")) > 0)
         return self.daemon
 
     def kill_daemon(self, sig: int = signal.SIGKILL) -> None:
@@ -592,9 +629,10 @@ class NodeAgent:
         return reply.text
 
     def stop(self) -> None:
-        for proc in (self.daemon, self.kubelet, self.cri, self.holder):
+        for proc in (*self.extra, self.daemon, self.kubelet, self.cri, self.holder):
             if proc is not None:
                 proc.stop(grace=10)
+        self.extra = []
         self.daemon = self.kubelet = self.cri = self.holder = None
 
 
@@ -605,9 +643,14 @@ class Cluster:
     """etcd, kube-apiserver, kube-controller-manager, kube-scheduler and N nodes (each a
     real kubelet on a CRI fake, with the real gpushare daemon), all on 127.0.0.1."""
 
-    def __init__(self, nodes: list[NodeSpec], workdir: Path | None = None) -> None:
+    def __init__(
+        self, nodes: list[NodeSpec], workdir: Path | None = None, install: bool = True
+    ) -> None:
+        """``install=False``: neither the project's RBAC and policies nor the daemons (nodes
+        are started with ``daemon=False``), for tests of installing it."""
         self.dir = workdir or Path(tempfile.mkdtemp(prefix="gse2e-", dir="/tmp"))
         self.specs = nodes
+        self.install = install
         self.procs: dict[str, Proc] = {}
         self.nodes: dict[str, NodeAgent] = {}
         self.admin_token = secrets.token_hex(16)
@@ -620,7 +663,6 @@ class Cluster:
         self.api: Api = Api(self.server, self.admin_token, self.ca)
         self.extender: Proc | None = None
         self.extender_port = 0
-        self._created_host_dirs: list[Path] = []
         self._protos: Path | None = None
 
     # ---- start and stop
@@ -640,26 +682,21 @@ class Cluster:
         if missing:
             raise E2EError(f"missing {missing} in {BIN}: run `make e2e` (it builds them)")
         urllib3.disable_warnings()
-        for d in HOST_DIRS:  # mount points for the nodes' private bind mounts
-            path = Path(d)
-            if not path.exists():
-                path.mkdir(parents=True)
-                self._created_host_dirs.append(path)
         self._start_etcd()
         self._start_apiserver()
         self._start_controller_manager()
         self.start_scheduler()
         self.wait_service_account("default", "default")
         self.wait_service_account("kube-system", "default")
-        self.install_base()
-        for i, spec in enumerate(self.specs):
-            self.add_node(spec, i)
+        if self.install:
+            self.install_base()
+        for spec in self.specs:
+            self.add_node(spec, daemon=self.install)
 
     def stop(self, logs: Path | None = None) -> None:
         """Every process stopped (TERM, then KILL after a deadline; namespaces end with their
-        last process), the mount points this cluster created removed, the logs and CRI records
-        copied to ``logs`` if given (replacing what was there), and the cluster's directory
-        removed (kept with GPUSHARE_E2E_KEEP=1)."""
+        last process), the logs and CRI records copied to ``logs`` if given (replacing what
+        was there), and the cluster's directory removed (kept with GPUSHARE_E2E_KEEP=1)."""
         try:
             for agent in self.nodes.values():
                 agent.stop()
@@ -673,15 +710,13 @@ class Cluster:
                 proc = self.procs.pop(name, None)
                 if proc is not None:
                     proc.stop(grace=15)
-            for path in reversed(self._created_host_dirs):
-                with contextlib.suppress(OSError):
-                    path.rmdir()
             if logs is not None:
                 self.copy_logs(logs)
             if os.environ.get("GPUSHARE_E2E_KEEP") != "1":
                 shutil.rmtree(self.dir, ignore_errors=True)
 
     def copy_logs(self, logs: Path) -> None:
+        """Each component's log and each node's CRI record into ``logs`` (replacing it)."""
         shutil.rmtree(logs, ignore_errors=True)
         for path in [*self.dir.rglob("*.log"), *self.dir.glob("*/containers.jsonl")]:
             if "kubelet" in path.relative_to(self.dir).parts[1:2]:
@@ -889,6 +924,15 @@ class Cluster:
         if old is not None:
             old.stop()
 
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        """Run a program beside the control plane (not on a node), its output in
+        ``<workdir>/<name>.log``; stopped with the cluster (before the control plane)."""
+        if name in self.procs:
+            self.procs.pop(name).stop()
+        proc = Proc(name, argv, self.dir / f"{name}.log", env=env)
+        self.procs[name] = proc
+        return proc
+
     def start_extender(self, *extra: str) -> Proc:
         """``gpushare-scheduler-extender`` on a free loopback port with the token of its own
         ServiceAccount (daemonset/extender/extender.yaml's RBAC, applied here)."""
@@ -997,13 +1041,17 @@ class Cluster:
 
         wait_for("the admission policies to be in force", refused, 60, step=0.25)
 
-    def add_node(self, spec: NodeSpec, index: int | None = None) -> NodeAgent:
+    def add_node(self, spec: NodeSpec, daemon: bool = True) -> NodeAgent:
+        """Start a node (namespace, CRI fake, kubelet) and wait until it is Ready; with
+        ``daemon``, also its DaemonSet-template pod and the gpushare daemon."""
         agent = NodeAgent(self, spec, free_port(), free_port())
         self.nodes[spec.name] = agent
         agent._start_namespace()
         agent._start_cri()
         agent.start_kubelet()
         self.wait_node_ready(spec.name)
+        if not daemon:
+            return agent
         reply = self.api.create(agent.daemon_pod_manifest())
         if reply.status_code not in (201, 409):
             raise E2EError(f"daemon pod for {spec.name}: {reply.status_code} {reply.text[:400]}")
@@ -1096,9 +1144,11 @@ class Cluster:
         return wait_for(f"the scheduler to refuse {ns}/{name}", probe, timeout, step=0.2)
 
     def delete_pod(self, ns: str, name: str, wait: bool = True) -> None:
-        """Delete and, unless told not, wait until the object is gone (the kubelet confirmed
-        its containers stopped; grace period 0 so the fake's containers end at once)."""
-        self.api.delete(f"/api/v1/namespaces/{ns}/pods/{name}", gracePeriodSeconds=0)
+        """Delete and, unless told not, wait until the object is gone. A grace period of 1 s,
+        not 0: with 0 the API server removes a bound pod at once, before its kubelet has
+        stopped it; with 1 the object goes when the kubelet has stopped the containers (the
+        fake stops them at once) and released their devices."""
+        self.api.delete(f"/api/v1/namespaces/{ns}/pods/{name}", gracePeriodSeconds=1)
         if wait:
             wait_for(
                 f"pod {ns}/{name} to be gone", lambda: self.pod(ns, name) is None, 90, step=0.2
@@ -1159,15 +1209,16 @@ class Cluster:
         if self._protos is None:
             out = self.dir / "protos"
             out.mkdir(exist_ok=True)
+            proto = find_proto("podresources/v1/api.proto")
             subprocess.run(
                 [
                     sys.executable,
                     "-m",
                     "grpc_tools.protoc",
-                    f"-I{REPO / 'proto'}",
+                    f"-I{proto.parents[2]}",
                     f"--python_out={out}",
                     f"--grpc_python_out={out}",
-                    str(REPO / "proto" / "podresources" / "v1" / "api.proto"),
+                    str(proto),
                 ],
                 check=True,
                 capture_output=True,
@@ -1229,7 +1280,7 @@ def pod_manifest(
             for cname, lim in containers.items()
         ],
         "automountServiceAccountToken": False,
-        "terminationGracePeriodSeconds": 0,
+        "terminationGracePeriodSeconds": 1,
         "tolerations": [{"operator": "Exists"}],
     }
     if node is not None:
@@ -1245,9 +1296,11 @@ def pod_manifest(
 
 
 @contextlib.contextmanager
-def running_cluster(nodes: list[NodeSpec], logs: Path | None = None) -> Iterator[Cluster]:
+def running_cluster(
+    nodes: list[NodeSpec], logs: Path | None = None, install: bool = True
+) -> Iterator[Cluster]:
     """A started cluster, stopped (and its logs copied to ``logs``) however the block ends."""
-    cluster = Cluster(nodes)
+    cluster = Cluster(nodes, install=install)
     try:
         cluster.start()
         yield cluster

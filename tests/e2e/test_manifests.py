@@ -4,6 +4,7 @@ dry run: the server's defaulting, validation and admission, nothing stored)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,27 @@ def test_the_manifest_is_accepted(cluster: Cluster, path: Path) -> None:
     assert refused(cluster, objects) == []
 
 
+def doc_examples() -> list[tuple[str, dict[str, Any]]]:
+    """Every whole Kubernetes object in a ```yaml block of README.md and docs/*.md."""
+    found = []
+    for path in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        for block in re.findall(r"```ya?ml\n(.*?)```", path.read_text(), re.S):
+            try:
+                docs = list(yaml.safe_load_all(block))
+            except yaml.YAMLError:
+                continue  # a fragment, not a manifest
+            for doc in docs:
+                if isinstance(doc, dict) and doc.get("apiVersion") and doc.get("kind"):
+                    where = f"{path.relative_to(REPO)}:{doc['kind']}/{doc['metadata']['name']}"
+                    found.append((where, doc))
+    return found
+
+
+@pytest.mark.parametrize("where,obj", doc_examples(), ids=[w for w, _ in doc_examples()])
+def test_the_docs_example_is_accepted(cluster: Cluster, where: str, obj: dict[str, Any]) -> None:
+    assert refused(cluster, [obj]) == [], where
+
+
 CHART_VALUES: dict[str, dict[str, Any]] = {
     "defaults": {},
     "no-policies": {
@@ -71,6 +93,29 @@ CHART_VALUES: dict[str, dict[str, Any]] = {
         }
     },
     "opt-in-label": {"optInLabel": {"key": "example.com/gpu", "value": "yes"}},
+    "many-options": {
+        "runtimeClassName": "nvidia",
+        "imagePullSecrets": [{"name": "regcred"}],
+        "extraEnv": [{"name": "GPUSHARE_LOG_LEVEL", "value": "debug"}],
+        "extraArgs": ["--log-level=debug"],
+        "podAnnotations": {"example.com/a": "b"},
+        "podLabels": {"example.com/c": "d"},
+        "nodeSelector": {"kubernetes.io/os": "linux"},
+        "updateStrategy": {"type": "OnDelete"},
+        "fullnameOverride": "gpu-share",
+        "priorityClassName": "",
+        "metrics": {"service": {"enabled": True}},
+        "serviceMonitor": {"enabled": True},
+        "podMonitor": {"enabled": True},
+        "config": {
+            "placement": "spread",
+            "memoryUnitMib": 512,
+            "resourcePrefix": "example.com",
+            "cardModes": "0=shared",
+            "exclusiveEnforcement": True,
+            "wholeCards": True,
+        },
+    },
 }
 
 

@@ -3,6 +3,8 @@ kubelet restart (both seen through the Node object and pods the real kubelet adm
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from e2e_nodes import NODES
 from kube_cluster import CORE, MEMORY, Cluster, pod_manifest
 
@@ -78,3 +80,65 @@ def test_the_daemon_registers_again_after_a_kubelet_restart(cluster: Cluster) ->
             cluster.delete_pod("default", "reg-after")
     finally:
         cluster.delete_pod("default", "reg-before")
+
+
+def run_on(cluster: Cluster, node: str, script: str) -> str:
+    """The output of ``script`` run on ``node`` (in its mount namespace)."""
+    log = cluster.nodes[node].dir / "e2e-sh.log"
+    start = log.stat().st_size if log.exists() else 0
+    proc = cluster.nodes[node].spawn("e2e-sh", ["sh", "-c", script])
+    assert proc.popen.wait(30) == 0, proc.tail()
+    proc.stop()
+    with log.open() as f:
+        f.seek(start)
+        return f.read().split("\n", 2)[-1]  # after the harness's "=== <command>" line
+
+
+def test_a_program_spawned_on_a_node_sees_that_nodes_kubelet_directory(cluster: Cluster) -> None:
+    """What a DRA driver or another plugin started with NodeAgent.spawn would see: the
+    kubelet's fixed paths, each node's own."""
+    for node in ("node-1", "node-2"):
+        listing = run_on(cluster, node, "ls /var/lib/kubelet/device-plugins")
+        assert "gpushare-vcuda-memory.sock" in listing
+        assert "kubelet.sock" in listing
+    marker = cluster.nodes["node-1"].root / "e2e-marker"
+    try:
+        run_on(cluster, "node-1", "touch /var/lib/kubelet/e2e-marker")
+        assert marker.exists()  # node-1's /var/lib/kubelet is its own directory
+        assert "e2e-marker" not in run_on(cluster, "node-2", "ls /var/lib/kubelet")
+        assert not Path("/var/lib/kubelet/e2e-marker").exists()  # nor the host's
+    finally:
+        marker.unlink(missing_ok=True)
+
+
+def test_units_held_before_a_kubelet_restart_count_after_it(cluster: Cluster) -> None:
+    """node-2's cards hold 16 units each. A pod holding 12 on one card before the kubelet
+    restarts leaves 4 there: a second pod of 12 after the restart must get the other card,
+    memory and cores alike (the kubelet's checkpoint and the daemon's view agree)."""
+    limits = {MEMORY: 12, CORE: 50}
+    cluster.create_pod(pod_manifest("held-before", limits, node="node-2"))
+    try:
+        cluster.wait_pod("default", "held-before", "Running")
+        first = cluster.wait_record("node-2", "default", "held-before", "main")["env"]
+        cluster.nodes["node-2"].restart_kubelet()
+        cluster.create_pod(pod_manifest("held-after", limits, node="node-2"))
+        try:
+            cluster.wait_pod("default", "held-after", "Running")
+            second = cluster.wait_record("node-2", "default", "held-after", "main")["env"]
+            assert second["NVIDIA_VISIBLE_DEVICES"] != first["NVIDIA_VISIBLE_DEVICES"]
+            cards: dict[str, set[str]] = {}
+            for entry in cluster.nodes["node-2"].pod_resources():
+                if entry["name"] == "held-after":
+                    for c in entry["containers"]:
+                        for dev in c.get("devices", []):
+                            cards.setdefault(dev["resource_name"], set()).update(
+                                i.rpartition("::")[0] for i in dev["device_ids"]
+                            )
+            assert cards == {
+                MEMORY: {second["NVIDIA_VISIBLE_DEVICES"]},
+                CORE: {second["NVIDIA_VISIBLE_DEVICES"]},
+            }
+        finally:
+            cluster.delete_pod("default", "held-after")
+    finally:
+        cluster.delete_pod("default", "held-before")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import helm_python
 import pytest
 import yaml
 from e2e_nodes import NODES
@@ -17,11 +18,29 @@ from kube_cluster import CORE, MEMORY, REPO, Cluster, load_manifests, pod_manife
 PROFILE = "gpushare-scheduler"
 
 
-def profile_config() -> dict[str, Any]:
+def profile_config(source: str) -> dict[str, Any]:
+    """The KubeSchedulerConfiguration of the gpushare-scheduler ConfigMap: from
+    daemonset/scheduler/scheduler.yaml, or from the chart rendered with scheduler.enabled.
+    Only kube-scheduler itself validates it (the API server stores a ConfigMap as it is)."""
+    if source == "daemonset":
+        objects = load_manifests(REPO / "daemonset" / "scheduler" / "scheduler.yaml")
+    else:
+        with helm_python.Chart.load(REPO / "charts" / "gpushare") as chart:
+            rendered = chart.render(
+                {"scheduler": {"enabled": True}},
+                name="gpushare",
+                namespace="kube-system",
+                is_install=True,
+            )
+        objects = [
+            o
+            for path, text in rendered.items()
+            if path.endswith(".yaml")  # not NOTES.txt
+            for o in yaml.safe_load_all(text)
+            if o
+        ]
     (cm,) = [
-        o
-        for o in load_manifests(REPO / "daemonset" / "scheduler" / "scheduler.yaml")
-        if o["kind"] == "ConfigMap"
+        o for o in objects if o.get("kind") == "ConfigMap" and o["metadata"]["name"] == PROFILE
     ]
     config: dict[str, Any] = yaml.safe_load(cm["data"]["config.yaml"])
     return config
@@ -56,10 +75,13 @@ def extender(cluster: Cluster) -> Iterator[None]:
     cluster.extender = None
 
 
-@pytest.fixture(scope="module")
-def gpushare_scheduler(cluster: Cluster, extender: None) -> Iterator[str]:
-    """The gpushare-scheduler profile: a second kube-scheduler calling the extender."""
-    cluster.start_scheduler(profile_config(), name=PROFILE)
+@pytest.fixture(scope="module", params=["daemonset", "chart"])
+def gpushare_scheduler(
+    cluster: Cluster, extender: None, request: pytest.FixtureRequest
+) -> Iterator[str]:
+    """The gpushare-scheduler profile: a second kube-scheduler calling the extender, with
+    the configuration of daemonset/scheduler/ or of the chart."""
+    cluster.start_scheduler(profile_config(request.param), name=PROFILE)
     yield PROFILE
     cluster.stop_scheduler(PROFILE)
 

@@ -107,8 +107,10 @@ def test_memory_only_then_core_and_memory_with_pod_specs(node: Node, core_first:
     assert b.card() != a.card()  # only the other card has 10 free memory units
     assert {d.split("::")[0] for ids in b.devices.values() for d in ids} == {b.card()}
     assert b.conflicts == []
-    node.pod("c", {node.core: 30})
-    c = node.kubelet.admit("c", "main", {node.core: 30})  # core only: anywhere, alone
+    node.pod("c", {node.core: 30, node.memory: 1})
+    c = node.kubelet.admit(
+        "c", "main", {node.core: 30, node.memory: 1}, order=[node.core, node.memory]
+    )
     assert c.envs["CUDA_DEVICE_SM_LIMIT"] == "30" and c.conflicts == []
 
 

@@ -56,6 +56,9 @@ def test_every_dashboard_query_names_only_exported_metrics(node: Node) -> None:
         "gpushare_ready",
         "gpushare_registered",
         "gpushare_gpu_healthy",
+        "gpushare_container_memory_used_bytes",  # issue 24.3: actual use beside allocation
+        "gpushare_container_core_utilization_percent",
+        "gpushare_container_devices",  # issue 24.4: whole cards and MIG devices held
     ):
         assert needed in used
     assert "gpushare_container_memory_bytes" in families  # a live per-container series

@@ -119,6 +119,7 @@ def test_every_chart_template_renders_and_validates(version: str) -> None:
         "ClusterRoleBinding",
         "ConfigMap",
         "DaemonSet",
+        "NetworkPolicy",  # networkPolicy.* (tests/test_listener_bounds.py)
         "ValidatingAdmissionPolicy",  # policies.* (tests/test_policies.py)
         "ValidatingAdmissionPolicyBinding",
     }
@@ -395,6 +396,10 @@ def test_chart_values_move_the_mounts_with_the_paths() -> None:
 def test_packaged_manifests_are_the_daemonset_directory() -> None:
     shipped = deploy.manifest_texts()
     on_disk = {path.name: path.read_text() for path in DAEMONSET_DIR.glob("*.yaml")}
+    on_disk |= {
+        f"policies/{path.name}": path.read_text()
+        for path in (DAEMONSET_DIR / "policies").glob("*.yaml")
+    }
     assert shipped == on_disk, "run `make manifests` after editing daemonset/"
 
 
@@ -506,7 +511,8 @@ def test_dockerignore_keeps_the_context_small() -> None:
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     assert "*" in lines  # everything is out unless named
     kept = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
-    assert kept == {"pyproject.toml", "setup.py", "README.md", "proto", "src"}
+    scripts = {"scripts/check-interposer.sh", "scripts/build-hami-core.sh"}  # the interposer
+    assert kept == {"pyproject.toml", "setup.py", "README.md", "proto", "src", *scripts}
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1", "::1", "localhost"])

@@ -258,7 +258,9 @@ def test_the_watch_follows_pods_of_this_node_from_the_lists_version(
     watches = [r for r in api.calls("GET", "/api/v1/pods") if "watch" in r.query]
     assert len(lists) == 1  # changes arrive by the watch, not by listing again
     first = watches[0].query
-    assert first["fieldSelector"] == [f"spec.nodeName={NODE}"]
+    assert first["fieldSelector"] == [
+        f"spec.nodeName={NODE},status.phase!=Succeeded,status.phase!=Failed"
+    ]
     assert first["allowWatchBookmarks"] == ["true"]
     assert first["resourceVersion"][0]  # from the list's version, not "now"
 

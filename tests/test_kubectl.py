@@ -56,14 +56,45 @@ def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeApiDoub
     double.stop()
 
 
-def test_the_shipped_objects_are_the_daemonset_and_its_rbac() -> None:
+def test_the_shipped_objects_are_the_daemonset_its_rbac_and_its_policies() -> None:
     assert [obj["kind"] for obj in OBJECTS] == [
         "ServiceAccount",
         "ClusterRole",
         "ClusterRoleBinding",
         "DaemonSet",
+        "NetworkPolicy",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
     ]
     assert (KEY, VALUE) == ("gpushare.io/enabled", "true")
+
+
+def test_install_applies_the_node_scope_policy_where_served_and_warns_where_not(
+    api: KubeApiDouble, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 23 item 7: the daemon's token is narrowed to its own node by default."""
+    assert main(["install", "--node", "gpu-a"]) == 0
+    group = "admissionregistration.k8s.io/v1"
+    scope = api.get("ValidatingAdmissionPolicy", "gpushare-daemon-node-scope", None, group)
+    assert scope is not None
+    assert "WARNING" not in capsys.readouterr().out
+    older = KubeApiDouble()  # a 1.29 cluster: no admissionregistration.k8s.io/v1 policies
+    older.groups.pop("admissionregistration.k8s.io/v1")
+    older.start()
+    try:
+        older.add(_node("gpu-a"))
+        path = Path(os.environ["KUBECONFIG"]).with_name("older")
+        os.environ["KUBECONFIG"] = str(older.kubeconfig(path))
+        assert main(["install", "--node", "gpu-a"]) == 0
+        out = capsys.readouterr().out
+        assert "WARNING" in out and "gpushare-daemon-node-scope" in out
+        assert "NOT installed" in out and "may then patch every Node and Pod" in out
+        assert "created DaemonSet kube-system/gpushare" in out
+        assert not older.calls("PATCH", "validatingadmissionpolic")
+    finally:
+        older.stop()
 
 
 def test_install_applies_every_object_and_labels_the_named_nodes(

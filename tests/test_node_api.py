@@ -164,6 +164,8 @@ def test_annotation_is_valid_json_with_the_documented_keys(node: Node, api: Kube
         "core_units",
         "core_units_used",
         "healthy",
+        "held_by",
+        "hardware_healthy",
         "pods",
         "pods_truncated",
     }

@@ -11,7 +11,7 @@ import argparse
 import math
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from gpushare import __version__
 
@@ -25,8 +25,31 @@ def one_line(text: str, limit: int = 1000) -> str:
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
+class ChoicesFormatter(argparse.HelpFormatter):
+    """Help that lists the values of every option with choices (argparse hides them
+    behind the metavar)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        if text and action.choices and "%(choices)" not in text and not isinstance(
+            action, argparse._SubParsersAction
+        ):
+            text += " (one of: " + ", ".join(str(c) for c in action.choices) + ")"
+        return text
+
+
 class Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line on stderr (``prog: message``), exit 2."""
+    """An ArgumentParser whose errors are one line on stderr (``prog: message``), exit 2.
+
+    A flag must be spelled out: ``--memory-unit 512`` is refused, not taken for
+    ``--memory-unit-mib`` (``allow_abbrev`` off; so are ``-x`` prefixes of long flags).
+    ``--help`` lists the values of every option with choices.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", ChoicesFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"{self.prog}: {one_line(message)} (see {self.prog} --help)\n")

@@ -47,6 +47,7 @@ from gpushare.share.placement import (
     preferred_units,
 )
 from gpushare.share.records import Snapshot
+from gpushare.share.unitindex import UnitIndex
 from gpushare.share.usage import Holder, UsageLedger
 
 log = structlog.get_logger(__name__)
@@ -74,6 +75,16 @@ def mixed_kinds(holder: Holder) -> str:
         f"container {holder.container} of pod {holder.namespace}/{holder.pod} asks for "
         "shared units (vcuda-memory/vcuda-core) together with whole cards or MIG devices; "
         "the answers would name different GPUs: split it into two containers"
+    )
+
+
+def core_without_memory(holder: Holder, prefix: str) -> str:
+    """The refusal of a container that asks for cores and no memory units."""
+    return (
+        f"container {holder.container} of pod {holder.namespace}/{holder.pod} asks for "
+        f"{Resource.CORE.name_with(prefix)} without {Resource.MEMORY.name_with(prefix)} "
+        "(or with 0) and would run with no GPU memory limit on a shared card: add "
+        f"{Resource.MEMORY.name_with(prefix)} of 1 or more to its limits"
     )
 
 
@@ -120,42 +131,14 @@ class Binder:
         # The decision taken in GetPreferredAllocation, reused by the Allocate after it
         # (keyed by resource; valid while the last binding is still the one it saw).
         self._decided: dict[Resource, tuple[Binding | None, Decision, Snapshot | None]] = {}
-        # Precomputed ID -> (card, unit) for both resources: parsing tens of thousands
-        # of IDs per request would dominate the request's cost.
-        self._index: dict[Resource, dict[str, tuple[str, int]]] = {
-            resource: {
-                format_device_id(card.uuid, n): (card.uuid, n)
-                for card in inventory.cards.values()
-                for n in range(card.units(resource))
-            }
-            for resource in Resource
-        }
+        self._units = UnitIndex(inventory)
 
     # -- shared helpers -----------------------------------------------------------
     def _group(self, resource: Resource, device_ids: Sequence[str]) -> dict[str, list[int]]:
-        # One Python string per ID (a protobuf field makes a new one on every access),
-        # so each is hashed once: by the lookups, then reused by the duplicate check.
-        ids = list(device_ids)
         try:
-            located = list(map(self._index[resource].__getitem__, ids))
-        except (KeyError, TypeError):
-            # Slow path, only to explain what is wrong (and catch duplicates below).
-            try:
-                self.inventory.resolve(resource, ids)
-            except InvalidDeviceIds as exc:
-                raise BindingError(Refusal.INVALID, str(exc)) from None
-            raise BindingError(Refusal.INVALID, "unknown device ID") from None
-        if len(set(ids)) != len(ids):
-            seen: set[str] = set()
-            twice = next(d for d in ids if d in seen or seen.add(d))  # type: ignore[func-returns-value]
-            raise BindingError(Refusal.INVALID, f"{twice!r} is listed twice")
-        grouped: dict[str, list[int]] = {}
-        for uuid, n in located:
-            numbers = grouped.get(uuid)
-            if numbers is None:
-                grouped[uuid] = numbers = []
-            numbers.append(n)
-        return grouped
+            return self._units.group(resource, device_ids)
+        except InvalidDeviceIds as exc:
+            raise BindingError(Refusal.INVALID, str(exc)) from None
 
     def _read_records(self, resource: Resource, arrival: float) -> tuple[Snapshot | None, str]:
         """The kubelet's records as of after ``arrival``, when a decision will use them:
@@ -327,12 +310,22 @@ class Binder:
             seen, decision, snapshot = self._decided.pop(resource, (None, None, None))
             fresh = decision is not None and seen is self.pairing.last
         if not fresh:  # no GetPreferredAllocation just before: decide now
-            _last, decision, snapshot = self._decide(resource, len(device_ids), arrival)
+            seen, decision, snapshot = self._decide(resource, len(device_ids), arrival)
         assert decision is not None
         if snapshot is not None and self.specs is not None:
             mixer = self.specs.mixer_being_admitted(snapshot, shared=resource)
             if mixer is not None:
                 raise BindingError(Refusal.PRECONDITION, mixed_kinds(mixer))
+        if resource is Resource.CORE and decision.partner is None and self.specs is not None:
+            # Not the second half of a memory binding: a container of its own. If its
+            # spec asks no memory units, it would run with the whole card's memory.
+            holder = decision.holder
+            if holder is None and snapshot is not None and seen is not None:
+                holder = snapshot.holder_of(seen.resource, seen.device_ids[0])
+            asker = self.specs.asking_without_memory(len(device_ids), snapshot, holder)
+            if asker is not None:
+                message = core_without_memory(asker, self.specs.prefix)
+                raise BindingError(Refusal.PRECONDITION, message)
         with self._lock:
             partner = decision.partner
             if partner is not None and partner.card != uuid:

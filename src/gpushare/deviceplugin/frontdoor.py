@@ -35,6 +35,7 @@ from gpushare.deviceplugin.plugin import (
     PluginServer,
     device_list_message,
 )
+from gpushare.gpu import mig
 from gpushare.gpu.gpus import GpuBackend, GpuError
 from gpushare.gpu.gputype import CardChoice
 from gpushare.gpu.topology import Topology, prefer
@@ -177,7 +178,7 @@ class DevicePluginFrontDoor:
         """One server per MIG resource of the plan, offered from the hardware board
         (a MIG card is never sliced, so no other use competes for its devices)."""
         settings, plan = self.core.settings, self.core.found.mig_plan
-        prefix = migserve.NVIDIA_PREFIX if settings.mig_nvidia_names else settings.resource_prefix
+        prefix = mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix)
         specs = migserve.read_device_specs(plan) if settings.mig_device_specs else None
         named = []
         for name, devices in migserve.resources(plan, prefix):
@@ -187,6 +188,7 @@ class DevicePluginFrontDoor:
                 self.core.mig_health,
                 self.stopping,
                 answer=migserve.answer_builder(self.listing, specs=specs),
+                on_allocated=self.core.whole_allocated,  # annotated and published as whole cards
             )
             named.append(self._serve(servicer, migserve.socket_name(devices), name))
         return named

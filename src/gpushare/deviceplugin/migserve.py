@@ -29,8 +29,6 @@ MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"
 CAP_DEVICE_DIR = "/dev/nvidia-caps"
 #: Control nodes a CUDA program opens besides its card, passed where the host has them.
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
-#: The prefix of NVIDIA's plugin, for ``--mig-nvidia-names``.
-NVIDIA_PREFIX = "nvidia.com"
 
 
 def resources(plan: MigPlan, prefix: str) -> list[tuple[str, ExclusiveResource]]:

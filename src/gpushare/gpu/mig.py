@@ -26,6 +26,8 @@ from gpushare.gpu.migprofile import ProfileError, resource_suffix
 
 #: The resource name (after the prefix) of MIG devices in the ``single`` strategy.
 SINGLE_RESOURCE = "gpu"
+#: The prefix of NVIDIA's plugin, for ``--mig-nvidia-names``.
+NVIDIA_PREFIX = "nvidia.com"
 
 
 class MigStrategy(enum.Enum):
@@ -200,3 +202,8 @@ def labels(plan: MigPlan, prefix: str) -> dict[str, str]:
 def health_keys(plan: MigPlan) -> list[str]:
     """The health board's keys for MIG: the cards and their served MIG devices."""
     return [gpu.uuid for gpu in plan.mig_cards] + [d.uuid for d in plan.mig_devices]
+
+
+def resource_prefix(nvidia_names: bool, prefix: str) -> str:
+    """The prefix MIG resources are named with: NVIDIA's with ``--mig-nvidia-names``."""
+    return NVIDIA_PREFIX if nvidia_names else prefix

@@ -46,10 +46,12 @@ from typing import Any
 
 import structlog
 
+from gpushare.host.cachefs import bound
 from gpushare.host.diskuse import Usage, measure
 from gpushare.host.library import (
     CACHE_LOCK,
     LIBRARY_NAME,
+    LOCK_DIR_NAME,
     cache_key,
     cache_root,
     ensure_lock_dir,
@@ -130,6 +132,27 @@ class GarbageCollector:
         # the first pass that found no container holding it
         self._waiting_from: dict[str, float] = {}
         self._last_run: float | None = None
+        self._bound_logged = False
+
+    def _log_bound(self) -> None:
+        """Say once what bounds the space tenants can write (host/cachefs.py)."""
+        found = bound(self.host_dir)
+        if found is None:
+            return
+        if found.own:
+            log.info(
+                "cache_fs_bounded",
+                fs_type=found.fs_type,
+                size_bytes=found.size_bytes,
+                free_bytes=found.free_bytes,
+            )
+        else:
+            log.warning(
+                "cache_fs_unbounded",
+                path=str(self.root),
+                shared_fs_bytes=found.size_bytes,
+                remedy="run the DaemonSet's cache-fs init container (docs/security.md)",
+            )
 
     def maybe_collect(self, snapshot: Snapshot) -> Collected | None:
         """Collect, at most about twice per grace period (and at least every minute)."""
@@ -165,6 +188,9 @@ class GarbageCollector:
         self._measure(keys - set(collected.records), snapshot)
         if self._check_lock_dir:
             ensure_lock_dir(self.host_dir)
+        if not self._bound_logged:
+            self._bound_logged = True
+            self._log_bound()
         if self._on_pass is not None:
             self._on_pass()
         return collected
@@ -179,6 +205,8 @@ class GarbageCollector:
         try:
             for key in sorted(keys):
                 usage[key] = measure(root_fd, key)
+            if os.path.lexists(self.root / LOCK_DIR_NAME):  # shared: measured too
+                usage[LOCK_DIR_NAME] = measure(root_fd, LOCK_DIR_NAME)
         finally:
             os.close(root_fd)
         self.usage = usage

@@ -127,26 +127,75 @@ def _lock_dir_problem(path: Path) -> str | None:
         return "missing"
     if not stat.S_ISDIR(info.st_mode):
         return "not a directory (a link or a file)"
-    if info.st_uid != os.geteuid():
-        return f"owned by uid {info.st_uid}"
     if stat.S_IMODE(info.st_mode) != LOCK_DIR_MODE:
         return f"mode {stat.S_IMODE(info.st_mode):04o}"
+    if info.st_uid != os.geteuid():
+        if (info.st_dev, info.st_ino) in _FOREIGN_OWNER_SEEN:
+            return None  # already tried and reported: the mode is right, nothing to do
+        return f"owned by uid {info.st_uid}"
     return None
+
+
+def _repair_in_place(path: Path) -> str:
+    """Give the directory at ``path`` mode 1777 (and the daemon's ownership, when the
+    daemon may chown) through a descriptor opened without following a link: the same
+    inode stays, so every running container keeps a working lock directory. Returns
+    what is left wrong ("" for nothing). Raises OSError when ``path`` is no directory."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY)
+    try:
+        info = os.fstat(fd)
+        through = f"/proc/self/fd/{fd}"  # the inode behind fd, never a link's target
+        if stat.S_IMODE(info.st_mode) != LOCK_DIR_MODE:
+            os.chmod(through, LOCK_DIR_MODE)  # CAP_FOWNER for another uid's directory:
+            # without it, PermissionError: the caller replaces the directory instead
+        if info.st_uid != os.geteuid() or info.st_gid != os.getegid():
+            try:
+                os.chown(through, os.geteuid(), os.getegid())
+            except PermissionError:  # no CAP_CHOWN (the DaemonSet drops it): harmless,
+                # the directory sits in the 0700 root; its mode is what containers need
+                return f"owned by uid {info.st_uid}"
+        return ""
+    finally:
+        os.close(fd)
+
+
+#: Lock directories whose foreign owner was reported already (by inode), logged once.
+_FOREIGN_OWNER_SEEN: set[tuple[int, int]] = set()
 
 
 def ensure_lock_dir(host_dir: Path) -> Path:
     """The host directory mounted at ``/tmp/vgpulock`` in every container, checked and
     repaired; never raises (a tenant must not be able to stop the daemon from starting).
 
-    Containers share it read-write, so a tenant can chown, chmod or fill it. Anything
-    but a directory of the daemon's with mode 1777 is buried (renamed into the trash:
-    it is never followed, whatever it is) and replaced by a fresh one. Running
-    containers keep the one they mounted; new ones get the fresh one."""
+    Containers share it read-write, so a tenant can chown, chmod or fill it. A directory
+    with the wrong mode or owner is repaired IN PLACE, through a descriptor (issue 23
+    item 5): it is what every running container has mounted, so it is never buried nor
+    replaced (a replaced one left each running container an unlinked directory in
+    which HAMi-core could create no lock file). Without CAP_CHOWN a foreign owner stays
+    (logged once); the mode is restored. Only something that is not a directory (a
+    link or a file: no container mounts those) is buried and replaced."""
     root = cache_root(host_dir)
     path = root / LOCK_DIR_NAME
     problem = _lock_dir_problem(path)
     if problem is None:
         return path
+    if problem != "missing" and not problem.startswith("not a directory"):
+        try:
+            left = _repair_in_place(path)
+        except PermissionError:
+            # Another uid's directory and no CAP_FOWNER (the DaemonSet keeps it): the
+            # best left is the old way, a fresh directory for new containers.
+            left = None
+        except OSError as exc:  # swapped for a link or file meanwhile: the next pass
+            log.error("lock_dir_unusable", path=str(path), problem=problem, error=str(exc))
+            return path
+        if left is not None:
+            if left:
+                info = os.lstat(path)
+                _FOREIGN_OWNER_SEEN.add((info.st_dev, info.st_ino))
+            log.warning("lock_dir_repaired", path=str(path), problem=problem, left=left or None)
+            return path
+        problem += " (cannot repair in place without CAP_FOWNER)"
     try:
         ensure_cache_root(host_dir)
         if problem != "missing":

@@ -40,7 +40,7 @@ from gpushare.kube.podspecs import PodSpecBook
 from gpushare.kube.podwatch import PodWatch
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.records import Snapshot
-from gpushare.share.usage import UsageLedger
+from gpushare.share.usage import Holder, UsageLedger
 
 log = structlog.get_logger(__name__)
 
@@ -86,10 +86,11 @@ def connect_api() -> ApiClient:
 
 @dataclass
 class _PendingPodAnnotation:
-    resource: Resource
-    uuid: str
+    resource: Resource | None  # None: a whole card or MIG device of ``exclusive``
+    uuid: str  # the annotation's value: the card, or the whole devices, comma-separated
     first_id: str
     tries: int = 0
+    exclusive: str = ""  # the exclusive resource's full name
 
 
 class ApiLink:
@@ -133,6 +134,9 @@ class ApiLink:
         #: choices, gputype.py).
         self.pod_listeners: list[Callable[[list[dict[str, Any]]], None]] = []
         self.pods.on_pods = self._pods_changed
+        #: Who holds what whole, the cards' own health and the cards not shared
+        #: (:class:`gpushare.node.cardfacts.CardFacts`); None: shared cards only.
+        self.card_extras: Callable[[], nodestate.CardExtras] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -154,6 +158,15 @@ class ApiLink:
     def notify_allocated(self, resource: Resource, uuid: str, first_id: str) -> None:
         """Called after every Allocate: annotate the pod, publish the new use."""
         self._pending.append(_PendingPodAnnotation(resource, uuid, first_id))
+        self._wake.set()
+
+    def notify_exclusive_allocated(self, resource: str, device_ids: list[str]) -> None:
+        """Called after every Allocate of whole cards or MIG devices: annotate the pod
+        like a shared allocation (the value lists the devices), publish the new state."""
+        if device_ids:
+            item = _PendingPodAnnotation(None, ",".join(device_ids), device_ids[0])
+            item.exclusive = resource
+            self._pending.append(item)
         self._wake.set()
 
     def notify_changed(self) -> None:
@@ -231,6 +244,8 @@ class ApiLink:
         memory_used = self.usage.used_counts(Resource.MEMORY)
         core_used = self.usage.used_counts(Resource.CORE)
         pods = {uuid: self._counted(uuid, counted.get(uuid, {})) for uuid in self.inventory.cards}
+        extras = self.card_extras() if self.card_extras is not None else nodestate.CardExtras()
+        hardware = extras.hardware_healthy or {}
         cards = tuple(
             nodestate.CardState(
                 uuid=card.uuid,
@@ -242,6 +257,8 @@ class ApiLink:
                 core_units=card.units(Resource.CORE),
                 core_units_used=core_used.get(card.uuid, 0),
                 healthy=self.health.is_healthy(card.uuid),
+                held_by=extras.held_by(card.uuid),
+                hardware_healthy=hardware.get(card.uuid),
                 pods=pods[card.uuid][0],
                 pods_truncated=pods[card.uuid][1],
             )
@@ -252,6 +269,7 @@ class ApiLink:
             updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             memory_unit_mib=self.inventory.memory_unit_mib,
             cards=cards,
+            whole=extras.whole,
         )
 
     def labels(self) -> dict[str, str]:
@@ -286,7 +304,7 @@ class ApiLink:
         batch_only: list[tuple[str, str, str]] = []
         while self._pending:
             item = self._pending.popleft()
-            holder = snapshot.holder_of(item.resource, item.first_id) if snapshot else None
+            holder = _holder(snapshot, item)
             if holder is None:
                 item.tries += 1
                 if item.tries < POD_ANNOTATION_TRIES:
@@ -331,6 +349,8 @@ class ApiLink:
                 gpu=item.uuid,
             )
             self.annotations_handled += 1
+            if item.resource is None:
+                self._wake.set()  # publish again: the records now name the holder
             self._annotated[done_key] = None
             while len(self._annotated) > ANNOTATED_MEMORY:
                 self._annotated.pop(next(iter(self._annotated)))
@@ -347,6 +367,14 @@ class ApiLink:
     def refresh_pods_now(self) -> bool:
         """Re-read this node's pods now (bounded and rate-limited); True if it did."""
         return self.pods.refresh_now()
+
+
+def _holder(snapshot: Snapshot | None, item: _PendingPodAnnotation) -> Holder | None:
+    if snapshot is None:
+        return None
+    if item.resource is None:
+        return snapshot.exclusive.get(item.exclusive, {}).get(item.first_id)
+    return snapshot.holder_of(item.resource, item.first_id)
 
 
 def _short(exc: Exception) -> str:

@@ -33,6 +33,19 @@ KINDS: dict[tuple[str, str], tuple[str, bool]] = {
         False,
     ),
     ("apps/v1", "DaemonSet"): ("/apis/apps/v1/namespaces/{namespace}/daemonsets", True),
+    ("networking.k8s.io/v1", "NetworkPolicy"): (
+        "/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies",
+        True,
+    ),
+    ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy"): (
+        "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies",
+        False,
+    ),
+    ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding"): (
+        "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicybindings",
+        False,
+    ),
+    ("v1", "Pod"): ("/api/v1/namespaces/{namespace}/pods", True),
 }
 
 
@@ -82,13 +95,21 @@ class Cluster:
     def __init__(self, kubeconfig: str | None = None, context: str | None = None) -> None:
         """``kubeconfig`` and ``context`` as kubectl's flags: the file (else $KUBECONFIG,
         else ~/.kube/config; in a pod without either, the service account) and the
-        context in it (else its current context)."""
+        context in it (else its current context).
+
+        With the ``kubernetes`` package (an installed plugin) every kind of kubeconfig
+        credential works; without it (the single-file plugin, ``make kubectl-plugin``) the
+        standard-library client of :mod:`gpushare.kube.kubeclient` is used: tokens and
+        client certificates, no exec or auth-provider plugins."""
+        self._api_client: Any = None
+        self._plain: Any = None
+        in_cluster = not (kubeconfig or context or os.environ.get("KUBECONFIG"))
         try:
             from kubernetes import client, config
-        except ImportError as exc:  # pragma: no cover - a dependency
-            raise NoCluster(f"the kubernetes package is missing: {exc}") from None
+        except ImportError:
+            self._connect_plain(kubeconfig, context, in_cluster)
+            return
         configuration = client.Configuration()
-        in_cluster = not (kubeconfig or context or os.environ.get("KUBECONFIG"))
         try:
             if in_cluster and os.environ.get("KUBERNETES_SERVICE_HOST"):
                 config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
@@ -103,6 +124,29 @@ class Cluster:
         self._api_client = client.ApiClient(configuration)
         self._host = configuration.host
 
+    def _connect_plain(self, kubeconfig: str | None, context: str | None, in_cluster: bool) -> None:
+        from pathlib import Path
+
+        from gpushare.kube.kubeclient import (
+            ApiClient,
+            KubeConfigError,
+            in_cluster_endpoint,
+            kubeconfig_endpoint,
+        )
+
+        try:
+            if in_cluster and os.environ.get("KUBERNETES_SERVICE_HOST"):
+                endpoint = in_cluster_endpoint(os.environ)
+            else:
+                paths = (kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config").split(
+                    os.pathsep
+                )
+                endpoint = kubeconfig_endpoint(Path(paths[0]).expanduser(), context)
+        except KubeConfigError as exc:
+            raise NoCluster(f"no usable kubeconfig: {exc}") from None
+        self._plain = ApiClient(endpoint)
+        self._host = endpoint.describe()
+
     # ------------------------------------------------------------------ plumbing
     def _call(
         self,
@@ -111,10 +155,13 @@ class Cluster:
         query: Mapping[str, str] | None = None,
         body: Any = None,
         content_type: str = "application/json",
+        raw: bool = False,
     ) -> Any:
-        """One request; the answer's JSON, or None for 404 Not Found."""
+        """One request; the answer's JSON (``raw``: its text), or None for 404 Not Found."""
+        if self._plain is not None:
+            return self._call_plain(method, path, query, body, content_type, raw)
         api = self._api_client
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": "*/*" if raw else "application/json"}
         if body is not None:
             headers["Content-Type"] = content_type
         try:
@@ -127,7 +174,7 @@ class Cluster:
                 auth_settings=["BearerToken"],
             )
             response = api.call_api(*request, _request_timeout=TIMEOUT_SECONDS)
-            response.read()  # type: ignore[no-untyped-call]
+            response.read()
         except Exception as exc:
             raise NoCluster(
                 f"cannot reach the API server at {self._host}: {root_cause(exc)}"
@@ -137,7 +184,41 @@ class Cluster:
         if response.status >= 400:
             raise ApiError(_api_message(response.status, response.reason, response.data))
         data = response.data
+        if raw:
+            return data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
         return json.loads(data) if data else {}
+
+    def _call_plain(
+        self,
+        method: str,
+        path: str,
+        query: Mapping[str, str] | None,
+        body: Any,
+        content_type: str,
+        raw: bool,
+    ) -> Any:
+        import http.client
+
+        from gpushare.kube.kubeclient import ApiStatusError, KubeConfigError
+
+        try:
+            return self._plain.request(
+                method,
+                path,
+                query={k: v for k, v in (query or {}).items() if v != ""} or None,
+                body=body,
+                content_type=content_type,
+                timeout=TIMEOUT_SECONDS,
+                raw=raw,
+            )
+        except ApiStatusError as exc:
+            if exc.status == 404:
+                return None
+            raise ApiError(str(exc)) from None
+        except (OSError, http.client.HTTPException, KubeConfigError) as exc:
+            raise NoCluster(
+                f"cannot reach the API server at {self._host}: {root_cause(exc)}"
+            ) from None
 
     def _path(self, obj: Mapping[str, Any]) -> str:
         key = (str(obj.get("apiVersion")), str(obj.get("kind")))
@@ -148,6 +229,13 @@ class Cluster:
         if namespaced:
             collection = collection.format(namespace=quote(str(meta["namespace"]), safe=""))
         return f"{collection}/{quote(str(meta['name']), safe='')}"
+
+    def serves(self, obj: Mapping[str, Any]) -> bool:
+        """Whether the API server serves ``obj``'s kind at its apiVersion (discovery)."""
+        version = str(obj.get("apiVersion"))
+        path = "/api/v1" if version == "v1" else f"/apis/{version}"
+        answer = self._call("GET", path) or {}
+        return any(r.get("kind") == obj.get("kind") for r in answer.get("resources") or [])
 
     # ------------------------------------------------------------------ objects
     def read(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -164,6 +252,18 @@ class Cluster:
             dict(obj),
             "application/apply-patch+yaml",
         )
+        return result
+
+    def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """POST ``obj`` to its collection (an error if it exists)."""
+        collection = self._path(obj).rsplit("/", 1)[0]
+        result: dict[str, Any] = self._call("POST", collection, body=dict(obj))
+        return result
+
+    def pod_log(self, namespace: str, name: str, limit_bytes: int = 1 << 20) -> str | None:
+        """The pod's (only) container's log, at most ``limit_bytes``; None if gone."""
+        path = f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}/log"
+        result: str | None = self._call("GET", path, {"limitBytes": str(limit_bytes)}, raw=True)
         return result
 
     def delete(self, obj: Mapping[str, Any]) -> bool:

@@ -40,6 +40,8 @@ from urllib.parse import urlencode, urlsplit
 
 import yaml
 
+from gpushare.kube.jsonstream import ListStream
+
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 #: The longest line a watch may send (one pod as JSON is a few KiB; this bounds a bad one).
 MAX_EVENT_BYTES = 16 << 20
@@ -138,7 +140,8 @@ def _material(section: Mapping[str, Any], key: str, base: Path) -> tuple[str | N
     return None, None
 
 
-def kubeconfig_endpoint(path: Path) -> Endpoint:
+def kubeconfig_endpoint(path: Path, context_name: str | None = None) -> Endpoint:
+    """The endpoint of ``context_name`` (else the current context) of the kubeconfig."""
     try:
         text = path.read_text()
     except OSError as exc:
@@ -149,7 +152,7 @@ def kubeconfig_endpoint(path: Path) -> Endpoint:
         raise KubeConfigError(f"{path} is not YAML: {str(exc).splitlines()[0]}") from None
     if not isinstance(config, dict):
         raise KubeConfigError(f"{path} is not a kubeconfig")
-    current = config.get("current-context")
+    current = context_name or config.get("current-context")
     if not current:
         raise KubeConfigError(f"{path} has no current-context")
     context = _named(config.get("contexts"), str(current), "context", path)
@@ -272,9 +275,11 @@ class ApiClient:
         body: Any = None,
         content_type: str | None = None,
         timeout: float = 5.0,
+        raw: bool = False,
     ) -> Any:
-        """Send one request; the answer's JSON. Raises :class:`ApiStatusError` for an
-        error status, ``OSError`` (or ``http.client.HTTPException``) when unreachable."""
+        """Send one request; the answer's JSON (``raw``: its text). Raises
+        :class:`ApiStatusError` for an error status, ``OSError`` (or
+        ``http.client.HTTPException``) when unreachable."""
         data = json.dumps(body).encode() if body is not None else None
         headers = self._headers(content_type if data is not None else None)
         url = self.url(path, query)
@@ -302,6 +307,8 @@ class ApiClient:
                     self._idle.append(conn)
             if response.status >= 400:
                 raise _error_of(response.status, response.reason, answer)
+            if raw:
+                return answer.decode("utf-8", errors="replace")
             return json.loads(answer) if answer else {}
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -325,6 +332,22 @@ class ApiClient:
             conn.close()
             raise
         return Watch(conn, response)
+
+    @contextlib.contextmanager
+    def stream_list(
+        self, path: str, query: Mapping[str, str], timeout: float
+    ) -> Iterator[ListStream]:
+        """GET a list and read its items one at a time (:class:`ListStream`): a large
+        answer never sits in memory whole. Raises like :meth:`request` on failure."""
+        conn = self._connect(timeout)
+        try:
+            conn.request("GET", self.url(path, query), headers=self._headers(None))
+            response = conn.getresponse()
+            if response.status >= 400:
+                raise _error_of(response.status, response.reason, response.read(64 << 10))
+            yield ListStream(response.read)
+        finally:
+            conn.close()
 
     def close(self) -> None:
         with self._lock:

@@ -8,7 +8,20 @@ extender and ``kubectl gpushare inspect`` read it. JSON, one object per card::
      "gpus": [{"uuid": "GPU-...", "index": 0, "name": "Tesla P4", "memory_mib": 7611,
                "memory_units": 29, "memory_units_used": 20, "core_units": 100,
                "core_units_used": 30, "healthy": true,
-               "pods": {"6f1c...": [20, 30]}, "pods_truncated": false}]}
+               "held_by": "", "hardware_healthy": true,
+               "pods": {"6f1c...": [20, 30]}, "pods_truncated": false}],
+     "wholeGpus": [{"uuid": "GPU-...", "index": 1, "name": "A100", "memory_mib": 40960,
+                    "healthy": true, "held_by": "ml/train-0/main",
+                    "mig": [{"uuid": "MIG-...", "profile": "3g.20gb",
+                             "resource": "gpushare.io/mig-3g.20gb", "healthy": true,
+                             "held_by": ""}]}]}
+
+``healthy`` of a shared card is whether its units are offered (false while it is held
+whole, see ``exclusion.py``): what the scheduler extender places by. ``hardware_healthy``
+is the card's own health and ``held_by`` who holds it whole (``namespace/pod/container``);
+both were added later and are optional. ``wholeGpus`` lists the cards not offered as
+shared units (whole-only cards and MIG cards with their MIG devices), so that readers
+see every card the node's ``gpu.count`` label counts.
 
 ``pods`` names what the card's counts include, per pod: its UID (or
 ``namespace/name`` when the daemon does not know the UID yet) -> the memory and core
@@ -44,6 +57,10 @@ class CardState:
     core_units: int
     core_units_used: int
     healthy: bool
+    #: ``namespace/pod/container`` holding the card whole ("" when none does).
+    held_by: str = ""
+    #: The card's own health (None: published by a daemon that did not say).
+    hardware_healthy: bool | None = None
     #: pod key (UID, else ``namespace/name``) -> (memory, core) units counted here;
     #: None when the daemon does not say
     pods: tuple[tuple[str, int, int], ...] | None = None
@@ -59,11 +76,66 @@ class CardState:
 
 
 @dataclass(frozen=True)
+class MigState:
+    """A MIG device served whole, under its card."""
+
+    uuid: str
+    profile: str
+    resource: str
+    healthy: bool
+    held_by: str = ""
+
+
+@dataclass(frozen=True)
+class WholeCardState:
+    """A card not offered as shared units: a whole-only card or a card in MIG mode."""
+
+    uuid: str
+    index: int
+    name: str
+    memory_mib: int
+    healthy: bool
+    held_by: str = ""
+    mig: tuple[MigState, ...] = ()
+
+
+@dataclass(frozen=True)
+class Hold:
+    """One whole card or MIG device held by one container (the kubelet's records)."""
+
+    resource: str
+    device: str
+    card: str
+    namespace: str
+    pod: str
+    container: str
+
+    @property
+    def holder(self) -> str:
+        return f"{self.namespace}/{self.pod}/{self.container}"
+
+
+@dataclass(frozen=True)
+class CardExtras:
+    """What the node knows beyond the shared units: who holds what whole, each card's
+    own health, and the cards not offered as shared units."""
+
+    holds: tuple[Hold, ...] = ()
+    hardware_healthy: dict[str, bool] | None = None
+    whole: tuple[WholeCardState, ...] = ()
+
+    def held_by(self, device: str) -> str:
+        """``namespace/pod/container`` holding ``device`` (a card or MIG UUID), or ""."""
+        return next((h.holder for h in self.holds if h.device == device), "")
+
+
+@dataclass(frozen=True)
 class NodeGpuState:
     generation: int
     updated: str
     memory_unit_mib: int
     cards: tuple[CardState, ...]
+    whole: tuple[WholeCardState, ...] = ()
 
 
 def annotation_key(prefix: str) -> str:
@@ -154,6 +226,7 @@ def encode(state: NodeGpuState) -> str:
             "updated": state.updated,
             "memoryUnitMiB": state.memory_unit_mib,
             "gpus": [_card_json(card) for card in state.cards],
+            **({"wholeGpus": [asdict(card) for card in state.whole]} if state.whole else {}),
         },
         separators=(",", ":"),
     )
@@ -190,6 +263,38 @@ def _field(data: dict[str, Any], key: str, kind: type, where: str) -> Any:
     return value
 
 
+def _optional(data: dict[str, Any], key: str, kind: type, where: str, default: Any) -> Any:
+    return default if data.get(key) is None else _field(data, key, kind, where)
+
+
+def _decode_whole(entry: Any, where: str) -> WholeCardState:
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} must be an object")
+    devices = []
+    for position, device in enumerate(_optional(entry, "mig", list, where, [])):
+        at = f"{where}.mig[{position}]"
+        if not isinstance(device, dict):
+            raise ValueError(f"{at} must be an object")
+        devices.append(
+            MigState(
+                uuid=_field(device, "uuid", str, at),
+                profile=_field(device, "profile", str, at),
+                resource=_field(device, "resource", str, at),
+                healthy=_field(device, "healthy", bool, at),
+                held_by=_optional(device, "held_by", str, at, ""),
+            )
+        )
+    return WholeCardState(
+        uuid=_field(entry, "uuid", str, where),
+        index=_field(entry, "index", int, where),
+        name=_field(entry, "name", str, where),
+        memory_mib=_field(entry, "memory_mib", int, where),
+        healthy=_field(entry, "healthy", bool, where),
+        held_by=_optional(entry, "held_by", str, where, ""),
+        mig=tuple(devices),
+    )
+
+
 def decode(text: str) -> NodeGpuState:
     """Parse the annotation; a ValueError says what is wrong with it."""
     try:
@@ -217,13 +322,17 @@ def decode(text: str) -> NodeGpuState:
                 core_units=_field(entry, "core_units", int, where),
                 core_units_used=_field(entry, "core_units_used", int, where),
                 healthy=_field(entry, "healthy", bool, where),
+                held_by=_optional(entry, "held_by", str, where, ""),
+                hardware_healthy=_optional(entry, "hardware_healthy", bool, where, None),
                 pods=_pods(entry, where),
                 pods_truncated=entry.get("pods_truncated") is True,
             )
         )
+    whole = _optional(data, "wholeGpus", list, "annotation", [])
     return NodeGpuState(
         generation=_field(data, "generation", int, "annotation"),
         updated=str(data.get("updated", "")),
         memory_unit_mib=_field(data, "memoryUnitMiB", int, "annotation"),
         cards=tuple(cards),
+        whole=tuple(_decode_whole(e, f"wholeGpus[{i}]") for i, e in enumerate(whole)),
     )

@@ -92,24 +92,27 @@ class _Entry:
     plan: tuple[tuple[str, str], ...] = ()
 
 
-def _together(containers: Sequence[SpecContainer]) -> list[SpecContainer]:
-    """What to place together, starting with the first of ``containers``: an init
-    container alone, an app container with the app containers after it."""
-    if containers[0].init:
-        return [containers[0]]
-    return [c for c in containers if not c.init]
+def _planned(entry: _Entry, container: str) -> tuple[str, ...] | None:
+    """The extender's card for each container placed together from ``container`` on,
+    or None if it planned not all of them (an init container is never planned: it fits
+    anywhere alone)."""
+    names = [c.name for c in entry.containers]
+    if container not in names or not entry.plan:
+        return None
+    rest = entry.containers[names.index(container) :]
+    if rest[0].init:
+        return None
+    plan = dict(entry.plan)
+    cards = tuple(plan.get(c.name, "") for c in rest if not c.init)
+    return cards if cards and all(cards) else None
 
 
 def _plan_from(containers: Sequence[SpecContainer]) -> list[Need]:
-    return [c.need for c in _together(containers)]
-
-
-def _planned(entry: _Entry, containers: Sequence[SpecContainer]) -> tuple[str, ...] | None:
-    """The extender's card for each container placed together, or None if it planned
-    not all of them (an init container is never planned: it fits anywhere alone)."""
-    plan = dict(entry.plan)
-    cards = tuple(plan.get(c.name, "") for c in _together(containers))
-    return cards if cards and all(cards) and not containers[0].init else None
+    """What to place together, starting with the first of ``containers``: an init
+    container alone, an app container with the app containers after it."""
+    if containers[0].init:
+        return [containers[0].need]
+    return [c.need for c in containers if not c.init]
 
 
 class PodSpecBook:
@@ -193,16 +196,16 @@ class PodSpecBook:
         with self._lock:
             return len(self._pods)
 
-    def _find(self, holder: Holder) -> _Entry | None:
-        """The pod of that name being admitted: Pending and not being deleted. A copy of
-        the same name that runs or is going away (a pod deleted and created again while
-        the watch lags) is not it; two live copies are ambiguous: None."""
+    def _find(self, holder: Holder, *, pending_only: bool) -> _Entry | None:
+        """The live pod of that name (not being deleted; the book keeps no terminal
+        pod); with ``pending_only``, only a Pending one. Two live copies are ambiguous:
+        None."""
         with self._lock:
             live = [
                 entry
                 for entry in self._pods.values()
                 if (entry.namespace, entry.name) == (holder.namespace, holder.pod)
-                and entry.phase == "Pending"
+                and (entry.phase == "Pending" or not pending_only)
                 and not entry.deleting
             ]
         return live[0] if len(live) == 1 else None
@@ -215,24 +218,20 @@ class PodSpecBook:
                     return uid
         return None
 
-    def only_uid_of(self, namespace: str, name: str) -> str | None:
-        """The UID of the one pod of that name on record; None if none or several (a pod
-        deleted and created again under its name while the old one still goes away)."""
-        with self._lock:
-            uids = [
-                uid
-                for uid, entry in self._pods.items()
-                if (entry.namespace, entry.name) == (namespace, name)
-            ]
-        return uids[0] if len(uids) == 1 else None
-
     def requests_of(self, holder: Holder) -> dict[Resource, int] | None:
-        """Units of each resource the container of a pod being admitted asks for; None
-        if no such pod is on record (after one bounded re-read of the pods, when the
-        book has a way to re-read)."""
-        entry = self._find(holder)
+        """Units of each resource the named container asks for; None if the book
+        cannot tell.
+
+        From the book as the watch left it, only a Pending pod of that name speaks: a
+        copy that runs may be a pod deleted and created again while the watch lags.
+        Otherwise the pods are re-read once (bounded, rate-limited): the API server
+        holds at most one pod of a name, so after that fresh read the one live pod of
+        that name speaks whatever its phase. A container bound moments ago by a pod
+        that has started since (Running) is still the holder the records name, and its
+        spec is still a fact (issue 23 item 8)."""
+        entry = self._find(holder, pending_only=True)
         if entry is None and self.on_miss is not None and self.on_miss():
-            entry = self._find(holder)
+            entry = self._find(holder, pending_only=False)
         if entry is None:
             return None
         for container in entry.containers:
@@ -326,15 +325,38 @@ class PodSpecBook:
         containers, one plan per pod the asking container can be that needs exactly
         what the answer places (pods alike in what they ask are interchangeable: any of
         their plans that still fits will do)."""
-        held = records.devices if records is not None else {}
-        found = self._candidates(resource, size, held, last_holder)
-        if not found and self.on_miss is not None and self.on_miss():
-            found = self._candidates(resource, size, held, last_holder)
+        found = self._asking(resource, size, records, last_holder)
         if not found:
             return None, []
-        agreed = self._agreed([needs for needs, _cards in found])
-        plans = [cards for needs, cards in found if cards is not None and needs == agreed]
+        agreed = self._agreed([needs for _holder, needs in found])
+        plans = []
+        for holder, needs in found:
+            if needs != agreed:
+                continue
+            cards = self._plan_of(holder)
+            if cards is not None:
+                plans.append(cards)
         return agreed, plans
+
+    def _plan_of(self, holder: Holder) -> tuple[str, ...] | None:
+        with self._lock:
+            entries = [
+                e
+                for e in self._pods.values()
+                if (e.namespace, e.name) == (holder.namespace, holder.pod)
+            ]
+        return _planned(entries[0], holder.container) if len(entries) == 1 else None
+
+    def only_uid_of(self, namespace: str, name: str) -> str | None:
+        """The UID of the one pod of that name on record; None if none or several (a pod
+        deleted and created again under its name while the old one still goes away)."""
+        with self._lock:
+            uids = [
+                uid
+                for uid, entry in self._pods.items()
+                if (entry.namespace, entry.name) == (namespace, name)
+            ]
+        return uids[0] if len(uids) == 1 else None
 
     @staticmethod
     def _agreed(candidates: list[list[Need]]) -> list[Need] | None:
@@ -345,13 +367,38 @@ class PodSpecBook:
             return first[:1]
         return None
 
+    def asking_without_memory(
+        self, size: int, records: Snapshot | None, last_holder: Holder | None = None
+    ) -> Holder | None:
+        """The container now asking ``size`` core units, when the pods on record show
+        it asks no memory units (none, or 0: the kubelet skips a zero quantity), so that
+        it would run with the whole card's memory; None when it asks memory or the book
+        cannot tell which container it is. Every candidate must agree."""
+        candidates = self._asking(Resource.CORE, size, records, last_holder)
+        if not candidates or any(plan[0].memory for _holder, plan in candidates):
+            return None
+        return candidates[0][0]
+
+    def _asking(
+        self,
+        resource: Resource,
+        size: int,
+        records: Snapshot | None,
+        last_holder: Holder | None,
+    ) -> list[tuple[Holder, list[Need]]]:
+        held = records.devices if records is not None else {}
+        candidates = self._candidates(resource, size, held, last_holder)
+        if not candidates and self.on_miss is not None and self.on_miss():
+            candidates = self._candidates(resource, size, held, last_holder)
+        return candidates
+
     def _candidates(
         self,
         resource: Resource,
         size: int,
         held: Mapping[Holder, Any],
         last_holder: Holder | None,
-    ) -> list[tuple[list[Need], tuple[str, ...] | None]]:
+    ) -> list[tuple[Holder, list[Need]]]:
         with self._lock:
             pods = list(self._pods.values())
 
@@ -368,14 +415,16 @@ class PodSpecBook:
                 after = entry.containers[names.index(last_holder.container) + 1 :]
                 rest = [c for c in after if not holds(entry, c)]
                 if rest and rest[0].needs.get(resource, 0) == size:
-                    return [(_plan_from(rest), _planned(entry, rest))]
+                    return [(Holder(entry.namespace, entry.name, rest[0].name), _plan_from(rest))]
                 break
         found = []
         for entry in pods:
-            if entry.phase != "Pending":
+            if entry.phase != "Pending" or entry.deleting:
                 continue
             if any(holds(entry, c) for c in entry.containers if not c.init):
                 continue
-            if entry.containers[0].needs.get(resource, 0) == size:
-                found.append((_plan_from(entry.containers), _planned(entry, entry.containers)))
+            first = entry.containers[0]
+            if first.needs.get(resource, 0) == size:
+                holder = Holder(entry.namespace, entry.name, first.name)
+                found.append((holder, _plan_from(entry.containers)))
         return found

@@ -1,6 +1,9 @@
 """Keeps the :class:`~gpushare.kube.podspecs.PodSpecBook` of this node's pods current.
 
-One thread lists the pods bound to the node, then watches them from the list's
+One thread lists the live pods bound to the node (terminal ones are left out by the
+field selector ``status.phase!=...``), in pages (``limit``/``continue``) read one
+item at a time (``jsonstream``), each pod reduced at once to the few fields the daemon
+reads (``podslim``; non-GPU and terminal pods are dropped), then watches them from the list's
 ``resourceVersion`` (with bookmarks, so a quiet watch still moves forward), and resumes
 from the last version seen when the server ends a watch. A 410 Gone (history
 compacted) lists again; any other failure is retried with a growing delay. Between
@@ -22,6 +25,7 @@ from typing import Any
 import structlog
 
 from gpushare.kube.kubeclient import ApiClient, ApiStatusError, Watch
+from gpushare.kube.podslim import slim
 from gpushare.kube.podspecs import PodSpecBook
 
 log = structlog.get_logger(__name__)
@@ -35,6 +39,9 @@ READ_GRACE = 60.0
 MAX_BACKOFF = 60.0
 ON_DEMAND_TIMEOUT = 1.0
 ON_DEMAND_MIN_INTERVAL = 0.2
+#: Pods per list page (client-go's pager uses 500); memory does not depend on it, as
+#: items are read one at a time.
+PAGE_LIMIT = 250
 
 
 class Gone(Exception):
@@ -70,7 +77,10 @@ class PodWatch:
 
     @property
     def query(self) -> dict[str, str]:
-        return {"fieldSelector": f"spec.nodeName={self.node_name}"}
+        return {
+            "fieldSelector": f"spec.nodeName={self.node_name},"
+            "status.phase!=Succeeded,status.phase!=Failed"
+        }
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="pod-watch", daemon=True)
@@ -86,17 +96,34 @@ class PodWatch:
 
     # ------------------------------------------------------------------ list
     def _list(self, api: ApiClient, timeout: float) -> None:
-        answer = api.get(PODS, timeout=timeout, **self.query)
-        items = [item for item in answer.get("items") or [] if isinstance(item, dict)]
+        kept: dict[str, dict[str, Any]] = {}
+        seen, token, version = 0, "", ""
+        while True:
+            query = {**self.query, "limit": str(PAGE_LIMIT)}
+            if token:
+                query["continue"] = token
+            with api.stream_list(PODS, query, timeout) as stream:
+                for item in stream.items():
+                    seen += 1
+                    pod = slim(item, self.book.prefix) if isinstance(item, dict) else None
+                    del item  # the full object goes now, before the next one is read
+                    if pod is not None and _uid(pod):
+                        kept[_uid(pod)] = pod
+                meta = stream.fields.get("metadata")
+            meta = meta if isinstance(meta, dict) else {}
+            version = str(meta.get("resourceVersion") or version)
+            token = str(meta.get("continue") or "")
+            if not token:
+                break
         with self._lock:
-            specs: list[Mapping[str, Any]] = list(items)
+            specs: list[Mapping[str, Any]] = list(kept.values())
             self.book.replace_all(specs)
             self._epoch += 1
-            self._resume = _version(answer)
-            self._objects = {_uid(item): item for item in items}
+            self._resume = version
+            self._objects = kept
             self._tell()
         self.listed.set()
-        log.debug("pods_listed", node=self.node_name, pods=len(items))
+        log.debug("pods_listed", node=self.node_name, pods=seen, kept=len(kept))
 
     def refresh_now(self) -> bool:
         """List this node's pods now (bounded and rate-limited); True if it did."""
@@ -177,15 +204,18 @@ class PodWatch:
         with self._lock:
             if self._epoch != epoch:
                 return False  # resume from the newer list's version
-            if kind in ("ADDED", "MODIFIED"):
-                self.book.update(obj)
-                self._objects[_uid(obj)] = obj
-            elif kind == "DELETED":
-                self.book.remove(_uid(obj))
-                self._objects.pop(_uid(obj), None)
+            version, uid = _version(obj), _uid(obj)
+            pod = slim(obj, self.book.prefix) if kind in ("ADDED", "MODIFIED") else None
+            obj.clear()  # the full object goes now: only ``pod`` is kept
+            if pod is not None and uid:
+                self.book.update(pod)
+                self._objects[uid] = pod
+            elif kind != "BOOKMARK" and uid:
+                # Deleted, terminal, or asking for no GPU: forgotten at once.
+                self.book.remove(uid)
+                self._objects.pop(uid, None)
             if kind != "BOOKMARK":
                 self._tell()
-            version = _version(obj)
             if version:
                 self._resume = version
         return True

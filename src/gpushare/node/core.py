@@ -31,6 +31,7 @@ from gpushare.host.tombstones import Reaper
 from gpushare.host.unitguard import UnitSizeChanged, guard_unit_size
 from gpushare.kube.labels import LabelFacts
 from gpushare.kube.podspecs import PodSpecBook
+from gpushare.node.cardfacts import CardFacts
 from gpushare.node.discovery import Discovered
 from gpushare.node.enforcement import prepare_enforcement
 from gpushare.node.podresources import PodResourcesClient
@@ -76,6 +77,7 @@ class NodeCore:
     collector: GarbageCollector
     refresher: UsageRefresher
     monitor: HealthMonitor
+    card_facts: CardFacts  # whole holders, own health, unshared cards: annotation and metrics
     reaper: Reaper | None = None
     exclusion: Exclusion | None = None
     exclusive_ledger: ExclusiveLedger = field(default_factory=ExclusiveLedger)
@@ -103,7 +105,7 @@ class NodeCore:
             self.exclusion.refresh()
         self.refresher.poke()
         if self.api_link is not None:
-            self.api_link.notify_changed()
+            self.api_link.notify_exclusive_allocated(name, [d.id for d in devices])
 
     def after_read(self, snapshot: Snapshot) -> None:
         """Each fresh read of the kubelet's records: whole cards held, and the GC."""
@@ -157,10 +159,20 @@ def build_core(
     if whole:
         offer = HealthBoard(inventory.cards, event="gpu_offer_changed", level="info")
     usage = UsageLedger(inventory)
+    plan = found.mig_plan
+    card_facts = CardFacts(  # holders, each card's own health, cards not shared
+        [g for g in found.gpus if not g.parent_uuid] + list(plan.mig_cards),
+        inventory.cards,
+        plan,
+        health,
+        mig_health,
+        lambda: pod_resources.last,
+        mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix),
+    )
     pod_resources = PodResourcesClient(
         Path(settings.pod_resources_socket),
         {resource.name_with(settings.resource_prefix): resource for resource in Resource},
-        exclusive=[name for name, _r, _b in whole],
+        exclusive=[name for name, _r, _b in whole] + card_facts.exclusive_resource_names(),
     )
     library = enforcement.library
     reaper = Reaper(cache_root(Path(settings.host_lib_dir))) if library is not None else None
@@ -201,6 +213,7 @@ def build_core(
         collector,
         refresher,
         monitor,
+        card_facts,
         reaper=reaper,
     )
     refresher.after_read = core.after_read
@@ -232,6 +245,7 @@ def _link_to_api(core: NodeCore, specs: PodSpecBook) -> None:
     choices = ChoiceBook(
         prefix, [r.name_with(prefix) for r in Resource] + [name for name, _r, _b in core.whole]
     )
+    link.card_extras = core.card_facts.extras
     choices.on_miss = link.refresh_pods_now
     link.pod_listeners.append(choices.replace_all)
     watch_releases(core.refresher, link)  # freed units published within about a second

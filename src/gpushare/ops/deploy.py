@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from gpushare.base.compat import zip_strict
 from gpushare.config import Settings
 from gpushare.gpu import mig
 from gpushare.kube import nodestate
@@ -38,11 +39,15 @@ class DeployError(Exception):
 
 
 def manifest_texts() -> dict[str, str]:
-    """File name -> text of every shipped manifest (the kustomization included)."""
+    """File name (``policies/`` ones with that prefix) -> text of every shipped
+    manifest (the kustomization included)."""
     folder = resources.files("gpushare") / "manifests"
-    return {
-        entry.name: entry.read_text() for entry in folder.iterdir() if entry.name.endswith(".yaml")
-    }
+    texts = {}
+    for prefix, where in (("", folder), ("policies/", folder / "policies")):
+        for entry in where.iterdir():
+            if entry.name.endswith(".yaml"):
+                texts[prefix + entry.name] = entry.read_text()
+    return texts
 
 
 def load_objects() -> list[dict[str, Any]]:
@@ -129,6 +134,23 @@ def customise(
     return result
 
 
+def shipped_image(objects: Sequence[Mapping[str, Any]]) -> str:
+    """The image reference the shipped DaemonSet names (``gpushare:<version>``)."""
+    daemonset = next(obj for obj in objects if obj.get("kind") == "DaemonSet")
+    return str(_pod_spec(daemonset)["containers"][0].get("image", ""))
+
+
+def unbuilt_image_warning(shipped: str) -> str:
+    """What ``install`` says when no ``--image`` was given and no earlier install set one."""
+    name = shipped.rsplit("/", 1)[-1]
+    return (
+        f"warning: no --image given: the DaemonSet runs {shipped}, a reference no registry "
+        f"serves; build and push the image (make image PUSH=1 IMAGE=<registry>/{name}) and "
+        f"run install again with --image <registry>/{name}, or load {shipped} into every "
+        "GPU node's container runtime"
+    )
+
+
 def install(
     cluster: Cluster,
     nodes: Sequence[str],
@@ -144,8 +166,9 @@ def install(
     missing = [name for name in nodes if cluster.node(name) is None]
     if missing:
         raise DeployError(f"no such node: {', '.join(missing)}")
+    objects = _served_policies(cluster, objects, say)
     stored = [cluster.read(obj) for obj in objects]
-    pairs = list(zip(objects, stored, strict=True))
+    pairs = list(zip_strict(objects, stored))
     foreign = [describe(obj) for obj, now in pairs if now is not None and not is_ours(now)]
     if foreign:
         raise DeployError(
@@ -156,6 +179,11 @@ def install(
         (customise(obj, now, image, runtime_class) if obj.get("kind") == "DaemonSet" else obj, now)
         for obj, now in pairs
     ]
+    for obj, _ in pairs:
+        if obj.get("kind") == "DaemonSet" and image is None:
+            shipped = shipped_image(objects)
+            if _pod_spec(obj)["containers"][0].get("image") == shipped:
+                say(unbuilt_image_warning(shipped))
     for obj, before in pairs:
         after = cluster.apply(managed(obj))
         version = (after.get("metadata") or {}).get("resourceVersion")
@@ -173,6 +201,29 @@ def install(
         else:
             cluster.patch_node_metadata(name, {key: value}, {})
             say(f"labelled node {name} {key}={value}")
+
+
+#: The admission policies (daemonset/policies/): installed where the cluster serves them.
+POLICY_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+
+
+def _served_policies(
+    cluster: Cluster, objects: list[dict[str, Any]], say: Say
+) -> list[dict[str, Any]]:
+    """``objects`` without the admission policies when the cluster does not serve them
+    (before Kubernetes 1.30), saying loudly what that leaves open."""
+    policies = [obj for obj in objects if obj.get("kind") in POLICY_KINDS]
+    if not policies or cluster.serves(policies[0]):
+        return objects
+    names = sorted({str(obj["metadata"]["name"]) for obj in policies})
+    say(
+        "WARNING: this cluster does not serve admissionregistration.k8s.io/v1 "
+        f"ValidatingAdmissionPolicy (Kubernetes 1.30 or later): {', '.join(names)} are NOT "
+        "installed. The daemon's token may then patch every Node and Pod of the cluster, "
+        "and only the daemon refuses containers asking vcuda-core without vcuda-memory "
+        "(docs/security.md). Upgrade the cluster and run install again."
+    )
+    return [obj for obj in objects if obj.get("kind") not in POLICY_KINDS]
 
 
 def uninstall(

@@ -70,6 +70,39 @@ class NodeView:
     updated: str
     cards: tuple[CardView, ...]
     problem: str = ""
+    #: cards not offered as shared units (whole-only, MIG with its devices)
+    whole: tuple[nodestate.WholeCardState, ...] = ()
+    #: the daemon never published on this opted-in node (``problem`` says so)
+    unreported: bool = False
+
+    @property
+    def card_count(self) -> int:
+        """Physical cards, as the node's ``gpu.count`` label counts them (a MIG device
+        sliced into units is listed as a card of its own but is part of its card)."""
+        return sum(1 for c in self.cards if not c.card.uuid.startswith("MIG-")) + len(
+            self.whole
+        )
+
+
+#: Said of an opted-in node whose daemon has not published its cards.
+NO_REPORT = "no daemon report"
+
+
+def card_health(card: nodestate.CardState) -> str:
+    """What the HEALTH column says of a shared card: its own health first, then whether
+    it is held whole (its units are then offered as unhealthy, but the card is fine)."""
+    own = card.healthy if card.hardware_healthy is None else card.hardware_healthy
+    if not own:
+        return "UNHEALTHY"
+    if card.held_by:
+        return f"held whole by {card.held_by}"
+    return "healthy"
+
+
+def whole_health(healthy: bool, held_by: str) -> str:
+    if not healthy:
+        return "UNHEALTHY"
+    return f"held by {held_by}" if held_by else "free"
 
 
 @dataclass(frozen=True)
@@ -153,9 +186,9 @@ def build_view(
         name = str(_meta(node).get("name", ""))
         text = (_meta(node).get("annotations") or {}).get(key)
         if text is None:
-            if _has_gpushare_resources(node, prefix):
-                problem = f"no {key} annotation (is the gpushare daemon running with NODE_NAME?)"
-                views.append(NodeView(name, 0, None, "", (), problem))
+            if _has_gpushare_resources(node, prefix) or _opted_in(node, prefix):
+                problem = f"{NO_REPORT}: no {key} annotation (daemon not running, or no NODE_NAME?)"
+                views.append(NodeView(name, 0, None, "", (), problem, unreported=True))
             continue
         try:
             state = nodestate.decode(str(text))
@@ -166,8 +199,28 @@ def build_view(
             _card_view(card, by_card.get((name, card.uuid), ()))
             for card in sorted(state.cards, key=lambda c: c.index)
         )
-        views.append(NodeView(name, state.memory_unit_mib, state.generation, state.updated, cards))
+        views.append(
+            NodeView(
+                name,
+                state.memory_unit_mib,
+                state.generation,
+                state.updated,
+                cards,
+                whole=tuple(sorted(state.whole, key=lambda c: c.index)),
+            )
+        )
     return ClusterView(tuple(sorted(views, key=lambda v: v.name)))
+
+
+def _opted_in(node: Mapping[str, Any], prefix: str) -> bool:
+    """The node carries the opt-in label (``<prefix>/enabled=true``, what ``install``
+    and the chart put on a node for the DaemonSet to run there)."""
+    labels = _meta(node).get("labels")
+    return isinstance(labels, Mapping) and labels.get(f"{prefix}/{OPT_IN_NAME}") == "true"
+
+
+#: The name part of the opt-in label (``gpushare.io/enabled``).
+OPT_IN_NAME = "enabled"
 
 
 # -- view -> text --------------------------------------------------------------------
@@ -191,14 +244,26 @@ class Totals:
     memory_used_mib: int
     core_units: int
     core_units_used: int
+    unreported_nodes: int = 0
+    held_whole: int = 0
+
+
+def _own_health(card: nodestate.CardState) -> bool:
+    return card.healthy if card.hardware_healthy is None else card.hardware_healthy
 
 
 def totals(view: ClusterView) -> Totals:
     cards = [(n, c.card) for n in view.nodes for c in n.cards]
+    physical = [c for _, c in cards if not c.uuid.startswith("MIG-")]
+    whole = [w for n in view.nodes for w in n.whole]
     return Totals(
         nodes=len(view.nodes),
-        cards=len(cards),
-        healthy_cards=sum(1 for _, c in cards if c.healthy),
+        unreported_nodes=sum(1 for n in view.nodes if n.unreported),
+        cards=len(physical) + len(whole),
+        held_whole=sum(1 for c in physical if c.held_by)
+        + sum(1 for w in whole if w.held_by or any(d.held_by for d in w.mig)),
+        healthy_cards=sum(1 for c in physical if _own_health(c))
+        + sum(1 for w in whole if w.healthy),
         memory_mib=sum(c.memory_units * n.memory_unit_mib for n, c in cards),
         memory_used_mib=sum(c.memory_units_used * n.memory_unit_mib for n, c in cards),
         core_units=sum(c.core_units for _, c in cards),
@@ -221,13 +286,20 @@ def render_table(view: ClusterView, details: bool = False, wide: bool = False) -
             continue
         unit = node.memory_unit_mib
         lines.append(
-            f"NODE {printable(node.name)}  ({_count(len(node.cards), 'card')}, {unit} MiB units, "
+            f"NODE {printable(node.name)}  ({_count(node.card_count, 'card')}, {unit} MiB units, "
             f"generation {node.generation}, updated {printable(node.updated, 40)})"
         )
         rows: list[list[str]] = [["GPU", "NAME", "MEMORY MiB", "", "UNITS", "CORES", "HEALTH"]]
         if wide:
             rows[0].append("UUID")
-        for view_card in node.cards:
+        entries: list[tuple[int, int, CardView | nodestate.WholeCardState]] = [
+            (c.card.index, 0, c) for c in node.cards
+        ] + [(w.index, 1, w) for w in node.whole]
+        for _index, _kind, entry in sorted(entries, key=lambda e: (e[0], e[1])):
+            if isinstance(entry, nodestate.WholeCardState):
+                rows += _whole_rows(entry, wide)
+                continue
+            view_card = entry
             card = view_card.card
             rows.append(
                 [
@@ -237,7 +309,7 @@ def render_table(view: ClusterView, details: bool = False, wide: bool = False) -
                     f"({_percent(card.memory_units_used, card.memory_units)})",
                     f"{card.memory_units_used}/{card.memory_units}",
                     f"{card.core_units_used}/{card.core_units}",
-                    "healthy" if card.healthy else "UNHEALTHY",
+                    printable(card_health(card), 200),
                     *([printable(card.uuid)] if wide else []),
                 ]
             )
@@ -260,15 +332,53 @@ def render_table(view: ClusterView, details: bool = False, wide: bool = False) -
         lines += ["  " + row for row in _align(rows)]
         lines.append("")
     total = totals(view)
+    reporting = (
+        f" ({total.nodes - total.unreported_nodes} reporting, "
+        f"{total.unreported_nodes} {NO_REPORT})"
+        if total.unreported_nodes
+        else ""
+    )
+    held = f", {total.held_whole} held whole" if total.held_whole else ""
     lines += [
-        f"CLUSTER  {_count(total.nodes, 'node')}, {_count(total.cards, 'card')} "
-        f"({total.healthy_cards} healthy)",
+        f"CLUSTER  {_count(total.nodes, 'node')}{reporting}, {_count(total.cards, 'card')} "
+        f"({total.healthy_cards} healthy{held})",
         f"  memory  {total.memory_used_mib}/{total.memory_mib} MiB "
         f"({_percent(total.memory_used_mib, total.memory_mib)})",
         f"  cores   {total.core_units_used}/{total.core_units} "
         f"({_percent(total.core_units_used, total.core_units)})",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _whole_rows(card: nodestate.WholeCardState, wide: bool) -> list[list[str]]:
+    """A card not offered as shared units, and its MIG devices under it."""
+    kind = "MIG" if card.mig else "whole"
+    rows = [
+        [
+            str(card.index),
+            printable(card.name, 64),
+            f"{card.memory_mib} ({kind})",
+            "",
+            "-",
+            "-",
+            printable(whole_health(card.healthy, card.held_by), 200),
+            *([printable(card.uuid)] if wide else []),
+        ]
+    ]
+    for device in card.mig:
+        rows.append(
+            [
+                "",
+                f"  MIG {printable(device.profile, 32)}",
+                "",
+                "",
+                "",
+                "",
+                printable(whole_health(device.healthy, device.held_by), 200),
+                *([printable(device.uuid)] if wide else []),
+            ]
+        )
+    return rows
 
 
 def _camel(name: str) -> str:
@@ -295,7 +405,9 @@ def view_data(view: ClusterView) -> dict[str, Any]:
                 "index": c.card.index,
                 "uuid": c.card.uuid,
                 "name": c.card.name,
-                "healthy": c.card.healthy,
+                "healthy": _own_health(c.card),
+                "offered": c.card.healthy,
+                "held_by": c.card.held_by or None,
                 "memory_mib": c.card.memory_mib,
                 "memory_units": c.card.memory_units,
                 "memory_units_used": c.card.memory_units_used,
@@ -325,14 +437,38 @@ def view_data(view: ClusterView) -> dict[str, Any]:
                 "generation": node.generation,
                 "updated": node.updated or None,
                 "problem": node.problem or None,
+                "card_count": node.card_count,
                 "gpus": gpus,
+                "whole_gpus": [
+                    {
+                        "index": w.index,
+                        "uuid": w.uuid,
+                        "name": w.name,
+                        "healthy": w.healthy,
+                        "memory_mib": w.memory_mib,
+                        "held_by": w.held_by or None,
+                        "mig": [
+                            {
+                                "uuid": d.uuid,
+                                "profile": d.profile,
+                                "resource": d.resource,
+                                "healthy": d.healthy,
+                                "held_by": d.held_by or None,
+                            }
+                            for d in w.mig
+                        ],
+                    }
+                    for w in node.whole
+                ],
             }
         )
     t = totals(view)
     summary = {
         "nodes": t.nodes,
+        "unreported_nodes": t.unreported_nodes,
         "cards": t.cards,
         "healthy_cards": t.healthy_cards,
+        "held_whole": t.held_whole,
         "memory_mib": t.memory_mib,
         "memory_used_mib": t.memory_used_mib,
         "memory_percent": round(100 * t.memory_used_mib / t.memory_mib, 1) if t.memory_mib else 0,

@@ -1,6 +1,7 @@
-"""``kubectl gpushare``: a kubectl plugin with four subcommands.
+"""``kubectl gpushare``: a kubectl plugin with five subcommands.
 
 * ``inspect``   per-card use of gpushare nodes (:mod:`gpushare.ops.inspect`);
+* ``verify``    prove on a node that the limits are enforced (:mod:`gpushare.ops.verify`);
 * ``install``   apply the shipped manifests and opt nodes in by label;
 * ``uninstall`` opt nodes out; with none left, delete what ``install`` created;
 * ``version``   this plugin's version (no cluster needed).
@@ -23,8 +24,9 @@ import yaml
 
 from gpushare import __version__
 from gpushare.base.cli import Parser, add_version, bounded_float
+from gpushare.config import Settings
 from gpushare.kube.kubeapi import EXIT_NO_CLUSTER, ApiError, Cluster, NoCluster
-from gpushare.ops import deploy, inspect
+from gpushare.ops import deploy, inspect, verify
 
 PROG = "kubectl gpushare"
 #: Refusals that need the operator to say more (no --node without a terminal).
@@ -97,6 +99,21 @@ def _uninstall(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    request = verify.Request(
+        node=args.node,
+        namespace=args.namespace,
+        image=args.image,
+        memory_units=args.memory_units,
+        core_units=args.core_units,
+        prefix=args.resource_prefix,
+        runtime_class=args.runtime_class,
+        timeout_seconds=args.timeout,
+        keep=args.keep,
+    )
+    return verify.run(Cluster(args.kubeconfig, args.context), request, _say)
+
+
 def _version(args: argparse.Namespace) -> int:
     info = {"clientVersion": {"version": __version__, "python": platform.python_version()}}
     if args.output == "json":
@@ -144,6 +161,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="RuntimeClass of the NVIDIA runtime (e.g. nvidia), where it is not the default "
         "runtime (default: what an earlier install set, else none)",
     )
+    check = commands.add_parser(
+        "verify",
+        help="prove on a node that memory and core limits are enforced (runs a probe pod)",
+        description="Run a short-lived pod on NODE asking for a small share, with the gpushare "
+        "image's enforcement probe, and print its verdict: memory (allocations stop at the "
+        "limit, cuMemGetInfo and NVML report it, cuMemAllocAsync and cuMemCreate cannot pass "
+        "it, two processes share it), compute (throughput at the core limit) and what the "
+        "container sees. Exit 0: enforced; 1: a limit is not; 3: the pod did not report.",
+    )
+    check.add_argument("--node", required=True, metavar="NAME", help="the node to verify")
+    inspect.add_cluster_flags(check)
+    check.add_argument("-n", "--namespace", default="default", metavar="NS",
+                       help="namespace of the probe pod (default: default)")  # fmt: skip
+    check.add_argument(
+        "--image", metavar="REF", help="image with the probe (default: the installed DaemonSet's)"
+    )
+    check.add_argument("--memory-units", type=int, default=4, metavar="N",
+                       help="vcuda-memory units the probe asks for (default: 4)")  # fmt: skip
+    check.add_argument("--core-units", type=int, default=30, metavar="N",
+                       help="vcuda-core units the probe asks for (default: 30)")  # fmt: skip
+    check.add_argument(
+        "--runtime-class",
+        metavar="NAME",
+        help="RuntimeClass of the NVIDIA runtime, if not the default",
+    )
+    check.add_argument("--resource-prefix", default=Settings().resource_prefix, metavar="PREFIX",
+                       help="prefix of gpushare's resources (default: %(default)s)")  # fmt: skip
+    check.add_argument("--timeout", type=bounded_float(1, 3600), default=300.0, metavar="SECONDS",
+                       help="how long to wait for the probe (default: %(default).0f)")  # fmt: skip
+    check.add_argument("--keep", action="store_true", help="leave the pod for inspection")
     uninstall = commands.add_parser(
         "uninstall",
         help="unlabel nodes; with none left, delete what install created",
@@ -193,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "install":
             return _install(args)
+        if args.command == "verify":
+            return _verify(args)
         return _uninstall(args)
     except NoCluster as exc:
         return _fail(args.command, str(exc), EXIT_NO_CLUSTER)

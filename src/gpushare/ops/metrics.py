@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
 import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import structlog
@@ -28,7 +27,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from gpushare.base.buildinfo import build_info
+from gpushare.base.connguard import ConnectionGuard, GuardedHTTPServer, Limits
 from gpushare.gpu.health import HealthBoard
+from gpushare.kube.nodestate import CardExtras
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.usage import UsageLedger
 
@@ -79,6 +80,8 @@ def liveness(
 CARD_LABELS = ["gpu", "index", "model", "node"]
 #: Labels of every per-container series.
 CONTAINER_LABELS = ["namespace", "pod", "container", "gpu", "node"]
+#: Labels of a container's whole card or MIG device (``device`` = its UUID).
+DEVICE_LABELS = ["namespace", "pod", "container", "gpu", "device", "resource", "node"]
 MIB = 1 << 20
 
 
@@ -93,7 +96,9 @@ class _CardCollector:
         health: HealthBoard,
         extra: Callable[[], list[Metric]],
         node: str = "",
+        card_extras: Callable[[], CardExtras | None] = lambda: None,
     ) -> None:
+        self._card_extras = card_extras
         self._inventory = inventory
         self._usage = usage
         self._health = health
@@ -124,7 +129,11 @@ class _CardCollector:
                 "gpushare_core_units_allocated",
                 "Core units allocated per GPU (the kubelet's records and recent Allocates)",
             ),
-            "healthy": card_gauge("gpushare_gpu_healthy", "1 if the GPU is advertised Healthy"),
+            "healthy": card_gauge(
+                "gpushare_gpu_healthy",
+                "1 if the GPU itself is healthy (a card held whole is healthy; every card of "
+                "the node, shared or not, as kubectl gpushare inspect shows it)",
+            ),
         }
         unit_bytes = self._inventory.memory_unit_mib * MIB
         memory_used = self._usage.used_counts(Resource.MEMORY)
@@ -139,9 +148,42 @@ class _CardCollector:
             families["core_total"].add_metric(labels, card.units(Resource.CORE))
             families["core_used"].add_metric(labels, core_used.get(uuid, 0))
             families["healthy"].add_metric(labels, 1 if self._health.is_healthy(uuid) else 0)
+        extras = self._card_extras()
+        for whole in extras.whole if extras is not None else ():
+            labels = [whole.uuid, str(whole.index), whole.name, self._node]
+            families["healthy"].add_metric(labels, 1 if whole.healthy else 0)
         yield from families.values()
         yield from self._containers(unit_bytes)
+        if extras is not None:
+            yield from self._whole(extras)
         yield from self._extra()
+
+    def _whole(self, extras: CardExtras) -> Iterator[Metric]:
+        devices = GaugeMetricFamily(
+            "gpushare_container_devices",
+            "Whole cards and MIG devices each container holds (1 per device; gpu is the "
+            "card, device the card or MIG device; the kubelet's PodResources records)",
+            labels=DEVICE_LABELS,
+        )
+        for hold in extras.holds:
+            devices.add_metric(
+                [hold.namespace, hold.pod, hold.container, hold.card, hold.device,
+                 hold.resource, self._node],
+                1,
+            )  # fmt: skip
+        mig = GaugeMetricFamily(
+            "gpushare_mig_device_healthy",
+            "1 if the MIG device (served whole) is healthy",
+            labels=["gpu", "device", "profile", "node"],
+        )
+        for card in extras.whole:
+            for device in card.mig:
+                mig.add_metric(
+                    [card.uuid, device.uuid, device.profile, self._node],
+                    1 if device.healthy else 0,
+                )
+        yield devices
+        yield mig
 
     def _containers(self, unit_bytes: int) -> Iterator[Metric]:
         memory = GaugeMetricFamily(
@@ -201,7 +243,18 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.registry.register(_CardCollector(inventory, usage, health, self._extra, node))
+        #: Holders of whole cards and MIG devices, unshared cards (set by the daemon).
+        self.card_extras: Callable[[], CardExtras] | None = None
+        self.registry.register(
+            _CardCollector(
+                inventory,
+                usage,
+                health,
+                self._extra,
+                node,
+                lambda: self.card_extras() if self.card_extras is not None else None,
+            )
+        )
 
     def observe(self, resource: Resource, method: str, result: str, seconds: float) -> None:
         """The servicers' hook, called after every request."""
@@ -271,10 +324,14 @@ def render_not_ready() -> bytes:
 
 #: Seconds a connection may stay silent before its thread closes it.
 REQUEST_TIMEOUT = 10.0
+#: The bounds of the metrics listener (base/connguard.py): 32 connections (and so
+#: handler threads) at once, 8 from one address, 10 s for a whole request.
+METRICS_LIMITS = Limits(max_connections=32, max_per_peer=8, deadline=10.0)
 
 
 class MetricsServer:
-    """``/metrics`` and ``/healthz`` on ``address:port``, served from one thread."""
+    """``/metrics`` and ``/healthz`` on ``address:port``: one accepting thread, one
+    thread per admitted connection, under :data:`METRICS_LIMITS` (issue 23 item 3)."""
 
     def __init__(
         self,
@@ -284,14 +341,16 @@ class MetricsServer:
         port: int,
         ready: Callable[[], tuple[bool, str]] | None = None,
         request_timeout: float = REQUEST_TIMEOUT,
+        limits: Limits = METRICS_LIMITS,
     ) -> None:
+        self.guard = ConnectionGuard(limits)
         self.render = render
         self.request_timeout = request_timeout
         self.check = check
         self.ready = ready or check
         self.address = address
         self.port = port
-        self._httpd: ThreadingHTTPServer | None = None
+        self._httpd: GuardedHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._wake_read = self._wake_write = -1
 
@@ -304,16 +363,11 @@ class MetricsServer:
 
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
+                probe = server._probe(path)
                 if path == "/metrics":
                     self._send(200, CONTENT_TYPE_LATEST, server.render())
-                elif path in ("/healthz", "/livez"):
-                    alive, why = server.check()
-                    body = json.dumps({"alive": alive, "reason": why}).encode() + b"\n"
-                    self._send(200 if alive else 503, "application/json", body)
-                elif path == "/readyz":
-                    ready, why = server.ready()
-                    body = json.dumps({"ready": ready, "reason": why}).encode() + b"\n"
-                    self._send(200 if ready else 503, "application/json", body)
+                elif probe is not None:
+                    self._send(*probe)
                 else:
                     self._send(404, "text/plain", b"not found: try /metrics, /healthz or /readyz\n")
 
@@ -328,9 +382,8 @@ class MetricsServer:
                 pass  # probes every few seconds would drown the log
 
         family = socket.AF_INET6 if ":" in self.address else socket.AF_INET
-        server_class = type("MetricsHTTPServer", (ThreadingHTTPServer,), {"address_family": family})
-        httpd = server_class((self.address, self.port), Handler)
-        httpd.daemon_threads = True
+        server_class = type("MetricsHTTPServer", (GuardedHTTPServer,), {"address_family": family})
+        httpd = server_class((self.address, self.port), Handler, self.guard, self._probe)
         self._httpd = httpd
         self.port = httpd.server_address[1]
         self._wake_read, self._wake_write = os.pipe2(os.O_CLOEXEC)
@@ -340,18 +393,21 @@ class MetricsServer:
         self._thread.start()
         log.info("metrics_serving", address=self.address, port=self.port)
 
+    def _probe(self, path: str) -> tuple[int, str, bytes] | None:
+        """The probes' answers, also given beyond the connection caps (connguard)."""
+        if path in ("/healthz", "/livez"):
+            alive, why = self.check()
+            body = json.dumps({"alive": alive, "reason": why}).encode() + b"\n"
+            return (200 if alive else 503), "application/json", body
+        if path == "/readyz":
+            ready, why = self.ready()
+            body = json.dumps({"ready": ready, "reason": why}).encode() + b"\n"
+            return (200 if ready else 503), "application/json", body
+        return None
+
     @staticmethod
-    def _serve(httpd: ThreadingHTTPServer, wake: int) -> None:
-        """Like ``serve_forever``, but sleeps until a connection or :meth:`stop` instead
-        of waking every half second to look for a shutdown request."""
-        with selectors.DefaultSelector() as selector:
-            selector.register(httpd, selectors.EVENT_READ)
-            selector.register(wake, selectors.EVENT_READ)
-            while True:
-                ready = selector.select()
-                if any(key.fileobj == wake for key, _ in ready):
-                    return
-                httpd._handle_request_noblock()  # type: ignore[attr-defined]
+    def _serve(httpd: GuardedHTTPServer, wake: int) -> None:
+        httpd.serve_until(wake)
 
     def stop(self) -> None:
         if self._thread is not None:

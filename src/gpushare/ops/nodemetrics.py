@@ -5,11 +5,13 @@ the collectors that read it. Loaded only with ``--metrics-port`` set."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from gpushare.base.startup import StartupError
 from gpushare.config import Settings
 from gpushare.host.gc import CacheDirMetrics
 from gpushare.node.core import NodeCore
+from gpushare.ops.actualuse import ActualUseMetrics
 from gpushare.ops.metrics import Metrics, MetricsServer, render_not_ready
 from gpushare.share.devices import Resource
 
@@ -43,6 +45,15 @@ class MetricsPart:
             registered=registered,
         )
         metrics.registry.register(CacheDirMetrics(core.collector))
+        metrics.card_extras = core.card_facts.extras
+        metrics.registry.register(  # what the containers really use (HAMi-core's own file)
+            ActualUseMetrics(
+                Path(self.settings.host_lib_dir),
+                core.card_facts.records,
+                core.usage,
+                self.settings.node_name,
+            )
+        )
         self.metrics = metrics
         return metrics
 

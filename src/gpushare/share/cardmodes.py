@@ -6,11 +6,29 @@ Pure parsing and lookup; :mod:`gpushare.share.exclusion` enforces it.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gpushare.gpu.gpus import Gpu
+
+
+def _any_case(word: str) -> str:
+    """A regex matching ``word`` in any letter case, without flags (Go and Python alike)."""
+    return "".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else c for c in word)
+
+
+_MODE = "(" + "|".join(_any_case(m) for m in ("shared", "exclusive", "both")) + ")"
+#: A card as cardModes names it: its index or its UUID (``GPU-...``).
+CARD_KEY = "[A-Za-z0-9_.:-]+"
+_ENTRY = f"{CARD_KEY} *= *{_MODE}"
+#: The whole cardModes value (blanks are spaces; empty entries are allowed). Anchored with
+#: ``^``/``$`` in the dialect of :mod:`gpushare.config` (Python reads ``$`` via its matcher).
+CARD_MODES_PATTERN = f"^ *({_ENTRY})?( *, *({_ENTRY})?)* *$"
+#: Found in a cardModes value that puts some card in exclusive mode.
+EXCLUSIVE_ENTRY = f"= *{_any_case('exclusive')} *(,|$)"
+_KEY = re.compile(CARD_KEY)
 
 
 class CardMode(enum.Enum):
@@ -31,18 +49,20 @@ def parse_card_modes(text: str) -> dict[str, CardMode]:
     """``0=exclusive,GPU-8a1b...=shared`` -> {card index or UUID: mode}.
 
     Raises ValueError naming the entry that is not ``<index or UUID>=<mode>``.
+    Exactly the values :data:`CARD_MODES_PATTERN` matches parse, unless a card is named
+    twice (tested both ways).
     """
     modes: dict[str, CardMode] = {}
     for part in text.split(","):
-        part = part.strip()
+        part = part.strip(" ")
         if not part:
             continue
         key, sep, value = part.partition("=")
-        key, value = key.strip(), value.strip().lower()
-        if not sep or not key:
+        key, value = key.strip(" "), value.strip(" ")
+        if not sep or not _KEY.fullmatch(key):
             raise ValueError(f"{part!r} is not <card index or UUID>=<mode>")
         try:
-            mode = CardMode(value)
+            mode = CardMode(value.lower() if value.isascii() else value)
         except ValueError:
             raise ValueError(
                 f"{part!r}: mode {value!r} is not one of shared, exclusive, both"

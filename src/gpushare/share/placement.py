@@ -33,14 +33,14 @@ Two levels:
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from gpushare.base.compat import StrEnum
 from gpushare.share.devices import Resource
 
 
-class Policy(enum.StrEnum):
+class Policy(StrEnum):
     """How cards are ranked for a container: pack them full, or spread the load."""
 
     BINPACK = "binpack"

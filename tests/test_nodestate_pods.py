@@ -32,7 +32,9 @@ def _state(pods: object, **extra: object) -> str:
 
 
 def test_listed_pods_round_trip_and_an_older_daemon_lists_none() -> None:
-    card = nodestate.CardState("GPU-a", 0, "T", 4096, 16, 4, 100, 0, True, (("uid-1", 4, 0),), True)
+    card = nodestate.CardState(
+        "GPU-a", 0, "T", 4096, 16, 4, 100, 0, True, pods=(("uid-1", 4, 0),), pods_truncated=True
+    )
     state = nodestate.NodeGpuState(3, "", 256, (card,))
     assert nodestate.decode(nodestate.encode(state)) == state
     older = json.loads(_state({}))

@@ -212,7 +212,7 @@ def test_pods_admitted_in_another_order_than_bound_land_where_the_extender_count
     core = cluster.node.daemon.core if cluster.node.daemon else None
     book = core.specs if core else None
     assert book is not None
-    eventually(lambda: all(book.only_uid_of("default", name) for name in sizes))
+    eventually(lambda: all(len(book.named("default", name)) == 1 for name in sizes))
     placed = {}
     for name in ("p3", "p4", "p1", "p2"):  # not the order they were bound in
         cluster.admit(name, sizes[name])

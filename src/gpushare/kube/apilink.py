@@ -36,7 +36,7 @@ from gpushare.gpu.health import HealthBoard
 from gpushare.kube import nodestate
 from gpushare.kube.kubeclient import ApiClient, ApiStatusError, KubeConfigError, load_endpoint
 from gpushare.kube.labels import LabelFacts, node_labels
-from gpushare.kube.podspecs import PodSpecBook
+from gpushare.kube.podspecs import PodSpecBook, only_uid_of
 from gpushare.kube.podwatch import PodWatch
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.records import Snapshot
@@ -225,7 +225,7 @@ class ApiLink:
     # ------------------------------------------------------------------ Node state
     def _pod_key(self, namespace: str, name: str) -> str:
         """The pod's UID when exactly one pod of that name is on record, else its name."""
-        return self.book.only_uid_of(namespace, name) or f"{namespace}/{name}"
+        return only_uid_of(self.book, namespace, name) or f"{namespace}/{name}"
 
     def _counted(
         self, uuid: str, pods: Mapping[tuple[str, str], tuple[int, int]]
@@ -279,6 +279,7 @@ class ApiLink:
         """Write the Node's state; unless ``force``, only if it changed. True if written."""
         state = self.node_state()
         if not force and state.cards == self._last_cards:
+            self.published.set()  # the Node shows the current state already
             return False
         body = {
             "metadata": {

@@ -321,10 +321,8 @@ class PodSpecBook:
         records: Snapshot | None,
         last_holder: Holder | None = None,
     ) -> tuple[list[Need] | None, list[tuple[str, ...]]]:
-        """:meth:`asking`, and the cards the scheduler extender planned for those
-        containers, one plan per pod the asking container can be that needs exactly
-        what the answer places (pods alike in what they ask are interchangeable: any of
-        their plans that still fits will do)."""
+        """:meth:`asking`, and the extender's plans for those containers: one per pod it
+        can be that needs what the answer places (alike pods are interchangeable)."""
         found = self._asking(resource, size, records, last_holder)
         if not found:
             return None, []
@@ -333,30 +331,17 @@ class PodSpecBook:
         for holder, needs in found:
             if needs != agreed:
                 continue
-            cards = self._plan_of(holder)
+            cards = _plan_of(self, holder)
             if cards is not None:
                 plans.append(cards)
         return agreed, plans
 
-    def _plan_of(self, holder: Holder) -> tuple[str, ...] | None:
+    def named(self, namespace: str, name: str) -> list[tuple[str, _Entry]]:
+        """(UID, entry) of the pods of that name on record (several while one goes away)."""
         with self._lock:
-            entries = [
-                e
-                for e in self._pods.values()
-                if (e.namespace, e.name) == (holder.namespace, holder.pod)
+            return [
+                (u, e) for u, e in self._pods.items() if (e.namespace, e.name) == (namespace, name)
             ]
-        return _planned(entries[0], holder.container) if len(entries) == 1 else None
-
-    def only_uid_of(self, namespace: str, name: str) -> str | None:
-        """The UID of the one pod of that name on record; None if none or several (a pod
-        deleted and created again under its name while the old one still goes away)."""
-        with self._lock:
-            uids = [
-                uid
-                for uid, entry in self._pods.items()
-                if (entry.namespace, entry.name) == (namespace, name)
-            ]
-        return uids[0] if len(uids) == 1 else None
 
     @staticmethod
     def _agreed(candidates: list[list[Need]]) -> list[Need] | None:
@@ -428,3 +413,15 @@ class PodSpecBook:
                 holder = Holder(entry.namespace, entry.name, first.name)
                 found.append((holder, _plan_from(entry.containers)))
         return found
+
+
+def only_uid_of(book: PodSpecBook, namespace: str, name: str) -> str | None:
+    """The UID of the one pod of that name on record; None if none or several (a pod
+    deleted and created again under its name while the old one still goes away)."""
+    entries = book.named(namespace, name)
+    return entries[0][0] if len(entries) == 1 else None
+
+
+def _plan_of(book: PodSpecBook, holder: Holder) -> tuple[str, ...] | None:
+    entries = book.named(holder.namespace, holder.pod)
+    return _planned(entries[0][1], holder.container) if len(entries) == 1 else None

@@ -11,7 +11,8 @@ the URL's object) and is a no-op, keeping the resourceVersion, when it changes
 nothing. Every request is recorded, and the next requests can be made to fail.
 
 Watches (``?watch=1``) are served as the real server does over HTTP/1.1: a chunked
-answer of one JSON event per line (ADDED, MODIFIED, DELETED; BOOKMARK every
+answer of one JSON event per line (ADDED, MODIFIED, DELETED; an object that starts or
+stops matching the watch's selectors comes as ADDED or DELETED; BOOKMARK every
 ``bookmark_seconds`` when asked with ``allowWatchBookmarks``), from the given
 ``resourceVersion`` on, ended after ``timeoutSeconds``. A resourceVersion older than the
 kept history (see :meth:`KubeApiDouble.compact`) answers an ERROR event with a 410
@@ -136,7 +137,9 @@ class KubeApiDouble:
         self._version = 1
         self._server: ThreadingHTTPServer | None = None
         #: (resourceVersion, type, key, object) of every change, oldest first.
-        self.events: list[tuple[int, str, str, dict[str, Any]]] = []
+        #: (resourceVersion, type, key, object, the object's previous copy or None)
+        self.events: list[tuple[int, str, str, dict[str, Any], dict[str, Any] | None]] = []
+        self._recorded: dict[str, dict[str, Any]] = {}  # key -> the copy last recorded
         self._oldest = 1  # watches from before this version answer 410 Gone
         self._stopping = False
         self.bookmark_seconds = 60.0
@@ -279,7 +282,11 @@ class KubeApiDouble:
         self._record("DELETED", key, gone)
 
     def _record(self, kind: str, key: str, obj: dict[str, Any]) -> None:
-        self.events.append((self._version, kind, key, deepcopy(obj)))
+        copy = deepcopy(obj)
+        previous = self._recorded.pop(key, None) if kind == "DELETED" else self._recorded.get(key)
+        if kind != "DELETED":
+            self._recorded[key] = copy
+        self.events.append((self._version, kind, key, copy, previous))
         self._changed.notify_all()
 
     def _stamp(self, obj: dict[str, Any]) -> None:
@@ -620,13 +627,20 @@ class KubeApiDouble:
                         self._changed.wait(max(0.0, wait))
                         fresh = [e for e in self.events if e[0] > position]
                     pending = []
-                    for version, kind, key, obj in fresh:
+                    for version, kind, key, obj, previous in fresh:
                         position = version
-                        if (
-                            self._in_collection(key, path)
-                            and _matches_labels(obj, labels)
-                            and (_matches_fields(obj, fields))
-                        ):
+                        if not self._in_collection(key, path):
+                            continue
+                        now_in = _matches_labels(obj, labels) and _matches_fields(obj, fields)
+                        was_in = previous is not None and (
+                            _matches_labels(previous, labels) and _matches_fields(previous, fields)
+                        )
+                        if kind == "MODIFIED" and now_in != was_in:
+                            # An object that enters or leaves a watch's selectors is
+                            # ADDED or DELETED there, as the real server sends it.
+                            kind = "ADDED" if now_in else "DELETED"
+                            now_in = True
+                        if now_in:
                             pending.append({"type": kind, "object": deepcopy(obj)})
                     if bookmarks and time.monotonic() >= next_bookmark:
                         next_bookmark = time.monotonic() + self.bookmark_seconds

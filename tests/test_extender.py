@@ -158,7 +158,7 @@ def test_keys_are_read_case_insensitively_as_go_does(extender: RunningExtender) 
 # -- the ledger ------------------------------------------------------------------------
 
 
-def test_ledger_entries_expire_after_the_timeout() -> None:
+def test_ledger_entries_expire_after_the_timeout_without_pod_lists_or_a_watch() -> None:
     now = [100.0]
     ledger = AdmissionLedger(timeout_seconds=30, clock=lambda: now[0])
     ledger.record("uid-a", "n1", 3, {"GPU-0": (8, 0)})

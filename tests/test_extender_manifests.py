@@ -89,9 +89,11 @@ def test_kubeadm_extender_listens_on_localhost_of_control_plane_nodes_only() -> 
     for probe in ("readinessProbe", "livenessProbe"):
         get = container[probe]["httpGet"]
         assert (get["host"], get["port"]) == ("127.0.0.1", settings.port)
-    # Its only right: binding pods.
-    (rule,) = one(objects, "ClusterRole")["rules"]
-    assert rule == {"apiGroups": [""], "resources": ["pods/binding"], "verbs": ["create"]}
+    # Its only rights: binding pods, and listing and watching them (what occupies a card).
+    assert one(objects, "ClusterRole")["rules"] == [
+        {"apiGroups": [""], "resources": ["pods/binding"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+    ]
     binding = one(objects, "ClusterRoleBinding")
     assert binding["subjects"][0]["name"] == spec["serviceAccountName"]
 

@@ -166,6 +166,8 @@ def test_annotation_is_valid_json_with_the_documented_keys(node: Node, api: Kube
         "healthy",
         "held_by",
         "hardware_healthy",
+        "pods",
+        "pods_truncated",
     }
 
 

@@ -43,6 +43,7 @@ from gpushare.share.placement import (
     Room,
     choose_card,
     place_containers,
+    plan_fits,
     preferred_units,
 )
 from gpushare.share.records import Snapshot
@@ -245,13 +246,16 @@ class Binder:
                 # Whatever resource it was, the container bound last tells which pod is
                 # being admitted, and so which of its containers comes next.
                 holder = snapshot.holder_of(last.resource, last.device_ids[0])
-            needs = self.specs.asking(resource, size, snapshot, holder)
+            needs, planned = self.specs.asking_planned(resource, size, snapshot, holder)
             if needs:
                 other_need = needs[0].of(resource.other)
                 rooms = [
                     Room(c.uuid, c.index, c.memory_free, c.core_free, c.healthy) for c in cards
                 ]
-                plan = place_containers(rooms, needs, self.policy)
+                # The extender's plan first (it counted the pod there, whatever order
+                # the kubelet admits the pods bound since in), else the policy's.
+                plan = next((p for p in planned if plan_fits(rooms, needs, p)), None)
+                plan = plan or place_containers(rooms, needs, self.policy)
                 prefer = plan[0] if plan else None
         request = Request(
             resource=resource,

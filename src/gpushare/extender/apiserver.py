@@ -82,8 +82,16 @@ class BindingClient:
             await self._session.close()
             self._session = None
 
-    async def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
-        """Bind the pod; a :class:`BindError` if the server did not."""
+    async def bind(
+        self,
+        namespace: str,
+        name: str,
+        uid: str,
+        node: str,
+        annotations: dict[str, str] | None = None,
+    ) -> None:
+        """Bind the pod, adding ``annotations`` to it (the server merges a Binding's
+        annotations into the pod's); a :class:`BindError` if the server did not."""
         if self._session is None:
             connector = aiohttp.TCPConnector(ssl=self._ssl(), limit=8)
             timeout = aiohttp.ClientTimeout(total=TIMEOUT_SECONDS)
@@ -91,7 +99,12 @@ class BindingClient:
         body: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "Binding",
-            "metadata": {"name": name, "namespace": namespace, "uid": uid},
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "uid": uid,
+                **({"annotations": dict(annotations)} if annotations else {}),
+            },
             "target": {"apiVersion": "v1", "kind": "Node", "name": node},
         }
         path = f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}/binding"

@@ -8,7 +8,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class ExtenderMetrics:
-    def __init__(self, holds: Callable[[], int], remembered_pods: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        holds: Callable[[], int],
+        remembered_pods: Callable[[], int],
+        watched_pods: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "gpushare_extender_requests",
@@ -26,7 +31,7 @@ class ExtenderMetrics:
         self.verdicts = Counter(
             "gpushare_extender_node_verdicts",
             "Filter verdicts per node, by reason (fits, no_room, held, no_gpus, "
-            "no_annotation, bad_annotation)",
+            "no_annotation, bad_annotation, card_choice, not_ready)",
             ["reason"],
             registry=self.registry,
         )
@@ -49,3 +54,9 @@ class ExtenderMetrics:
             registry=self.registry,
         )
         pending.set_function(lambda: float(remembered_pods()))
+        watched = Gauge(
+            "gpushare_extender_watched_pods",
+            "Live pods bound to a node and asking gpushare resources, from the pod watch",
+            registry=self.registry,
+        )
+        watched.set_function(lambda: float(watched_pods()))

@@ -37,6 +37,7 @@ from gpushare.extender.body import BadRequest, parse_json
 from gpushare.extender.fit import PLACEMENTS
 from gpushare.extender.ledger import AdmissionLedger
 from gpushare.extender.metrics import ExtenderMetrics
+from gpushare.extender.podfeed import PodFeed, endpoint_of
 from gpushare.extender.verbs import (
     VERDICTS_KEY,
     BindRefused,
@@ -46,6 +47,8 @@ from gpushare.extender.verbs import (
     filter_verb,
     prioritize_verb,
 )
+from gpushare.kube import nodestate
+from gpushare.kube.kubeclient import ApiClient
 
 log = structlog.get_logger(__name__)
 
@@ -75,6 +78,9 @@ class ExtenderSettings:
     #: the kubelet's probes when the verbs listen on 127.0.0.1 inside a pod
     probe_address: str = "0.0.0.0"
     probe_port: int = 0
+    #: watch the cluster's pods (bound, ended) to count what occupies each card; needs
+    #: the API server (``api_server`` or in-cluster) and list/watch on pods
+    watch_pods: bool = True
 
     @property
     def policy(self) -> ExtenderPolicy:
@@ -119,10 +125,13 @@ def build_app(
         ledger = AdmissionLedger(settings.ledger_timeout_seconds)
     state = ExtenderState(ledger)
     policy = settings.policy
-    metrics = ExtenderMetrics(lambda: len(state.ledger), lambda: len(state.pods))
+    metrics = ExtenderMetrics(
+        lambda: len(state.ledger), lambda: len(state.pods), lambda: state.ledger.live_pods
+    )
+    url = settings.api_server or in_cluster_url()
     if binder is None:
-        url = settings.api_server or in_cluster_url()
         binder = BindingClient(url, settings.token_file, settings.ca_file) if url else None
+    feeds: list[PodFeed] = []
 
     def verb_handler(verb: str, answer: Callable[[Any], Awaitable[Any]]) -> Handler:
         async def handle(request: web.Request) -> web.Response:
@@ -173,7 +182,11 @@ def build_app(
             metrics.bindings.labels("failed").inc()
             return {"Error": "binding is not configured (no API server address)"}
         try:
-            await binder.bind(args.namespace, args.name, args.uid, args.node)
+            annotations = {}
+            if args.plan:
+                key = nodestate.plan_annotation_key(policy.resource_prefix)
+                annotations[key] = nodestate.encode_plan(dict(args.plan))
+            await binder.bind(args.namespace, args.name, args.uid, args.node, annotations)
         except BindError as exc:
             state.ledger.forget_pod(args.uid)
             metrics.bindings.labels("failed").inc()
@@ -186,6 +199,27 @@ def build_app(
     async def healthz(_request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
+    async def readyz(_request: web.Request) -> web.Response:
+        if state.ledger.awaiting_list:
+            return web.Response(text="the cluster's pods are not read yet\n", status=503)
+        return web.Response(text="ok\n")
+
+    async def start_feed(_app: web.Application) -> None:
+        if not (settings.watch_pods and url):
+            return
+        endpoint = endpoint_of(url, settings.token_file, settings.ca_file)
+        feed = PodFeed(
+            ApiClient(endpoint), policy.resource_prefix, state.ledger, asyncio.get_running_loop()
+        )
+        feeds.append(feed)
+        await feed.first_list()
+        feed.start()
+
+    async def stop_feed(_app: web.Application) -> None:
+        loop = asyncio.get_running_loop()
+        for feed in feeds:
+            await loop.run_in_executor(None, feed.stop)
+
     async def serve_metrics(_request: web.Request) -> web.Response:
         data = generate_latest(metrics.registry)
         return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -196,7 +230,7 @@ def build_app(
 
     def probe_routes(target: web.Application) -> web.Application:
         target.router.add_get("/healthz", healthz)
-        target.router.add_get("/readyz", healthz)
+        target.router.add_get("/readyz", readyz)
         target.router.add_get("/metrics", serve_metrics)
         return target
 
@@ -207,6 +241,8 @@ def build_app(
         _route(settings.url_prefix, "prioritize"), verb_handler("prioritize", do_prioritize)
     )
     app.router.add_post(_route(settings.url_prefix, "bind"), verb_handler("bind", do_bind))
+    app.on_startup.append(start_feed)
+    app.on_cleanup.append(stop_feed)
     app.on_cleanup.append(close_binder)
     return app
 
@@ -307,6 +343,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--probe-address", default=defaults.probe_address, help="address of --probe-port"
     )
     parser.add_argument("--ca-file", default=defaults.ca_file, help="the API server's CA")
+    parser.add_argument(
+        "--watch-pods",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.watch_pods,
+        help="watch the cluster's pods so that room freed by a pod that ends is seen at "
+        "once and pods bound by anyone are counted (needs list/watch on pods)",
+    )
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="auto")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     add_version(parser)
@@ -337,6 +380,7 @@ def parse_settings(argv: Sequence[str] | None) -> tuple[ExtenderSettings, argpar
         ca_file=args.ca_file,
         probe_address=args.probe_address,
         probe_port=args.probe_port,
+        watch_pods=args.watch_pods,
     )
     return settings, args
 

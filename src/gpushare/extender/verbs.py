@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
 from gpushare.extender.body import BadRequest
@@ -30,7 +30,6 @@ from gpushare.extender.fit import (
     fit_pod,
     pod_need,
     score,
-    subtract,
 )
 from gpushare.extender.ledger import AdmissionLedger
 from gpushare.gpu.gputype import CardChoice
@@ -206,10 +205,17 @@ def judge_state(
     exclude_pod: str = "",
     choice: CardChoice | None = None,
 ) -> NodeVerdict:
-    """Fit the pod on the node's published cards less what the ledger holds there and
-    the cards the pod's annotations exclude."""
-    held = ledger.pending_use(name, state.generation, exclude_pod)
-    rooms, excluded = excluded_rooms(subtract(card_rooms(state), held), state, choice)
+    """Fit the pod on the node's cards as the ledger counts them (the published state,
+    less pods bound since, plus pods ended since) less the cards the pod's annotations
+    exclude."""
+    if ledger.awaiting_list:
+        reason = (
+            "the extender has not read the cluster's pods yet (it counts the pods bound "
+            "to each node); the pod is retried"
+        )
+        return NodeVerdict(name, Fit(None, reason), state.generation, "not_ready")
+    occupancy = ledger.occupancy(name, state, policy.placement, exclude_pod)
+    rooms, excluded = excluded_rooms(occupancy.rooms, state, choice)
     if excluded and len(excluded) == len(rooms):
         reason = f"the pod's card choice excludes every card: {', '.join(excluded)}"
         return NodeVerdict(name, Fit(None, reason), state.generation, "card_choice")
@@ -218,10 +224,9 @@ def judge_state(
         return NodeVerdict(name, fit, state.generation)
     if excluded:
         fit = Fit(None, f"{fit.reason} (excluded by the pod's card choice: {', '.join(excluded)})")
-    if held:
-        pending = ledger.pending_pods(name, exclude_pod)
+    if occupancy.pending:
         reason = (
-            f"{fit.reason} (counting {pending} pod(s) bound here that the node's "
+            f"{fit.reason} (counting {occupancy.pending} pod(s) bound here that the node's "
             "annotation does not show yet)"
         )
         return NodeVerdict(name, Fit(None, reason), state.generation, "held")
@@ -242,8 +247,21 @@ def judge_node(
     published, code, reason = read_node_state(node, policy.resource_prefix)
     if published is None:
         return NodeVerdict(name, Fit(None, reason), None, code)
+    published = newest(state.nodes.get(name), published)
     state.nodes.put(name, published)
     return judge_state(name, published, need, policy, state.ledger, exclude_pod, choice)
+
+
+def newest(
+    seen: nodestate.NodeGpuState | None, given: nodestate.NodeGpuState
+) -> nodestate.NodeGpuState:
+    """The newer of the node's state seen before and the one a request carries: a
+    scheduler's copy may be older than one seen already (the extender has then dropped
+    holds that only the newer one confirms). A lower generation with a later timestamp
+    is a daemon that started counting again (its annotation was removed): the new one."""
+    if seen is None or given.generation >= seen.generation or given.updated > seen.updated:
+        return given
+    return seen
 
 
 def _need(args: ExtenderArgs, policy: ExtenderPolicy) -> PodNeed:
@@ -313,6 +331,8 @@ class BindingArgs:
     namespace: str
     uid: str
     node: str
+    #: container -> the card the extender planned for it (the daemon follows it)
+    plan: tuple[tuple[str, str], ...] = ()
 
     @property
     def label(self) -> str:
@@ -343,8 +363,15 @@ class BindRefused(Exception):
 
 def bind_verb(body: Any, policy: ExtenderPolicy, state: ExtenderState) -> BindingArgs:
     """Check the pod still fits the chosen node, counting the pods bound before it, and
-    record its hold there. The caller posts the Binding and calls
-    ``state.ledger.forget_pod`` if that fails."""
+    record its hold there. The caller posts the Binding, with the planned card of each
+    container (``plan``) as an annotation, and calls ``state.ledger.forget_pod`` if
+    that fails.
+
+    The plan matters when the kubelet admits pods bound close together in another order
+    than they were bound (a kubelet restart admits them by creation time; bindings posted
+    at once may land in any order): the daemon's placement would then see other free
+    room than the extender did, and a pod that fits in bind order may find no single
+    card. Following the plan, every admission order lands where the holds counted."""
     args = read_binding_args(body)
     need = state.pods.get(args.uid)
     if need is None:
@@ -361,7 +388,12 @@ def bind_verb(body: Any, policy: ExtenderPolicy, state: ExtenderState) -> Bindin
             f"node {args.node} no longer holds pod {args.label}: {verdict.fit.reason}"
         )
     state.ledger.record(
-        args.uid, args.node, published.generation, verdict.fit.placement.use_by_card()
+        args.uid,
+        args.node,
+        published.generation,
+        verdict.fit.placement.use_by_card(),
+        pod_key=args.label,
     )
     state.pods.pop(args.uid)
-    return args
+    plan = tuple((need.name, uuid) for uuid, need in verdict.fit.placement.cards)
+    return replace(args, plan=plan)

@@ -3,8 +3,11 @@
 With ``NODE_NAME`` set, :class:`ApiLink` runs one background thread that
 
 * publishes the per-card state on the Node: annotation ``<prefix>/gpus`` (JSON, see
-  ``nodestate.py``) and labels ``<prefix>/gpu.product|count|memory``, debounced after
-  every change and at least every :data:`REFRESH_SECONDS`;
+  ``nodestate.py``: counts, and the pods they include) and labels
+  ``<prefix>/gpu.product|count|memory``, :data:`PUBLISH_SETTLE_SECONDS` after a change
+  (an Allocate, a fresh read of the kubelet's records that shows units released), at
+  most once per :data:`MIN_PUBLISH_INTERVAL` and at least every :data:`REFRESH_SECONDS`;
+  a state that did not change is not written again before the refresh is due;
 * annotates each admitted pod with the card each of its containers got
   (``<prefix>/gpu.<container>: <uuid>``), for people and for ``kubectl gpushare inspect``;
 * starts the :class:`~gpushare.kube.podwatch.PodWatch` that keeps the
@@ -33,7 +36,7 @@ from gpushare.gpu.health import HealthBoard
 from gpushare.kube import nodestate
 from gpushare.kube.kubeclient import ApiClient, ApiStatusError, KubeConfigError, load_endpoint
 from gpushare.kube.labels import LabelFacts, node_labels
-from gpushare.kube.podspecs import PodSpecBook
+from gpushare.kube.podspecs import PodSpecBook, only_uid_of
 from gpushare.kube.podwatch import PodWatch
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.records import Snapshot
@@ -42,6 +45,10 @@ from gpushare.share.usage import Holder, UsageLedger
 log = structlog.get_logger(__name__)
 
 DEBOUNCE_SECONDS = 1.0
+#: After the first change, wait this long for more (a burst of Allocates) to join it.
+PUBLISH_SETTLE_SECONDS = 0.2
+#: ...and never write the Node more often than this (seconds between writes).
+MIN_PUBLISH_INTERVAL = 0.5
 REFRESH_SECONDS = 30.0
 MAX_BACKOFF = 60.0
 API_TIMEOUT = 5.0
@@ -108,6 +115,8 @@ class ApiLink:
         self.read_records = read_records  # a fresh read of the kubelet's records
         self.generation = 0
         self.published = threading.Event()  # set after each successful Node update
+        self.publishes = 0  # successful Node updates, for tests and metrics
+        self._last_cards: tuple[nodestate.CardState, ...] | None = None
         self._api: ApiClient | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -177,8 +186,9 @@ class ApiLink:
                     self._read_generation()
                     connected = True
                     log.info("api_connected", node=self.node_name)
-                self._publish_node()
-                last_publish = time.monotonic()
+                due = time.monotonic() - last_publish >= REFRESH_SECONDS
+                if self._publish_node(force=due):
+                    last_publish = time.monotonic()
                 self._annotate_pods()
                 backoff = 1.0
             except Exception as exc:  # the API server is down, RBAC is missing, ...
@@ -192,7 +202,9 @@ class ApiLink:
             if self._pending:
                 wait = min(wait, DEBOUNCE_SECONDS)
             if self._wake.wait(wait) and not self._stop.is_set():
-                self._stop.wait(DEBOUNCE_SECONDS)  # let a burst of changes settle
+                # Let a burst of changes settle, and keep writes apart.
+                since = time.monotonic() - last_publish
+                self._stop.wait(max(PUBLISH_SETTLE_SECONDS, MIN_PUBLISH_INTERVAL - since))
             self._wake.clear()
 
     @property
@@ -211,9 +223,27 @@ class ApiLink:
                 self.generation = 0
 
     # ------------------------------------------------------------------ Node state
+    def _pod_key(self, namespace: str, name: str) -> str:
+        """The pod's UID when exactly one pod of that name is on record, else its name."""
+        return only_uid_of(self.book, namespace, name) or f"{namespace}/{name}"
+
+    def _counted(
+        self, uuid: str, pods: Mapping[tuple[str, str], tuple[int, int]]
+    ) -> tuple[tuple[tuple[str, int, int], ...], bool]:
+        listed = sorted(
+            ((self._pod_key(ns, name), *units) for (ns, name), units in pods.items()),
+            key=lambda item: item[0],
+        )
+        limit = nodestate.MAX_PODS_PER_CARD
+        return tuple(listed[:limit]), len(listed) > limit
+
     def node_state(self) -> nodestate.NodeGpuState:
+        # The pods first: each one listed is in the counts read after it (a release in
+        # between makes the counts smaller and drops the pod; see UsageLedger).
+        counted = self.usage.counted_pods()
         memory_used = self.usage.used_counts(Resource.MEMORY)
         core_used = self.usage.used_counts(Resource.CORE)
+        pods = {uuid: self._counted(uuid, counted.get(uuid, {})) for uuid in self.inventory.cards}
         extras = self.card_extras() if self.card_extras is not None else nodestate.CardExtras()
         hardware = extras.hardware_healthy or {}
         cards = tuple(
@@ -229,6 +259,8 @@ class ApiLink:
                 healthy=self.health.is_healthy(card.uuid),
                 held_by=extras.held_by(card.uuid),
                 hardware_healthy=hardware.get(card.uuid),
+                pods=pods[card.uuid][0],
+                pods_truncated=pods[card.uuid][1],
             )
             for card in self.inventory.cards.values()
         )
@@ -243,8 +275,12 @@ class ApiLink:
     def labels(self) -> dict[str, str]:
         return node_labels(self.prefix, self.label_facts) | self.extra_labels
 
-    def _publish_node(self) -> None:
+    def _publish_node(self, force: bool = True) -> bool:
+        """Write the Node's state; unless ``force``, only if it changed. True if written."""
         state = self.node_state()
+        if not force and state.cards == self._last_cards:
+            self.published.set()  # the Node shows the current state already
+            return False
         body = {
             "metadata": {
                 "labels": self.labels(),
@@ -254,8 +290,11 @@ class ApiLink:
         assert self._api is not None
         self._api.merge_patch(self._node_path, body, timeout=API_TIMEOUT)
         self.generation = state.generation
+        self._last_cards = state.cards
+        self.publishes += 1
         self.published.set()
         log.debug("node_published", node=self.node_name, generation=state.generation)
+        return True
 
     # ------------------------------------------------------------------ Pod annotations
     def _annotate_pods(self) -> None:

@@ -8,7 +8,8 @@ extender and ``kubectl gpushare inspect`` read it. JSON, one object per card::
      "gpus": [{"uuid": "GPU-...", "index": 0, "name": "Tesla P4", "memory_mib": 7611,
                "memory_units": 29, "memory_units_used": 20, "core_units": 100,
                "core_units_used": 30, "healthy": true,
-               "held_by": "", "hardware_healthy": true}],
+               "held_by": "", "hardware_healthy": true,
+               "pods": {"6f1c...": [20, 30]}, "pods_truncated": false}],
      "wholeGpus": [{"uuid": "GPU-...", "index": 1, "name": "A100", "memory_mib": 40960,
                     "healthy": true, "held_by": "ml/train-0/main",
                     "mig": [{"uuid": "MIG-...", "profile": "3g.20gb",
@@ -21,6 +22,14 @@ is the card's own health and ``held_by`` who holds it whole (``namespace/pod/con
 both were added later and are optional. ``wholeGpus`` lists the cards not offered as
 shared units (whole-only cards and MIG cards with their MIG devices), so that readers
 see every card the node's ``gpu.count`` label counts.
+
+``pods`` names what the card's counts include, per pod: its UID (or
+``namespace/name`` when the daemon does not know the UID yet) -> the memory and core
+units it holds there, as the kubelet's PodResources records showed them. Every pod
+listed is included in ``memory_units_used``/``core_units_used``; the counts may hold
+more (an Allocate the records do not show yet, or pods left out past
+:data:`MAX_PODS_PER_CARD`, then ``pods_truncated`` is true). A daemon that does not
+say (older versions) omits both keys: ``CardState.pods`` is then None.
 """
 
 from __future__ import annotations
@@ -31,6 +40,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 VERSION = 1
+#: The most pods listed per card (about 50 bytes each); the rest set ``pods_truncated``.
+MAX_PODS_PER_CARD = 64
+#: Longest pod key read (a UID is 36 characters; ``namespace/name`` at most 317).
+MAX_POD_KEY = 320
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,10 @@ class CardState:
     held_by: str = ""
     #: The card's own health (None: published by a daemon that did not say).
     hardware_healthy: bool | None = None
+    #: pod key (UID, else ``namespace/name``) -> (memory, core) units counted here;
+    #: None when the daemon does not say
+    pods: tuple[tuple[str, int, int], ...] | None = None
+    pods_truncated: bool = False
 
     @property
     def memory_units_free(self) -> int:
@@ -138,6 +155,42 @@ def pod_annotation_key(prefix: str, container: str) -> str:
     return f"{prefix}/{name}"
 
 
+def plan_annotation_key(prefix: str) -> str:
+    """``<prefix>/plan``: the card the extender planned for each container of a pod,
+    written with the pod's Binding (the API server copies a Binding's annotations onto
+    the pod together with ``spec.nodeName``)."""
+    return f"{prefix}/plan"
+
+
+#: The most containers a plan names, and the longest names read from it.
+MAX_PLAN_ENTRIES = 64
+MAX_PLAN_NAME = 253
+
+
+def encode_plan(plan: dict[str, str]) -> str:
+    return json.dumps(plan, separators=(",", ":"), sort_keys=True)
+
+
+def decode_plan(text: object) -> dict[str, str]:
+    """Container name -> card UUID; anything malformed or too large reads as no plan."""
+    if not isinstance(text, str) or len(text) > MAX_PLAN_ENTRIES * 2 * (MAX_PLAN_NAME + 8):
+        return {}
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        return {}
+    if not isinstance(data, dict) or len(data) > MAX_PLAN_ENTRIES:
+        return {}
+    plan = {}
+    for name, uuid in data.items():
+        if not isinstance(uuid, str) or not 0 < len(uuid) <= MAX_PLAN_NAME:
+            return {}
+        if not 0 < len(name) <= MAX_PLAN_NAME:
+            return {}
+        plan[name] = uuid
+    return plan
+
+
 #: The node labels the daemon publishes, ``<prefix>/gpu.<name>``.
 LABEL_NAMES = ("product", "count", "memory", "family", "compute.major", "compute.minor")
 #: ...and ``<prefix>/cuda.driver.major|minor`` (see labels.py).
@@ -156,6 +209,15 @@ def label_keys(prefix: str) -> list[str]:
     ]
 
 
+def _card_json(card: CardState) -> dict[str, Any]:
+    data = asdict(card)
+    del data["pods"], data["pods_truncated"]
+    if card.pods is not None:
+        data["pods"] = {key: [memory, core] for key, memory, core in card.pods}
+        data["pods_truncated"] = card.pods_truncated
+    return data
+
+
 def encode(state: NodeGpuState) -> str:
     return json.dumps(
         {
@@ -163,11 +225,33 @@ def encode(state: NodeGpuState) -> str:
             "generation": state.generation,
             "updated": state.updated,
             "memoryUnitMiB": state.memory_unit_mib,
-            "gpus": [asdict(card) for card in state.cards],
+            "gpus": [_card_json(card) for card in state.cards],
             **({"wholeGpus": [asdict(card) for card in state.whole]} if state.whole else {}),
         },
         separators=(",", ":"),
     )
+
+
+def _pods(entry: dict[str, Any], where: str) -> tuple[tuple[str, int, int], ...] | None:
+    if "pods" not in entry:
+        return None
+    pods = entry["pods"]
+    if not isinstance(pods, dict):
+        raise ValueError(f"{where}: 'pods' must be an object")
+    if len(pods) > MAX_PODS_PER_CARD:
+        raise ValueError(f"{where}: more than {MAX_PODS_PER_CARD} pods listed")
+    listed = []
+    for key, units in pods.items():
+        if not key or len(key) > MAX_POD_KEY:
+            raise ValueError(f"{where}: a pod key must have 1 to {MAX_POD_KEY} characters")
+        if (
+            not isinstance(units, list)
+            or len(units) != 2
+            or not all(type(n) is int and 0 <= n <= 1 << 30 for n in units)
+        ):
+            raise ValueError(f"{where}: pod units must be [memory, core], whole numbers")
+        listed.append((key, units[0], units[1]))
+    return tuple(listed)
 
 
 def _field(data: dict[str, Any], key: str, kind: type, where: str) -> Any:
@@ -240,6 +324,8 @@ def decode(text: str) -> NodeGpuState:
                 healthy=_field(entry, "healthy", bool, where),
                 held_by=_optional(entry, "held_by", str, where, ""),
                 hardware_healthy=_optional(entry, "hardware_healthy", bool, where, None),
+                pods=_pods(entry, where),
+                pods_truncated=entry.get("pods_truncated") is True,
             )
         )
     whole = _optional(data, "wholeGpus", list, "annotation", [])

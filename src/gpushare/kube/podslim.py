@@ -4,12 +4,13 @@ The pod watch sees every pod bound to the node, and a tenant writes those object
 to 1.5 MiB each (long environment lists, large annotations), with terminal pods kept by
 PodGC long after they end. The daemon reads only: the UID, namespace, name,
 ``resourceVersion`` and ``deletionTimestamp``; the card-choice annotations
-(``gputype.NAMES`` under ``<prefix>/`` and ``nvidia.com/``, values cut at
-:data:`MAX_ANNOTATION_CHARS`); the phase; and, per init and app container in spec
-order, its name, ``restartPolicy`` and the ``<prefix>/`` quantities of its limits and
-requests. :func:`slim` keeps exactly that, and drops a pod at once (None) when it is
-terminal or none of its containers asks for a ``<prefix>/`` resource, so the memory a
-pod costs the daemon is bounded whatever its object holds (docs/security.md).
+(``gputype.NAMES`` under ``<prefix>/`` and ``nvidia.com/``) and the scheduler extender's
+plan (``<prefix>/plan``), values cut at :data:`MAX_ANNOTATION_CHARS`; the phase; and,
+per init and app container in spec order, its name, ``restartPolicy`` and the
+``<prefix>/`` quantities of its limits and requests. :func:`slim` keeps exactly that,
+and drops a pod at once (None) when it is terminal or none of its containers asks for a
+``<prefix>/`` resource, so the memory a pod costs the daemon is bounded whatever its
+object holds (docs/security.md).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from gpushare.base.quantity import whole_units
 from gpushare.gpu.gputype import NAMES, OTHER_PREFIX
 from gpushare.kube.podspecs import TERMINAL_PHASES
+from gpushare.kube.nodestate import plan_annotation_key
 
 #: A card-choice annotation is a short comma list; a longer value is cut.
 MAX_ANNOTATION_CHARS = 4096
@@ -95,6 +97,7 @@ def slim(pod: Mapping[str, Any], prefix: str) -> dict[str, Any] | None:
     annotations = meta.get("annotations")
     annotations = annotations if isinstance(annotations, Mapping) else {}
     wanted = {f"{domain}/{name}" for domain in (prefix, OTHER_PREFIX) for name in NAMES}
+    wanted.add(plan_annotation_key(prefix))  # the scheduler extender's plan
     kept_meta: dict[str, Any] = {
         key: _text(meta.get(key))
         for key in ("uid", "namespace", "name", "resourceVersion")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpushare.base.quantity import whole_units
+from gpushare.kube.nodestate import decode_plan, plan_annotation_key
 from gpushare.share.devices import Resource
 from gpushare.share.placement import Need
 from gpushare.share.records import Snapshot
@@ -84,6 +85,23 @@ class _Entry:
     phase: str
     containers: tuple[SpecContainer, ...]  # GPU containers only, in admission order
     deleting: bool = False  # deletionTimestamp set: on its way out, never being admitted
+    #: container -> the card the scheduler extender planned for it (``<prefix>/plan``)
+    plan: tuple[tuple[str, str], ...] = ()
+
+
+def _planned(entry: _Entry, container: str) -> tuple[str, ...] | None:
+    """The extender's card for each container placed together from ``container`` on,
+    or None if it planned not all of them (an init container is never planned: it fits
+    anywhere alone)."""
+    names = [c.name for c in entry.containers]
+    if container not in names or not entry.plan:
+        return None
+    rest = entry.containers[names.index(container) :]
+    if rest[0].init:
+        return None
+    plan = dict(entry.plan)
+    cards = tuple(plan.get(c.name, "") for c in rest if not c.init)
+    return cards if cards and all(cards) else None
 
 
 def _plan_from(containers: Sequence[SpecContainer]) -> list[Need]:
@@ -137,7 +155,14 @@ class PodSpecBook:
             return uid, None
         namespace, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
         deleting = bool(meta.get("deletionTimestamp"))
-        return uid, _Entry(namespace, name, phase, tuple(containers), deleting)
+        annotations = meta.get("annotations")
+        text = (
+            annotations.get(plan_annotation_key(self.prefix))
+            if isinstance(annotations, Mapping)
+            else None
+        )
+        plan = tuple(sorted(decode_plan(text).items()))
+        return uid, _Entry(namespace, name, phase, tuple(containers), deleting, plan)
 
     def update(self, pod: Mapping[str, Any]) -> None:
         """Record (or replace) a pod as the API server shows it."""
@@ -243,9 +268,7 @@ class PodSpecBook:
                     return holder
         return None
 
-    def init_waiting(
-        self, bound: Resource, bound_size: int, resource: Resource, size: int
-    ) -> bool:
+    def init_waiting(self, bound: Resource, bound_size: int, resource: Resource, size: int) -> bool:
         """Whether an ordinary init container asking ``bound_size`` of ``bound`` and
         ``size`` of ``resource`` may be mid-admission (PodResources never lists those).
 
@@ -286,9 +309,39 @@ class PodSpecBook:
         Candidates must ask exactly ``size`` of ``resource``; if they disagree on what
         to place, the answer is only what they agree on (or nothing).
         """
-        candidates = [plan for _holder, plan in self._asking(resource, size, records, last_holder)]
-        if not candidates:
-            return None
+        return self.asking_planned(resource, size, records, last_holder)[0]
+
+    def asking_planned(
+        self,
+        resource: Resource,
+        size: int,
+        records: Snapshot | None,
+        last_holder: Holder | None = None,
+    ) -> tuple[list[Need] | None, list[tuple[str, ...]]]:
+        """:meth:`asking`, and the extender's plans for those containers: one per pod it
+        can be that needs what the answer places (alike pods are interchangeable)."""
+        found = self._asking(resource, size, records, last_holder)
+        if not found:
+            return None, []
+        agreed = self._agreed([needs for _holder, needs in found])
+        plans = []
+        for holder, needs in found:
+            if needs != agreed:
+                continue
+            cards = _plan_of(self, holder)
+            if cards is not None:
+                plans.append(cards)
+        return agreed, plans
+
+    def named(self, namespace: str, name: str) -> list[tuple[str, _Entry]]:
+        """(UID, entry) of the pods of that name on record (several while one goes away)."""
+        with self._lock:
+            return [
+                (u, e) for u, e in self._pods.items() if (e.namespace, e.name) == (namespace, name)
+            ]
+
+    @staticmethod
+    def _agreed(candidates: list[list[Need]]) -> list[Need] | None:
         first = candidates[0]
         if all(c == first for c in candidates):
             return first
@@ -357,3 +410,15 @@ class PodSpecBook:
                 holder = Holder(entry.namespace, entry.name, first.name)
                 found.append((holder, _plan_from(entry.containers)))
         return found
+
+
+def only_uid_of(book: PodSpecBook, namespace: str, name: str) -> str | None:
+    """The UID of the one pod of that name on record; None if none or several (a pod
+    deleted and created again under its name while the old one still goes away)."""
+    entries = book.named(namespace, name)
+    return entries[0][0] if len(entries) == 1 else None
+
+
+def _plan_of(book: PodSpecBook, holder: Holder) -> tuple[str, ...] | None:
+    entries = book.named(holder.namespace, holder.pod)
+    return _planned(entries[0][1], holder.container) if len(entries) == 1 else None

@@ -36,6 +36,7 @@ from gpushare.node.discovery import Discovered
 from gpushare.node.enforcement import device_listing, prepare_enforcement
 from gpushare.node.podresources import PodResourcesClient
 from gpushare.node.refresh import UsageRefresher
+from gpushare.node.releases import watch_releases
 from gpushare.share.answers import DeviceListing, Enforcement
 from gpushare.share.cardmodes import CardMode, card_modes, parse_card_modes
 from gpushare.share.devices import Inventory, Resource
@@ -249,6 +250,7 @@ def _link_to_api(core: NodeCore, specs: PodSpecBook) -> None:
     link.card_extras = core.card_facts.extras
     choices.on_miss = link.refresh_pods_now
     link.pod_listeners.append(choices.replace_all)
+    watch_releases(core.refresher, link)  # freed units published within about a second
     driver = getattr(core.found.backend, "cuda_driver_version", None)
     link.label_facts = LabelFacts(
         gpus=[g for g in core.found.gpus if not g.parent_uuid] + list(plan.mig_cards),

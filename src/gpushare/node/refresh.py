@@ -56,6 +56,8 @@ class UsageRefresher:
         self._thread: threading.Thread | None = None
         self._poked_first: float | None = None  # first Allocate of the pending burst
         self._poked_last: float | None = None
+        #: Also called with every snapshot adopted, after ``after_read``.
+        self.read_listeners: list[Callable[[Snapshot], object]] = []
         self.reads = 0  # successful reads adopted, for tests and metrics
         self.failures = 0
 
@@ -95,16 +97,21 @@ class UsageRefresher:
             return True  # the rate limit handed back an older answer: nothing new
         try:
             self._ledger.replace(
-                snapshot.used_by_card(), snapshot.holders_by_card(), snapshot.taken_at
+                snapshot.used_by_card(),
+                snapshot.holders_by_card(),
+                snapshot.taken_at,
+                snapshot.numbers_by_holder(),
             )
         except Exception:  # the kubelet's records are data: no record may end this thread
             log.exception("pod_resources_not_adopted")
             self.failures += 1
             return False
         self.reads += 1
-        if self.after_read is not None:
+        for hook in [self.after_read, *self.read_listeners]:
+            if hook is None:
+                continue
             try:
-                self.after_read(snapshot)
+                hook(snapshot)
             except Exception:
                 log.exception("after_pod_resources_read_failed")
         return True

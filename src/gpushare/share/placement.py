@@ -150,6 +150,20 @@ def place_containers(
     return tuple(found) if found is not None else None
 
 
+def plan_fits(rooms: Sequence[Room], needs: Sequence[Need], cards: Sequence[str]) -> bool:
+    """Whether the containers of ``needs`` fit together on ``cards`` (one per container,
+    healthy cards only)."""
+    if len(cards) != len(needs):
+        return False
+    left = {room.uuid: room for room in rooms if room.healthy}
+    for uuid, need in zip(cards, needs, strict=True):
+        room = left.get(uuid)
+        if room is None or room.memory_free < need.memory or room.core_free < need.core:
+            return False
+        left[uuid] = room.minus(need)
+    return True
+
+
 def _greedy(rooms: Sequence[Room], needs: Sequence[Need], policy: Policy) -> tuple[str, ...] | None:
     current = list(rooms)
     chosen = []

@@ -59,3 +59,13 @@ class Snapshot:
             units = cards.setdefault(uuid, {}).setdefault(holder, {})
             units[resource] = units.get(resource, 0) + 1
         return cards
+
+    def numbers_by_holder(self) -> dict[tuple[str, Holder], dict[Resource, set[int]]]:
+        """Per (card, container), the unit numbers it holds of each resource."""
+        held: dict[tuple[str, Holder], dict[Resource, set[int]]] = {}
+        for (resource, device_id), holder in self.holders.items():
+            uuid, _, number = device_id.rpartition(SEPARATOR)
+            n = parse_unit_number(number)
+            if n is not None:
+                held.setdefault((uuid, holder), {}).setdefault(resource, set()).add(n)
+        return held

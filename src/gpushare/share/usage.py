@@ -44,6 +44,10 @@ class UsageLedger:
         }
         self._recent: list[tuple[float, Resource, str, tuple[int, ...]]] = []
         self._holders: dict[str, dict[Holder, dict[Resource, int]]] = {}
+        #: (card, container) -> resource -> unit numbers, from the last records, less the
+        #: numbers the kubelet offered as free or allocated to another container since:
+        #: what each listed container is known to hold right now
+        self._held: dict[tuple[str, Holder], dict[Resource, frozenset[int]]] = {}
 
     # -- feeding -------------------------------------------------------------------
     def observe_available(
@@ -55,23 +59,39 @@ class UsageLedger:
                 card = self._inventory.cards[uuid]
                 free = set(free_by_card.get(uuid, ()))
                 self._used[resource][uuid] = set(range(card.units(resource))) - free
+                self._forget_holders(resource, uuid, free)
 
     def record_allocation(self, resource: Resource, uuid: str, units: Iterable[int]) -> None:
         numbers = tuple(units)
         with self._lock:
             self._used[resource][uuid].update(numbers)
             self._recent.append((self._clock(), resource, uuid, numbers))
+            self._forget_holders(resource, uuid, set(numbers))
+
+    def _forget_holders(self, resource: Resource, uuid: str, numbers: set[int]) -> None:
+        """Containers that held any of ``numbers`` no longer do (lock held)."""
+        if not numbers:
+            return
+        stale = [
+            key
+            for key, held in self._held.items()
+            if key[0] == uuid and not held.get(resource, frozenset()).isdisjoint(numbers)
+        ]
+        for key in stale:
+            del self._held[key]
 
     def replace(
         self,
         used: Mapping[Resource, Mapping[str, Iterable[int]]],
         holders: Mapping[str, Mapping[Holder, Mapping[Resource, int]]],
         taken_at: float,
+        held: Mapping[tuple[str, Holder], Mapping[Resource, Iterable[int]]] | None = None,
     ) -> None:
         """Adopt a PodResources snapshot taken at ``taken_at`` (clock time).
 
         Allocations answered after ``taken_at`` are kept on top of it: the snapshot
-        could not have seen them yet.
+        could not have seen them yet. ``held`` (per card and container, the unit
+        numbers held) says which containers the counts include (:meth:`counted_pods`).
         """
         with self._lock:
             fresh: dict[Resource, dict[str, set[int]]] = {
@@ -91,6 +111,14 @@ class UsageLedger:
                 uuid: {holder: dict(units) for holder, units in by_holder.items()}
                 for uuid, by_holder in holders.items()
             }
+            self._held = {
+                key: {resource: frozenset(n) for resource, n in units.items()}
+                for key, units in (held or {}).items()
+                if key[0] in self._inventory.cards
+            }
+            for at, resource, uuid, numbers_since in self._recent:
+                if at >= taken_at:  # answered after the read: taken from whoever it shows
+                    self._forget_holders(resource, uuid, set(numbers_since))
 
     # -- reading -------------------------------------------------------------------
     def used_counts(self, resource: Resource) -> dict[str, int]:
@@ -107,3 +135,18 @@ class UsageLedger:
         """Per card, the containers PodResources last reported on it and their units."""
         with self._lock:
             return {uuid: dict(h) for uuid, h in self._holders.items()}
+
+    def counted_pods(self) -> dict[str, dict[tuple[str, str], tuple[int, int]]]:
+        """Per card, (namespace, pod) -> (memory, core) units that the used counts
+        include for that pod and that no later offer or Allocate has taken from it."""
+        with self._lock:
+            held = list(self._held.items())
+        cards: dict[str, dict[tuple[str, str], tuple[int, int]]] = {}
+        for (uuid, holder), by_resource in held:
+            pods = cards.setdefault(uuid, {})
+            memory, core = pods.get((holder.namespace, holder.pod), (0, 0))
+            pods[(holder.namespace, holder.pod)] = (
+                memory + len(by_resource.get(Resource.MEMORY, ())),
+                core + len(by_resource.get(Resource.CORE, ())),
+            )
+        return cards

@@ -11,7 +11,8 @@ the URL's object) and is a no-op, keeping the resourceVersion, when it changes
 nothing. Every request is recorded, and the next requests can be made to fail.
 
 Watches (``?watch=1``) are served as the real server does over HTTP/1.1: a chunked
-answer of one JSON event per line (ADDED, MODIFIED, DELETED; BOOKMARK every
+answer of one JSON event per line (ADDED, MODIFIED, DELETED; an object that starts or
+stops matching the watch's selectors comes as ADDED or DELETED; BOOKMARK every
 ``bookmark_seconds`` when asked with ``allowWatchBookmarks``), from the given
 ``resourceVersion`` on, ended after ``timeoutSeconds``. A resourceVersion older than the
 kept history (see :meth:`KubeApiDouble.compact`) answers an ERROR event with a 410
@@ -148,8 +149,9 @@ class ObjectStore:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._version = 1
-        #: (resourceVersion, type, key, object) of every change, oldest first.
-        self.events: list[tuple[int, str, str, dict[str, Any]]] = []
+        #: (resourceVersion, type, key, object, the object's previous copy or None)
+        self.events: list[tuple[int, str, str, dict[str, Any], dict[str, Any] | None]] = []
+        self._recorded: dict[str, dict[str, Any]] = {}  # key -> the copy last recorded
         self._oldest = 1  # watches from before this version answer 410 Gone
         self._stopping = False
         self.bookmark_seconds = 60.0
@@ -214,7 +216,11 @@ class ObjectStore:
         self._record("DELETED", key, gone)
 
     def _record(self, kind: str, key: str, obj: dict[str, Any]) -> None:
-        self.events.append((self._version, kind, key, deepcopy(obj)))
+        copy = deepcopy(obj)
+        previous = self._recorded.pop(key, None) if kind == "DELETED" else self._recorded.get(key)
+        if kind != "DELETED":
+            self._recorded[key] = copy
+        self.events.append((self._version, kind, key, copy, previous))
         self._changed.notify_all()
 
     def _stamp(self, obj: dict[str, Any]) -> None:
@@ -366,13 +372,20 @@ class CollectionReads(ObjectStore):
                         self._changed.wait(max(0.0, wait))
                         fresh = [e for e in self.events if e[0] > position]
                     pending = []
-                    for version, kind, key, obj in fresh:
+                    for version, kind, key, obj, previous in fresh:
                         position = version
-                        if (
-                            self._in_collection(key, path)
-                            and _matches_labels(obj, labels)
-                            and (_matches_fields(obj, fields))
-                        ):
+                        if not self._in_collection(key, path):
+                            continue
+                        now_in = _matches_labels(obj, labels) and _matches_fields(obj, fields)
+                        was_in = previous is not None and (
+                            _matches_labels(previous, labels) and _matches_fields(previous, fields)
+                        )
+                        if kind == "MODIFIED" and now_in != was_in:
+                            # An object that enters or leaves a watch's selectors is
+                            # ADDED or DELETED there, as the real server sends it.
+                            kind = "ADDED" if now_in else "DELETED"
+                            now_in = True
+                        if now_in:
                             pending.append({"type": kind, "object": deepcopy(obj)})
                     if bookmarks and time.monotonic() >= next_bookmark:
                         next_bookmark = time.monotonic() + self.bookmark_seconds
@@ -653,8 +666,9 @@ class KubeApiDouble(CollectionReads):
         return body
 
     def _bind(self, pod_key: str, body: Any) -> tuple[int, Any]:
-        """``pods/{name}/binding``: what the real server checks, then ``spec.nodeName``.
-        A UID in the Binding must be the pod's (409 otherwise); a bound pod is 409."""
+        """``pods/{name}/binding``: what the real server checks, then ``spec.nodeName``
+        and the Binding's annotations merged into the pod's. A UID in the Binding must
+        be the pod's (409 otherwise); a bound pod is 409."""
         pod = self.objects.get(pod_key)
         name = pod_key.rsplit("/", 1)[-1]
         if pod is None:
@@ -675,6 +689,11 @@ class KubeApiDouble(CollectionReads):
                 409, f'pod {name} is already assigned to node "{pod["spec"]["nodeName"]}"'
             )
         pod.setdefault("spec", {})["nodeName"] = target["name"]
+        annotations = meta.get("annotations")
+        if isinstance(annotations, dict) and annotations:  # merged, as the real server does
+            pod["metadata"].setdefault("annotations", {}).update(
+                {str(k): str(v) for k, v in annotations.items()}
+            )
         self._put(pod_key, pod)  # a MODIFIED event for watches
         return 201, {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}
 

@@ -1,0 +1,232 @@
+"""The extender's watch of the cluster's pods: who is bound where, and who ended.
+
+One thread lists every pod (in pages), then watches from the list's
+``resourceVersion`` (with bookmarks), and resumes from the last version seen when the
+server ends a watch; a 410 Gone lists again, any other failure is retried with a
+growing delay. Of each pod it keeps only what the ledger uses (``PodFacts``: UID,
+name, node, the gpushare containers' units, whether it ended), and it hands every
+change to the ledger on the extender's event loop (the ledger is not thread-safe).
+Pods asking for no gpushare resource are dropped at once.
+
+The first list is read before the extender serves (for up to
+:data:`START_LIST_SECONDS`); until a list has been read the filter keeps no node
+(``AdmissionLedger.awaiting_list``), so a restarted extender never counts a node as
+if no pod were bound to it.
+
+It needs ``list`` and ``watch`` on pods (kube-scheduler's own ClusterRole has them;
+the kubeadm extender's role grants them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import ssl
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import structlog
+
+from gpushare.extender.fit import PodSpecError, pod_need
+from gpushare.extender.ledger import AdmissionLedger, PodFacts
+from gpushare.kube.kubeclient import ApiClient, ApiStatusError, Endpoint, Watch
+from gpushare.kube.nodestate import decode_plan, plan_annotation_key
+
+log = structlog.get_logger(__name__)
+
+PODS = "/api/v1/pods"
+PAGE = 500
+LIST_TIMEOUT = 30.0
+WATCH_SECONDS = (300, 600)
+READ_GRACE = 60.0
+MAX_BACKOFF = 30.0
+#: How long the extender waits for the first list before it serves anyway.
+START_LIST_SECONDS = 10.0
+TERMINAL = frozenset({"Succeeded", "Failed"})
+
+
+def endpoint_of(url: str, token_file: str, ca_file: str) -> Endpoint:
+    """The API server at ``url`` with the extender's token and CA."""
+    parts = urlsplit(url)
+    scheme = parts.scheme or "https"
+    context = ssl.create_default_context(cafile=ca_file or None) if scheme == "https" else None
+    host = (parts.hostname or "").strip("[]")
+    port = parts.port or (443 if scheme == "https" else 80)
+    token = Path(token_file) if token_file else None
+    return Endpoint(scheme, host, port, parts.path.rstrip("/"), context, token_file=token)
+
+
+def facts_of(pod: Mapping[str, Any], prefix: str) -> PodFacts:
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    status = pod.get("status") or {}
+    if not isinstance(meta, Mapping) or not isinstance(spec, Mapping):
+        return PodFacts("", "", "", None, False)
+    try:
+        need = pod_need(pod, prefix)
+    except PodSpecError:
+        need = None
+    if need is not None and not need.wants_gpu:
+        need = None
+    phase = status.get("phase") if isinstance(status, Mapping) else None
+    annotations = meta.get("annotations")
+    text = (
+        annotations.get(plan_annotation_key(prefix)) if isinstance(annotations, Mapping) else None
+    )
+    key = f"{meta.get('namespace') or ''}/{meta.get('name') or ''}"[:320]
+    return PodFacts(
+        uid=str(meta.get("uid") or "")[:253],
+        key=key,
+        node=str(spec.get("nodeName") or "")[:253],
+        need=need,
+        ended=phase in TERMINAL,
+        plan=tuple(sorted(decode_plan(text).items())),
+    )
+
+
+class Gone(Exception):
+    """The watch's resourceVersion is too old: list again."""
+
+
+class PodFeed:
+    """Feeds ``ledger`` from the API server; call every ledger method on ``loop``."""
+
+    def __init__(
+        self,
+        client: ApiClient,
+        prefix: str,
+        ledger: AdmissionLedger,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.ledger = ledger
+        self.loop = loop
+        self.events = 0  # watch events applied, for tests and metrics
+        self.lists = 0
+        self._resume = ""
+        self._stop = threading.Event()
+        self._current: Watch | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ on the loop
+    def _adopt(self, listed: list[PodFacts]) -> None:
+        self.ledger.pods_listed(listed)
+        self.ledger.watching = True
+        self.ledger.awaiting_list = False
+        self.lists += 1
+
+    def _event(self, kind: str, facts: PodFacts) -> None:
+        if kind == "DELETED":
+            self.ledger.pod_deleted(facts.uid, facts.key, facts.node)
+        else:
+            self.ledger.pod_seen(facts)
+        self.events += 1
+
+    def _call(self, fn: Callable[..., None], *args: Any) -> None:
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    # ------------------------------------------------------------------ in the thread
+    def list_pods(self) -> tuple[list[PodFacts], str]:
+        """Every pod, page by page: (their facts, the list's resourceVersion)."""
+        listed: list[PodFacts] = []
+        token = ""
+        while True:
+            query = {"limit": str(PAGE)}
+            if token:
+                query["continue"] = token
+            answer = self.client.get(PODS, timeout=LIST_TIMEOUT, **query)
+            for item in answer.get("items") or []:
+                if isinstance(item, dict):
+                    facts = facts_of(item, self.prefix)
+                    if facts.uid and (facts.need is not None or facts.ended):
+                        listed.append(facts)
+            meta = answer.get("metadata") or {}
+            token = str(meta.get("continue") or "")
+            if not token:
+                return listed, str(meta.get("resourceVersion") or "")
+
+    async def first_list(self, seconds: float = START_LIST_SECONDS) -> bool:
+        """Read the first list before serving; False (and the filter waits) if it fails."""
+        self.ledger.awaiting_list = True
+        try:
+            listed, version = await asyncio.wait_for(
+                self.loop.run_in_executor(None, self.list_pods), seconds
+            )
+        except Exception as exc:
+            log.warning("pod_list_failed", error=str(exc)[:300])
+            return False
+        self._resume = version
+        self._adopt(listed)
+        log.info("pods_listed", gpu_pods=self.ledger.live_pods)
+        return True
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="pod-feed", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        current = self._current
+        if current is not None:
+            current.close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.client.close()
+
+    def _run(self) -> None:
+        backoff = 1.0
+        while not self._stop.is_set():
+            try:
+                if not self._resume:
+                    listed, self._resume = self.list_pods()
+                    self._call(self._adopt, listed)
+                    log.info("pods_listed", pods=len(listed))
+                self._watch_once()
+                backoff = 1.0
+            except Gone:
+                log.info("pod_watch_expired")
+                self._resume = ""
+            except Exception as exc:
+                if self._stop.is_set():
+                    break
+                log.warning("pod_watch_failed", error=str(exc)[:300], retry_seconds=backoff)
+                if self._stop.wait(backoff * random.uniform(0.8, 1.2)):
+                    break
+                backoff = min(backoff * 2, MAX_BACKOFF)
+
+    def _watch_once(self) -> None:
+        seconds = random.randint(*WATCH_SECONDS)
+        query = {
+            "resourceVersion": self._resume,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(seconds),
+        }
+        try:
+            watch = self.client.watch(PODS, query, read_timeout=seconds + READ_GRACE)
+        except ApiStatusError as exc:
+            if exc.status == 410:
+                raise Gone() from None
+            raise
+        self._current = watch
+        try:
+            if self._stop.is_set():
+                return
+            for kind, obj in watch:
+                if kind == "ERROR":
+                    if obj.get("code") == 410:
+                        raise Gone()
+                    raise ApiStatusError(int(obj.get("code") or 500), str(obj.get("reason")), "")
+                if kind in ("ADDED", "MODIFIED", "DELETED"):
+                    facts = facts_of(obj, self.prefix)
+                    if facts.uid:
+                        self._call(self._event, kind, facts)
+                version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+                if version:
+                    self._resume = version
+        finally:
+            self._current = None
+            watch.close()

@@ -1,29 +1,66 @@
 # syntax=docker/dockerfile:1
 # gpushare image: the daemon (and kubectl-gpushare, the extender) plus HAMi-core's
-# interposer libvgpu.so, taken from HAMi's published image (HAMi-core is not built here).
+# interposer libvgpu.so, obtained one of two ways (build argument INTERPOSER):
+#   published  (default) copied out of HAMi's published image projecthami/hami:HAMI_VERSION
+#   source     compiled from HAMi-core at the pinned commit HAMI_CORE_COMMIT with gcc and
+#              the CUDA/NVML headers of two PyPI wheels (no CUDA toolkit, no GPU): take a
+#              fix before HAMi publishes it (scripts/build-hami-core.sh)
+# Either way the build checks with nm -D that the library exports the hooks enforcement
+# depends on (scripts/check-interposer.sh) and records what it is in
+# /opt/gpushare/lib/libvgpu.version and the image's labels (docs/operations.md).
 #   make image          linux/amd64 + linux/arm64 with docker buildx (PUSH=1 IMAGE=reg/gpushare:V)
 #   make image-local    this machine's architecture, loaded into docker
+#   make image-local INTERPOSER=source HAMI_CORE_COMMIT=<40 hex digits>
 #   docker build --build-arg HAMI_VERSION=v2.5.0 --build-arg VERSION=0.1.0 .
 # Base images are pinned by exact tag; pin by digest too (name:tag@sha256:..., via
 # --build-arg PYTHON_IMAGE=...) in a release pipeline. Both bases publish amd64 and arm64;
 # every stage runs on the target platform (binary wheels for that architecture).
 ARG PYTHON_IMAGE=python:3.12.8-slim-bookworm
 ARG HAMI_VERSION=v2.4.1
+ARG INTERPOSER=published
+# HAMi-core's main branch on 2026-06-30 (Merge pull request #212).
+ARG HAMI_CORE_COMMIT=8f3a89c67b037d8fdfe6c4cd4d8c4f0cd6504811
+ARG CUDA_HEADERS_VERSION=12.9.79
 ARG VERSION=0.0.0
 
 FROM projecthami/hami:${HAMI_VERSION} AS hami
 
+# nm (binutils) and the hook check, for both ways of obtaining the library.
+FROM ${PYTHON_IMAGE} AS checker
+RUN apt-get update && apt-get install -y --no-install-recommends binutils \
+    && rm -rf /var/lib/apt/lists/*
+COPY scripts/check-interposer.sh scripts/build-hami-core.sh /usr/local/bin/
+
 # One file out of HAMi's library directory. Older images hold libvgpu.so, newer ones
 # libvgpu.so.<version> (sometimes next to a libvgpu.so link): take the highest
 # versioned file, else the plain one, resolving links; fail the build if there is none.
-FROM ${PYTHON_IMAGE} AS interposer
+FROM checker AS interposer-published
+ARG HAMI_VERSION
 COPY --from=hami /k8s-vgpu/lib/nvidia/ /hami/
 RUN set -eu; cd /hami; \
     lib="$(ls -1 libvgpu.so.* 2>/dev/null | sort -V | tail -n 1 || true)"; \
     if [ -z "$lib" ]; then lib=libvgpu.so; fi; \
     if [ ! -e "$lib" ]; then echo "no libvgpu.so* in /k8s-vgpu/lib/nvidia of the HAMi image" >&2; exit 1; fi; \
     mkdir -p /out; cp -L "$lib" /out/libvgpu.so; chmod 0644 /out/libvgpu.so; \
-    echo "interposer: $lib"
+    check-interposer.sh /out/libvgpu.so; \
+    echo "published projecthami/hami:${HAMI_VERSION} /k8s-vgpu/lib/nvidia/$lib sha256:$(sha256sum /out/libvgpu.so | cut -d' ' -f1)" \
+        > /out/libvgpu.version; cat /out/libvgpu.version
+
+# HAMi-core from source at a pinned commit: gcc, cmake and the headers of the wheels.
+FROM checker AS interposer-source
+ARG HAMI_CORE_COMMIT
+ARG CUDA_HEADERS_VERSION
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev make cmake \
+    && rm -rf /var/lib/apt/lists/*
+RUN pip install --no-cache-dir --no-deps "nvidia-cuda-runtime-cu12==${CUDA_HEADERS_VERSION}" \
+    "nvidia-nvml-dev-cu12==${CUDA_HEADERS_VERSION}"
+ADD https://github.com/Project-HAMi/HAMi-core/archive/${HAMI_CORE_COMMIT}.tar.gz /hami-core.tar.gz
+RUN set -eu; mkdir /hami-core; tar -xzf /hami-core.tar.gz -C /hami-core --strip-components=1; \
+    build-hami-core.sh /hami-core /out/libvgpu.so; \
+    echo "source Project-HAMi/HAMi-core@${HAMI_CORE_COMMIT} sha256:$(sha256sum /out/libvgpu.so | cut -d' ' -f1)" \
+        > /out/libvgpu.version; cat /out/libvgpu.version
+
+FROM interposer-${INTERPOSER} AS interposer
 
 # Build as an unprivileged user, into a virtual environment copied whole to the final
 # image. Dependencies come as binary wheels; the slim image has no compiler, so a
@@ -44,11 +81,16 @@ LABEL org.opencontainers.image.title="gpushare" \
       org.opencontainers.image.description="Kubernetes device plugin sharing NVIDIA GPUs with hard memory limits" \
       org.opencontainers.image.licenses="Apache-2.0"
 ARG HAMI_VERSION
+ARG INTERPOSER
+ARG HAMI_CORE_COMMIT
 ARG VERSION
-LABEL io.gpushare.hami-version="${HAMI_VERSION}" \
+LABEL io.gpushare.interposer="${INTERPOSER}" \
+      io.gpushare.hami-version="${HAMI_VERSION}" \
+      io.gpushare.hami-core-commit="${HAMI_CORE_COMMIT}" \
       org.opencontainers.image.version="${VERSION}"
 COPY --from=build /opt/venv /opt/venv
 # The daemon's default --library path (src/gpushare/config.py).
+COPY --from=interposer /out/libvgpu.version /opt/gpushare/lib/libvgpu.version
 COPY --from=interposer /out/libvgpu.so /opt/gpushare/lib/libvgpu.so
 ENV PATH=/opt/venv/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 # Runs as root: the kubelet's sockets are root-owned. The DaemonSet drops every capability.

@@ -5,14 +5,15 @@ BIN    := $(VENV)/bin
 PROTOS := $(shell find proto -name '*.proto')
 comma  := ,
 
-.PHONY: demo test lint bench simulate image image-local version manifests clean verify-pairing e2e e2e-build
+.PHONY: demo test lint bench simulate image image-local version manifests clean verify-pairing e2e e2e-build kubectl-plugin
 
 demo: $(VENV)/.installed  ## run the daemon on a simulated node with a simulated kubelet
 	$(BIN)/gpushare-demo
 
-test: $(VENV)/.installed-test  ## lint, type-check and run the test suite
+test: $(VENV)/.installed-test  ## lint, type-check, check the layers and run the test suite
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/pytest -q
 
 # A real Kubernetes v1.36 (etcd, kube-apiserver, kube-scheduler, kube-controller-manager and
@@ -28,6 +29,7 @@ e2e: $(VENV)/.installed-test e2e-build  ## build the e2e cluster's programs and 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
 
 verify-pairing: $(VENV)/.installed-test  ## every admission sequence of up to 5 containers, 3 regimes
 	$(BIN)/pytest -q -m slow tests/test_pairing.py
@@ -42,12 +44,18 @@ simulate: $(VENV)/.installed  ## trace-driven placement simulation
 VERSION   := $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' src/gpushare/__init__.py)
 IMAGE     ?= gpushare:$(VERSION)
 HAMI_VERSION ?= v2.4.1
+# The interposer: published (out of HAMi's image) or source (HAMi-core at HAMI_CORE_COMMIT;
+# empty: the Dockerfile's pinned commit)
+INTERPOSER ?= published
+HAMI_CORE_COMMIT ?=
 PLATFORMS ?= linux/amd64,linux/arm64
 # PUSH=1 pushes the multi-arch image to IMAGE's registry; otherwise it is written as an
 # OCI archive (a multi-arch image cannot be loaded into the classic docker image store).
 PUSH      ?=
 IMAGE_ARCHIVE ?= dist/gpushare-$(VERSION).oci.tar
-BUILD_ARGS := --build-arg HAMI_VERSION=$(HAMI_VERSION) --build-arg VERSION=$(VERSION)
+BUILD_ARGS := --build-arg HAMI_VERSION=$(HAMI_VERSION) --build-arg VERSION=$(VERSION) \
+  --build-arg INTERPOSER=$(INTERPOSER) \
+  $(if $(HAMI_CORE_COMMIT),--build-arg HAMI_CORE_COMMIT=$(HAMI_CORE_COMMIT))
 
 image:  ## build the image for linux/amd64 and linux/arm64 (docker buildx; plain docker: this machine's arch)
 	@if docker buildx version >/dev/null 2>&1; then \
@@ -64,12 +72,20 @@ image:  ## build the image for linux/amd64 and linux/arm64 (docker buildx; plain
 image-local:  ## build the image for this machine only and load it into docker
 	docker build $(BUILD_ARGS) -t $(IMAGE) .
 
+# Where the krew archive will be published (the manifest names it with its sha256).
+PLUGIN_URL ?= https://github.com/gpushare/gpushare/releases/download/v$(VERSION)
+
+kubectl-plugin: $(VENV)/.installed  ## dist/kubectl-gpushare: one file, Python 3.9+, nothing to install; and its krew manifest
+	$(BIN)/python scripts/build_kubectl_plugin.py dist/kubectl-gpushare --krew-url $(PLUGIN_URL)
+
 version:  ## print the version (the one source: src/gpushare/__init__.py)
 	@echo $(VERSION)
 
-manifests:  ## copy daemonset/*.yaml into the package, for kubectl gpushare install
-	rm -f src/gpushare/manifests/*.yaml
+manifests:  ## copy daemonset/*.yaml (and policies/) into the package, for kubectl gpushare install
+	rm -f src/gpushare/manifests/*.yaml src/gpushare/manifests/policies/*.yaml
+	mkdir -p src/gpushare/manifests/policies
 	cp daemonset/*.yaml src/gpushare/manifests/
+	cp daemonset/policies/*.yaml src/gpushare/manifests/policies/
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

@@ -7,6 +7,8 @@ other as ``gpushare._proto...``, so nothing needs rewriting after generation.
 
 from __future__ import annotations
 
+import shutil
+import sys
 from pathlib import Path
 
 from setuptools import setup
@@ -23,15 +25,25 @@ def generate_stubs() -> None:
     from grpc_tools import protoc  # build-time dependency only
 
     include = str(Path(protoc.__file__).parent / "_proto")
+    # mypy-protobuf's plugins (a build requirement) type the messages and the gRPC
+    # servicers and stubs, so that mypy --strict checks the servers against the wire API.
+    plugins = []
+    for name in ("protoc-gen-mypy", "protoc-gen-mypy_grpc"):
+        found = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+        if found is None:
+            raise SystemExit(f"{name} not found: install mypy-protobuf (a build requirement)")
+        plugins.append(f"--plugin={name}={found}")
     for proto in sorted(PROTO_DIR.rglob("*.proto")):
         rc = protoc.main(
             [
                 "grpc_tools.protoc",
                 f"-Igpushare/_proto={PROTO_DIR}",
                 f"-I{include}",
+                *plugins,
                 f"--python_out={OUT_DIR}",
-                f"--pyi_out={OUT_DIR}",
+                f"--mypy_out={OUT_DIR}",
                 f"--grpc_python_out={OUT_DIR}",
+                f"--mypy_grpc_out={OUT_DIR}",
                 str(proto),
             ]
         )

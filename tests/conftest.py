@@ -18,8 +18,8 @@ import yaml
 
 from gpushare.config import Settings
 from gpushare.daemon import Daemon
-from gpushare.elf import stand_in
-from gpushare.podspecs import PodSpecBook
+from gpushare.host.elf import stand_in
+from gpushare.kube.podspecs import PodSpecBook
 from gpushare.sim.apiserver import KubeApiDouble
 from gpushare.sim.kubelet import SimulatedKubelet
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from gpushare import nodestate
 from gpushare.extender.apiserver import BindingClient
 from gpushare.extender.ledger import AdmissionLedger
 from gpushare.extender.server import ExtenderSettings, build_app, start
+from gpushare.kube import nodestate
 
 PREFIX = "gpushare.io"
 MEMORY = f"{PREFIX}/vcuda-memory"

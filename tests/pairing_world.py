@@ -23,17 +23,18 @@ from typing import Any
 import grpc
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2
-from gpushare.answers import Enforcement
-from gpushare.binding import Binder
-from gpushare.devices import Inventory, Resource
-from gpushare.gpus import Gpu
-from gpushare.health import HealthBoard
-from gpushare.placement import Policy
-from gpushare.plugin import DevicePluginServicer
-from gpushare.podresources import Snapshot, parse_list_response
-from gpushare.podspecs import PodSpecBook
+from gpushare.deviceplugin.binding import Binder
+from gpushare.deviceplugin.plugin import DevicePluginServicer
+from gpushare.gpu.gpus import Gpu
+from gpushare.gpu.health import HealthBoard
+from gpushare.kube.podspecs import PodSpecBook
+from gpushare.node.podresources import parse_list_response
+from gpushare.share.answers import Enforcement
+from gpushare.share.devices import Inventory, Resource
+from gpushare.share.placement import Policy
+from gpushare.share.records import Snapshot
+from gpushare.share.usage import UsageLedger
 from gpushare.sim.kubelet import AdmissionError, ContainerSpec, SimulatedKubelet
-from gpushare.usage import UsageLedger
 
 PREFIX = "gpushare.io"
 MEMORY = Resource.MEMORY.name_with(PREFIX)
@@ -120,6 +121,9 @@ class Outcome:
     split: int = 0
     refused: int = 0  # by the plugin (Allocate error)
     needless: int = 0  # refused by the plugin although one card could hold the container
+    #: refused because the container asks cores and no memory units (issue 23 item 1): a
+    #: refusal by rule, not for want of room; never counted as needless
+    core_only: int = 0
     insufficient: int = 0  # refused by the kubelet's own count (no plugin call decides it)
     details: list[str] = field(default_factory=list)
 
@@ -128,6 +132,7 @@ class Outcome:
         self.split += other.split
         self.refused += other.refused
         self.needless += other.needless
+        self.core_only += other.core_only
         self.insufficient += other.insufficient
         self.details.extend(other.details[:3])
 
@@ -236,6 +241,9 @@ class World:
             except AdmissionError as exc:
                 if exc.reason == "OutOfResources":
                     outcome.insufficient += 1
+                elif "no GPU memory limit" in str(exc):
+                    assert not spec.requests.get(MEMORY), exc  # only ever a core-only one
+                    outcome.core_only += 1
                 else:
                     outcome.refused += 1
                     if could_fit:
@@ -252,6 +260,12 @@ class World:
                 outcome.details.append(f"SPLIT {name}/{spec.name}: {record.devices}")
             else:
                 outcome.admitted += 1
+        else:
+            # Admitted whole: the pod starts, and the watch reports it Running. Its spec
+            # is still the fact about the container holding the last binding (item 8).
+            self.api_pods[name] = pod_object(name, specs, phase="Running")
+            if self.specs is not None:
+                self.specs.update(self.api_pods[name])
         return outcome
 
 

@@ -9,9 +9,14 @@ import pytest
 from conftest import CARD_4GIB, RTX_3090, TESLA_P4, Node, cards, gpu_uuid
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from gpushare.answers import CONTAINER_CACHE_DIR, CONTAINER_CACHE_FILE, CONTAINER_LIBRARY, LOCK_DIR
-from gpushare.devices import Resource
-from gpushare.library import LOCK_DIR_NAME, cache_root
+from gpushare.host.library import LOCK_DIR_NAME, cache_root
+from gpushare.share.answers import (
+    CONTAINER_CACHE_DIR,
+    CONTAINER_CACHE_FILE,
+    CONTAINER_LIBRARY,
+    LOCK_DIR,
+)
+from gpushare.share.devices import Resource
 from gpushare.sim.kubelet import AdmissionError
 
 
@@ -102,8 +107,10 @@ def test_memory_only_then_core_and_memory_with_pod_specs(node: Node, core_first:
     assert b.card() != a.card()  # only the other card has 10 free memory units
     assert {d.split("::")[0] for ids in b.devices.values() for d in ids} == {b.card()}
     assert b.conflicts == []
-    node.pod("c", {node.core: 30})
-    c = node.kubelet.admit("c", "main", {node.core: 30})  # core only: anywhere, alone
+    node.pod("c", {node.core: 30, node.memory: 1})
+    c = node.kubelet.admit(
+        "c", "main", {node.core: 30, node.memory: 1}, order=[node.core, node.memory]
+    )
     assert c.envs["CUDA_DEVICE_SM_LIMIT"] == "30" and c.conflicts == []
 
 
@@ -126,11 +133,11 @@ def test_memory_only_then_core_and_memory_never_splits(node: Node, core_first: b
 
 def fits_somewhere(node: Node, memory: int, core: int) -> bool:
     free_memory, free_core = per_card(node, node.memory), per_card(node, node.core)
-    assert node.daemon is not None and node.daemon.inventory is not None
+    assert node.daemon is not None and node.daemon.core.inventory is not None
     return any(
         card.memory_units - free_memory.get(card.uuid, 0) >= memory
         and 100 - free_core.get(card.uuid, 0) >= core
-        for card in node.daemon.inventory.cards.values()
+        for card in node.daemon.core.inventory.cards.values()
     )
 
 
@@ -332,8 +339,8 @@ def test_an_empty_allocate_request_is_invalid(
 def test_an_unhealthy_card_is_refused(
     node: Node, stubs: dict[Resource, api_pb2_grpc.DevicePluginStub]
 ) -> None:
-    assert node.daemon is not None and node.daemon.health is not None
-    node.daemon.health.set(gpu_uuid(1), False, "XID 79")
+    assert node.daemon is not None and node.daemon.core.health is not None
+    node.daemon.core.health.set(gpu_uuid(1), False, "XID 79")
     with pytest.raises(grpc.RpcError) as error:
         allocate(stubs[Resource.CORE], [f"{gpu_uuid(1)}::0"])
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpushare.mdsection import replace_section
+from gpushare.ops.mdsection import replace_section
 
 ROWS = [
     "ListAndWatch message serialised",

@@ -12,9 +12,9 @@ import yaml
 from conftest import TESLA_P4, Node, cards, gpu_uuid
 from structlog.testing import capture_logs
 
-from gpushare.answers import CONTAINER_LIBRARY
-from gpushare.cdi import CdiCheck, read_specs
 from gpushare.config import ConfigError, load_settings
+from gpushare.host.cdi import CdiCheck, read_specs
+from gpushare.share.answers import CONTAINER_LIBRARY
 
 
 def cdi_names(admitted: Any, resource: str) -> list[str]:
@@ -150,8 +150,8 @@ def test_unresolved_names_are_logged_once_and_cleared_when_a_spec_appears(tmp_pa
 
 def test_readyz_says_which_cdi_names_do_not_resolve(node: Node) -> None:
     start(node, "cdi-cri")
-    assert node.daemon is not None and node.daemon.link is not None
-    assert node.daemon.link.registered.wait(5.0)
+    assert node.daemon is not None and node.daemon.plugin.link is not None
+    assert node.daemon.plugin.link.registered.wait(5.0)
     ready, message = node.daemon.readiness()
     assert not ready
     assert f"nvidia.com/gpu={gpu_uuid(0)}" in message and f"nvidia.com/gpu={gpu_uuid(1)}" in message
@@ -163,8 +163,8 @@ def test_readyz_says_which_cdi_names_do_not_resolve(node: Node) -> None:
 
 def test_envvar_alone_never_looks_at_cdi_specs(node: Node) -> None:
     start(node, "envvar")
-    assert node.daemon is not None and node.daemon.cdi is None
-    assert node.daemon.link is not None and node.daemon.link.registered.wait(5.0)
+    assert node.daemon is not None and node.daemon.plugin.cdi is None
+    assert node.daemon.plugin.link is not None and node.daemon.plugin.link.registered.wait(5.0)
     assert node.daemon.readiness()[0]
 
 

@@ -18,9 +18,9 @@ START_AND_LIST_MODULES = textwrap.dedent(
     from gpushare.daemon import Daemon
     daemon = Daemon(load_settings(sys.argv[1:]))
     daemon.start()
-    registered = daemon.link.registered.wait(20)
-    optional = ("prometheus_client", "http.server", "http.client", "gpushare.metrics",
-                "gpushare.node", "gpushare.kubeclient", "kubernetes")
+    registered = daemon.plugin.link.registered.wait(20)
+    optional = ("prometheus_client", "http.server", "http.client", "gpushare.ops.metrics",
+                "gpushare.kube.apilink", "gpushare.kube.kubeclient", "kubernetes")
     loaded = sorted(m for m in optional if m in sys.modules)
     daemon.stop()
     print(registered, loaded, flush=True)
@@ -42,22 +42,22 @@ def test_without_metrics_and_node_name_their_modules_stay_unloaded(node: Node) -
 
 def test_optional_parts_are_absent_when_off_and_everything_stops(node: Node) -> None:
     daemon = node.start(cards(TESLA_P4, 1))
-    sockets = [f"server:{server.socket_path.name}" for server in daemon.servers]
+    assert daemon.plugin is not None and daemon.core is not None
+    sockets = [server.socket_path.name for server in daemon.plugin.servers]
     assert daemon.parts == (
         "pod-resources",
         "reaper",  # the interposer is installed: buried cache directories are deleted
         "health-monitor",
-        *sockets,
-        "kubelet-link",
+        "device-plugin",  # its servers and their registration with the kubelet
         "usage-refresher",
     )
-    assert daemon.metrics_server is None and daemon.api_link is None
+    assert daemon.metrics_part is None and daemon.core.api_link is None
     daemon.stop()
     assert daemon.parts == ()
-    assert not any(Path(node.settings.kubelet_dir, s.split(":", 1)[1]).exists() for s in sockets)
+    assert sockets and not any(Path(node.settings.kubelet_dir, s).exists() for s in sockets)
 
 
-def test_metrics_come_first_and_the_api_link_after_the_kubelet_link(
+def test_metrics_come_first_and_the_api_link_after_the_device_plugin(
     node: Node, short_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     double = KubeApiDouble()
@@ -68,7 +68,7 @@ def test_metrics_come_first_and_the_api_link_after_the_kubelet_link(
         daemon = node.start(cards(TESLA_P4, 1), metrics_port=free_port(), node_name="n")
         parts = daemon.parts
         assert parts[0] == "metrics-server"
-        assert parts.index("api-link") == parts.index("kubelet-link") + 1
+        assert parts.index("api-link") == parts.index("device-plugin") + 1
         node.stop()
         assert daemon.parts == ()
     finally:

@@ -254,8 +254,8 @@ def test_the_effective_configuration_names_every_key_and_its_origin(tmp_path: Pa
         ["gpushare.extender.server", "--ledger-timeout-seconds=nan"],
         ["gpushare.extender.server", "--ledger-timeout-seconds=inf"],
         ["gpushare.extender.server", "--ledger-timeout-seconds=-1"],
-        ["gpushare.kubectl", "uninstall", "--wait=nan"],
-        ["gpushare.kubectl", "uninstall", "--wait=1e999"],
+        ["gpushare.ops.kubectl", "uninstall", "--wait=nan"],
+        ["gpushare.ops.kubectl", "uninstall", "--wait=1e999"],
     ],
 )
 def test_float_flags_of_the_other_commands_refuse_non_finite_values(command: list[str]) -> None:

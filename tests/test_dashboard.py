@@ -37,8 +37,8 @@ def test_every_dashboard_query_names_only_exported_metrics(node: Node) -> None:
     port = free_port()
     node.start(cards(TESLA_P4, 1), metrics_port=port, metrics_address="127.0.0.1")
     node.kubelet.admit("a", "main", {node.memory: 4, node.core: 10})  # per-container series
-    assert node.daemon is not None and node.daemon.refresher is not None
-    assert node.daemon.refresher.refresh_once()
+    assert node.daemon is not None and node.daemon.core.refresher is not None
+    assert node.daemon.core.refresher.refresh_once()
     exported = exported_series(scrape(port)[1])
     families = {name for name in exported if not name.endswith(SUFFIXES)}
     dashboard = json.loads(DASHBOARD.read_text())
@@ -56,6 +56,9 @@ def test_every_dashboard_query_names_only_exported_metrics(node: Node) -> None:
         "gpushare_ready",
         "gpushare_registered",
         "gpushare_gpu_healthy",
+        "gpushare_container_memory_used_bytes",  # issue 24.3: actual use beside allocation
+        "gpushare_container_core_utilization_percent",
+        "gpushare_container_devices",  # issue 24.4: whole cards and MIG devices held
     ):
         assert needed in used
     assert "gpushare_container_memory_bytes" in families  # a live per-container series

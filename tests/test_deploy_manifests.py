@@ -21,8 +21,8 @@ import pytest
 import yaml
 from kubernetes_validate.utils import all_versions
 
-from gpushare import deploy
 from gpushare.config import OPTIONS, Settings, flag_name, load_settings, yaml_key
+from gpushare.ops import deploy
 
 ROOT = Path(__file__).resolve().parent.parent
 DAEMONSET_DIR = ROOT / "daemonset"
@@ -119,6 +119,7 @@ def test_every_chart_template_renders_and_validates(version: str) -> None:
         "ClusterRoleBinding",
         "ConfigMap",
         "DaemonSet",
+        "NetworkPolicy",  # networkPolicy.* (tests/test_listener_bounds.py)
         "ValidatingAdmissionPolicy",  # policies.* (tests/test_policies.py)
         "ValidatingAdmissionPolicyBinding",
     }
@@ -296,7 +297,7 @@ def daemon_api_verbs() -> set[tuple[str, str]]:
         double.add(pod)
         daemon = node.start(cards(TESLA_P4, 1), node_name="n")
         node.kubelet.admit("a", "main", {node.memory: 2})
-        assert daemon.api_link is not None
+        assert daemon.core.api_link is not None
         assert poll(lambda: bool(double.calls("PATCH", "/pods/a")), 15.0)
         assert poll(lambda: bool(double.calls("GET", "/api/v1/pods")), 15.0)
         assert poll(lambda: any("watch" in r.query for r in double.requests), 15.0)
@@ -395,6 +396,10 @@ def test_chart_values_move_the_mounts_with_the_paths() -> None:
 def test_packaged_manifests_are_the_daemonset_directory() -> None:
     shipped = deploy.manifest_texts()
     on_disk = {path.name: path.read_text() for path in DAEMONSET_DIR.glob("*.yaml")}
+    on_disk |= {
+        f"policies/{path.name}": path.read_text()
+        for path in (DAEMONSET_DIR / "policies").glob("*.yaml")
+    }
     assert shipped == on_disk, "run `make manifests` after editing daemonset/"
 
 
@@ -506,7 +511,8 @@ def test_dockerignore_keeps_the_context_small() -> None:
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     assert "*" in lines  # everything is out unless named
     kept = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
-    assert kept == {"pyproject.toml", "setup.py", "README.md", "proto", "src"}
+    scripts = {"scripts/check-interposer.sh", "scripts/build-hami-core.sh"}  # the interposer
+    assert kept == {"pyproject.toml", "setup.py", "README.md", "proto", "src", *scripts}
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1", "::1", "localhost"])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gpushare.dirwatch import DirWatch
+from gpushare.base.dirwatch import DirWatch
 
 
 def test_a_new_file_wakes_a_waiting_thread(tmp_path: Path) -> None:

@@ -17,9 +17,10 @@ from conftest import TESLA_P4, Node, cards, gpu_uuid
 from procs import poll
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from gpushare.cardmodes import CardMode, parse_card_modes
-from gpushare.daemon import Daemon, NodeConfigurationError
-from gpushare.devices import format_device_id
+from gpushare.base.startup import NodeConfigurationError
+from gpushare.daemon import Daemon
+from gpushare.share.cardmodes import CardMode, parse_card_modes
+from gpushare.share.devices import format_device_id
 from gpushare.sim.kubelet import AdmissionError
 
 UNITS = 29  # memory units of a Tesla P4
@@ -56,10 +57,10 @@ def seen(node: Node, expected: dict[tuple[str, str], int]) -> bool:
         return all(healthy(node, r, c) == n for (r, c), n in expected.items())
 
     def refreshed() -> bool:
-        assert node.daemon is not None and node.daemon.refresher is not None
+        assert node.daemon is not None and node.daemon.core.refresher is not None
         if matches():
             return True
-        node.daemon.refresher.refresh_once()
+        node.daemon.core.refresher.refresh_once()
         return node.kubelet.wait_for(lambda _k: matches(), 0.05)
 
     return poll(refreshed, 10.0)

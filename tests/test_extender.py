@@ -31,9 +31,9 @@ from extender_kit import (
     pod,
 )
 
-from gpushare import nodestate
 from gpushare.extender.fit import CardRoom, ContainerNeed, PodNeed, fit_pod
 from gpushare.extender.ledger import AdmissionLedger
+from gpushare.kube import nodestate
 
 __all__ = ["extender", "extender_factory"]  # fixtures
 

@@ -9,12 +9,12 @@ from pathlib import Path
 from conftest import TESLA_P4, Node, cards
 from procs import poll
 
-from gpushare.answers import CONTAINER_CACHE_DIR, CONTAINER_LIBRARY
 from gpushare.daemon import Daemon
-from gpushare.elf import stand_in
-from gpushare.gc import GarbageCollector
-from gpushare.library import prepare_cache_dir
-from gpushare.podresources import Snapshot
+from gpushare.host.elf import stand_in
+from gpushare.host.gc import GarbageCollector
+from gpushare.host.library import prepare_cache_dir
+from gpushare.share.answers import CONTAINER_CACHE_DIR, CONTAINER_LIBRARY
+from gpushare.share.records import Snapshot
 from gpushare.sim.kubelet import Admitted
 
 GRACE = 0.3
@@ -30,8 +30,8 @@ def library_of(admitted: Admitted) -> Path:
 
 def reads_after(daemon: Daemon, count: int, timeout: float = 3.0) -> bool:
     """Wait for ``count`` more successful PodResources reads (each may collect)."""
-    assert daemon.refresher is not None
-    refresher = daemon.refresher
+    assert daemon.core.refresher is not None
+    refresher = daemon.core.refresher
     target = refresher.reads + count
     return poll(lambda: refresher.reads >= target, timeout)
 
@@ -63,8 +63,8 @@ def test_an_unreadable_kubelet_collects_nothing(node: Node) -> None:
         cards(TESLA_P4, 1), gc_grace_seconds=GRACE, pod_resources_interval_seconds=0.05
     )
     a = node.kubelet.admit("a", "main", {node.memory: 2})
-    assert daemon.refresher is not None
-    refresher = daemon.refresher
+    assert daemon.core.refresher is not None
+    refresher = daemon.core.refresher
     node.kubelet.stop()  # PodResources gone with it: no evidence, no removal
     failures = refresher.failures
     assert poll(lambda: refresher.failures >= failures + 3, 5.0)
@@ -82,7 +82,10 @@ def test_an_old_library_goes_once_no_container_from_its_time_remains(node: Node)
     node.daemon = daemon = Daemon(node.settings)
     daemon.start()
     assert node.kubelet.wait_for(
-        lambda k: len(k.registrations) >= 4 and k.healthy_count(node.memory) == 29, 5.0
+        lambda k: len(k.registrations) >= 4
+        and k.healthy_count(node.memory) == 29
+        and k.healthy_count(node.core) == 100,  # both lists, before asking for both
+        5.0,
     )
     new = node.kubelet.admit("new", "main", {node.memory: 2, node.core: 5})
     new_library = library_of(new)

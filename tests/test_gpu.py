@@ -13,7 +13,8 @@ import threading
 import pytest
 from conftest import Node, nvml_loads
 
-from gpushare.gpus import GpuEvent, NvmlBackend
+from gpushare.gpu.gpus import GpuEvent
+from gpushare.gpu.nvml import NvmlBackend
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from conftest import nvml_loads
 
-from gpushare.gpus import NvmlBackend
-from gpushare.migprofile import GPU_INSTANCE_PROFILES, parse_profile, profile_of
+from gpushare.gpu.migprofile import GPU_INSTANCE_PROFILES, parse_profile, profile_of
+from gpushare.gpu.nvml import NvmlBackend
 
 pytestmark = [
     pytest.mark.gpu,

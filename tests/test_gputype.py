@@ -13,8 +13,8 @@ from procs import poll
 from test_extender import args, card, container, extender_factory, kept, node  # noqa: F401
 from test_extender import pod as extender_pod
 
-from gpushare import nodestate
-from gpushare.gputype import CardChoice, ChoiceBook, allowed_cards, card_choice
+from gpushare.gpu.gputype import CardChoice, ChoiceBook, allowed_cards, card_choice
+from gpushare.kube import nodestate
 from gpushare.sim.kubelet import AdmissionError
 
 T4 = {"uuid": gpu_uuid(0), "name": "Tesla T4", "memory_mib": 15360, "numa_node": 0}
@@ -123,8 +123,9 @@ def add(api: KubeApiDouble, name: str, limits: dict[str, int], annotations: dict
 def known(node: Node, name: str) -> bool:
     """Wait until the daemon has read the pod (as a pod list right after it was bound)."""
     daemon = node.daemon
-    assert daemon is not None and daemon.api_link is not None and daemon.choices is not None
-    link, book = daemon.api_link, daemon.choices
+    assert daemon is not None and daemon.core is not None
+    assert daemon.core.api_link is not None and daemon.core.choices is not None
+    link, book = daemon.core.api_link, daemon.core.choices
 
     def read() -> bool:
         if book.knows("default", name):
@@ -138,8 +139,8 @@ def known(node: Node, name: str) -> bool:
 def recorded(node: Node, pod_name: str) -> bool:
     """Wait until the daemon's last read of the kubelet's records shows the pod."""
     daemon = node.daemon
-    assert daemon is not None and daemon.refresher is not None and daemon.pod_resources is not None
-    refresher, client = daemon.refresher, daemon.pod_resources
+    assert daemon is not None and daemon.core is not None
+    refresher, client = daemon.core.refresher, daemon.core.pod_resources
 
     def read() -> bool:
         refresher.refresh_once()

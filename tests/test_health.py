@@ -12,8 +12,9 @@ import pytest
 from conftest import TESLA_P4, Node, cards, gpu_uuid
 
 from gpushare.config import parse_xids
-from gpushare.gpus import GpuEvent, NvmlBackend, handle_address
-from gpushare.health import HealthPolicy
+from gpushare.gpu.gpus import GpuEvent
+from gpushare.gpu.health import HealthPolicy
+from gpushare.gpu.nvml import NvmlBackend, handle_address
 
 A, B = gpu_uuid(0), gpu_uuid(1)
 
@@ -160,7 +161,7 @@ def test_non_fatal_xid_recovers_after_the_quiet_time_but_79_does_not(node: Node)
 def test_a_removed_card_goes_unhealthy_and_comes_back_when_seen_again(node: Node) -> None:
     gpus = cards(TESLA_P4, 2)
     node.start(gpus)
-    assert node.daemon is not None and node.daemon.health is not None
+    assert node.daemon is not None and node.daemon.core.health is not None
     gpus[0]["xid"] = 79
     written = write(node, gpus)
     assert wait_health(node, A, "Unhealthy", 1.0)
@@ -169,7 +170,7 @@ def test_a_removed_card_goes_unhealthy_and_comes_back_when_seen_again(node: Node
     assert wait_health(node, B, "Unhealthy", 1.0)
     assert time.monotonic() - written < 1.0
     assert health_of(node, A) == {"Unhealthy"}
-    assert "no longer visible" in node.daemon.health.reason(A)
+    assert "no longer visible" in node.daemon.core.health.reason(A)
     assert len(node.kubelet.devices(node.memory)) == 2 * 29  # listed, not dropped
     del gpus[0]["xid"]
     write(node, gpus)  # seen again (after a reset): the fatal XID is forgotten

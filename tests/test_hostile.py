@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from procs import poll
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from gpushare.devices import InvalidDeviceIds, Resource, parse_device_id, parse_unit_number
+from gpushare.share.devices import InvalidDeviceIds, Resource, parse_device_id, parse_unit_number
 from gpushare.sim.kubelet import Admitted
 
 UNITS = {Resource.MEMORY: 29, Resource.CORE: 100}  # Tesla P4: 7611 // 256
@@ -292,8 +292,8 @@ def test_a_unit_number_parses_only_as_the_text_gpushare_writes(value: int | str)
 
 def test_non_ascii_digits_in_the_kubelets_records_never_stop_the_refresher(node: Node) -> None:
     daemon = node.start(cards(TESLA_P4, 1), pod_resources_interval_seconds=0.05)
-    assert daemon.refresher is not None and daemon.usage is not None
-    refresher, usage = daemon.refresher, daemon.usage
+    assert daemon.core.refresher is not None and daemon.core.usage is not None
+    refresher, usage = daemon.core.refresher, daemon.core.usage
     hostile = [f"{HEALTHY[0]}::{d}" for d in ("\u0663", "\u00b2", "\u0660", "9" * 5000, "3\u0663")]
     record = Admitted("odd", "main", "default", {node.memory: hostile}, {}, {}, {}, {}, [])
     with node.kubelet._lock:  # the stand-in serves whatever it holds in PodResources

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from kube_double import KubeApiDouble
 
-from gpushare import nodestate
-from gpushare.inspect import build_view, main, render_json, render_table, render_yaml
+from gpushare.kube import nodestate
+from gpushare.ops.inspect import build_view, main, render_json, render_table, render_yaml
 
 PREFIX = "gpushare.io"
 P4 = ("Tesla P4", 7611)
@@ -105,9 +105,9 @@ NODE gpu-b  (2 cards, 256 MiB units, generation 12, updated 2026-11-22T13:00:00Z
   0    NVIDIA GeForce RTX 3090  23296/24064  (96.8 %)  91/94  0/100  healthy
   1    NVIDIA GeForce RTX 3090  0/24064      (0.0 %)   0/94   0/100  UNHEALTHY
 
-NODE gpu-c: no gpushare.io/gpus annotation (is the gpushare daemon running with NODE_NAME?)
+NODE gpu-c: no daemon report: no gpushare.io/gpus annotation (daemon not running, or no NODE_NAME?)
 
-CLUSTER  3 nodes, 4 cards (3 healthy)
+CLUSTER  3 nodes (2 reporting, 1 no daemon report), 4 cards (3 healthy)
   memory  34560/62976 MiB (54.9 %)
   cores   30/400 (7.5 %)
 """
@@ -135,9 +135,9 @@ NODE gpu-b  (2 cards, 256 MiB units, generation 12, updated 2026-11-22T13:00:00Z
 TABLE_DETAILS = f"""\
 {GPU_A_DETAILS}
 {GPU_B_DETAILS}
-NODE gpu-c: no gpushare.io/gpus annotation (is the gpushare daemon running with NODE_NAME?)
+NODE gpu-c: no daemon report: no gpushare.io/gpus annotation (daemon not running, or no NODE_NAME?)
 
-CLUSTER  3 nodes, 4 cards (3 healthy)
+CLUSTER  3 nodes (2 reporting, 1 no daemon report), 4 cards (3 healthy)
   memory  34560/62976 MiB (54.9 %)
   cores   30/400 (7.5 %)
 """
@@ -152,6 +152,8 @@ def _gpu(
         "uuid": f"GPU-{name.split()[-1]}-{index}",
         "name": name,
         "healthy": healthy,
+        "offered": healthy,
+        "heldBy": None,
         "memoryMib": mib,
         "memoryUnits": mib // 256,
         "memoryUnitsUsed": used,
@@ -180,7 +182,9 @@ def _node_json(name: str, generation: int, *gpus: dict[str, Any]) -> dict[str, A
         "generation": generation,
         "updated": "2026-11-22T13:00:00Z",
         "problem": None,
+        "cardCount": len(gpus),
         "gpus": list(gpus),
+        "wholeGpus": [],
     }
 
 
@@ -210,15 +214,20 @@ GPU_C_JSON = {
     "memoryUnitMib": None,
     "generation": None,
     "updated": None,
-    "problem": "no gpushare.io/gpus annotation (is the gpushare daemon running with NODE_NAME?)",
+    "problem": "no daemon report: no gpushare.io/gpus annotation "
+    "(daemon not running, or no NODE_NAME?)",
+    "cardCount": 0,
     "gpus": [],
+    "wholeGpus": [],
 }
 JSON = {
     "nodes": [GPU_A_JSON, GPU_B_JSON, GPU_C_JSON],
     "totals": {
         "nodes": 3,
+        "unreportedNodes": 1,
         "cards": 4,
         "healthyCards": 3,
+        "heldWhole": 0,
         "memoryMib": 62976,
         "memoryUsedMib": 34560,
         "memoryPercent": 54.9,
@@ -363,7 +372,7 @@ def test_json_and_yaml_use_one_key_style_and_say_the_same() -> None:
 def test_kubeconfig_and_context_flags_before_or_after_the_command(
     cluster: KubeApiDouble, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    from gpushare.kubectl import main as kubectl
+    from gpushare.ops.kubectl import main as kubectl
 
     config = os.environ["KUBECONFIG"]
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))  # the flag must win
@@ -398,7 +407,7 @@ def test_inspect_imports_none_of_the_clients_typed_apis_or_models(cluster: KubeA
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "gpushare.kubectl", "inspect", "-o", "json"],
+        [sys.executable, "-X", "importtime", "-m", "gpushare.ops.kubectl", "inspect", "-o", "json"],
         capture_output=True,
         text=True,
         timeout=60,

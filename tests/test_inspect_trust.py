@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_inspect import P4, _card, _node, _pod
 
-from gpushare import nodestate
-from gpushare.inspect import build_view, render_json, render_table
-from gpushare.printable import printable
+from gpushare.kube import nodestate
+from gpushare.ops.inspect import build_view, render_json, render_table
+from gpushare.ops.printable import printable
 
 PREFIX = "gpushare.io"
 UNSAFE = ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp")

@@ -16,7 +16,7 @@ from conftest import TESLA_P4, Node, cards
 from kube_double import KubeApiDouble
 from procs import daemon_command, poll
 
-from gpushare.kubeclient import (
+from gpushare.kube.kubeclient import (
     ApiClient,
     ApiStatusError,
     KubeConfigError,
@@ -24,9 +24,9 @@ from gpushare.kubeclient import (
     kubeconfig_endpoint,
     load_endpoint,
 )
-from gpushare.podspecs import PodSpecBook
-from gpushare.podwatch import PodWatch
-from gpushare.usage import Holder
+from gpushare.kube.podspecs import PodSpecBook
+from gpushare.kube.podwatch import PodWatch
+from gpushare.share.usage import Holder
 
 NODE = "gpu-node-1"
 
@@ -258,7 +258,9 @@ def test_the_watch_follows_pods_of_this_node_from_the_lists_version(
     watches = [r for r in api.calls("GET", "/api/v1/pods") if "watch" in r.query]
     assert len(lists) == 1  # changes arrive by the watch, not by listing again
     first = watches[0].query
-    assert first["fieldSelector"] == [f"spec.nodeName={NODE}"]
+    assert first["fieldSelector"] == [
+        f"spec.nodeName={NODE},status.phase!=Succeeded,status.phase!=Failed"
+    ]
     assert first["allowWatchBookmarks"] == ["true"]
     assert first["resourceVersion"][0]  # from the list's version, not "now"
 
@@ -337,7 +339,7 @@ def test_the_watch_retries_with_backoff_while_the_server_fails(
     api.add(pod("a"))
     watch = PodWatch(lambda: client, NODE, book)
     monkey = pytest.MonkeyPatch()
-    monkey.setattr("gpushare.podwatch.random.uniform", lambda _a, _b: 0.01)
+    monkey.setattr("gpushare.kube.podwatch.random.uniform", lambda _a, _b: 0.01)
     try:
         watch.start()
         eventually(lambda: len(book) == 1)
@@ -355,9 +357,9 @@ START_WITH_API_LINK = textwrap.dedent(
     from gpushare.daemon import Daemon
     daemon = Daemon(load_settings(sys.argv[1:]))
     daemon.start()
-    registered = daemon.link.registered.wait(20)
-    published = daemon.api_link.published.wait(20)
-    listed = daemon.api_link.pods.listed.wait(20)
+    registered = daemon.plugin.link.registered.wait(20)
+    published = daemon.core.api_link.published.wait(20)
+    listed = daemon.core.api_link.pods.listed.wait(20)
     slow = sorted(m for m in sys.modules if m.split(".")[0] == "kubernetes")
     daemon.stop()
     print(registered, published, listed, slow, flush=True)

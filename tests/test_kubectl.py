@@ -16,10 +16,12 @@ import pytest
 import yaml
 from kube_double import KubeApiDouble
 
-from gpushare import __version__, deploy, nodestate
+from gpushare import __version__
 from gpushare.config import Settings
-from gpushare.kubeapi import FIELD_MANAGER
-from gpushare.kubectl import choose_nodes, main
+from gpushare.kube import nodestate
+from gpushare.kube.kubeapi import FIELD_MANAGER
+from gpushare.ops import deploy
+from gpushare.ops.kubectl import choose_nodes, main
 
 OBJECTS = deploy.load_objects()
 KEY, VALUE = deploy.opt_in_label(OBJECTS)
@@ -54,14 +56,45 @@ def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeApiDoub
     double.stop()
 
 
-def test_the_shipped_objects_are_the_daemonset_and_its_rbac() -> None:
+def test_the_shipped_objects_are_the_daemonset_its_rbac_and_its_policies() -> None:
     assert [obj["kind"] for obj in OBJECTS] == [
         "ServiceAccount",
         "ClusterRole",
         "ClusterRoleBinding",
         "DaemonSet",
+        "NetworkPolicy",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
     ]
     assert (KEY, VALUE) == ("gpushare.io/enabled", "true")
+
+
+def test_install_applies_the_node_scope_policy_where_served_and_warns_where_not(
+    api: KubeApiDouble, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 23 item 7: the daemon's token is narrowed to its own node by default."""
+    assert main(["install", "--node", "gpu-a"]) == 0
+    group = "admissionregistration.k8s.io/v1"
+    scope = api.get("ValidatingAdmissionPolicy", "gpushare-daemon-node-scope", None, group)
+    assert scope is not None
+    assert "WARNING" not in capsys.readouterr().out
+    older = KubeApiDouble()  # a 1.29 cluster: no admissionregistration.k8s.io/v1 policies
+    older.groups.pop("admissionregistration.k8s.io/v1")
+    older.start()
+    try:
+        older.add(_node("gpu-a"))
+        path = Path(os.environ["KUBECONFIG"]).with_name("older")
+        os.environ["KUBECONFIG"] = str(older.kubeconfig(path))
+        assert main(["install", "--node", "gpu-a"]) == 0
+        out = capsys.readouterr().out
+        assert "WARNING" in out and "gpushare-daemon-node-scope" in out
+        assert "NOT installed" in out and "may then patch every Node and Pod" in out
+        assert "created DaemonSet kube-system/gpushare" in out
+        assert not older.calls("PATCH", "validatingadmissionpolic")
+    finally:
+        older.stop()
 
 
 def test_install_applies_every_object_and_labels_the_named_nodes(
@@ -394,7 +427,7 @@ def test_uninstall_removes_the_mig_labels_and_nothing_else(
 )
 def test_help_and_version_import_nothing_of_the_kubernetes_client(argv: list[str]) -> None:
     done = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "gpushare.kubectl", *argv],
+        [sys.executable, "-X", "importtime", "-m", "gpushare.ops.kubectl", *argv],
         capture_output=True,
         text=True,
         timeout=60,
@@ -408,7 +441,7 @@ def test_help_and_version_import_nothing_of_the_kubernetes_client(argv: list[str
 def test_version_outputs() -> None:
     def run(*argv: str) -> str:
         done = subprocess.run(
-            [sys.executable, "-m", "gpushare.kubectl", *argv],
+            [sys.executable, "-m", "gpushare.ops.kubectl", *argv],
             capture_output=True,
             text=True,
             timeout=60,
@@ -423,7 +456,7 @@ def test_version_outputs() -> None:
 
 def test_a_bad_command_line_is_one_line_and_exit_2() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "gpushare.kubectl", "inspect", "-o", "xml"],
+        [sys.executable, "-m", "gpushare.ops.kubectl", "inspect", "-o", "xml"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from kube_double import KubeApiDouble
 from procs import poll
 
-from gpushare import nodestate
-from gpushare.gpus import Gpu
-from gpushare.labels import LabelFacts, arch_family, gfd_sanitise, node_labels, product_label
+from gpushare.gpu.gpus import Gpu
+from gpushare.kube import nodestate
+from gpushare.kube.labels import LabelFacts, arch_family, gfd_sanitise, node_labels, product_label
 
 #: What the API server accepts as a label value.
 VALID_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")

@@ -16,8 +16,9 @@ from procs import free_port, poll, scrape
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpushare import __version__
-from gpushare.daemon import Daemon, StartupError
-from gpushare.metrics import LinkState, MetricsServer, liveness, render_not_ready
+from gpushare.base.startup import StartupError
+from gpushare.daemon import Daemon
+from gpushare.ops.metrics import LinkState, MetricsServer, liveness, render_not_ready
 from gpushare.sim.kubelet import AdmissionError
 
 
@@ -159,7 +160,7 @@ def test_liveness_fails_only_where_a_restart_helps() -> None:
 
 def test_metrics_port_zero_serves_nothing(node: Node) -> None:
     daemon = node.start(cards(TESLA_P4, 1))  # the fixture's default: metrics_port=0
-    assert daemon.metrics is None and daemon.metrics_server is None
+    assert daemon.metrics is None and daemon.metrics_part is None
 
 
 def test_a_taken_metrics_port_stops_the_start_with_one_clear_line(node: Node) -> None:
@@ -213,8 +214,8 @@ def test_per_container_series_follow_the_kubelets_records(node: Node) -> None:
     }
     assert poll(lambda: containers() == expected, 5.0), containers()
     node.kubelet.release("a")
-    assert node.daemon is not None and node.daemon.refresher is not None
-    node.daemon.refresher.poke()
+    assert node.daemon is not None and node.daemon.core.refresher is not None
+    node.daemon.core.refresher.poke()
     assert poll(
         lambda: set(containers()) == {("gpushare_container_core_units", "b", "side", b.card())}, 5.0
     )

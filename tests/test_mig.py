@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mig_layouts import A100_UUID, mig_uuid, reference_a100, uniform_a100
 
-from gpushare.gpus import Gpu, GpuError, GpuEvent, MigDevice, SimulatedBackend
-from gpushare.health import HealthPolicy, expand
-from gpushare.mig import MigPlanError, MigStrategy, labels, plan
+from gpushare.gpu.gpus import Gpu, GpuError, GpuEvent, MigDevice, SimulatedBackend
+from gpushare.gpu.health import HealthPolicy, expand
+from gpushare.gpu.mig import MigPlanError, MigStrategy, labels, plan
 
 
 def write(path: Path, gpus: list[dict[str, Any]]) -> Path:
@@ -324,7 +324,7 @@ def test_policy_a_vanished_mig_device_is_unhealthy_until_back_and_a_changed_layo
 def test_mig_sharing_slices_mixed_mig_devices_as_cards_without_cores(
     tmp_path: Path, strategy: MigStrategy
 ) -> None:
-    from gpushare.devices import Inventory, Resource
+    from gpushare.share.devices import Inventory, Resource
 
     gpus = gpus_of(tmp_path, [reference_a100(), shared_card(1)])
     if strategy is MigStrategy.SINGLE:

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from fake_nvml import FakeCard, FakeMig, FakeNvml, reference_layout
 
-from gpushare.gpus import GpuEvent, NvmlBackend
+from gpushare.gpu.gpus import GpuEvent
+from gpushare.gpu.nvml import NvmlBackend
 
 
 @pytest.fixture

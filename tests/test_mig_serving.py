@@ -13,9 +13,10 @@ import pytest
 from conftest import RTX_3090, TESLA_P4, Node, gpu_uuid
 from mig_layouts import A100_UUID, mig_uuid, reference_a100, uniform_a100
 
-from gpushare.daemon import Daemon, NodeConfigurationError
-from gpushare.gpus import SimulatedBackend
-from gpushare.mig import MigStrategy, plan
+from gpushare.base.startup import NodeConfigurationError
+from gpushare.daemon import Daemon
+from gpushare.gpu.gpus import SimulatedBackend
+from gpushare.gpu.mig import MigStrategy, plan
 from gpushare.sim.kubelet import AdmissionError
 
 PREFIX = "gpushare.io"
@@ -34,8 +35,8 @@ def start(node: Node, gpus: list[dict[str, Any]], **overrides: Any) -> Daemon:
 
 def registered(node: Node) -> list[str]:
     """The resource names the daemon serves (and registers)."""
-    assert node.daemon is not None and node.daemon.link is not None
-    return [name for _server, name in node.daemon.link.servers]
+    assert node.daemon is not None and node.daemon.plugin.link is not None
+    return [name for _server, name in node.daemon.plugin.link.servers]
 
 
 def counts(node: Node, *resources: str) -> dict[str, int]:
@@ -159,7 +160,7 @@ def test_a_changed_mig_layout_is_unhealthy_until_restart(node: Node) -> None:
         lambda k: sum(counts(node, MIG_3G, MIG_2G, MIG_1G).values()) == 0
     )
     assert node.daemon is not None
-    assert "restart gpushare" in node.daemon.mig_health.reason(mig_uuid(1))
+    assert "restart gpushare" in node.daemon.core.mig_health.reason(mig_uuid(1))
 
 
 def test_pending_mig_mode_card_is_not_shared(node: Node) -> None:
@@ -176,7 +177,7 @@ def test_all_mig_node_says_so_and_stays_not_ready(node: Node, strategy: str) -> 
     gpus = [{**reference_a100(), "mig_pending": strategy == "mixed"}]
     daemon = start(node, gpus, mig_strategy=strategy)
     assert node.kubelet.wait_for(lambda k: node.memory in k.endpoints)
-    assert daemon.link is not None and daemon.link.registered.wait(5)
+    assert daemon.plugin.link is not None and daemon.plugin.link.registered.wait(5)
     ready, why = daemon.readiness()
     assert not ready
     assert "every GPU on this node (1) is in MIG mode" in why
@@ -185,7 +186,7 @@ def test_all_mig_node_says_so_and_stays_not_ready(node: Node, strategy: str) -> 
 def test_mixed_without_mig_cards_changes_nothing(node: Node) -> None:
     node.start([{"uuid": gpu_uuid(0), **TESLA_P4}], mig_strategy="mixed")
     assert node.kubelet.healthy_count(node.memory) == 29
-    assert node.daemon is not None and node.daemon.not_served == ""
+    assert node.daemon is not None and node.daemon.core.found.not_served == ""
 
 
 def test_the_docs_example_node_file_serves_the_documented_resources(tmp_path: Path) -> None:
@@ -247,7 +248,7 @@ def test_mig_sharing_slices_each_instance_into_memory_units_without_cores(node: 
     assert "LD_PRELOAD" in admitted.envs  # the interposer enforces the memory limit
     with pytest.raises(AdmissionError, match="Insufficient"):
         node.kubelet.admit("b", "main", {node.memory: 1, node.core: 10})
-    assert node.daemon is not None and node.daemon.not_served == ""
+    assert node.daemon is not None and node.daemon.core.found.not_served == ""
     card = reference_a100()
     card["instances"][1]["xid"] = 79  # the instance's XID reaches its units only
     node.write_gpus([card])

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpushare.migprofile import (
+from gpushare.gpu.migprofile import (
     COMPUTE_INSTANCE_PROFILES,
     GPU_INSTANCE_PROFILES,
     MigProfile,

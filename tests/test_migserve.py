@@ -8,10 +8,7 @@ import pytest
 import yaml
 from mig_layouts import A100_UUID, mig_uuid, reference_a100
 
-from gpushare.answers import CDI_CRI, ENVVAR, DeviceListing, DeviceSpec
-from gpushare.gpus import SimulatedBackend
-from gpushare.mig import MigPlan, MigStrategy, plan
-from gpushare.migserve import (
+from gpushare.deviceplugin.migserve import (
     MissingCapability,
     answer_builder,
     device_specs,
@@ -21,6 +18,9 @@ from gpushare.migserve import (
     socket_name,
     with_mig_names,
 )
+from gpushare.gpu.gpus import SimulatedBackend
+from gpushare.gpu.mig import MigPlan, MigStrategy, plan
+from gpushare.share.answers import CDI_CRI, ENVVAR, DeviceListing, DeviceSpec
 
 # As the driver writes it for GPU minor 0 with GPU instances 2, 3, 9, 10 (CI 0 each).
 MIG_MINORS = """config 1

@@ -12,7 +12,7 @@ import pytest
 from conftest import CARD_4GIB, NODE, TESLA_P4, Node, cards, gpu_uuid
 from kube_double import KubeApiDouble
 
-from gpushare import nodestate
+from gpushare.kube import nodestate
 
 
 def eventually(check: Callable[[], Any], timeout: float = 15.0) -> Any:
@@ -85,7 +85,7 @@ def test_admitted_pods_are_annotated_and_use_is_published(node: Node, api: KubeA
     # Six allocations in a burst: debounced into far fewer Node updates.
     assert len(api.calls("PATCH", f"/nodes/{NODE}")) - patches_before <= 3
     # ...and each container annotated once, not once per resource.
-    link = node.daemon.api_link if node.daemon is not None else None
+    link = node.daemon.core.api_link if node.daemon is not None else None
     assert link is not None
     eventually(lambda: link.annotations_handled >= 6)
     for name in ("a", "b", "c"):
@@ -164,6 +164,8 @@ def test_annotation_is_valid_json_with_the_documented_keys(node: Node, api: Kube
         "core_units",
         "core_units_used",
         "healthy",
+        "held_by",
+        "hardware_healthy",
     }
 
 
@@ -180,7 +182,7 @@ def test_pod_annotation_keys_stay_valid_for_long_container_names() -> None:
 def test_a_missing_kubeconfig_names_what_failed_and_how_to_turn_the_link_off(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from gpushare.node import ApiConfigMissing, connect_api
+    from gpushare.kube.apilink import ApiConfigMissing, connect_api
 
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing-kubeconfig"))

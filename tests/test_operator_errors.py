@@ -15,9 +15,10 @@ from conftest import TESLA_P4, Node, cards
 from procs import daemon_command, error_lines, free_port, poll, scrape
 from structlog.testing import capture_logs
 
-from gpushare.daemon import BadKubeletDir, BadLibrary, Daemon, StartupError
-from gpushare.elf import NotASharedObject, check_shared_object, stand_in
-from gpushare.kubelet import MISSING_LOG_SECONDS, KubeletLink
+from gpushare.base.startup import BadKubeletDir, BadLibrary, StartupError
+from gpushare.daemon import Daemon
+from gpushare.deviceplugin.kubelet import MISSING_LOG_SECONDS, KubeletLink
+from gpushare.host.elf import NotASharedObject, check_shared_object, stand_in
 
 OTHER_MACHINE = "aarch64" if platform.machine() in ("x86_64", "amd64") else "x86_64"
 
@@ -148,7 +149,9 @@ def test_zero_usable_gpus_is_a_warning_and_not_ready(node: Node, mig: bool, reas
         node.daemon.start()
     assert node.kubelet.wait_for(lambda k: len(k.registrations) == 2)  # registered, empty
     assert any(entry["event"] == "no_usable_gpus" for entry in logs)
-    assert poll(lambda: scrape(port, "/readyz")[0] == 503, 5.0)
-    assert reason in json.loads(scrape(port, "/readyz")[1])["reason"]
+    # registration is seen by the kubelet a moment before the daemon records it: wait for
+    # the reason that stays (503 "not registered" may come first)
+    assert poll(lambda: reason in json.loads(scrape(port, "/readyz")[1])["reason"], 5.0)
+    assert scrape(port, "/readyz")[0] == 503
     assert "gpushare_ready 0.0" in scrape(port)[1]
     assert scrape(port, "/healthz")[0] == 200  # a restart would not help

@@ -37,7 +37,7 @@ from pairing_world import (
     pod_object,
 )
 
-from gpushare.placement import Policy
+from gpushare.share.placement import Policy
 from gpushare.sim.kubelet import AdmissionError, ContainerSpec
 
 QUICK_LENGTH = 3  # every kind of container, for make test
@@ -106,11 +106,11 @@ def report(
         "on two cards of 4 units/100 cores:"
     ]
     for name, (count, o) in results.items():
-        containers = o.admitted + o.split + o.refused + o.insufficient
+        containers = o.admitted + o.split + o.refused + o.core_only + o.insufficient
         lines.append(
             f"  {name:28} sequences {count:7}  containers {containers:8}  split {o.split}  "
-            f"refused {o.refused} (while one card could hold it: {o.needless})  "
-            f"kubelet-insufficient {o.insufficient}"
+            f"refused {o.refused} (while one card could hold it: {o.needless}; "
+            f"core without memory: {o.core_only})  kubelet-insufficient {o.insufficient}"
         )
     lines.append(f"  ({seconds:.1f} s)")
     return "\n".join(lines)
@@ -234,9 +234,10 @@ class RealNode(RuleBasedStateMachine):
 
     def free(self) -> dict[str, list[int]]:
         node = self.node
-        assert node.daemon is not None and node.daemon.inventory is not None
+        assert node.daemon is not None and node.daemon.core is not None
+        cards_now = node.daemon.core.inventory.cards.values()
         free = {
-            card.uuid: [card.memory_units, 100] for card in node.daemon.inventory.cards.values()
+            card.uuid: [card.memory_units, 100] for card in cards_now
         }
         for record in node.kubelet.admitted.values():
             for resource, ids in record.devices.items():
@@ -281,12 +282,17 @@ class RealNode(RuleBasedStateMachine):
             assert record.card() in cards_used
         if refused is None:
             self.pods.append(name)
+            if node.specs is not None:  # started: the watch reports it Running (item 8)
+                specs = [ContainerSpec(c, r) for c, r, _ in containers]
+                node.specs.update(pod_object(name, specs, phase="Running"))
             return
         if node.specs is not None:  # the watch reports the rejected pod as Failed
             specs = [ContainerSpec(c, r) for c, r, _ in containers]
             node.specs.update(pod_object(name, specs, phase="Failed"))
         facts = self.specs_on and self.records_on and not self.facts_degraded
-        if refused.reason != "OutOfResources" and facts:
+        if "no GPU memory limit" in refused.message:  # by rule (issue 23 item 1)
+            assert any(core and not memory for memory, core in needs), refused
+        elif refused.reason != "OutOfResources" and facts:
             assert not could_fit, f"{name} {needs} refused needlessly: {refused}"
 
     @precondition(lambda self: bool(self.pods))
@@ -344,7 +350,11 @@ def test_core_only_then_a_pair_asked_memory_first_is_never_split(
         node.with_pod_specs()
     node.start(cards(TESLA_P4, 2))
     node.pod("a", {node.core: 5})
-    node.kubelet.admit("a", "main", {node.core: 5})
+    if regime.specs:  # its spec shows no memory units: refused (issue 23 item 1)
+        with pytest.raises(AdmissionError, match="no GPU memory limit"):
+            node.kubelet.admit("a", "main", {node.core: 5})
+    else:
+        node.kubelet.admit("a", "main", {node.core: 5})
     node.pod("b", {node.memory: 2, node.core: 23})
     try:
         b = node.kubelet.admit(
@@ -356,6 +366,33 @@ def test_core_only_then_a_pair_asked_memory_first_is_never_split(
         return
     assert {d.split("::")[0] for ids in b.devices.values() for d in ids} == {b.card()}
     assert b.conflicts == []
+
+
+@pytest.mark.parametrize("core_first", [True, False])
+def test_the_spec_of_a_running_pod_holding_the_last_binding_is_used(
+    node: Node, core_first: bool
+) -> None:
+    """Issue 23 item 8, seen with the real device manager: a memory-only pod admitted
+    and already Running, then a container asking both whose core comes first. The
+    records name the Running pod's container as the holder of the last binding; its
+    spec (no cores) proves the request is not its partner. Looking up Pending pods only,
+    the binder fell back to steering the cores to the memory-only pod's card, where 90
+    cores were taken, and refused a container that the other card holds."""
+    node.with_pod_specs()
+    node.start(cards(TESLA_P4, 2))
+    first = node.pod("c90", {node.memory: 1, node.core: 90})
+    held = node.kubelet.admit("c90", "main", {node.memory: 1, node.core: 90})
+    node.specs.update(first | {"status": {"phase": "Running"}})  # type: ignore[union-attr]
+    second = node.pod("m2", {node.memory: 2})
+    small = node.kubelet.admit("m2", "main", {node.memory: 2})
+    assert small.card() == held.card()  # binpack: the memory-only pod joins the first card
+    node.specs.update(second | {"status": {"phase": "Running"}})  # type: ignore[union-attr]
+    requests = {node.memory: 1, node.core: 49}
+    node.pod("c49", requests)
+    order = [node.core, node.memory] if core_first else [node.memory, node.core]
+    record = node.kubelet.admit("c49", "main", requests, order=order)
+    assert {d.split("::")[0] for ids in record.devices.values() for d in ids} == {record.card()}
+    assert record.card() != held.card()
 
 
 def test_a_slow_kubelet_costs_refusals_never_a_split(node: Node) -> None:

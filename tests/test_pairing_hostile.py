@@ -14,10 +14,11 @@ from conftest import TESLA_P4, Node, cards
 from pairing_world import CORE, MEMORY, REGIMES, World, _Context, pod_object
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2
-from gpushare.exclusive import ExclusiveServicer, whole_cards
-from gpushare.gpus import Gpu
-from gpushare.health import HealthBoard
-from gpushare.podresources import PodResourcesClient
+from gpushare.deviceplugin.exclusive import ExclusiveServicer
+from gpushare.gpu.gpus import Gpu
+from gpushare.gpu.health import HealthBoard
+from gpushare.node.podresources import PodResourcesClient
+from gpushare.share.whole import whole_cards
 from gpushare.sim.kubelet import AdmissionError, ContainerSpec
 
 FACTS = REGIMES[2]  # PodResources and pod specs

@@ -6,10 +6,10 @@ from collections.abc import Mapping
 
 import pytest
 
-from gpushare.devices import Resource
-from gpushare.pairing import PAIR_WINDOW, Basis, Binding, Facts, decide
-from gpushare.podresources import Snapshot
-from gpushare.usage import Holder
+from gpushare.share.devices import Resource
+from gpushare.share.pairing import PAIR_WINDOW, Basis, Binding, Facts, decide
+from gpushare.share.records import Snapshot
+from gpushare.share.usage import Holder
 
 MEMORY, CORE = Resource.MEMORY, Resource.CORE
 A = Holder("default", "a", "main")

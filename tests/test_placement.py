@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpushare.devices import Resource
-from gpushare.placement import (
+from gpushare.share.devices import Resource
+from gpushare.share.placement import (
     BINPACK,
     SPREAD,
     CardView,

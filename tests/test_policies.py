@@ -3,16 +3,20 @@
 cel-python (``celpy``) runs each expression the way the API server runs a
 ValidatingAdmissionPolicy: match constraints, match conditions, variables in order,
 then every validation; an expression that errors denies (failurePolicy: Fail). The
-one function of Kubernetes' CEL library the policies use, ``list.join(sep)``, is
-provided here. Verdicts are checked against allowed and forbidden requests, and
-against a plain-Python statement of the rule for random changes (hypothesis).
+functions of Kubernetes' CEL libraries the policies use, ``list.join(sep)`` and the
+quantity library's ``quantity(s)`` and ``isGreaterThan``, are provided here (cel-python
+has none of them); the API server's own evaluation belongs to the e2e suite. Verdicts
+are checked against allowed and forbidden requests, and against a plain-Python
+statement of the rule for random changes (hypothesis).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from copy import deepcopy
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +28,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_deploy_manifests import chart_objects
 
-from gpushare import mig, nodestate
-from gpushare.labels import NVIDIA_PRODUCT_LABEL
+from gpushare.gpu import mig
+from gpushare.kube import nodestate
+from gpushare.kube.labels import NVIDIA_PRODUCT_LABEL
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ROOT / "daemonset" / "policies"
@@ -35,6 +40,51 @@ NODE_NAME_KEY = "authentication.kubernetes.io/node-name"
 
 def _join(items: Any, separator: Any) -> celtypes.StringType:
     return celtypes.StringType(str(separator).join(str(item) for item in items))
+
+
+# Kubernetes' quantity library (k8s.io/apiserver/pkg/cel/library/quantity.go, from 1.28),
+# the part the policies use: quantity(string) and Quantity.isGreaterThan(Quantity). The
+# grammar is resource.Quantity's: a signed decimal number, then a binary-SI suffix
+# (Ki..Ei), a decimal-SI suffix (n u m "" k M G T P E) or a decimal exponent (e3, E-2).
+# The real API server's evaluation belongs to the e2e suite; this double is exact for
+# the values a pod spec can carry.
+_QUANTITY = re.compile(
+    r"(?P<number>[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))"
+    r"(?:(?P<binary>[KMGTPE]i)|(?P<exponent>[eE][+-]?[0-9]+)|(?P<decimal>[numkMGTPE]?))$"
+)
+_BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+
+
+class Quantity(celtypes.StringType):
+    """A parsed quantity: the string as written, and its exact value."""
+
+    value: Fraction
+
+
+def _quantity(text: Any) -> Quantity:
+    match = _QUANTITY.match(str(text))
+    if match is None:
+        raise ValueError(f"quantities must match the regular expression: {text!r}")
+    number = Fraction(match["number"])
+    if match["binary"]:
+        number *= 1024 ** _BINARY[match["binary"]]
+    elif match["exponent"]:
+        number *= Fraction(10) ** int(match["exponent"][1:])
+    else:
+        number *= Fraction(10) ** _DECIMAL[match["decimal"]]
+    quantity = Quantity(str(text))
+    quantity.value = number
+    return quantity
+
+
+def _is_greater_than(left: Any, right: Any) -> celtypes.BoolType:
+    if not isinstance(left, Quantity) or not isinstance(right, Quantity):
+        raise TypeError("isGreaterThan needs two quantities")
+    return celtypes.BoolType(left.value > right.value)
+
+
+FUNCTIONS = {"join": _join, "quantity": _quantity, "isGreaterThan": _is_greater_than}
 
 
 @dataclass
@@ -47,7 +97,7 @@ class Policy:
         env = celpy.Environment()
 
         def compile_(text: str) -> Callable[[dict[str, Any]], Any]:
-            program = env.program(env.compile(text), functions={"join": _join})
+            program = env.program(env.compile(text), functions=FUNCTIONS)
             return program.evaluate  # type: ignore[no-any-return]
 
         self.conditions = [compile_(c["expression"]) for c in self.spec.get("matchConditions", [])]
@@ -148,6 +198,12 @@ CREATE_POD = {"operation": "CREATE", "resource": {"group": "", "version": "v1", 
         (_pod(_c("a", memory=4), _c("b", core=50)), ["b"]),
         (_pod(_c("a", core=50), _c("b", core=10, cpu=1)), ["a, b"]),
         (_pod(_c("a", memory=1), init=(_c("setup", core=100),)), ["setup"]),
+        # vcuda-memory: 0 is no memory: the kubelet skips it and only the core Allocate
+        # reaches the daemon (issue 23 item 1). vcuda-core: 0 asks nothing.
+        (_pod(_c("a", memory=0, core=50)), ["a"]),
+        (_pod(_c("a", memory=4, core=50), _c("b", core=10, memory=0)), ["b"]),
+        (_pod(_c("a", memory=0, core=0)), []),
+        (_pod(_c("a", core=0)), []),
     ],
 )
 def test_a_pod_asking_cores_without_memory_is_refused_with_what_to_add(
@@ -157,7 +213,7 @@ def test_a_pod_asking_cores_without_memory_is_refused_with_what_to_add(
     assert messages is not None
     assert [m.split("container(s) ", 1)[1].split(" ask for")[0] for m in messages] == denied
     for message in messages:
-        assert message.endswith("add gpushare.io/vcuda-memory")
+        assert message.endswith("add gpushare.io/vcuda-memory of 1 or more")
 
 
 def test_the_core_policy_looks_only_at_new_pods() -> None:
@@ -509,3 +565,28 @@ def test_a_container_never_mixes_shared_units_with_whole_cards_or_mig(
         _limits("a", **{"gpushare.io/gpu": 1}), _limits("b", **{"gpushare.io/vcuda-memory": 4})
     )
     assert not [d for d in CORE.denials(CREATE_POD, split) or [] if "MIG" in d]
+
+
+# -- installed by default, loudly absent where they cannot be (issue 23 item 7) --------------
+
+
+def test_the_default_install_applies_the_policies() -> None:
+    kustomization = yaml.safe_load((ROOT / "daemonset" / "kustomization.yaml").read_text())
+    assert "policies/core-needs-memory.yaml" in kustomization["resources"]
+    assert "policies/daemon-node-scope.yaml" in kustomization["resources"]
+    values = yaml.safe_load((ROOT / "charts" / "gpushare" / "values.yaml").read_text())
+    assert values["policies"]["coreNeedsMemory"]["enabled"] is True
+    assert values["policies"]["daemonNodeScope"]["enabled"] is True
+
+
+def test_the_chart_says_loudly_when_a_policy_is_off() -> None:
+    from test_deploy_manifests import render_chart
+
+    def notes(values: dict[str, Any] | None = None) -> str:
+        return next(v for k, v in render_chart(values).items() if k.endswith("NOTES.txt"))
+
+    assert "WARNING" not in notes()
+    off = notes({"policies": {"daemonNodeScope": {"enabled": False}}})
+    assert "WARNING" in off and "may patch every Node and" in off
+    template = (ROOT / "charts/gpushare/templates/NOTES.txt").read_text()
+    assert 'semverCompare ">=1.30.0-0"' in template and "were NOT installed" in template

@@ -13,9 +13,9 @@ from procs import daemon_process, free_port, poll, reachable, scrape
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpushare.daemon import Daemon
-from gpushare.devices import Resource
-from gpushare.gpus import Gpu, GpuError, GpuEvent, SimulatedBackend
-from gpushare.kubelet import UNWATCHED_GRACE
+from gpushare.deviceplugin.kubelet import UNWATCHED_GRACE
+from gpushare.gpu.gpus import Gpu, GpuError, GpuEvent, SimulatedBackend
+from gpushare.share.devices import Resource
 
 
 def per_card_metrics(text: str) -> dict[str, dict[str, float]]:
@@ -91,8 +91,8 @@ def test_a_missing_pod_resources_socket_is_retried_and_caught_up_with(node: Node
         cards(TESLA_P4, 2), pod_resources_socket=str(late), pod_resources_interval_seconds=0.2
     )
     daemon = node.daemon
-    assert daemon is not None and daemon.refresher is not None and daemon.usage is not None
-    refresher, usage = daemon.refresher, daemon.usage
+    assert daemon is not None and daemon.core is not None
+    refresher, usage = daemon.core.refresher, daemon.core.usage
     node.kubelet.admit("a", "main", {node.memory: 3})
     node.kubelet.admit("b", "main", {node.memory: 4})
     assert poll(lambda: refresher.failures >= 2, 3.0)  # retried, and still serving

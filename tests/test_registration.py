@@ -14,7 +14,7 @@ import yaml
 from conftest import RTX_3090, TESLA_P4, Node, cards, gpu_uuid, nvml_loads
 from procs import daemon_command, error_lines, free_port, poll, reachable, scrape
 
-from gpushare.devices import Resource
+from gpushare.share.devices import Resource
 
 
 def test_both_resources_register_with_the_reference_device_counts(node: Node) -> None:
@@ -90,13 +90,13 @@ def test_serves_again_when_its_own_socket_disappears(node: Node) -> None:
 
 def test_a_socket_path_it_cannot_bind_is_retried_not_fatal(node: Node) -> None:
     daemon = node.start(cards(TESLA_P4, 1))
-    assert daemon.link is not None
+    assert daemon.plugin.link is not None
     count = len(node.kubelet.registrations)
     socket = Path(node.settings.kubelet_dir, Resource.CORE.socket_name)
     socket.unlink()
     socket.mkdir()  # something else took the path: binding fails until it goes
-    assert poll(lambda: not daemon.link.registered.is_set(), 3.0)
-    assert daemon.link.alive()
+    assert poll(lambda: not daemon.plugin.link.registered.is_set(), 3.0)
+    assert daemon.plugin.link.alive()
     socket.rmdir()
     assert node.kubelet.wait_for(
         lambda k: len(k.registrations) >= count + 2 and k.healthy_count(node.core) == 100, 5.0

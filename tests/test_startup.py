@@ -11,9 +11,10 @@ import yaml
 from conftest import H200, Node, cards, gpu_uuid
 from procs import daemon_command, error_lines
 
-from gpushare.daemon import ConfigurationTooLarge, check_message_sizes
-from gpushare.devices import Inventory
-from gpushare.gpus import Gpu
+from gpushare.base.startup import ConfigurationTooLarge
+from gpushare.deviceplugin.frontdoor import check_message_sizes
+from gpushare.gpu.gpus import Gpu
+from gpushare.share.devices import Inventory
 
 START_AND_REPORT = textwrap.dedent(
     """
@@ -22,7 +23,7 @@ START_AND_REPORT = textwrap.dedent(
     from gpushare.daemon import Daemon
     daemon = Daemon(load_settings(sys.argv[1:]))
     daemon.start()
-    registered = daemon.link.registered.wait(20)
+    registered = daemon.plugin.link.registered.wait(20)
     slow = sorted(m for m in sys.modules if m.split(".")[0] == "kubernetes")
     daemon.stop()
     print(registered, slow, flush=True)

@@ -14,7 +14,7 @@ from conftest import TESLA_P4, Node, cards, gpu_uuid
 from procs import poll
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from gpushare.plugin import UNARY_WORKERS
+from gpushare.deviceplugin.plugin import UNARY_WORKERS
 
 #: Far more streams than unary workers (the sync server had 8 workers per socket).
 EXTRA_STREAMS = 3 * UNARY_WORKERS + 10
@@ -31,7 +31,7 @@ def streams(node: Node) -> Iterator[list[grpc.Future]]:
         stub = api_pb2_grpc.DevicePluginStub(channel)
         opened.extend(stub.ListAndWatch(api_pb2.Empty()) for _ in range(EXTRA_STREAMS))
     assert node.daemon is not None
-    servicers = [server.servicer for server in node.daemon.servers]
+    servicers = [server.servicer for server in node.daemon.plugin.servers]
     # Held by the server: the kubelet's own stream and every extra one, on both sockets.
     held = poll(lambda: all(s.active_streams == EXTRA_STREAMS + 1 for s in servicers), 20.0)
     try:
@@ -58,8 +58,8 @@ def test_extra_list_and_watch_streams_leave_admissions_answered(
 
 
 def test_every_open_stream_gets_a_health_change(node: Node, streams: list[grpc.Future]) -> None:
-    assert node.daemon is not None and node.daemon.health is not None
-    node.daemon.health.set(gpu_uuid(1), False, "test")
+    assert node.daemon is not None and node.daemon.core.health is not None
+    node.daemon.core.health.set(gpu_uuid(1), False, "test")
     for stream in streams:
         first = next(stream)  # the list as it was when the stream opened
         assert len(first.devices) in (2 * 29, 2 * 100)

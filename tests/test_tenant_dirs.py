@@ -23,10 +23,9 @@ import yaml
 from conftest import TESLA_P4, Node, cards
 from procs import daemon_command, free_port, poll, scrape
 
-from gpushare.answers import CONTAINER_CACHE_DIR, LOCK_DIR
-from gpushare.diskuse import MAX_DEPTH, measure
-from gpushare.gc import GarbageCollector
-from gpushare.library import (
+from gpushare.host.diskuse import MAX_DEPTH, measure
+from gpushare.host.gc import GarbageCollector
+from gpushare.host.library import (
     CACHE_LOCK,
     LOCK_DIR_NAME,
     cache_key,
@@ -34,9 +33,10 @@ from gpushare.library import (
     ensure_lock_dir,
     prepare_cache_dir,
 )
-from gpushare.podresources import Snapshot
+from gpushare.host.tombstones import Reaper, bury, tombstones
+from gpushare.share.answers import CONTAINER_CACHE_DIR, LOCK_DIR
+from gpushare.share.records import Snapshot
 from gpushare.sim.kubelet import Admitted
-from gpushare.tombstones import Reaper, bury, tombstones
 
 DAEMONSET = Path(__file__).resolve().parents[1] / "daemonset" / "daemonset.yaml"
 STRANGER = 12345  # a uid that is neither the daemon's nor anyone's on the host
@@ -256,8 +256,8 @@ def test_a_tree_deeper_than_the_recursion_limit_costs_nobody_anything(node: Node
             20.0,
         ), sorted(p.name for p in root.iterdir())
         assert not cache_dir(other).exists()
-        assert daemon.refresher is not None and daemon.refresher._thread is not None
-        assert daemon.refresher._thread.is_alive()
+        assert daemon.core.refresher is not None and daemon.core.refresher._thread is not None
+        assert daemon.core.refresher._thread.is_alive()
     finally:
         node.stop()  # then delete the deep trees the daemon may have left
         reap(node.root)
@@ -361,8 +361,8 @@ def test_an_oversized_cache_directory_is_measured_logged_and_exported(node: Node
             out.write(os.urandom(3 << 20))
             out.flush()
             os.fsync(out.fileno())
-        assert daemon.collector is not None
-        collector = daemon.collector
+        assert daemon.core.collector is not None
+        collector = daemon.core.collector
         assert poll(lambda: collector.over_limit == 1, 10.0)
     over = [e for e in logs if e["event"] == "cache_dir_over_limit"]
     assert len(over) == 1 and over[0]["holder"] == "default/big/main"
@@ -432,11 +432,41 @@ def test_a_tenant_changing_the_lock_directory_never_stops_the_daemon(
     assert stat.S_ISDIR(info.st_mode) and info.st_uid == 0
     assert stat.S_IMODE(info.st_mode) == 0o1777
     assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o755  # the link was not followed
-    # a tenant chowns it while the daemon runs: the next GC pass replaces it
+    # a tenant chowns it while the daemon runs: the next GC pass makes it usable again
+    # (without CAP_FOWNER by replacing it; with the DaemonSet's capabilities in place:
+    # test_the_lock_directory_is_repaired_in_place_by_the_daemon)
     os.chown(lock, STRANGER, STRANGER)
     os.chmod(lock, 0o700)
-    assert poll(lambda: os.lstat(lock).st_uid == 0, 10.0)
-    assert stat.S_IMODE(os.lstat(lock).st_mode) == 0o1777
+    assert poll(lambda: stat.S_IMODE(os.lstat(lock).st_mode) == 0o1777, 10.0)
+    assert started[0].poll() is None
+
+
+@can_drop_capabilities
+def test_the_lock_directory_is_repaired_in_place_by_the_daemon(
+    node: Node, started: list[subprocess.Popen[bytes]]
+) -> None:
+    """Issue 23 item 5, the daemon run as the DaemonSet runs it (only CAP_DAC_OVERRIDE
+    and CAP_FOWNER): a tenant's chown and chmod of the shared lock directory are undone
+    in place; the container that mounted it keeps a directory it can create files in."""
+    node.write_gpus(cards(TESLA_P4, 1))
+    node.kubelet.start()
+    log = start_as_daemonset(node, started, manifest_capabilities())
+    assert node.wait_registered(10.0), "the daemon did not start"
+    admitted = node.kubelet.admit("a", "main", {node.memory: 2})
+    lock = Path(admitted.mounts[LOCK_DIR].host_path)
+    mounted = os.open(lock, os.O_RDONLY | os.O_DIRECTORY)  # what the container holds
+    try:
+        os.chown(lock, STRANGER, STRANGER)
+        os.chmod(lock, 0o700)
+        assert poll(lambda: stat.S_IMODE(os.lstat(lock).st_mode) == 0o1777, 10.0)
+        assert os.lstat(lock).st_ino == os.fstat(mounted).st_ino
+        assert poll(lambda: "lock_dir_repaired" in log.read_text(), 10.0)
+        # a reaper pass later, the container still creates HAMi-core's lock file
+        assert poll(lambda: not buried(node), 10.0)
+        made = os.open("vgpu.lock", os.O_CREAT | os.O_WRONLY, 0o666, dir_fd=mounted)
+        os.close(made)
+    finally:
+        os.close(mounted)
     assert started[0].poll() is None
 
 
@@ -464,6 +494,35 @@ def test_the_lock_directory_is_repaired_whatever_stands_in_its_place(tmp_path: P
     Reaper(root).drain()
     assert tombstones(root) == []
     assert elsewhere.is_dir()
+
+
+def test_repairing_the_lock_directory_never_takes_it_from_running_containers(
+    tmp_path: Path,
+) -> None:
+    """Issue 23 item 5: a tenant's chown made the GC pass bury the directory and the
+    reaper delete it, leaving every running container an unlinked directory in which
+    HAMi-core could create no lock file. A running container is played by a descriptor
+    of the directory it mounted (a bind mount holds the inode the same way)."""
+    root = cache_root(tmp_path)
+    path = ensure_lock_dir(tmp_path)
+    mounted = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for change in (
+            lambda: (os.chown(path, STRANGER, STRANGER), os.chmod(path, 0o700)),
+            lambda: os.chmod(path, 0o000),
+            lambda: os.chmod(path, 0o2755),
+        ):
+            change()
+            assert ensure_lock_dir(tmp_path) == path
+            Reaper(root).drain()
+            info = os.lstat(path)
+            assert info.st_ino == os.fstat(mounted).st_ino  # the same directory, in place
+            assert stat.S_IMODE(info.st_mode) == 0o1777 and info.st_uid == os.geteuid()
+            lock = os.open("vgpu.lock", os.O_CREAT | os.O_WRONLY, 0o666, dir_fd=mounted)
+            os.close(lock)
+            os.unlink("vgpu.lock", dir_fd=mounted)
+    finally:
+        os.close(mounted)
 
 
 def test_cache_keys_are_not_affected_by_tombstones(tmp_path: Path) -> None:

@@ -12,9 +12,10 @@ from conftest import H200, Node, cards, gpu_uuid
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpushare.daemon import Daemon, NodeConfigurationError
-from gpushare.gpus import GpuError, SimulatedBackend
-from gpushare.topology import EXHAUSTIVE_LIMIT, Topology, from_description, pair, prefer
+from gpushare.base.startup import NodeConfigurationError
+from gpushare.daemon import Daemon
+from gpushare.gpu.gpus import GpuError, SimulatedBackend
+from gpushare.gpu.topology import EXHAUSTIVE_LIMIT, Topology, from_description, pair, prefer
 
 # An 8-card node shaped like the common HGX boards of two halves: NVLink pairs
 # (0,1) (2,3) (4,5) (6,7), cards 0-3 on NUMA node 0 and 4-7 on 1, a PCIe switch per pair.

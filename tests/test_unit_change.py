@@ -9,12 +9,13 @@ from conftest import CARD_4GIB, Node, cards, gpu_uuid
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpushare.daemon import Daemon, StartupError
-from gpushare.devices import Resource
-from gpushare.podresources import Snapshot
+from gpushare.base.startup import StartupError
+from gpushare.daemon import Daemon
+from gpushare.host.unitguard import UnitSizeChanged, check_unit_size
+from gpushare.share.devices import Resource
+from gpushare.share.records import Snapshot
+from gpushare.share.usage import Holder
 from gpushare.sim.kubelet import AdmissionError
-from gpushare.unitguard import UnitSizeChanged, check_unit_size
-from gpushare.usage import Holder
 
 
 def restart_with(node: Node, **overrides: object) -> Daemon:

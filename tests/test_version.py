@@ -46,7 +46,7 @@ def test_version_flags_print_the_package_version() -> None:
         ("gpushare.daemon", "gpushare-device-plugin"),
         ("gpushare.sim.demo", "gpushare-demo"),
         ("gpushare.extender.server", "gpushare-scheduler-extender"),
-        ("gpushare.kubectl", "kubectl gpushare"),
+        ("gpushare.ops.kubectl", "kubectl gpushare"),
     ):
         result = subprocess.run(
             [sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=30

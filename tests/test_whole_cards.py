@@ -10,7 +10,7 @@ import pytest
 from conftest import H200, TESLA_P4, Node, cards, gpu_uuid
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from gpushare.answers import CONTAINER_LIBRARY
+from gpushare.share.answers import CONTAINER_LIBRARY
 from gpushare.sim.kubelet import AdmissionError
 
 

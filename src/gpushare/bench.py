@@ -1,4 +1,4 @@
-"""``make bench``: the daemon's latency, start time and footprint (issue 16).
+"""``make bench``: the daemon's latency, start time and footprint.
 
 Every figure but the message sizes is taken from the real daemon process
 (``python -m gpushare.daemon``) run as the DaemonSet runs it: ``NODE_NAME`` set and its
@@ -21,7 +21,6 @@ figures say nothing about performance.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import http.client
 import json
@@ -44,12 +43,12 @@ from typing import Any
 import yaml
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2
-from gpushare.cli import bounded_float
-from gpushare.devices import Inventory, Resource
-from gpushare.elf import stand_in
-from gpushare.gpus import Gpu
-from gpushare.mdsection import replace_section
-from gpushare.plugin import device_list_message
+from gpushare.base.cli import Parser, bounded_float
+from gpushare.deviceplugin.plugin import device_list_message
+from gpushare.gpu.gpus import Gpu
+from gpushare.host.elf import stand_in
+from gpushare.ops.mdsection import replace_section
+from gpushare.share.devices import Inventory, Resource
 from gpushare.sim.kubelet import AdmissionError, SimulatedKubelet
 
 PREFIX = "gpushare.io"
@@ -686,7 +685,7 @@ def run(plan: Plan, phases: Sequence[Callable[[Plan, Report], None]] | None = No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gpushare.bench", description=__doc__)
+    parser = Parser(prog="python -m gpushare.bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a tiny run for the smoke test")
     parser.add_argument("--write", metavar="PATH", help="put the table into PATH's bench section")
     parser.add_argument(

@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from gpushare.cardmodes import CardMode, parse_card_modes
-from gpushare.cli import Parser, add_version, one_line
+from gpushare.base.cli import Parser, add_version, one_line
+from gpushare.share.cardmodes import CARD_MODES_PATTERN, EXCLUSIVE_ENTRY, parse_card_modes
 
 ENV_PREFIX = "GPUSHARE_"
 
@@ -30,7 +30,9 @@ LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 CDI_NAME_STRATEGIES = ("uuid", "index")
 #: A CDI kind: ``<vendor>/<class>`` (CDI spec: vendor a domain-like name, class alphanumeric).
-CDI_KIND = re.compile(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?/[a-zA-Z0-9]([a-zA-Z0-9_.-]*[a-zA-Z0-9])?")
+CDI_KIND_PATTERN = (
+    r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?/[a-zA-Z0-9]([a-zA-Z0-9_.-]*[a-zA-Z0-9])?$"
+)
 DEVICE_LIST_STRATEGIES = ("envvar", "cdi-cri", "cdi-annotations")
 MIG_STRATEGIES = ("none", "single", "mixed")
 
@@ -43,11 +45,33 @@ CONFIG_FILE_LIMIT = 64 << 10
 #: A value quoted in an error message is cut to this many characters.
 QUOTE_LIMIT = 60
 
+# Patterns below are written in the dialect that Python's ``re``, Go's ``regexp`` (Helm's
+# schema validator) and ECMA-262 read alike: no ``\s`` or ``\d`` (their sets differ: Python's
+# take Unicode), blanks are plain spaces, and ``$`` means the end of the text (Python is given
+# ``\Z`` for it, see :func:`matcher`: its ``$`` also matches before a final newline).
+
 #: A DNS subdomain (RFC 1123), as Kubernetes requires of a resource name's prefix.
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-_DNS_SUBDOMAIN = re.compile(DNS_SUBDOMAIN)
+#: Kubernetes keeps these for itself: an extended resource may not be named under them.
+RESERVED_PREFIX = r"(^|\.)kubernetes\.io$"
 #: What ``ignoredXids`` may say as a string (the chart's schema uses it too).
-XIDS_PATTERN = r"^\s*([Aa][Ll][Ll]|[0-9]+(\s*,\s*[0-9]+)*)?\s*$"
+XIDS_PATTERN = r"^ *([Aa][Ll][Ll]|[0-9]+( *, *[0-9]+)*)? *$"
+_STRATEGY = "(" + "|".join(DEVICE_LIST_STRATEGIES) + ")"
+#: ``deviceListStrategy``: one or more of the strategies, comma-separated.
+DEVICE_LIST_PATTERN = rf"^ *{_STRATEGY}( *, *{_STRATEGY})* *$"
+#: An absolute path (the daemon runs in a container: a relative one means nothing there).
+ABSOLUTE_PATH = r"^/"
+#: ``cdiSpecDirs``: absolute paths (no blanks inside), comma-separated; empty entries skipped.
+PATH_LIST_PATTERN = r"^ *(/[^, ]*)?( *, *(/[^, ]*)?)* *$"
+#: Found in a ``deviceListStrategy`` that names a CDI strategy.
+CDI_STRATEGY = r"cdi-"
+#: A ``cdiSpecDirs`` that names no directory.
+NO_PATHS = r"^[ ,]*$"
+
+
+def matcher(pattern: str) -> re.Pattern[str]:
+    """``pattern`` (the shared dialect above) compiled for Python, meaning what Go means."""
+    return re.compile(pattern.replace("$", r"\Z"))
 
 
 def quote(value: Any) -> str:
@@ -71,8 +95,27 @@ def _opt(
     choices: Sequence[str] = (),
     env: str = "",
     bounds: tuple[float, float] | None = None,
+    pattern: str = "",
+    forbid: str = "",
+    max_length: int | None = None,
+    shape: str = "",
 ) -> Any:
-    metadata = {"help": help, "choices": tuple(choices), "env": env, "bounds": bounds}
+    """One option, described once: the daemon's checks and the chart's schema
+    (:mod:`gpushare.ops.chartschema`) both read this description.
+
+    ``pattern``: a string value must match it; ``forbid``: it must not; ``shape``: what the
+    error message says a good value looks like.
+    """
+    metadata = {
+        "help": help,
+        "choices": tuple(choices),
+        "env": env,
+        "bounds": bounds,
+        "pattern": pattern,
+        "forbid": forbid,
+        "max_length": max_length,
+        "shape": shape,
+    }
     return field(default=default, metadata=metadata)
 
 
@@ -83,13 +126,23 @@ class Settings:
     kubelet_dir: str = _opt(
         "/var/lib/kubelet/device-plugins",
         "directory holding kubelet.sock; the plugin's own sockets are created here",
+        pattern=ABSOLUTE_PATH,
+        shape="an absolute path",
     )
     pod_resources_socket: str = _opt(
         "/var/lib/kubelet/pod-resources/kubelet.sock",
         "the kubelet's PodResources socket, read to learn which units are in use",
+        pattern=ABSOLUTE_PATH,
+        shape="an absolute path",
     )
     resource_prefix: str = _opt(
-        "gpushare.io", "prefix of the resource names, e.g. baidu.com for baidu.com/vcuda-memory"
+        "gpushare.io",
+        "prefix of the resource names, e.g. baidu.com for baidu.com/vcuda-memory",
+        pattern=DNS_SUBDOMAIN,
+        forbid=RESERVED_PREFIX,
+        max_length=253,
+        shape="a DNS name like gpushare.io (lower case letters, digits, '-' and '.'; "
+        "kubernetes.io is reserved)",
     )
     memory_unit_mib: int = _opt(
         256, "MiB of GPU memory in one vcuda-memory unit", bounds=(1, 1 << 20)
@@ -100,11 +153,16 @@ class Settings:
         choices=PLACEMENTS,
     )
     library: str = _opt(
-        "/opt/gpushare/lib/libvgpu.so", "the interposer library (HAMi-core libvgpu.so) to install"
+        "/opt/gpushare/lib/libvgpu.so",
+        "the interposer library (HAMi-core libvgpu.so) to install",
+        pattern=ABSOLUTE_PATH,
+        shape="an absolute path",
     )
     host_lib_dir: str = _opt(
         "/usr/local/vgpu",
         "host directory for the versioned library copy and the per-container cache directories",
+        pattern=ABSOLUTE_PATH,
+        shape="an absolute path",
     )
     preload: str = _opt(
         "env",
@@ -129,6 +187,8 @@ class Settings:
     ignored_xids: str = _opt(
         DEFAULT_IGNORED_XIDS,
         "comma-separated XIDs that do not make a card unhealthy, or 'all' to ignore every XID",
+        pattern=XIDS_PATTERN,
+        shape="comma-separated integers or 'all'",
     )
     health_recovery_seconds: float = _opt(
         300.0,
@@ -153,6 +213,8 @@ class Settings:
         "",
         "fixed pools: <card index or UUID>=shared|exclusive|both, comma-separated "
         "(cards not named: both, i.e. whichever use comes first)",
+        pattern=CARD_MODES_PATTERN,
+        shape="<card index or UUID>=shared|exclusive|both, comma-separated",
     )
     exclusive_enforcement: bool = _opt(
         False, "whole cards also get the interposer, with 100%% limits (same accounting)"
@@ -160,13 +222,23 @@ class Settings:
     device_list_strategy: str = _opt(
         "envvar",
         "how answers name their cards: envvar, cdi-cri and/or cdi-annotations, comma-separated",
+        pattern=DEVICE_LIST_PATTERN,
+        shape=f"a comma-separated list of {', '.join(DEVICE_LIST_STRATEGIES)}",
     )
-    cdi_kind: str = _opt("nvidia.com/gpu", "vendor/class of the CDI device names")
+    cdi_kind: str = _opt(
+        "nvidia.com/gpu",
+        "vendor/class of the CDI device names",
+        pattern=CDI_KIND_PATTERN,
+        shape="<vendor>/<class> like nvidia.com/gpu",
+    )
     cdi_name_strategy: str = _opt(
         "uuid", "CDI device names by card UUID or card index", choices=CDI_NAME_STRATEGIES
     )
     cdi_spec_dirs: str = _opt(
-        "/etc/cdi,/var/run/cdi", "directories of CDI specs checked for the names we hand out"
+        "/etc/cdi,/var/run/cdi",
+        "directories of CDI specs checked for the names we hand out",
+        pattern=PATH_LIST_PATTERN,
+        shape="comma-separated absolute paths",
     )
     nvidia_product_label: bool = _opt(
         False, "also write nvidia.com/gpu.product (where GPU feature discovery is not installed)"
@@ -239,6 +311,67 @@ class Settings:
 
 
 OPTIONS: tuple[dataclasses.Field[Any], ...] = dataclasses.fields(Settings)
+_BY_NAME = {option.name: option for option in OPTIONS}
+
+
+@dataclass(frozen=True)
+class When:
+    """A condition on one setting: its value is one of ``values``, or (a string) the
+    pattern ``finds`` something in it."""
+
+    values: tuple[Any, ...] = ()
+    finds: str = ""
+
+    def holds(self, value: Any) -> bool:
+        if self.finds:
+            return isinstance(value, str) and matcher(self.finds).search(value) is not None
+        return any(type(value) is type(v) and value == v for v in self.values)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A combination of settings the daemon refuses: every condition holds at once.
+    The chart's schema refuses the same combination (``not`` of the conditions)."""
+
+    when: tuple[tuple[str, When], ...]
+    blame: str
+    why: str
+
+    def broken(self, settings: Settings) -> bool:
+        return all(cond.holds(getattr(settings, name)) for name, cond in self.when)
+
+
+#: The cross-field rules, checked by the daemon and generated into the chart's schema.
+RULES: tuple[Rule, ...] = (
+    Rule(
+        (
+            ("whole_cards", When((True,))),
+            ("mig_strategy", When(("single",))),
+            ("mig_nvidia_names", When((False,))),
+        ),
+        "mig_strategy",
+        "single and whole_cards would both advertise <prefix>/gpu "
+        "(turn one off, or set mig_nvidia_names)",
+    ),
+    Rule(
+        (("mig_sharing", When((True,))), ("mig_strategy", When(("none", "single")))),
+        "mig_sharing",
+        "needs mig_strategy mixed",
+    ),
+    Rule(
+        (("card_modes", When(finds=EXCLUSIVE_ENTRY)), ("whole_cards", When((False,)))),
+        "card_modes",
+        "a card in exclusive mode needs whole_cards (--whole-cards) on",
+    ),
+    Rule(
+        (
+            ("device_list_strategy", When(finds=CDI_STRATEGY)),
+            ("cdi_spec_dirs", When(finds=NO_PATHS)),
+        ),
+        "cdi_spec_dirs",
+        "a cdi-* device_list_strategy needs a CDI spec directory (where the names are checked)",
+    ),
+)
 
 
 def flag_name(name: str) -> str:
@@ -268,40 +401,48 @@ def _field_type(option: dataclasses.Field[Any]) -> type:
     return type(option.default)
 
 
-def _coerce(option: dataclasses.Field[Any], value: Any, origin: str) -> Any:
-    """Turn a raw value (string from flag/env, any YAML value) into the option's type."""
+def _coerce(option: dataclasses.Field[Any], value: Any, origin: str, typed: bool) -> Any:
+    """Turn a raw value into the option's type: a string from a flag or the environment,
+    or (``typed``) a YAML value from the config file, which must already have the type
+    the chart's schema gives it (``memoryUnitMib: "512"`` is refused there and here)."""
     kind = _field_type(option)
     where = f"{option.name} ({origin})"
     try:
         if kind is bool:
             if isinstance(value, bool):
                 result: Any = value
-            elif not isinstance(value, str | int):
+            elif typed or not isinstance(value, str):
                 raise ValueError(f"expected true or false, got {quote(value)}")
-            elif str(value).strip().lower() in ("1", "true", "yes", "on"):
+            elif value.strip().lower() in ("1", "true", "yes", "on"):
                 result = True
-            elif str(value).strip().lower() in ("0", "false", "no", "off", ""):
+            elif value.strip().lower() in ("0", "false", "no", "off", ""):
                 result = False
             else:
                 raise ValueError(f"expected true or false, got {quote(value)}")
         elif kind is int:
+            if isinstance(value, float) and typed and value.is_integer():
+                value = int(value)  # JSON's integer: 256.0 is 256 (Helm reads it so)
             if isinstance(value, bool) or not isinstance(value, int | str):
                 raise ValueError(f"expected an integer, got {quote(value)}")
+            if typed and isinstance(value, str):
+                raise ValueError(f"expected an integer, got the string {quote(value)}")
             result = int(value)
         elif kind is float:
             if isinstance(value, bool) or not isinstance(value, int | float | str):
                 raise ValueError(f"expected a number, got {quote(value)}")
+            if typed and isinstance(value, str):
+                raise ValueError(f"expected a number, got the string {quote(value)}")
             result = float(value)
             if not math.isfinite(result):
                 raise ValueError(f"expected a finite number, got {quote(value)}")
         elif option.name == "ignored_xids" and isinstance(value, list):
-            if not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-                raise ValueError("expected a list of integers")
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value):
+                raise ValueError("expected a list of integers of at least 0")
             result = ",".join(str(x) for x in value)
         else:
-            if not isinstance(value, str | int | float) or isinstance(value, bool):
+            if not isinstance(value, str):
                 raise ValueError(f"expected a string, got {quote(value)}")
-            result = str(value)
+            result = value
     except ValueError as exc:
         text = str(exc)
         if not text.startswith("expected"):  # int()/float() quote the whole input
@@ -320,49 +461,35 @@ def _format_bound(bound: float) -> str:
 
 
 def _validate(settings: Settings, origins: Mapping[str, str]) -> None:
+    """Every check of :func:`_opt`'s description and :data:`RULES`; the first failure is
+    raised as a :class:`ConfigError` naming the option and where its value came from."""
+
     def fail(name: str, why: str) -> None:
         raise ConfigError(f"bad value for {name} ({origins.get(name, 'default')}): {why}")
 
     for option in OPTIONS:
-        bounds = option.metadata["bounds"]
+        meta = option.metadata
         value = getattr(settings, option.name)
+        bounds = meta["bounds"]
         if bounds is not None and not bounds[0] <= value <= bounds[1]:
             low, high = (_format_bound(b) for b in bounds)
             fail(option.name, f"{value:g} is not between {low} and {high}")
-    prefix = settings.resource_prefix
-    if (
-        len(prefix) > 253
-        or not _DNS_SUBDOMAIN.fullmatch(prefix)
-        or prefix == "kubernetes.io"
-        or prefix.endswith(".kubernetes.io")
-    ):
-        fail(
-            "resource_prefix",
-            f"{quote(prefix)} is not a DNS name like gpushare.io (lower case letters, digits, "
-            "'-' and '.'; kubernetes.io is reserved)",
-        )
+        if not isinstance(value, str):
+            continue
+        too_long = meta["max_length"] is not None and len(value) > meta["max_length"]
+        if (
+            too_long
+            or (meta["pattern"] and not matcher(meta["pattern"]).search(value))
+            or (meta["forbid"] and matcher(meta["forbid"]).search(value))
+        ):
+            fail(option.name, f"{quote(value)} is not {meta['shape']}")
     try:
-        settings.ignored_xid_set()
-    except ValueError as exc:
-        fail("ignored_xids", str(exc))
-    if not settings.kubelet_dir:
-        fail("kubelet_dir", "must not be empty")
-    try:
-        settings.device_list_strategies()
-    except ValueError as exc:
-        fail("device_list_strategy", str(exc))
-    if not CDI_KIND.fullmatch(settings.cdi_kind):
-        fail("cdi_kind", f"{settings.cdi_kind!r} is not <vendor>/<class> like nvidia.com/gpu")
-    try:
-        modes = parse_card_modes(settings.card_modes)
-    except ValueError as exc:
+        parse_card_modes(settings.card_modes)
+    except ValueError as exc:  # the pattern held: a card named twice
         fail("card_modes", str(exc))
-    if settings.whole_cards and settings.mig_strategy == "single" and not settings.mig_nvidia_names:
-        fail("mig_strategy", "single and whole_cards would both advertise <prefix>/gpu")
-    if settings.mig_sharing and settings.mig_strategy != "mixed":
-        fail("mig_sharing", "needs mig_strategy mixed")
-    if not settings.whole_cards and CardMode.EXCLUSIVE in modes.values():
-        fail("card_modes", "a card in exclusive mode needs whole_cards (--whole-cards) on")
+    for rule in RULES:
+        if rule.broken(settings):
+            fail(rule.blame, rule.why)
 
 
 class _NoAliasLoader(yaml.SafeLoader):
@@ -375,7 +502,8 @@ class _NoAliasLoader(yaml.SafeLoader):
 
 
 def read_config_file(path: str) -> dict[str, Any]:
-    """Read a YAML config file into {option name: raw value}; unknown keys are errors."""
+    """Read a YAML config file into {option name: raw value}; unknown keys are errors,
+    a key with no value (null) is left out."""
     try:
         with open(path, "rb") as handle:
             raw = handle.read(CONFIG_FILE_LIMIT + 1)
@@ -400,7 +528,8 @@ def read_config_file(path: str) -> dict[str, Any]:
             raise ConfigError(
                 f"unknown key {quote(key)} in config file {path}; known keys: {', '.join(by_key)}",
             )
-        values[by_key[key]] = value
+        if value is not None:  # ``key:`` with no value leaves the default, as in Helm
+            values[by_key[key]] = value
     return values
 
 
@@ -454,17 +583,18 @@ def load_settings_with_origins(
     origins: dict[str, str] = {}
     for option in OPTIONS:
         flag_value = getattr(args, option.name)
+        typed = False  # flags and the environment are text; the file's YAML has types
         if flag_value is not None:
             raw, origin = flag_value, f"flag {flag_name(option.name)}"
         elif env_name(option) in environ:
             raw, origin = environ[env_name(option)], f"env {env_name(option)}"
         elif option.name in file_values:
-            raw = file_values[option.name]
+            raw, typed = file_values[option.name], True
             origin = f"key {yaml_key(option.name)} in {config_path}"
         else:
             origins[option.name] = DEFAULT_ORIGIN
             continue
-        values[option.name] = _coerce(option, raw, origin)
+        values[option.name] = _coerce(option, raw, origin, typed)
         origins[option.name] = origin
     settings = Settings(**values)
     _validate(settings, origins)

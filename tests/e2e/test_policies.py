@@ -52,13 +52,9 @@ def test_pods_the_policies_allow(cluster: Cluster) -> None:
         assert code == 201, (name, message)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="daemonset/policies/core-needs-memory.yaml lets vcuda-memory: 0 through (see "
-    "e2e/README.md, what the e2e suite found); remove this mark when the policy refuses it",
-)
 def test_zero_memory_with_cores_is_refused(cluster: Cluster) -> None:
-    """``vcuda-memory: "0"`` passes the key check (the key is there), and the real kubelet
-    then runs the container on a card with a core limit and no memory limit at all."""
+    """``vcuda-memory: "0"`` once passed the key check (the key is there), and the real
+    kubelet then ran the container on a card with a core limit and no memory limit at all:
+    the policy compares quantities now, with the API server's own ``quantity()``."""
     code, message = create(cluster, "zero-memory", {"main": {MEMORY: 0, CORE: 10}})
     assert code == 422, message

@@ -8,8 +8,8 @@ from dataclasses import replace
 from typing import Any
 
 from gpushare.extender.fit import CardRoom
-from gpushare.gputype import CardChoice, card_choice
-from gpushare.nodestate import NodeGpuState
+from gpushare.gpu.gputype import CardChoice, card_choice
+from gpushare.kube.nodestate import NodeGpuState
 
 
 def excluded_rooms(

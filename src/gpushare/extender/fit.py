@@ -23,8 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gpushare.nodestate import NodeGpuState
-from gpushare.placement import BINPACK, Need, Policy, Room, place_containers, rank
+from gpushare.base.compat import zip_strict
+from gpushare.kube.nodestate import NodeGpuState
+from gpushare.share.placement import BINPACK, Need, Policy, Room, place_containers, rank
 
 __all__ = ["BINPACK", "PLACEMENTS", "Policy"]
 
@@ -336,7 +337,7 @@ def fit_pod(rooms: Sequence[CardRoom], pod: PodNeed, policy: str = BINPACK) -> F
     plan = place_containers(_rooms(rooms), [c.need for c in pod.containers], chosen_policy)
     if plan is None:
         return Fit(None, _greedy_misfit(rooms, pod.containers, chosen_policy))
-    placement = Placement(tuple(zip(plan, pod.containers, strict=True)))
+    placement = Placement(tuple(zip_strict(plan, pod.containers)))
     use = placement.use_by_card()
     after = tuple(r.minus(*use[r.uuid]) if r.uuid in use else r for r in rooms)
     return Fit(placement, rooms_after=after)

@@ -22,7 +22,9 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gpushare.cli import Parser, add_version, bounded_float
+from gpushare.base.cli import Parser, add_version, bounded_float
+from gpushare.base.connguard import ConnectionGuard, GuardedFactory, Limits
+from gpushare.base.logs import configure_logging
 from gpushare.config import LOG_FORMATS, LOG_LEVELS
 from gpushare.extender.apiserver import (
     DEFAULT_CA_FILE,
@@ -44,7 +46,6 @@ from gpushare.extender.verbs import (
     filter_verb,
     prioritize_verb,
 )
-from gpushare.logs import configure_logging
 
 log = structlog.get_logger(__name__)
 
@@ -210,17 +211,46 @@ def build_app(
     return app
 
 
-async def start(app: web.Application, address: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve ``app``; returns the runner (call ``cleanup()`` to stop) and the bound port."""
+#: The bounds of each extender listener (base/connguard.py): kube-scheduler keeps a few
+#: connections alive; probes open one per check.
+EXTENDER_LIMITS = Limits(max_connections=128, max_per_peer=64, deadline=10.0)
+
+
+class _GuardedSite(web.SockSite):
+    """A ``SockSite`` whose connections go through a :class:`GuardedFactory`."""
+
+    def __init__(self, runner: web.AppRunner, sock: socket.socket, factory: GuardedFactory):
+        super().__init__(runner, sock)
+        self._factory = factory
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._factory, sock=self._sock, backlog=128)
+
+
+async def start(
+    app: web.Application, address: str, port: int, guard: ConnectionGuard | None = None
+) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` under ``guard`` (default: :data:`EXTENDER_LIMITS`, issue 23 item 3);
+    returns the runner (call ``cleanup()`` to stop) and the bound port."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((address, port))
     sock.listen(128)
     sock.setblocking(False)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=30.0)
+    holder: list[GuardedFactory] = []
+
+    async def answered(request: web.Request, _response: web.StreamResponse) -> None:
+        holder[0].answered(request.transport)
+
+    app.on_response_prepare.append(answered)
     await runner.setup()
-    await web.SockSite(runner, sock).start()
+    assert runner.server is not None
+    holder.append(GuardedFactory(runner.server, guard or ConnectionGuard(EXTENDER_LIMITS)))
+    await _GuardedSite(runner, sock, holder[0]).start()
     return runner, int(sock.getsockname()[1])
 
 

@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from gpushare import nodestate
 from gpushare.extender.body import BadRequest
 from gpushare.extender.choice import card_choice_of, excluded_rooms
 from gpushare.extender.fit import (
@@ -34,7 +33,8 @@ from gpushare.extender.fit import (
     subtract,
 )
 from gpushare.extender.ledger import AdmissionLedger
-from gpushare.gputype import CardChoice
+from gpushare.gpu.gputype import CardChoice
+from gpushare.kube import nodestate
 
 __all__ = ["BadRequest", "ExtenderPolicy", "ExtenderState", "bind_verb", "filter_verb"]
 

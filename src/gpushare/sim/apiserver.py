@@ -1,7 +1,9 @@
 """A test double of the Kubernetes API server at the HTTP boundary.
 
 Small and in-process: objects are stored by URL path, and the verbs the project's
-code uses are served (GET one or a list with label/field selectors, POST, PATCH as
+code uses are served (GET one, or a list with label/field selectors (``=``, ``!=``) in
+pages (``limit``/``continue``) streamed one item at a time; discovery documents of
+:data:`GROUPS`; POST, PATCH as
 JSON merge patch, strategic merge patch or server-side apply, DELETE, and the
 ``pods/{name}/binding`` subresource), for the kinds in :data:`KINDS`. Server-side
 apply checks what the real server checks of a request (a fieldManager, a body naming
@@ -42,6 +44,20 @@ KINDS = {
     "clusterroles": "ClusterRole",
     "clusterrolebindings": "ClusterRoleBinding",
     "daemonsets": "DaemonSet",
+    "networkpolicies": "NetworkPolicy",
+    "validatingadmissionpolicies": "ValidatingAdmissionPolicy",
+    "validatingadmissionpolicybindings": "ValidatingAdmissionPolicyBinding",
+}
+#: The group/versions whose discovery document the double serves (kinds by plural).
+GROUPS = {
+    "v1": ("nodes", "pods", "namespaces", "configmaps", "serviceaccounts"),
+    "rbac.authorization.k8s.io/v1": ("clusterroles", "clusterrolebindings"),
+    "apps/v1": ("daemonsets",),
+    "networking.k8s.io/v1": ("networkpolicies",),
+    "admissionregistration.k8s.io/v1": (
+        "validatingadmissionpolicies",
+        "validatingadmissionpolicybindings",
+    ),
 }
 #: Stamps the server keeps on an object; an apply that changes nothing else is a no-op.
 _SERVER_FIELDS = ("resourceVersion", "uid", "managedFields", "creationTimestamp")
@@ -92,11 +108,12 @@ def _matches_labels(obj: dict[str, Any], selector: str) -> bool:
 
 def _matches_fields(obj: dict[str, Any], selector: str) -> bool:
     for term in filter(None, selector.split(",")):
-        key, _, value = term.partition("=")
+        negated = "!=" in term
+        key, _, value = term.partition("!=" if negated else "=")
         current: Any = obj
         for part in key.split("."):
             current = current.get(part) if isinstance(current, dict) else None
-        if str(current or "") != value:
+        if (str(current or "") == value) is negated:
             return False
     return True
 
@@ -124,6 +141,10 @@ class KubeApiDouble:
         self._stopping = False
         self.bookmark_seconds = 60.0
         self._scheme = "http"
+        #: The group/versions served (drop one to play an older cluster).
+        self.groups = dict(GROUPS)
+        #: Container logs by pod object key, served at ``pods/{name}/log`` as text.
+        self.logs: dict[str, str] = {}
 
     # ------------------------------------------------------------------ control
     def start(self, tls: ssl.SSLContext | None = None) -> str:
@@ -306,6 +327,17 @@ class KubeApiDouble:
             return self._reply(request, failure, self._status(failure, "injected failure"))
         if request.command == "GET" and (query.get("watch") or [""])[0] in ("1", "true"):
             return self._watch(request, parsed.path, query)
+        if request.command == "GET" and parsed.path.rstrip("/").split("/")[-1] in KINDS:
+            return self._list(request, parsed.path, query)
+        version = parsed.path.rstrip("/").removeprefix("/apis/").removeprefix("/api/")
+        if request.command == "GET" and version in GROUPS:
+            if version not in self.groups:
+                return self._reply(request, 404, self._status(404, "the server could not find it"))
+            resources = [{"name": p, "kind": KINDS[p]} for p in self.groups[version]]
+            listing = {"kind": "APIResourceList", "groupVersion": version, "resources": resources}
+            return self._reply(request, 200, listing)
+        if request.command == "GET" and parsed.path.endswith("/log"):
+            return self._log(request, parsed.path.rstrip("/").rsplit("/", 1)[0])
         with self._lock:
             status, answer = self._dispatch(request.command, parsed.path, query, content_type, body)
         self._reply(request, status, answer)
@@ -331,21 +363,6 @@ class KubeApiDouble:
         is_collection = parts[-1] in KINDS or (
             len(parts) >= 2 and parts[-2] == "namespaces" and False
         )
-        if method == "GET" and is_collection:
-            labels = (query.get("labelSelector") or [""])[0]
-            fields = (query.get("fieldSelector") or [""])[0]
-            items = [
-                deepcopy(o)
-                for _, o in self._collections(path)
-                if _matches_labels(o, labels) and _matches_fields(o, fields)
-            ]
-            kind = KINDS.get(parts[-1], parts[-1]) + "List"
-            return 200, {
-                "kind": kind,
-                "apiVersion": "v1",
-                "metadata": {"resourceVersion": str(self._version)},
-                "items": items,
-            }
         if method == "POST" and is_collection:
             name = body["metadata"]["name"]
             key = f"{path.rstrip('/')}/{name}"
@@ -449,6 +466,19 @@ class KubeApiDouble:
         self._put(key, merged)
         return (201 if current is None else 200), deepcopy(merged)
 
+    def _log(self, request: BaseHTTPRequestHandler, pod_key: str) -> None:
+        with self._lock:
+            exists = pod_key in self.objects
+            text = self.logs.get(pod_key, "")
+        if not exists:
+            return self._reply(request, 404, self._status(404, "pod not found"))
+        data = text.encode()
+        request.send_response(200)
+        request.send_header("Content-Type", "text/plain")
+        request.send_header("Content-Length", str(len(data)))
+        request.end_headers()
+        request.wfile.write(data)
+
     @staticmethod
     def _reply(request: BaseHTTPRequestHandler, status: int, answer: Any) -> None:
         data = json.dumps(answer).encode()
@@ -457,6 +487,81 @@ class KubeApiDouble:
         request.send_header("Content-Length", str(len(data)))
         request.end_headers()
         request.wfile.write(data)
+
+    def _list(
+        self, request: BaseHTTPRequestHandler, path: str, query: dict[str, list[str]]
+    ) -> None:
+        """A list, in pages when asked (``limit``, ``continue``), streamed one item at a
+        time: each item is serialised under the lock, written without it, so a list of
+        thousands of large objects never sits in this process as one answer."""
+        labels = (query.get("labelSelector") or [""])[0]
+        fields = (query.get("fieldSelector") or [""])[0]
+        try:
+            limit = int((query.get("limit") or ["0"])[0] or 0)
+            version, _, start = ((query.get("continue") or [""])[0] or ":0").partition(":")
+            offset = int(start)
+        except ValueError:
+            return self._reply(request, 400, self._status(400, "limit/continue is not valid"))
+        with self._lock:
+            version = version or str(self._version)
+            if int(version) < self._oldest - 1:
+                gone = self._status(410, "the continue token has expired") | {"reason": "Expired"}
+                return self._reply(request, 410, gone | {"code": 410})
+            keys = [
+                key
+                for key, o in self._collections(path)
+                if _matches_labels(o, labels) and _matches_fields(o, fields)
+            ]
+        page = keys[offset : offset + limit] if limit > 0 else keys[offset:]
+        more = limit > 0 and offset + limit < len(keys)
+        meta: dict[str, Any] = {"resourceVersion": version}
+        if more:
+            meta["continue"] = f"{version}:{offset + limit}"
+        kind = KINDS.get(path.rstrip("/").split("/")[-1], "Object") + "List"
+        head = {"kind": kind, "apiVersion": "v1", "metadata": meta}
+        request.send_response(200)
+        request.send_header("Content-Type", "application/json")
+        request.send_header("Transfer-Encoding", "chunked")
+        request.end_headers()
+
+        def send(data: bytes) -> None:
+            if data:
+                request.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+        try:
+            send(json.dumps(head).encode()[:-1] + b', "items": [')
+            first = True
+            for key in page:
+                with self._lock:
+                    obj = self.objects.get(key)
+                    data = json.dumps(obj).encode() if obj is not None else b""
+                if data:
+                    send(data if first else b"," + data)
+                    first = False
+                del data
+            send(b"]}")
+            request.wfile.write(b"0\r\n\r\n")
+            request.wfile.flush()
+        except OSError:
+            request.close_connection = True  # the client went away
+
+    def add_many(self, objs: Iterator[dict[str, Any]]) -> int:
+        """Store objects as if they had been there before any watch began: no events,
+        no copies (large objects may share parts), for measurements at scale."""
+        count = 0
+        with self._lock:
+            for obj in objs:
+                meta = obj["metadata"]
+                plural = next(p for p, k in KINDS.items() if k == obj["kind"])
+                namespace = meta.get("namespace")
+                base = f"/api/v1/namespaces/{namespace}" if namespace else "/api/v1"
+                self._version += 1
+                meta["resourceVersion"] = str(self._version)
+                meta.setdefault("uid", f"uid-{meta['name']}-{self._version}")
+                self.objects[f"{base}/{plural}/{meta['name']}"] = obj
+                count += 1
+            self._oldest = self._version + 1  # no history before them
+        return count
 
     # ------------------------------------------------------------------ watches
     def _in_collection(self, key: str, path: str) -> bool:

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import yaml
 
-from gpushare.cli import Parser, add_version
+from gpushare.base.cli import Parser, add_version
+from gpushare.base.logs import configure_logging
+from gpushare.base.startup import StartupError
 from gpushare.config import LOG_LEVELS, Settings
-from gpushare.daemon import Daemon, StartupError
-from gpushare.devices import Resource
-from gpushare.elf import stand_in
-from gpushare.logs import configure_logging
+from gpushare.daemon import Daemon
+from gpushare.host.elf import stand_in
+from gpushare.share.devices import Resource
 from gpushare.sim.kubelet import AdmissionError, Admitted, SimulatedKubelet
 
 THREE_TESLA_P4 = {
@@ -157,11 +158,11 @@ def run_demo(workdir: Path) -> int:
         except AdmissionError as exc:
             print(f"  train-b: NOT admitted: {exc}")
 
-        assert daemon.inventory is not None
+        assert daemon.core is not None
         print("\nper card (from the kubelet's allocations):")
         print(f"  {'GPU':4} {'UUID':42} {'memory units':>14} {'core units':>12}  containers")
         held_whole = kubelet.allocated(whole)
-        for card in daemon.inventory.cards.values():
+        for card in daemon.core.inventory.cards.values():
             mem_used = sum(1 for d in kubelet.allocated(memory) if d.startswith(card.uuid + "::"))
             core_used = sum(1 for d in kubelet.allocated(core) if d.startswith(card.uuid + "::"))
             pods = sorted(a.pod for a in kubelet.admitted.values() if a.card() == card.uuid)

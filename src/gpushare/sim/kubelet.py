@@ -117,93 +117,22 @@ class ContainerSpec:
     restartable: bool = False  # an init container with ``restartPolicy: Always``
 
 
-class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourcesListerServicer):  # type: ignore[misc]
-    def __init__(
-        self,
-        plugin_dir: Path,
-        pod_resources_socket: Path | None = None,
-        observe: CallObserver | None = None,
-        *,
-        seed: int | None = 0,
-        list_rate: float = LIST_RATE,
-        list_burst: int = LIST_BURST,
-    ) -> None:
+class PluginRegistry(api_pb2_grpc.RegistrationServicer):
+    """The kubelet's device-manager side of registration: ``Register`` dials the plugin
+    back, each resource's ListAndWatch stream keeps its device list, and a stream that
+    ends marks the resource's devices unhealthy, as the kubelet does."""
+
+    def __init__(self, plugin_dir: Path) -> None:
         self.plugin_dir = Path(plugin_dir)
-        self.pod_resources_socket = pod_resources_socket
-        self.observe = observe
         self.watch_delay = 0.0  # seconds between a registration and its ListAndWatch
         self.endpoints: dict[str, Endpoint] = {}
         self.registrations: list[tuple[str, str]] = []  # (resource, endpoint)
-        self.admitted: dict[tuple[str, str, str], Admitted] = {}
-        self.rng = random.Random(seed)
-        #: Per container: the resource order the kubelet used, for tests to look at.
-        self.orders: list[tuple[str, list[str]]] = []
-        self._reuse: dict[tuple[str, str], dict[str, list[str]]] = {}  # pod -> reusable
-        self._list_rate = list_rate
-        self._list_burst = float(list_burst)
-        self._list_tokens = float(list_burst)
-        self._list_refilled = time.monotonic()
-        self.list_refusals = 0
-        self.list_delay = 0.0  # seconds a List takes to answer (a busy kubelet)
         self._lock = threading.Condition()
-        self._server: Any = None
-        self._pr_server: Any = None
-
-    # ---------------------------------------------------------------- lifecycle
-    @property
-    def socket(self) -> Path:
-        return self.plugin_dir / "kubelet.sock"
-
-    def start(self) -> None:
-        """Listen on ``kubelet.sock``: bound at a temporary path and renamed over the
-        old socket file, so that ``kubelet.sock`` never goes missing."""
-        self.plugin_dir.mkdir(parents=True, exist_ok=True)
-        temporary = self.plugin_dir / f".kubelet-{os.getpid()}-{id(self):x}.sock"
-        temporary.unlink(missing_ok=True)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        api_pb2_grpc.add_RegistrationServicer_to_server(self, server)
-        server.add_insecure_port(f"unix://{temporary}")
-        server.start()
-        os.rename(temporary, self.socket)
-        self._server = server
-        if self.pod_resources_socket is not None and self._pr_server is None:
-            self.pod_resources_socket.parent.mkdir(parents=True, exist_ok=True)
-            self.pod_resources_socket.unlink(missing_ok=True)
-            pr_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-            pr_pb2_grpc.add_PodResourcesListerServicer_to_server(self, pr_server)
-            pr_server.add_insecure_port(f"unix://{self.pod_resources_socket}")
-            pr_server.start()
-            self._pr_server = pr_server
-
-    def stop(self, *, keep_pod_resources: bool = False) -> None:
-        with self._lock:
-            endpoints = list(self.endpoints.values())
-            self.endpoints.clear()
-        for endpoint in endpoints:
-            self._close(endpoint)
-        if self._server is not None:
-            self._server.stop(0).wait()
-            self._server = None
-        if self._pr_server is not None and not keep_pod_resources:
-            self._pr_server.stop(0).wait()
-            self._pr_server = None
-
-    def restart(self, *, remove_sockets: bool = True) -> None:
-        """What a kubelet restart does: drop every plugin, delete every other socket in
-        the directory, and replace ``kubelet.sock`` atomically.
-
-        Allocations survive, as they do in the kubelet's checkpoint. With
-        ``remove_sockets=False`` the plugins' sockets stay (the kubelet only logs a
-        failure to clean its directory), so only the new ``kubelet.sock`` tells.
-        """
-        self.stop(keep_pod_resources=True)
-        for path in self.plugin_dir.glob("*.sock"):
-            if path != self.socket and remove_sockets:
-                path.unlink(missing_ok=True)
-        self.start()
 
     # ---------------------------------------------------------------- Registration
-    def Register(self, request: Any, context: Any) -> Any:
+    def Register(
+        self, request: api_pb2.RegisterRequest, context: grpc.ServicerContext
+    ) -> api_pb2.Empty:
         if request.version != "v1beta1":
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"unsupported version {request.version}"
@@ -273,7 +202,6 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
         if endpoint.channel is not None:
             endpoint.channel.close()
 
-    # ---------------------------------------------------------------- queries
     def wait_for(self, predicate: Any, timeout: float = 5.0) -> bool:
         """Wait until ``predicate(self)`` holds; re-checked on every plugin update."""
         with self._lock:
@@ -286,6 +214,152 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
 
     def healthy_count(self, resource: str) -> int:
         return sum(1 for d in self.devices(resource).values() if d.health == "Healthy")
+
+
+class PodResourcesLister(pr_pb2_grpc.PodResourcesListerServicer):
+    """The kubelet's PodResources ``List``: active pods, app containers and sidecars
+    only, rate-limited as the kubelet is (a token bucket)."""
+
+    def __init__(self, list_rate: float, list_burst: int) -> None:
+        self.admitted: dict[tuple[str, str, str], Admitted] = {}
+        self._list_rate = list_rate
+        self._list_burst = float(list_burst)
+        self._list_tokens = float(list_burst)
+        self._list_refilled = time.monotonic()
+        self.list_refusals = 0
+        self.list_delay = 0.0  # seconds a List takes to answer (a busy kubelet)
+        self._lock = threading.Condition()
+
+    def _take_list_token(self) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            self._list_tokens = min(
+                self._list_burst, self._list_tokens + (now - self._list_refilled) * self._list_rate
+            )
+            self._list_refilled = now
+            if self._list_tokens < 1.0:
+                self.list_refusals += 1
+                return False
+            self._list_tokens -= 1.0
+            return True
+
+    def list_response(self) -> pr_pb2.ListPodResourcesResponse:
+        """What ``List`` answers: active pods, app containers and sidecars only."""
+        with self._lock:
+            by_pod: dict[tuple[str, str], list[Admitted]] = {}
+            for record in self.admitted.values():
+                if record.init:
+                    continue  # ordinary init containers are not listed
+                by_pod.setdefault((record.namespace, record.pod), []).append(record)
+        return pr_pb2.ListPodResourcesResponse(
+            pod_resources=[
+                pr_pb2.PodResources(
+                    name=pod,
+                    namespace=namespace,
+                    containers=[
+                        pr_pb2.ContainerResources(
+                            name=r.container,
+                            devices=[
+                                pr_pb2.ContainerDevices(resource_name=res, device_ids=ids)
+                                for res, ids in r.devices.items()
+                            ],
+                        )
+                        for r in records
+                    ],
+                )
+                for (namespace, pod), records in by_pod.items()
+            ]
+        )
+
+    def List(
+        self, request: pr_pb2.ListPodResourcesRequest, context: grpc.ServicerContext
+    ) -> pr_pb2.ListPodResourcesResponse:
+        if not self._take_list_token():
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate limit exceeded")
+        if self.list_delay:
+            time.sleep(self.list_delay)  # a slow kubelet, for tests of late records
+        return self.list_response()
+
+
+class SimulatedKubelet(PluginRegistry, PodResourcesLister):
+    """A kubelet's device manager and PodResources server, over real sockets: plugins
+    register and stream their devices (:class:`PluginRegistry`), containers are admitted
+    in the kubelet's order and call sequence, and the records are listed
+    (:class:`PodResourcesLister`)."""
+
+    def __init__(
+        self,
+        plugin_dir: Path,
+        pod_resources_socket: Path | None = None,
+        observe: CallObserver | None = None,
+        *,
+        seed: int | None = 0,
+        list_rate: float = LIST_RATE,
+        list_burst: int = LIST_BURST,
+    ) -> None:
+        PodResourcesLister.__init__(self, list_rate, list_burst)
+        PluginRegistry.__init__(self, plugin_dir)  # its lock is the one both sides share
+        self.pod_resources_socket = pod_resources_socket
+        self.observe = observe
+        self.rng = random.Random(seed)
+        #: Per container: the resource order the kubelet used, for tests to look at.
+        self.orders: list[tuple[str, list[str]]] = []
+        self._reuse: dict[tuple[str, str], dict[str, list[str]]] = {}  # pod -> reusable
+        self._server: Any = None
+        self._pr_server: Any = None
+
+    # ---------------------------------------------------------------- lifecycle
+    @property
+    def socket(self) -> Path:
+        return self.plugin_dir / "kubelet.sock"
+
+    def start(self) -> None:
+        """Listen on ``kubelet.sock``: bound at a temporary path and renamed over the
+        old socket file, so that ``kubelet.sock`` never goes missing."""
+        self.plugin_dir.mkdir(parents=True, exist_ok=True)
+        temporary = self.plugin_dir / f".kubelet-{os.getpid()}-{id(self):x}.sock"
+        temporary.unlink(missing_ok=True)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        api_pb2_grpc.add_RegistrationServicer_to_server(self, server)
+        server.add_insecure_port(f"unix://{temporary}")
+        server.start()
+        os.rename(temporary, self.socket)
+        self._server = server
+        if self.pod_resources_socket is not None and self._pr_server is None:
+            self.pod_resources_socket.parent.mkdir(parents=True, exist_ok=True)
+            self.pod_resources_socket.unlink(missing_ok=True)
+            pr_server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+            pr_pb2_grpc.add_PodResourcesListerServicer_to_server(self, pr_server)
+            pr_server.add_insecure_port(f"unix://{self.pod_resources_socket}")
+            pr_server.start()
+            self._pr_server = pr_server
+
+    def stop(self, *, keep_pod_resources: bool = False) -> None:
+        with self._lock:
+            endpoints = list(self.endpoints.values())
+            self.endpoints.clear()
+        for endpoint in endpoints:
+            self._close(endpoint)
+        if self._server is not None:
+            self._server.stop(0).wait()
+            self._server = None
+        if self._pr_server is not None and not keep_pod_resources:
+            self._pr_server.stop(0).wait()
+            self._pr_server = None
+
+    def restart(self, *, remove_sockets: bool = True) -> None:
+        """What a kubelet restart does: drop every plugin, delete every other socket in
+        the directory, and replace ``kubelet.sock`` atomically.
+
+        Allocations survive, as they do in the kubelet's checkpoint. With
+        ``remove_sockets=False`` the plugins' sockets stay (the kubelet only logs a
+        failure to clean its directory), so only the new ``kubelet.sock`` tells.
+        """
+        self.stop(keep_pod_resources=True)
+        for path in self.plugin_dir.glob("*.sock"):
+            if path != self.socket and remove_sockets:
+                path.unlink(missing_ok=True)
+        self.start()
 
     def allocated(self, resource: str) -> set[str]:
         with self._lock:
@@ -424,7 +498,9 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
             if self.observe is not None:
                 self.observe(resource, "Allocate", clock() - started)
         except grpc.RpcError as exc:
-            raise AdmissionError("UnexpectedAdmissionError", exc.details(), exc.code()) from None
+            raise AdmissionError(
+                "UnexpectedAdmissionError", exc.details() or "", exc.code()
+            ) from None
         record.devices[resource] = chosen
         record.responses[resource] = response
         for name, value in response.envs.items():
@@ -449,52 +525,3 @@ class SimulatedKubelet(api_pb2_grpc.RegistrationServicer, pr_pb2_grpc.PodResourc
     def release_all(self, pods: Iterable[str]) -> None:
         for pod in pods:
             self.release(pod)
-
-    # ---------------------------------------------------------------- PodResources
-    def _take_list_token(self) -> bool:
-        with self._lock:
-            now = time.monotonic()
-            self._list_tokens = min(
-                self._list_burst, self._list_tokens + (now - self._list_refilled) * self._list_rate
-            )
-            self._list_refilled = now
-            if self._list_tokens < 1.0:
-                self.list_refusals += 1
-                return False
-            self._list_tokens -= 1.0
-            return True
-
-    def list_response(self) -> Any:
-        """What ``List`` answers: active pods, app containers and sidecars only."""
-        with self._lock:
-            by_pod: dict[tuple[str, str], list[Admitted]] = {}
-            for record in self.admitted.values():
-                if record.init:
-                    continue  # ordinary init containers are not listed
-                by_pod.setdefault((record.namespace, record.pod), []).append(record)
-        return pr_pb2.ListPodResourcesResponse(
-            pod_resources=[
-                pr_pb2.PodResources(
-                    name=pod,
-                    namespace=namespace,
-                    containers=[
-                        pr_pb2.ContainerResources(
-                            name=r.container,
-                            devices=[
-                                pr_pb2.ContainerDevices(resource_name=res, device_ids=ids)
-                                for res, ids in r.devices.items()
-                            ],
-                        )
-                        for r in records
-                    ],
-                )
-                for (namespace, pod), records in by_pod.items()
-            ]
-        )
-
-    def List(self, request: Any, context: Any) -> Any:
-        if not self._take_list_token():
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate limit exceeded")
-        if self.list_delay:
-            time.sleep(self.list_delay)  # a slow kubelet, for tests of late records
-        return self.list_response()

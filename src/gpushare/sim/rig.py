@@ -19,9 +19,9 @@ import yaml
 
 from gpushare.config import Settings
 from gpushare.daemon import Daemon
-from gpushare.elf import stand_in
 from gpushare.extender.fit import CardRoom, PodNeed
-from gpushare.podspecs import PodSpecBook
+from gpushare.host.elf import stand_in
+from gpushare.kube.podspecs import PodSpecBook
 from gpushare.sim.kubelet import AdmissionError, ContainerSpec, SimulatedKubelet
 
 #: A stand-in interposer file (an ELF header that loads nowhere): nothing is enforced

@@ -30,7 +30,6 @@ report and exits 1 if any pod failed admission with the extender.
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import math
 import random
@@ -43,6 +42,8 @@ from pathlib import Path
 
 import structlog
 
+from gpushare.base.cli import Parser
+from gpushare.base.logs import configure_logging
 from gpushare.extender.fit import (
     BINPACK,
     PLACEMENTS,
@@ -52,8 +53,7 @@ from gpushare.extender.fit import (
     fit_pod,
     score,
 )
-from gpushare.logs import configure_logging
-from gpushare.mdsection import replace_section
+from gpushare.ops.mdsection import replace_section
 from gpushare.sim.rig import DaemonNode
 
 UNIT_MIB = 256
@@ -104,8 +104,9 @@ def make_trace(pods: int, seed: int, load: float) -> list[TracePod]:
         core = int(_weighted(rng, CORE_MIX))
         draw = rng.random()
         containers: tuple[ContainerNeed, ...]
-        if draw < 0.04:  # compute-only: cores, no memory units
-            containers = (ContainerNeed("main", 0, max(core, 20)),)
+        if draw < 0.04:  # compute-heavy: the fewest memory units a container with cores
+            # may ask (one asking none is refused by the policy and the daemon, issue 23)
+            containers = (ContainerNeed("main", 1, max(core, 20)),)
         elif draw < 0.14:  # a GPU sidecar next to the main container
             sidecar = ContainerNeed("sidecar", rng.choice((2, 4, 8)), 0)
             containers = (ContainerNeed("main", memory, core), sidecar)
@@ -344,7 +345,7 @@ def run(pods: int, seed: int, load: float) -> tuple[list[RunResult], str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m gpushare.sim.trace",
         description="Trace-driven placement simulation, with and without the scheduler extender.",
     )

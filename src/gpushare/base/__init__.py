@@ -1,0 +1,1 @@
+"""What every layer uses: command-line helpers, logging, build information, inotify."""

@@ -1,0 +1,378 @@
+"""Binding containers to cards: the plugin's decisions, free of gRPC.
+
+:class:`Binder` answers the two questions the kubelet asks per container and
+resource, "which units would you like?" (GetPreferredAllocation) and "bind these"
+(Allocate), from the inventory, the usage ledger, card health and the placement
+policy. It raises :class:`BindingError` for anything it must refuse; the servicer in
+``plugin.py`` turns that into a gRPC status.
+
+The invariant, enforced here and only here: a container never spans two cards.
+Whether a request is the second resource of the container bound last is decided by
+:class:`~gpushare.share.pairing.Pairing` from facts the binder gathers for it: the
+kubelet's PodResources records, read after the request arrived (never an older
+answer; the read is bounded by :data:`RECORDS_WAIT`), and the pod specs of the node.
+A partner is steered to its partner's card and refused in Allocate anywhere else.
+Without facts the same steering applies to the last binding of the other resource,
+which can refuse but never split (docs/placement.md).
+
+No lock is held across I/O: the records are read, and the cache directory created,
+outside :attr:`Binder._lock`.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import structlog
+
+from gpushare.gpu.health import HealthBoard
+from gpushare.host.library import prepare_cache_dir
+from gpushare.kube.podspecs import PodSpecBook
+from gpushare.share.answers import Answer, Enforcement, build_answer
+from gpushare.share.devices import InvalidDeviceIds, Inventory, Resource, format_device_id
+from gpushare.share.pairing import Binding, Decision, Facts, Pairing, decide
+from gpushare.share.placement import (
+    CardView,
+    Policy,
+    Request,
+    Room,
+    choose_card,
+    place_containers,
+    preferred_units,
+)
+from gpushare.share.records import Snapshot
+from gpushare.share.unitindex import UnitIndex
+from gpushare.share.usage import Holder, UsageLedger
+
+log = structlog.get_logger(__name__)
+
+#: How long a request waits for the kubelet's records before deciding without them.
+RECORDS_WAIT = 0.2
+
+
+class Refusal(enum.Enum):
+    INVALID = "invalid argument"
+    PRECONDITION = "failed precondition"
+    INTERNAL = "internal"
+
+
+class BindingError(Exception):
+    def __init__(self, kind: Refusal, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+def mixed_kinds(holder: Holder) -> str:
+    """The refusal of a container that asks for shared units and whole cards or MIG."""
+    return (
+        f"container {holder.container} of pod {holder.namespace}/{holder.pod} asks for "
+        "shared units (vcuda-memory/vcuda-core) together with whole cards or MIG devices; "
+        "the answers would name different GPUs: split it into two containers"
+    )
+
+
+def core_without_memory(holder: Holder, prefix: str) -> str:
+    """The refusal of a container that asks for cores and no memory units."""
+    return (
+        f"container {holder.container} of pod {holder.namespace}/{holder.pod} asks for "
+        f"{Resource.CORE.name_with(prefix)} without {Resource.MEMORY.name_with(prefix)} "
+        "(or with 0) and would run with no GPU memory limit on a shared card: add "
+        f"{Resource.MEMORY.name_with(prefix)} of 1 or more to its limits"
+    )
+
+
+class Records(Protocol):
+    """The kubelet's PodResources records (``podresources.PodResourcesClient``)."""
+
+    last: Snapshot | None
+    last_error: str
+
+    def read_after(self, not_before: float, *, timeout: float) -> Snapshot | None:
+        """A snapshot whose read began at or after ``not_before``; None if none in time."""
+        ...
+
+
+class Binder:
+    def __init__(
+        self,
+        inventory: Inventory,
+        usage: UsageLedger,
+        health: HealthBoard,
+        *,
+        policy: Policy | str,
+        enforcement: Enforcement,
+        host_lib_dir: Path,
+        records: Records | None = None,
+        specs: PodSpecBook | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_allocated: Callable[[Resource, str, Sequence[str]], None] | None = None,
+        records_wait: float = RECORDS_WAIT,
+    ) -> None:
+        self.inventory = inventory
+        self.usage = usage
+        self.health = health
+        self.policy = Policy.parse(policy)
+        self.enforcement = enforcement
+        self.host_lib_dir = host_lib_dir
+        self.records = records
+        self.specs = specs
+        self.records_wait = records_wait
+        self._clock = clock
+        self._on_allocated = on_allocated
+        self._lock = threading.Lock()
+        self.pairing = Pairing()
+        # The decision taken in GetPreferredAllocation, reused by the Allocate after it
+        # (keyed by resource; valid while the last binding is still the one it saw).
+        self._decided: dict[Resource, tuple[Binding | None, Decision, Snapshot | None]] = {}
+        self._units = UnitIndex(inventory)
+
+    # -- shared helpers -----------------------------------------------------------
+    def _group(self, resource: Resource, device_ids: Sequence[str]) -> dict[str, list[int]]:
+        try:
+            return self._units.group(resource, device_ids)
+        except InvalidDeviceIds as exc:
+            raise BindingError(Refusal.INVALID, str(exc)) from None
+
+    def _read_records(self, resource: Resource, arrival: float) -> tuple[Snapshot | None, str]:
+        """The kubelet's records as of after ``arrival``, when a decision will use them:
+        the pairing rule (a recent binding of the other resource) or, with pod specs,
+        the placement hint. Blocking I/O: never called under the lock."""
+        with self._lock:
+            pairing = self.pairing.wants_records(resource, arrival)
+        if not pairing and self.specs is None:
+            return None, "not needed"
+        if self.records is None:
+            return None, "no PodResources socket configured"
+        snapshot = self.records.read_after(arrival, timeout=self.records_wait)
+        if snapshot is None:
+            return None, f"PodResources: {self.records.last_error or 'no answer in time'}"
+        return snapshot, ""
+
+    def _decide(
+        self, resource: Resource, size: int, arrival: float
+    ) -> tuple[Binding | None, Decision, Snapshot | None]:
+        snapshot, missing = self._read_records(resource, arrival)
+        specs = self.specs
+        facts = Facts(
+            snapshot,
+            missing,
+            specs.requests_of if specs is not None else None,
+            specs.init_waiting if specs is not None else None,
+        )
+        with self._lock:
+            last = self.pairing.last
+        # Outside the lock: the spec lookups may re-read the pods from the API server.
+        decision = decide(last, self.pairing.window, resource, size, arrival, facts)
+        if decision.partner is not None and not decision.from_facts:
+            log.info(
+                "pairing_without_facts",
+                resource=resource.value,
+                steered_to=decision.partner.card,
+                lacking=decision.lacking,
+            )
+        return last, decision, snapshot
+
+    def _describe(self, uuid: str) -> str:
+        card = self.inventory.cards[uuid]
+        return f"GPU{card.gpu.index} ({uuid})"
+
+    # -- GetPreferredAllocation ------------------------------------------------------
+    def preferred(
+        self,
+        resource: Resource,
+        available: Sequence[str],
+        must_include: Sequence[str],
+        size: int,
+        allowed: Callable[[str], bool] | None = None,
+    ) -> list[str]:
+        """``allowed``: cards the asking pod accepts (its use-gputype annotations)."""
+        arrival = self._clock()
+        if size <= 0:
+            raise BindingError(Refusal.INVALID, f"allocation_size must be positive, got {size}")
+        if size > len(available):
+            raise BindingError(
+                Refusal.INVALID,
+                f"allocation_size {size} exceeds the {len(available)} available devices",
+            )
+        free = self._group(resource, available)
+        required = self._group(resource, must_include)
+        for uuid, numbers in required.items():
+            if not set(numbers) <= set(free.get(uuid, ())):
+                raise BindingError(
+                    Refusal.INVALID, "must_include_deviceIDs are not all in available_deviceIDs"
+                )
+        healthy = self.health.healthy_cards()
+        self.usage.observe_available(resource, free, healthy)
+        last, decision, snapshot = self._decide(resource, size, arrival)
+        with self._lock:
+            self._decided[resource] = (last, decision, snapshot)
+        if snapshot is not None:  # the kubelet's records as of now: exact
+            other = resource.other
+            used = snapshot.used_counts[other]
+            other_free = {
+                uuid: card.units(other) - used.get(uuid, 0)
+                for uuid, card in self.inventory.cards.items()
+            }
+        else:  # the last offer of the other resource and every Allocate since
+            other_free = self.usage.free_counts(resource.other)
+        cards = [
+            CardView(
+                uuid=uuid,
+                index=card.gpu.index,
+                free_units=tuple(sorted(free.get(uuid, ()))),
+                memory_free=len(free.get(uuid, ()))
+                if resource is Resource.MEMORY
+                else other_free[uuid],
+                core_free=len(free.get(uuid, ()))
+                if resource is Resource.CORE
+                else other_free[uuid],
+                healthy=self.health.is_healthy(uuid) and (allowed is None or allowed(uuid)),
+            )
+            for uuid, card in self.inventory.cards.items()
+        ]
+        prefer, other_need = None, None
+        if decision.partner is None and self.specs is not None:
+            holder = decision.holder
+            if holder is None and snapshot is not None and last is not None:
+                # Whatever resource it was, the container bound last tells which pod is
+                # being admitted, and so which of its containers comes next.
+                holder = snapshot.holder_of(last.resource, last.device_ids[0])
+            needs = self.specs.asking(resource, size, snapshot, holder)
+            if needs:
+                other_need = needs[0].of(resource.other)
+                rooms = [
+                    Room(c.uuid, c.index, c.memory_free, c.core_free, c.healthy) for c in cards
+                ]
+                plan = place_containers(rooms, needs, self.policy)
+                prefer = plan[0] if plan else None
+        request = Request(
+            resource=resource,
+            size=size,
+            must_include=required,
+            partner=decision.partner.card if decision.partner else None,
+            prefer=prefer,
+            other_need=other_need,
+        )
+        chosen = choose_card(cards, request, self.policy)
+        if chosen is None:
+            return []
+        return [format_device_id(chosen.uuid, n) for n in preferred_units(chosen, request)]
+
+    # -- Allocate --------------------------------------------------------------------
+    def allocate(self, resource: Resource, device_ids: Sequence[str]) -> tuple[str, Answer]:
+        """Bind one container's units of ``resource``; returns the card and the answer.
+
+        Any refusal fails the pod's admission in the kubelet, so after one nothing the
+        pod bound before is anybody's partner.
+        """
+        try:
+            return self._allocate(resource, device_ids)
+        except BindingError:
+            self.refused()
+            raise
+
+    def refused(self) -> None:
+        """An Allocate of this node was refused (here or by the caller's own checks):
+        the kubelet rejects that pod, so nothing it bound is anybody's partner."""
+        with self._lock:
+            self.pairing.refused()
+            self._decided.clear()
+
+    def _allocate(self, resource: Resource, device_ids: Sequence[str]) -> tuple[str, Answer]:
+        arrival = self._clock()
+        if not device_ids:
+            raise BindingError(Refusal.INVALID, "the request names no devices")
+        grouped = self._group(resource, device_ids)
+        if len(grouped) > 1:
+            cards = ", ".join(f"{self._describe(u)}: {len(n)} units" for u, n in grouped.items())
+            raise BindingError(
+                Refusal.PRECONDITION,
+                f"a container must stay on one GPU, but its {resource.value} units span "
+                f"{len(grouped)}: {cards}; no single card had {len(device_ids)} free units",
+            )
+        ((uuid, numbers),) = grouped.items()
+        if not self.health.is_healthy(uuid):
+            reason = self.health.reason(uuid) or "unhealthy"
+            raise BindingError(
+                Refusal.PRECONDITION, f"{self._describe(uuid)} is unhealthy ({reason})"
+            )
+        with self._lock:
+            seen, decision, snapshot = self._decided.pop(resource, (None, None, None))
+            fresh = decision is not None and seen is self.pairing.last
+        if not fresh:  # no GetPreferredAllocation just before: decide now
+            seen, decision, snapshot = self._decide(resource, len(device_ids), arrival)
+        assert decision is not None
+        if snapshot is not None and self.specs is not None:
+            mixer = self.specs.mixer_being_admitted(snapshot, shared=resource)
+            if mixer is not None:
+                raise BindingError(Refusal.PRECONDITION, mixed_kinds(mixer))
+        if resource is Resource.CORE and decision.partner is None and self.specs is not None:
+            # Not the second half of a memory binding: a container of its own. If its
+            # spec asks no memory units, it would run with the whole card's memory.
+            holder = decision.holder
+            if holder is None and snapshot is not None and seen is not None:
+                holder = snapshot.holder_of(seen.resource, seen.device_ids[0])
+            asker = self.specs.asking_without_memory(len(device_ids), snapshot, holder)
+            if asker is not None:
+                message = core_without_memory(asker, self.specs.prefix)
+                raise BindingError(Refusal.PRECONDITION, message)
+        with self._lock:
+            partner = decision.partner
+            if partner is not None and partner.card != uuid:
+                refusal = (
+                    f"this container's {partner.resource.value} units were just bound to "
+                    f"{self._describe(partner.card)}, but its {resource.value} units are on "
+                    f"{self._describe(uuid)}: no single card holds both requests"
+                )
+            else:
+                refusal = None
+        if refusal is not None:
+            log.warning(
+                "pairing_refused",
+                resource=resource.value,
+                gpu=uuid,
+                partner_gpu=partner.card if partner else None,
+                basis=decision.basis.name.lower(),
+                holder=str(decision.holder) if decision.holder else None,
+                lacking=decision.lacking,
+            )
+            raise BindingError(Refusal.PRECONDITION, refusal)
+        cache_dir = None
+        if resource is Resource.MEMORY and self.enforcement.library is not None:
+            try:
+                cache_dir = prepare_cache_dir(self.host_lib_dir, list(device_ids))
+            except OSError as exc:
+                raise BindingError(
+                    Refusal.INTERNAL, f"cannot create the container's cache directory: {exc}"
+                ) from None
+        self.usage.record_allocation(resource, uuid, numbers)
+        answer = build_answer(
+            resource,
+            uuid,
+            len(numbers),
+            memory_unit_mib=self.inventory.memory_unit_mib,
+            enforcement=self.enforcement,
+            cache_dir=cache_dir,
+        )
+        if self._on_allocated is not None:
+            self._on_allocated(resource, uuid, device_ids)
+        with self._lock:
+            # Timed as the answer leaves: the kubelet asks for the container's next
+            # resource right after it (the window only matters when facts are missing).
+            self.pairing.bound(Binding(resource, uuid, tuple(device_ids), self._clock()))
+        log.info(
+            "allocated",
+            resource=resource.value,
+            gpu=uuid,
+            index=self.inventory.cards[uuid].gpu.index,
+            units=len(numbers),
+            paired=partner is not None,
+            basis=decision.basis.name.lower(),
+        )
+        return uuid, answer

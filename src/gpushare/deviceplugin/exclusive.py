@@ -1,0 +1,222 @@
+"""Exclusive devices: resources whose every device goes whole to one container.
+
+Whole cards (``<prefix>/gpu``, device ID = the card's UUID) and MIG instances
+(``MIG-<uuid>``) are the same kind of resource: a fixed list of devices, each with
+its own health, a container asking for ``n`` of them gets ``n`` distinct devices and
+is told their IDs (``NVIDIA_VISIBLE_DEVICES=<id>,<id>`` and/or CDI names). The
+resource and its ledger are core state (:mod:`gpushare.share.whole`); this module
+serves such a resource to the kubelet (:class:`ExclusiveServicer`, on the same base as
+the shared resources' servers).
+What a device's health is, which devices to prefer and what the answer holds are
+given to the servicer as plain callables, so each kind of resource decides those
+in its own pure module (``topology.py`` for whole cards).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+
+import grpc
+import structlog
+
+from gpushare._proto.deviceplugin.v1beta1 import api_pb2
+from gpushare.deviceplugin.binding import BindingError, Refusal
+from gpushare.deviceplugin.plugin import HEALTHY, UNHEALTHY, ListingServicer, answer_to_proto
+from gpushare.gpu.gputype import CardChoice
+from gpushare.gpu.health import HealthBoard
+from gpushare.share.answers import (
+    Answer,
+    DeviceListing,
+    Enforcement,
+    build_exclusive_answer,
+    with_device_list,
+)
+from gpushare.share.devices import InvalidDeviceIds
+from gpushare.share.whole import (
+    ExclusiveDevice,
+    ExclusiveResource,
+)
+
+log = structlog.get_logger(__name__)
+
+# --------------------------------------------------------------------------- policies
+
+#: (available, must include, size) -> the devices to offer, best first.
+Preference = Callable[[Sequence[ExclusiveDevice], Sequence[ExclusiveDevice], int], list[str]]
+#: The devices of one container, in order -> its Allocate answer.
+AnswerBuilder = Callable[[Sequence[ExclusiveDevice]], Answer]
+
+
+def in_order(
+    available: Sequence[ExclusiveDevice], must_include: Sequence[ExclusiveDevice], size: int
+) -> list[str]:
+    """The default preference: the required devices, then the first available ones."""
+    chosen = [d.id for d in must_include]
+    chosen += [d.id for d in available if d.id not in chosen]
+    return chosen[:size]
+
+
+def answer_builder(
+    listing: DeviceListing,
+    *,
+    enforcement: Enforcement | None = None,
+    cdi_by_index: bool = False,
+) -> AnswerBuilder:
+    """The answer of an exclusive resource: its devices named by ``listing``; with
+    ``enforcement``, the interposer with 100 % limits (see :func:`build_exclusive_answer`)."""
+
+    def build(devices: Sequence[ExclusiveDevice]) -> Answer:
+        ids = [d.id for d in devices]
+        answer = build_exclusive_answer(
+            ids, enforcement=enforcement, memory_mib=[d.memory_mib for d in devices]
+        )
+        cdi_ids = [d.cdi_id or d.id for d in devices] if cdi_by_index else None
+        return with_device_list(answer, ids, listing, cdi_ids)
+
+    return build
+
+
+# --------------------------------------------------------------------------- the server
+
+
+class ExclusiveServicer(ListingServicer):
+    """The device-plugin service of one exclusive resource.
+
+    ``board`` holds each device's availability by device ID (a device is offered
+    ``Healthy`` only when its card is healthy and not taken by another kind of use;
+    the daemon keeps it so). Allocate refuses a device the board calls unavailable:
+    a kubelet acting on an older device list cannot hand it out.
+    """
+
+    def __init__(
+        self,
+        resource: ExclusiveResource,
+        full_name: str,
+        board: HealthBoard,
+        stopping: threading.Event,
+        *,
+        answer: AnswerBuilder,
+        prefer: Preference = in_order,
+        on_allocated: Callable[[str, Sequence[ExclusiveDevice]], None] | None = None,
+        observe: Callable[[str, str, str, float], None] | None = None,
+        choice: Callable[[int], CardChoice | None] | None = None,
+        guard: Callable[[], str | None] | None = None,
+    ) -> None:
+        super().__init__(resource.name, board, stopping)
+        #: Why this Allocate must be refused although its devices are free (a container
+        #: mixing shared units with these devices), or None.
+        self.guard = guard
+        #: The asking pod's card choice (use-gputype annotations), if it can be told.
+        self.choice = choice
+        self.resource = resource
+        self.full_name = full_name
+        self.answer = answer
+        self.prefer = prefer
+        self.on_allocated = on_allocated
+        self.observe = observe
+
+    def build_device_list(self) -> api_pb2.ListAndWatchResponse:
+        devices = []
+        for device in self.resource.devices.values():
+            numa = device.numa_node
+            devices.append(
+                api_pb2.Device(
+                    ID=device.id,
+                    health=HEALTHY if self.board.is_healthy(device.id) else UNHEALTHY,
+                    topology=api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=numa)])
+                    if numa is not None
+                    else None,
+                )
+            )
+        return api_pb2.ListAndWatchResponse(devices=devices)
+
+    def observed(self, method: str, result: str, seconds: float) -> None:
+        if self.observe is not None:
+            self.observe(self.full_name, method, result, seconds)
+
+    def _resolve(self, device_ids: Iterable[str]) -> list[ExclusiveDevice]:
+        try:
+            return self.resource.resolve(device_ids)
+        except InvalidDeviceIds as exc:
+            raise BindingError(Refusal.INVALID, str(exc)) from None
+
+    def GetPreferredAllocation(
+        self, request: api_pb2.PreferredAllocationRequest, context: grpc.ServicerContext
+    ) -> api_pb2.PreferredAllocationResponse:
+        def handle() -> api_pb2.PreferredAllocationResponse:
+            responses = []
+            for container in request.container_requests:
+                available = self._resolve(container.available_deviceIDs)
+                required = self._resolve(container.must_include_deviceIDs)
+                size = container.allocation_size
+                if size <= 0 or size > len(available):
+                    raise BindingError(
+                        Refusal.INVALID,
+                        f"allocation_size {size} is not between 1 and the {len(available)} "
+                        "available devices",
+                    )
+                if not {d.id for d in required} <= {d.id for d in available}:
+                    raise BindingError(
+                        Refusal.INVALID, "must_include_deviceIDs are not all in available_deviceIDs"
+                    )
+                # The kubelet's offer can predate our last device list (a card just
+                # taken the other way): prefer what the board says is free now.
+                usable = [d for d in available if self.board.is_healthy(d.id)]
+                if len(usable) >= size and set(required) <= set(usable):
+                    available = usable
+                choice = self.choice(size) if self.choice is not None else None
+                if choice is not None:
+                    allowed = [d for d in available if choice.allows(d.name, d.parent)]
+                    if len(allowed) >= size and set(required) <= set(allowed):
+                        available = allowed
+                offered = {d.id for d in available}
+                ids = [i for i in self.prefer(available, required, size) if i in offered][:size]
+                responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=ids))
+            return api_pb2.PreferredAllocationResponse(container_responses=responses)
+
+        return self._serve("GetPreferredAllocation", request, context, handle)
+
+    def Allocate(
+        self, request: api_pb2.AllocateRequest, context: grpc.ServicerContext
+    ) -> api_pb2.AllocateResponse:
+        def handle() -> api_pb2.AllocateResponse:
+            if not request.container_requests:
+                raise BindingError(Refusal.INVALID, "the request holds no container requests")
+            refusal = self.guard() if self.guard is not None else None
+            if refusal is not None:
+                raise BindingError(Refusal.PRECONDITION, refusal)
+            # Check every container first: one refusal must leave nothing recorded.
+            containers = []
+            for container in request.container_requests:
+                devices = self._resolve(container.devices_ids)
+                if not devices:
+                    raise BindingError(Refusal.INVALID, "the request names no devices")
+                choice = self.choice(len(devices)) if self.choice is not None else None
+                for device in devices:
+                    if choice is not None and not choice.allows(device.name, device.parent):
+                        raise BindingError(
+                            Refusal.PRECONDITION, choice.why_not(device.name, device.parent)
+                        )
+                    if not self.board.is_healthy(device.id):
+                        reason = self.board.reason(device.id) or "unhealthy"
+                        raise BindingError(
+                            Refusal.PRECONDITION,
+                            f"{self.resource.name} device {device.id} cannot be handed out: "
+                            f"{reason}",
+                        )
+                containers.append(devices)
+            responses = []
+            for devices in containers:
+                if self.on_allocated is not None:
+                    self.on_allocated(self.full_name, devices)
+                responses.append(answer_to_proto(self.answer(devices)))
+                log.info(
+                    "allocated",
+                    resource=self.resource.name,
+                    devices=[d.id for d in devices],
+                    parents=sorted({d.parent for d in devices}),
+                )
+            return api_pb2.AllocateResponse(container_responses=responses)
+
+        return self._serve("Allocate", request, context, handle)

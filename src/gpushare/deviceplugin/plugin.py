@@ -1,0 +1,376 @@
+"""The device-plugin gRPC servers: one per resource, each on its own unix socket.
+
+The shared resources (memory and core units) are served here; exclusive devices
+(whole cards, MIG instances) by :mod:`gpushare.deviceplugin.exclusive` on the same base.
+
+The servicer only translates: it checks the shape of a request, asks the
+:class:`~gpushare.deviceplugin.binding.Binder`, and turns the result or the refusal into the
+kubelet's messages or a gRPC status. A request can fail; the server never does.
+
+Every server of the process runs on one asyncio event loop (``grpc.aio``), in one
+thread: grpcio's sync server keeps a thread per server polling its completion queue
+ten times a second, and runs each ListAndWatch stream on a worker of its pool, so that
+a few extra streams took every worker and Allocate waited for a deadline. Here a
+stream is a coroutine on the loop, waiting for a health change without a thread, and
+the unary calls (plain functions: the binder does blocking work) run on a small pool
+of :data:`UNARY_WORKERS` threads that no stream can occupy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent import futures
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+
+from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from gpushare.deviceplugin.binding import Binder, BindingError, Refusal
+from gpushare.gpu.gputype import CardChoice
+from gpushare.gpu.health import HealthBoard
+from gpushare.share.answers import Answer, DeviceListing, with_device_list
+from gpushare.share.devices import Inventory, Resource, format_device_id
+
+log = structlog.get_logger(__name__)
+
+#: The reply message of one request.
+Reply = TypeVar("Reply")
+
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+
+_STATUS = {
+    Refusal.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Refusal.PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    Refusal.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+#: A ListAndWatch stream is woken by every health change and by its own end; this is
+#: only a safety net for a wake-up that went missing.
+STREAM_CHECK_SECONDS = 30.0
+
+#: Threads for the unary calls of every server (the kubelet admits one container at a time).
+UNARY_WORKERS = 4
+
+#: Called after each RPC: (resource, method, result, seconds).
+Observer = Callable[[Resource, str, str, float], None]
+
+
+def answer_to_proto(answer: Answer) -> api_pb2.ContainerAllocateResponse:
+    return api_pb2.ContainerAllocateResponse(
+        envs=answer.envs,
+        mounts=[
+            api_pb2.Mount(
+                container_path=m.container_path, host_path=m.host_path, read_only=m.read_only
+            )
+            for m in answer.mounts
+        ],
+        annotations=answer.annotations,
+        cdi_devices=[api_pb2.CDIDevice(name=name) for name in answer.cdi_devices],
+        devices=[
+            api_pb2.DeviceSpec(
+                container_path=d.container_path, host_path=d.host_path, permissions=d.permissions
+            )
+            for d in answer.device_specs
+        ],
+    )
+
+
+def device_list_message(
+    inventory: Inventory, resource: Resource, healthy: Callable[[str], bool]
+) -> api_pb2.ListAndWatchResponse:
+    """Every unit of ``resource`` on every card, as one ListAndWatch message."""
+    devices: list[api_pb2.Device] = []
+    for card in inventory.cards.values():
+        health = HEALTHY if healthy(card.uuid) else UNHEALTHY
+        numa = card.gpu.numa_node
+        topology = (
+            api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=numa)]) if numa is not None else None
+        )
+        devices.extend(
+            api_pb2.Device(ID=format_device_id(card.uuid, n), health=health, topology=topology)
+            for n in range(card.units(resource))
+        )
+    return api_pb2.ListAndWatchResponse(devices=devices)
+
+
+class ListingServicer(api_pb2_grpc.DevicePluginServicer):
+    """What every resource's server shares: the ListAndWatch stream of whole device
+    lists (one per version of ``board``), the stream bookkeeping the kubelet link
+    reads, and turning a refusal into a gRPC status. Subclasses build the list and
+    answer GetPreferredAllocation and Allocate."""
+
+    def __init__(self, label: str, board: HealthBoard, stopping: threading.Event) -> None:
+        self.label = label  # the resource name without prefix, for logs
+        self.board = board
+        self.stopping = stopping
+        self._cache: tuple[int, api_pb2.ListAndWatchResponse] | None = None
+        self._cache_lock = threading.Lock()
+        self._streams_lock = threading.Lock()
+        self.active_streams = 0
+        self.streams_changed_at = time.monotonic()
+        #: Called when a ListAndWatch stream ends (the kubelet link looks again then).
+        self.on_stream_closed: Callable[[], None] | None = None
+
+    # ---------------------------------------------------------------- device list
+    def build_device_list(self) -> api_pb2.ListAndWatchResponse:
+        raise NotImplementedError
+
+    def device_list(self) -> api_pb2.ListAndWatchResponse:
+        """The full device set at the board's current version (built once per version)."""
+        with self._cache_lock:
+            version = self.board.version
+            if self._cache is not None and self._cache[0] == version:
+                return self._cache[1]
+            response = self.build_device_list()
+            self._cache = (version, response)
+            return response
+
+    # ---------------------------------------------------------------- RPCs
+    def GetDevicePluginOptions(
+        self, request: api_pb2.Empty, context: grpc.ServicerContext
+    ) -> api_pb2.DevicePluginOptions:
+        return api_pb2.DevicePluginOptions(
+            pre_start_required=False, get_preferred_allocation_available=True
+        )
+
+    async def ListAndWatch(
+        self, request: api_pb2.Empty, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[api_pb2.ListAndWatchResponse]:
+        """A coroutine on the servers' event loop: it holds no thread while it waits.
+        A cancelled stream (the kubelet went away, the server stops) ends at its await."""
+        self._count_stream(+1)
+        log.info("list_and_watch_opened", resource=self.label)
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(changed.set)
+
+        forget = self.board.listen(wake)  # every change, and the board's wake at stop
+        try:
+            seen = -1
+            while not self.stopping.is_set():
+                changed.clear()
+                if self.board.version != seen:
+                    seen = self.board.version
+                    yield self.device_list()
+                    continue
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), STREAM_CHECK_SECONDS)
+        finally:
+            forget()
+            self._count_stream(-1)
+            log.info("list_and_watch_closed", resource=self.label)
+            if self.on_stream_closed is not None:
+                self.on_stream_closed()
+
+    def _count_stream(self, delta: int) -> None:
+        with self._streams_lock:
+            self.active_streams += delta
+            self.streams_changed_at = time.monotonic()
+
+    def unwatched_for(self) -> float:
+        """Seconds since the last ListAndWatch stream closed; 0 while one is open."""
+        with self._streams_lock:
+            if self.active_streams:
+                return 0.0
+            return time.monotonic() - self.streams_changed_at
+
+    def PreStartContainer(
+        self, request: api_pb2.PreStartContainerRequest, context: grpc.ServicerContext
+    ) -> api_pb2.PreStartContainerResponse:
+        return api_pb2.PreStartContainerResponse()
+
+    def observed(self, method: str, result: str, seconds: float) -> None:
+        """Called after every request (metrics); nothing by default."""
+
+    def _serve(
+        self,
+        method: str,
+        request: object,
+        context: grpc.ServicerContext,
+        handle: Callable[[], Reply],
+    ) -> Reply:
+        started = time.perf_counter()
+        result = "ok"
+        try:
+            return handle()
+        except BindingError as exc:
+            result = exc.kind.name.lower()
+            log.warning("request_refused", resource=self.label, method=method, reason=exc.message)
+            context.abort(_STATUS[exc.kind], exc.message)
+        except Exception as exc:  # never let a request take the server down
+            result = "error"
+            log.exception("request_failed", resource=self.label, method=method)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+        finally:
+            self.observed(method, result, time.perf_counter() - started)
+        return None  # unreachable: abort raises
+
+
+class DevicePluginServicer(ListingServicer):
+    """One of the two shared resources (memory or core units)."""
+
+    def __init__(
+        self,
+        resource: Resource,
+        binder: Binder,
+        health: HealthBoard,
+        stopping: threading.Event,
+        observe: Observer | None = None,
+        listing: DeviceListing | None = None,
+        choice: Callable[[Resource, int], CardChoice | None] | None = None,
+    ) -> None:
+        super().__init__(resource.value, health, stopping)
+        self.resource = resource
+        self.binder = binder
+        self.health = health
+        self.observe = observe
+        self.listing = listing
+        #: The asking pod's card choice (use-gputype annotations), if it can be told.
+        self.choice = choice
+
+    def _allowed(self, size: int) -> Callable[[str], bool] | None:
+        choice = self.choice(self.resource, size) if self.choice is not None else None
+        if choice is None:
+            return None
+        cards = self.binder.inventory.cards
+        return lambda uuid: uuid in cards and choice.allows(cards[uuid].gpu.name, uuid)
+
+    def _check_choice(self, device_ids: Any) -> None:
+        """Refuse units on a card the asking pod's annotations exclude."""
+        choice = self.choice(self.resource, len(device_ids)) if self.choice is not None else None
+        if choice is None or not device_ids:
+            return
+        card = self.binder.inventory.cards.get(str(device_ids[0]).rpartition("::")[0])
+        if card is not None and not choice.allows(card.gpu.name, card.uuid):
+            raise BindingError(Refusal.PRECONDITION, choice.why_not(card.gpu.name, card.uuid))
+
+    def build_device_list(self) -> api_pb2.ListAndWatchResponse:
+        return device_list_message(self.binder.inventory, self.resource, self.health.is_healthy)
+
+    def observed(self, method: str, result: str, seconds: float) -> None:
+        if self.observe is not None:
+            self.observe(self.resource, method, result, seconds)
+
+    def GetPreferredAllocation(
+        self, request: api_pb2.PreferredAllocationRequest, context: grpc.ServicerContext
+    ) -> api_pb2.PreferredAllocationResponse:
+        def handle() -> api_pb2.PreferredAllocationResponse:
+            responses = []
+            for container in request.container_requests:
+                ids = self.binder.preferred(
+                    self.resource,
+                    container.available_deviceIDs,
+                    container.must_include_deviceIDs,
+                    container.allocation_size,
+                    allowed=self._allowed(container.allocation_size),
+                )
+                responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=ids))
+            return api_pb2.PreferredAllocationResponse(container_responses=responses)
+
+        return self._serve("GetPreferredAllocation", request, context, handle)
+
+    def Allocate(
+        self, request: api_pb2.AllocateRequest, context: grpc.ServicerContext
+    ) -> api_pb2.AllocateResponse:
+        def handle() -> api_pb2.AllocateResponse:
+            if not request.container_requests:
+                raise BindingError(Refusal.INVALID, "the request holds no container requests")
+            responses = []
+            for container in request.container_requests:
+                try:
+                    self._check_choice(container.devices_ids)
+                except BindingError:
+                    self.binder.refused()  # the pod is rejected: it pairs with nothing
+                    raise
+                uuid, answer = self.binder.allocate(self.resource, container.devices_ids)
+                if self.listing is not None:
+                    answer = with_device_list(answer, [uuid], self.listing)
+                responses.append(answer_to_proto(answer))
+            return api_pb2.AllocateResponse(container_responses=responses)
+
+        return self._serve("Allocate", request, context, handle)
+
+
+class ServerLoop:
+    """The one event loop thread all plugin servers of the process run on, and the pool
+    their unary calls run in. Started on first use; idle, it sleeps in ``epoll``."""
+
+    _shared: ServerLoop | None = None
+    _shared_lock = threading.Lock()
+
+    def __init__(self, workers: int = UNARY_WORKERS) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc")
+        self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def shared(cls) -> ServerLoop:
+        with cls._shared_lock:
+            if cls._shared is None:
+                cls._shared = cls()
+            return cls._shared
+
+    def run(self, coroutine: Awaitable[Any], timeout: float | None = 30.0) -> Any:
+        """Run ``coroutine`` on the loop from another thread; its result."""
+
+        async def wrapper() -> Any:
+            return await coroutine
+
+        return asyncio.run_coroutine_threadsafe(wrapper(), self.loop).result(timeout)
+
+
+class PluginServer:
+    """A gRPC server for one resource, bound to ``<kubelet dir>/<socket name>``."""
+
+    def __init__(
+        self, servicer: ListingServicer, socket_path: Path, loop: ServerLoop | None = None
+    ) -> None:
+        self.servicer = servicer
+        self.socket_path = socket_path
+        self.loop = loop or ServerLoop.shared()
+        self._server: Any = None
+        self._inode: int | None = None
+
+    def start(self) -> None:
+        self.socket_path.unlink(missing_ok=True)
+        self._server = self.loop.run(self._start())
+        self._inode = self.socket_path.stat().st_ino
+        log.info("plugin_serving", resource=self.servicer.label, socket=str(self.socket_path))
+
+    async def _start(self) -> Any:
+        server = grpc.aio.server(
+            migration_thread_pool=self.loop.pool,
+            options=[("grpc.max_receive_message_length", 64 << 20)],
+        )
+        api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
+        server.add_insecure_port(f"unix://{self.socket_path}")
+        await server.start()
+        return server
+
+    def socket_intact(self) -> bool:
+        """False when our socket file was removed or replaced (a kubelet restart does this)."""
+        try:
+            return self.socket_path.stat().st_ino == self._inode
+        except OSError:
+            return False
+
+    def stop(self, grace: float = 0.5) -> None:
+        if self._server is not None:
+            server, self._server = self._server, None
+            self.loop.run(server.stop(grace), timeout=grace + 10)
+        if self.socket_intact():
+            self.socket_path.unlink(missing_ok=True)
+
+    def restart(self) -> None:
+        self.stop(grace=0)
+        self.start()

@@ -1,0 +1,1 @@
+"""The node's GPUs: NVML and simulated discovery, MIG, topology, health, GPU-model choice."""

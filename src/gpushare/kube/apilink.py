@@ -1,0 +1,344 @@
+"""The daemon's conversation with the API server, kept off the kubelet's path.
+
+With ``NODE_NAME`` set, :class:`ApiLink` runs one background thread that
+
+* publishes the per-card state on the Node: annotation ``<prefix>/gpus`` (JSON, see
+  ``nodestate.py``) and labels ``<prefix>/gpu.product|count|memory``, debounced after
+  every change and at least every :data:`REFRESH_SECONDS`;
+* annotates each admitted pod with the card each of its containers got
+  (``<prefix>/gpu.<container>: <uuid>``), for people and for ``kubectl gpushare inspect``;
+* starts the :class:`~gpushare.kube.podwatch.PodWatch` that keeps the
+  :class:`~gpushare.kube.podspecs.PodSpecBook` of this node's pods (the placement hints)
+  current, and re-reads it on demand when a request matches no known pod.
+
+It talks to the API server through :mod:`gpushare.kube.kubeclient` (HTTP/JSON, standard
+library), never through the ``kubernetes`` package. API errors are logged and retried
+with backoff. Nothing here ever blocks Allocate, except the bounded, rate-limited
+on-demand pod list.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from gpushare.gpu.health import HealthBoard
+from gpushare.kube import nodestate
+from gpushare.kube.kubeclient import ApiClient, ApiStatusError, KubeConfigError, load_endpoint
+from gpushare.kube.labels import LabelFacts, node_labels
+from gpushare.kube.podspecs import PodSpecBook
+from gpushare.kube.podwatch import PodWatch
+from gpushare.share.devices import Inventory, Resource
+from gpushare.share.records import Snapshot
+from gpushare.share.usage import Holder, UsageLedger
+
+log = structlog.get_logger(__name__)
+
+DEBOUNCE_SECONDS = 1.0
+REFRESH_SECONDS = 30.0
+MAX_BACKOFF = 60.0
+API_TIMEOUT = 5.0
+POD_ANNOTATION_TRIES = 10
+#: How many (pod, container, card) annotations are remembered to skip their repeats.
+ANNOTATED_MEMORY = 4096
+#: Answers to a pod patch that another try will not change (pod gone, RBAC, invalid).
+FINAL_POD_PATCH_STATUSES = frozenset({403, 404, 422})
+
+
+class ApiConfigMissing(Exception):
+    """Neither the in-cluster service account nor a kubeconfig can be loaded."""
+
+
+def connect_api() -> ApiClient:
+    """The daemon's API client: the in-cluster service account, else the kubeconfig."""
+    in_cluster = bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and not os.environ.get(
+        "KUBECONFIG"
+    )
+    path = os.environ.get("KUBECONFIG")  # read now: tests and operators may change it
+    source = (
+        "the in-cluster service account"
+        if in_cluster
+        else f"the kubeconfig {path or '~/.kube/config'}"
+    )
+    try:
+        return ApiClient(load_endpoint())
+    except KubeConfigError as exc:
+        raise ApiConfigMissing(
+            f"cannot load {source} for the API link (Node/Pod annotations): {str(exc)[:160]}; "
+            "mount a service account token, set KUBECONFIG, or turn the link off with "
+            "--node-name '' (NODE_NAME unset)"
+        ) from None
+
+
+@dataclass
+class _PendingPodAnnotation:
+    resource: Resource | None  # None: a whole card or MIG device of ``exclusive``
+    uuid: str  # the annotation's value: the card, or the whole devices, comma-separated
+    first_id: str
+    tries: int = 0
+    exclusive: str = ""  # the exclusive resource's full name
+
+
+class ApiLink:
+    def __init__(
+        self,
+        node_name: str,
+        prefix: str,
+        inventory: Inventory,
+        usage: UsageLedger,
+        health: HealthBoard,
+        book: PodSpecBook,
+        read_records: Callable[[], Snapshot | None],
+        extra_labels: Mapping[str, str] | None = None,
+    ) -> None:
+        self.extra_labels = dict(extra_labels or {})  # fixed at start (MIG: mig.labels)
+        self.node_name = node_name
+        self.prefix = prefix
+        self.inventory = inventory
+        self.usage = usage
+        self.health = health
+        self.book = book
+        self.read_records = read_records  # a fresh read of the kubelet's records
+        self.generation = 0
+        self.published = threading.Event()  # set after each successful Node update
+        self._api: ApiClient | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pending: deque[_PendingPodAnnotation] = deque()
+        #: (pod UID, container, card) annotated lately, oldest first: skip the same again.
+        self._annotated: dict[tuple[str, str, str], None] = {}
+        self.annotations_handled = 0  # Allocates whose annotation was written or skipped
+        self._forget_health: Any = None
+        self.pods = PodWatch(lambda: self._api, node_name, book)
+        book.on_miss = self.pods.refresh_now
+        #: What the node labels say (the daemon adds the cards of every mode, the driver).
+        self.label_facts = LabelFacts(gpus=[card.gpu for card in inventory.cards.values()])
+        #: Also given this node's pods after every list and watch event (the use-gputype
+        #: choices, gputype.py).
+        self.pod_listeners: list[Callable[[list[dict[str, Any]]], None]] = []
+        self.pods.on_pods = self._pods_changed
+        #: Who holds what whole, the cards' own health and the cards not shared
+        #: (:class:`gpushare.node.cardfacts.CardFacts`); None: shared cards only.
+        self.card_extras: Callable[[], nodestate.CardExtras] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._forget_health = self.health.listen(self._wake.set)  # publish health changes
+        self._thread = threading.Thread(target=self._run, name="api-link", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._forget_health is not None:
+            self._forget_health()
+        self.pods.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=API_TIMEOUT + 1)
+        if self._api is not None:
+            self._api.close()
+
+    def notify_allocated(self, resource: Resource, uuid: str, first_id: str) -> None:
+        """Called after every Allocate: annotate the pod, publish the new use."""
+        self._pending.append(_PendingPodAnnotation(resource, uuid, first_id))
+        self._wake.set()
+
+    def notify_exclusive_allocated(self, resource: str, device_ids: list[str]) -> None:
+        """Called after every Allocate of whole cards or MIG devices: annotate the pod
+        like a shared allocation (the value lists the devices), publish the new state."""
+        if device_ids:
+            item = _PendingPodAnnotation(None, ",".join(device_ids), device_ids[0])
+            item.exclusive = resource
+            self._pending.append(item)
+        self._wake.set()
+
+    def notify_changed(self) -> None:
+        self._wake.set()
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        backoff = 1.0
+        last_publish = float("-inf")
+        connected = False
+        while not self._stop.is_set():
+            try:
+                if self._api is None:
+                    self._api = connect_api()
+                    self.pods.start()
+                if not connected:
+                    self._read_generation()
+                    connected = True
+                    log.info("api_connected", node=self.node_name)
+                self._publish_node()
+                last_publish = time.monotonic()
+                self._annotate_pods()
+                backoff = 1.0
+            except Exception as exc:  # the API server is down, RBAC is missing, ...
+                error = str(exc) if isinstance(exc, ApiConfigMissing) else _short(exc)
+                log.warning("api_error", error=error, retry_seconds=backoff)
+                if self._stop.wait(backoff):
+                    break
+                backoff = min(backoff * 2, MAX_BACKOFF)
+                continue
+            wait = max(0.0, REFRESH_SECONDS - (time.monotonic() - last_publish))
+            if self._pending:
+                wait = min(wait, DEBOUNCE_SECONDS)
+            if self._wake.wait(wait) and not self._stop.is_set():
+                self._stop.wait(DEBOUNCE_SECONDS)  # let a burst of changes settle
+            self._wake.clear()
+
+    @property
+    def _node_path(self) -> str:
+        return f"/api/v1/nodes/{self.node_name}"
+
+    def _read_generation(self) -> None:
+        assert self._api is not None
+        node = self._api.get(self._node_path, timeout=API_TIMEOUT)
+        annotations = (node.get("metadata") or {}).get("annotations") or {}
+        text = annotations.get(nodestate.annotation_key(self.prefix))
+        if text:
+            try:
+                self.generation = nodestate.decode(text).generation
+            except ValueError:
+                self.generation = 0
+
+    # ------------------------------------------------------------------ Node state
+    def node_state(self) -> nodestate.NodeGpuState:
+        memory_used = self.usage.used_counts(Resource.MEMORY)
+        core_used = self.usage.used_counts(Resource.CORE)
+        extras = self.card_extras() if self.card_extras is not None else nodestate.CardExtras()
+        hardware = extras.hardware_healthy or {}
+        cards = tuple(
+            nodestate.CardState(
+                uuid=card.uuid,
+                index=card.gpu.index,
+                name=card.gpu.name,
+                memory_mib=card.gpu.memory_mib,
+                memory_units=card.memory_units,
+                memory_units_used=memory_used.get(card.uuid, 0),
+                core_units=card.units(Resource.CORE),
+                core_units_used=core_used.get(card.uuid, 0),
+                healthy=self.health.is_healthy(card.uuid),
+                held_by=extras.held_by(card.uuid),
+                hardware_healthy=hardware.get(card.uuid),
+            )
+            for card in self.inventory.cards.values()
+        )
+        return nodestate.NodeGpuState(
+            generation=self.generation + 1,
+            updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            memory_unit_mib=self.inventory.memory_unit_mib,
+            cards=cards,
+            whole=extras.whole,
+        )
+
+    def labels(self) -> dict[str, str]:
+        return node_labels(self.prefix, self.label_facts) | self.extra_labels
+
+    def _publish_node(self) -> None:
+        state = self.node_state()
+        body = {
+            "metadata": {
+                "labels": self.labels(),
+                "annotations": {nodestate.annotation_key(self.prefix): nodestate.encode(state)},
+            }
+        }
+        assert self._api is not None
+        self._api.merge_patch(self._node_path, body, timeout=API_TIMEOUT)
+        self.generation = state.generation
+        self.published.set()
+        log.debug("node_published", node=self.node_name, generation=state.generation)
+
+    # ------------------------------------------------------------------ Pod annotations
+    def _annotate_pods(self) -> None:
+        if not self._pending:
+            return
+        snapshot = self.read_records()
+        retry: list[_PendingPodAnnotation] = []
+        batch_only: list[tuple[str, str, str]] = []
+        while self._pending:
+            item = self._pending.popleft()
+            holder = _holder(snapshot, item)
+            if holder is None:
+                item.tries += 1
+                if item.tries < POD_ANNOTATION_TRIES:
+                    retry.append(item)
+                else:
+                    self.annotations_handled += 1
+                continue
+            # A container's two resources name the same card: annotate it once. The pod's
+            # UID keeps a pod re-created under the same name from being skipped.
+            uid = self.book.uid_of(holder.namespace, holder.pod)
+            done_key = (uid or f"{holder.namespace}/{holder.pod}", holder.container, item.uuid)
+            if done_key in self._annotated:
+                self.annotations_handled += 1
+                continue
+            key = nodestate.pod_annotation_key(self.prefix, holder.container)
+            body = {"metadata": {"annotations": {key: item.uuid}}}
+            path = f"/api/v1/namespaces/{holder.namespace}/pods/{holder.pod}"
+            try:
+                assert self._api is not None
+                self._api.merge_patch(path, body, timeout=API_TIMEOUT)
+            except Exception as exc:
+                if isinstance(exc, ApiStatusError) and exc.status in FINAL_POD_PATCH_STATUSES:
+                    # Gone, forbidden or refused: no retry will change that; move on.
+                    log.warning(
+                        "pod_annotation_dropped",
+                        pod=holder.pod,
+                        namespace=holder.namespace,
+                        error=_short(exc),
+                    )
+                    self.annotations_handled += 1
+                    continue
+                # The API server is down or busy: keep it (and the rest) for later.
+                self._pending.extendleft(reversed([item, *retry]))
+                for done in batch_only:
+                    self._annotated.pop(done, None)
+                raise
+            log.info(
+                "pod_annotated",
+                pod=holder.pod,
+                namespace=holder.namespace,
+                container=holder.container,
+                gpu=item.uuid,
+            )
+            self.annotations_handled += 1
+            if item.resource is None:
+                self._wake.set()  # publish again: the records now name the holder
+            self._annotated[done_key] = None
+            while len(self._annotated) > ANNOTATED_MEMORY:
+                self._annotated.pop(next(iter(self._annotated)))
+            if uid is None:  # without a UID only this batch may skip the other resource
+                batch_only.append(done_key)
+        for done in batch_only:
+            self._annotated.pop(done, None)
+        self._pending.extend(retry)
+
+    def _pods_changed(self, pods: list[dict[str, Any]]) -> None:
+        for listener in self.pod_listeners:
+            listener(pods)
+
+    def refresh_pods_now(self) -> bool:
+        """Re-read this node's pods now (bounded and rate-limited); True if it did."""
+        return self.pods.refresh_now()
+
+
+def _holder(snapshot: Snapshot | None, item: _PendingPodAnnotation) -> Holder | None:
+    if snapshot is None:
+        return None
+    if item.resource is None:
+        return snapshot.exclusive.get(item.exclusive, {}).get(item.first_id)
+    return snapshot.holder_of(item.resource, item.first_id)
+
+
+def _short(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]

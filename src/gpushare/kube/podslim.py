@@ -1,0 +1,112 @@
+"""What the daemon keeps of a pod: the few fields it reads, nothing else.
+
+The pod watch sees every pod bound to the node, and a tenant writes those objects: up
+to 1.5 MiB each (long environment lists, large annotations), with terminal pods kept by
+PodGC long after they end. The daemon reads only: the UID, namespace, name,
+``resourceVersion`` and ``deletionTimestamp``; the card-choice annotations
+(``gputype.NAMES`` under ``<prefix>/`` and ``nvidia.com/``, values cut at
+:data:`MAX_ANNOTATION_CHARS`); the phase; and, per init and app container in spec
+order, its name, ``restartPolicy`` and the ``<prefix>/`` quantities of its limits and
+requests. :func:`slim` keeps exactly that, and drops a pod at once (None) when it is
+terminal or none of its containers asks for a ``<prefix>/`` resource, so the memory a
+pod costs the daemon is bounded whatever its object holds (docs/security.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gpushare.gpu.gputype import NAMES, OTHER_PREFIX
+
+TERMINAL_PHASES = ("Succeeded", "Failed")
+#: A card-choice annotation is a short comma list; a longer value is cut.
+MAX_ANNOTATION_CHARS = 4096
+#: Names and quantities are short in valid objects; anything longer is cut.
+MAX_FIELD_CHARS = 253
+#: At most this many containers of a pod are kept (the API server allows no more
+#: than a few hundred in 1.5 MiB; a pod past this is not one the daemon serves).
+MAX_CONTAINERS = 256
+
+
+def _text(value: Any, limit: int = MAX_FIELD_CHARS) -> str:
+    return str(value)[:limit] if value is not None else ""
+
+
+def _quantities(section: Any, prefix: str) -> dict[str, str]:
+    if not isinstance(section, Mapping):
+        return {}
+    mine = f"{prefix}/"
+    return {
+        _text(name): _text(value)
+        for name, value in section.items()
+        if isinstance(name, str) and name.startswith(mine)
+    }
+
+
+def _positive(value: str) -> bool:
+    return value.isascii() and value.isdigit() and int(value) > 0
+
+
+def _container(container: Any, prefix: str) -> dict[str, Any] | None:
+    if not isinstance(container, Mapping):
+        return None
+    resources = container.get("resources")
+    resources = resources if isinstance(resources, Mapping) else {}
+    limits = _quantities(resources.get("limits"), prefix)
+    requests = _quantities(resources.get("requests"), prefix)
+    kept: dict[str, Any] = {"name": _text(container.get("name"))}
+    if container.get("restartPolicy") is not None:
+        kept["restartPolicy"] = _text(container.get("restartPolicy"))
+    if limits or requests:
+        kept["resources"] = {"limits": limits, "requests": requests}
+    return kept
+
+
+def asks_for_gpus(pod: Mapping[str, Any]) -> bool:
+    """Whether a slimmed pod has a container asking a positive ``<prefix>/`` quantity."""
+    spec = pod.get("spec") or {}
+    return any(
+        _positive(value)
+        for container in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+        for section in ((container.get("resources") or {}).values())
+        for value in section.values()
+    )
+
+
+def slim(pod: Mapping[str, Any], prefix: str) -> dict[str, Any] | None:
+    """The part of ``pod`` the daemon keeps; None for a terminal pod or one that asks
+    for no ``<prefix>/`` resource (it is dropped at once, and removed if known)."""
+    status = pod.get("status")
+    phase = _text((status if isinstance(status, Mapping) else {}).get("phase") or "Pending")
+    if phase in TERMINAL_PHASES:
+        return None
+    spec = pod.get("spec")
+    spec = spec if isinstance(spec, Mapping) else {}
+    kept_spec: dict[str, list[dict[str, Any]]] = {}
+    for field in ("initContainers", "containers"):
+        containers = spec.get(field)
+        if isinstance(containers, list):
+            kept = [_container(c, prefix) for c in containers[:MAX_CONTAINERS]]
+            kept_spec[field] = [c for c in kept if c is not None]
+    meta = pod.get("metadata")
+    meta = meta if isinstance(meta, Mapping) else {}
+    annotations = meta.get("annotations")
+    annotations = annotations if isinstance(annotations, Mapping) else {}
+    wanted = {f"{domain}/{name}" for domain in (prefix, OTHER_PREFIX) for name in NAMES}
+    kept_meta: dict[str, Any] = {
+        key: _text(meta.get(key))
+        for key in ("uid", "namespace", "name", "resourceVersion")
+        if meta.get(key) is not None
+    }
+    if meta.get("deletionTimestamp"):
+        kept_meta["deletionTimestamp"] = _text(meta.get("deletionTimestamp"))
+    choice = {
+        key: _text(value, MAX_ANNOTATION_CHARS)
+        for key, value in annotations.items()
+        if key in wanted and isinstance(value, str)
+    }
+    if choice:
+        kept_meta["annotations"] = choice
+    result = {"metadata": kept_meta, "spec": kept_spec, "status": {"phase": phase}}
+    return result if asks_for_gpus(result) else None

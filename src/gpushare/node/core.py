@@ -1,0 +1,338 @@
+"""The node's shared core, assembled from the settings and what discovery found.
+
+Everything a front door stands on and nothing that speaks its protocol: the card modes
+and the inventory of units, the enforcement every answer carries, the health boards,
+the usage and whole-card ledgers with the shared/whole exclusion, the kubelet's records
+and the refresher that keeps the usage ledger in step with them, the host's janitors
+(garbage collector and reaper), and, with a node name, the API link with the pod specs
+and GPU-model choices. :func:`build_core` only builds; :func:`core_parts` and
+:func:`late_parts` are the parts that run it, started around the front doors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+
+from gpushare.base.memory import return_free_memory
+from gpushare.base.parts import Part, Task
+from gpushare.base.startup import ConfigurationRefused, NodeConfigurationError, StartupError
+from gpushare.config import Settings
+from gpushare.gpu import mig
+from gpushare.gpu.gputype import ChoiceBook
+from gpushare.gpu.health import HealthBoard, HealthMonitor, HealthPolicy
+from gpushare.host.gc import GarbageCollector
+from gpushare.host.library import cache_root
+from gpushare.host.tombstones import Reaper
+from gpushare.host.unitguard import UnitSizeChanged, guard_unit_size
+from gpushare.kube.labels import LabelFacts
+from gpushare.kube.podspecs import PodSpecBook
+from gpushare.node.cardfacts import CardFacts
+from gpushare.node.discovery import Discovered
+from gpushare.node.enforcement import prepare_enforcement
+from gpushare.node.podresources import PodResourcesClient
+from gpushare.node.refresh import UsageRefresher
+from gpushare.share.answers import Enforcement
+from gpushare.share.cardmodes import CardMode, card_modes, parse_card_modes
+from gpushare.share.devices import Inventory, Resource
+from gpushare.share.exclusion import Exclusion
+from gpushare.share.records import Snapshot
+from gpushare.share.usage import UsageLedger
+from gpushare.share.whole import (
+    ExclusiveDevice,
+    ExclusiveLedger,
+    ExclusiveResource,
+    whole_cards,
+)
+
+if TYPE_CHECKING:  # imported when used: the API link only runs with a node name
+    from gpushare.kube.apilink import ApiLink
+
+log = structlog.get_logger(__name__)
+
+#: (full resource name, resource, the board its devices are offered from)
+WholeResource = tuple[str, ExclusiveResource, HealthBoard]
+
+
+@dataclass
+class NodeCore:
+    """The state every front door shares; built once by :func:`build_core`."""
+
+    settings: Settings
+    found: Discovered
+    modes: dict[str, CardMode]
+    inventory: Inventory
+    enforcement: Enforcement
+    health: HealthBoard  # the cards' own health
+    mig_health: HealthBoard  # MIG cards and devices, by UUID (see health.expand)
+    offer: HealthBoard  # what the shared units are offered from
+    usage: UsageLedger
+    whole: list[WholeResource]
+    pod_resources: PodResourcesClient
+    collector: GarbageCollector
+    refresher: UsageRefresher
+    monitor: HealthMonitor
+    card_facts: CardFacts  # whole holders, own health, unshared cards: annotation and metrics
+    reaper: Reaper | None = None
+    exclusion: Exclusion | None = None
+    exclusive_ledger: ExclusiveLedger = field(default_factory=ExclusiveLedger)
+    specs: PodSpecBook | None = None
+    choices: ChoiceBook | None = None
+    api_link: ApiLink | None = None
+
+    @property
+    def no_gpus(self) -> bool:
+        """No card and no MIG device to serve at all."""
+        return not self.found.gpus and not self.found.mig_plan.mig_devices
+
+    def shared_allocated(self, resource: Resource, uuid: str, device_ids: Sequence[str]) -> None:
+        """A front door answered shared units on card ``uuid``: tell whoever counts."""
+        if self.exclusion is not None:
+            self.exclusion.refresh()
+        self.refresher.poke()
+        if self.api_link is not None:
+            self.api_link.notify_allocated(resource, uuid, device_ids[0])
+
+    def whole_allocated(self, name: str, devices: Sequence[ExclusiveDevice]) -> None:
+        """A front door answered whole devices of ``name`` (full resource name)."""
+        self.exclusive_ledger.record(name, [d.id for d in devices])
+        if self.exclusion is not None:
+            self.exclusion.refresh()
+        self.refresher.poke()
+        if self.api_link is not None:
+            self.api_link.notify_exclusive_allocated(name, [d.id for d in devices])
+
+    def after_read(self, snapshot: Snapshot) -> None:
+        """Each fresh read of the kubelet's records: whole cards held, and the GC."""
+        if self.exclusion is not None:
+            self.exclusive_ledger.replace(snapshot.exclusive, snapshot.taken_at)
+            self.exclusion.refresh()
+        if self.collector.maybe_collect(snapshot) is not None:
+            return_free_memory()  # at most once a minute: after a burst, not during
+
+
+def _modes_and_inventory(
+    settings: Settings, found: Discovered
+) -> tuple[dict[str, CardMode], Inventory]:
+    gpus = found.gpus
+    try:
+        modes = card_modes(
+            [g for g in gpus if not g.parent_uuid], parse_card_modes(settings.card_modes)
+        )
+        modes.update({g.uuid: CardMode.SHARED for g in gpus if g.parent_uuid})  # migSharing
+    except ValueError as exc:
+        raise NodeConfigurationError(str(exc)) from None
+    try:
+        inventory = Inventory([g for g in gpus if modes[g.uuid].shared], settings.memory_unit_mib)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    return modes, inventory
+
+
+def build_core(
+    settings: Settings, found: Discovered, specs: PodSpecBook | None = None
+) -> NodeCore:
+    """Build the core (nothing started); :class:`StartupError` when it cannot work."""
+    modes, inventory = _modes_and_inventory(settings, found)
+    if not found.gpus and not found.mig_plan.mig_devices:
+        log.warning(
+            "no_usable_gpus",
+            detail="no GPU to serve: none found by NVML, or all in MIG mode and not "
+            "served; serving empty device lists, /readyz answers 503",
+        )
+    enforcement = prepare_enforcement(settings)
+    health = HealthBoard(g.uuid for g in found.gpus)
+    mig_health = HealthBoard(mig.health_keys(found.mig_plan))
+    whole: list[WholeResource] = []
+    if settings.whole_cards:
+        resource = whole_cards(g for g in found.gpus if modes[g.uuid].exclusive)
+        board = HealthBoard(resource.devices, event="gpu_offer_changed", level="info")
+        whole.append((resource.name_with(settings.resource_prefix), resource, board))
+    # With whole cards, shared units are offered from the cards' health and from
+    # whether a card is held whole (see exclusion.py).
+    offer = health
+    if whole:
+        offer = HealthBoard(inventory.cards, event="gpu_offer_changed", level="info")
+    usage = UsageLedger(inventory)
+    plan = found.mig_plan
+    card_facts = CardFacts(  # holders, each card's own health, cards not shared
+        [g for g in found.gpus if not g.parent_uuid] + list(plan.mig_cards),
+        inventory.cards,
+        plan,
+        health,
+        mig_health,
+        lambda: pod_resources.last,
+        mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix),
+    )
+    pod_resources = PodResourcesClient(
+        Path(settings.pod_resources_socket),
+        {resource.name_with(settings.resource_prefix): resource for resource in Resource},
+        exclusive=[name for name, _r, _b in whole] + card_facts.exclusive_resource_names(),
+    )
+    library = enforcement.library
+    reaper = Reaper(cache_root(Path(settings.host_lib_dir))) if library is not None else None
+    collector = GarbageCollector(
+        Path(settings.host_lib_dir),
+        settings.gc_grace_seconds,
+        library,
+        size_limit_bytes=settings.cache_dir_limit_mib << 20,
+        lock_dir=library is not None,
+        on_pass=reaper.retry if reaper is not None else None,
+    )
+    monitor = HealthMonitor(
+        found.backend,
+        health,
+        HealthPolicy(
+            health.cards() + mig_health.cards(),
+            settings.ignored_xid_set(),
+            settings.health_recovery_seconds,
+        ),
+        mig_of=found.mig_plan.mig_of(),
+        mig_board=mig_health,
+    )
+    refresher = UsageRefresher(
+        pod_resources.list, usage, settings.pod_resources_interval_seconds
+    )
+    core = NodeCore(
+        settings,
+        found,
+        modes,
+        inventory,
+        enforcement,
+        health,
+        mig_health,
+        offer,
+        usage,
+        whole,
+        pod_resources,
+        collector,
+        refresher,
+        monitor,
+        card_facts,
+        reaper=reaper,
+    )
+    refresher.after_read = core.after_read
+    core.specs = specs  # the fast suite hands in a book without a node name
+    if whole:
+        core.exclusion = Exclusion(health, offer, usage, whole, core.exclusive_ledger)
+    if settings.node_name:
+        _link_to_api(core, specs or PodSpecBook(settings.resource_prefix))
+    return core
+
+
+def _link_to_api(core: NodeCore, specs: PodSpecBook) -> None:
+    """With a node name: the API link (node state, pod annotations, the pod watch that
+    keeps the pod specs and the GPU-model choices current)."""
+    from gpushare.kube.apilink import ApiLink  # HTTP client and pod watch: only with a node
+
+    settings, plan = core.settings, core.found.mig_plan
+    prefix = settings.resource_prefix
+    link = ApiLink(
+        settings.node_name,
+        prefix,
+        core.inventory,
+        core.usage,
+        core.offer,
+        specs,
+        core.pod_resources.list,
+        extra_labels=mig.labels(plan, prefix),
+    )
+    choices = ChoiceBook(
+        prefix, [r.name_with(prefix) for r in Resource] + [name for name, _r, _b in core.whole]
+    )
+    link.card_extras = core.card_facts.extras
+    choices.on_miss = link.refresh_pods_now
+    link.pod_listeners.append(choices.replace_all)
+    driver = getattr(core.found.backend, "cuda_driver_version", None)
+    link.label_facts = LabelFacts(
+        gpus=[g for g in core.found.gpus if not g.parent_uuid] + list(plan.mig_cards),
+        cuda_driver=driver() if driver is not None else None,
+        nvidia_product=settings.nvidia_product_label,
+    )
+    core.specs, core.choices, core.api_link = specs, choices, link
+
+
+class Records:
+    """The ``pod-resources`` part: at start, the kubelet's records are read once so that
+    the first placement after a restart respects them, and the unit size is checked
+    against them; at stop, the client is closed."""
+
+    name = "pod-resources"
+
+    def __init__(self, core: NodeCore) -> None:
+        self.core = core
+
+    def start(self) -> None:
+        core = self.core
+        if core.exclusion is not None:
+            core.exclusion.refresh()
+        recovered = core.refresher.refresh_once()
+        try:
+            guard_unit_size(
+                Path(core.settings.host_lib_dir),
+                core.settings.memory_unit_mib,
+                core.pod_resources.last if recovered else None,
+                {uuid: card.memory_units for uuid, card in core.inventory.cards.items()},
+            )
+        except UnitSizeChanged as exc:
+            core.pod_resources.close()
+            raise ConfigurationRefused(str(exc)) from None
+        if recovered:
+            log.info("usage_recovered", **usage_summary(core.usage))
+        log_found(core)
+
+    def stop(self) -> None:
+        self.core.pod_resources.close()
+
+    def ready(self) -> tuple[bool, str]:
+        return True, ""
+
+
+def usage_summary(usage: UsageLedger) -> dict[str, dict[str, int]]:
+    return {
+        f"{resource.value}_used": {u: n for u, n in usage.used_counts(resource).items() if n}
+        for resource in Resource
+    }
+
+
+def log_found(core: NodeCore) -> None:
+    for card in core.inventory.cards.values():
+        log.info(
+            "gpu_found",
+            gpu=card.uuid,
+            index=card.gpu.index,
+            name=card.gpu.name,
+            memory_mib=card.gpu.memory_mib,
+            memory_units=card.memory_units,
+            numa_node=card.gpu.numa_node,
+        )
+    plan = core.found.mig_plan
+    log.info(
+        "mig_strategy",
+        strategy=core.settings.mig_strategy,
+        mig_resources={n: len(d) for n, d in plan.exclusive.items()},
+        mig_sliced=len(plan.shared_mig),
+    )
+
+
+def core_parts(core: NodeCore) -> list[Part]:
+    """The parts started before the front doors, in order."""
+    parts: list[Part] = [Records(core)]
+    if core.reaper is not None:  # deletes buried cache directories (tombstones.py)
+        parts.append(Task("reaper", core.reaper.start, core.reaper.stop))
+    parts.append(Task("health-monitor", core.monitor.start, core.monitor.stop))
+    return parts
+
+
+def late_parts(core: NodeCore) -> list[Part]:
+    """The parts started after the front doors serve: the API link, then the refresher."""
+    parts: list[Part] = []
+    if core.api_link is not None:
+        parts.append(Task("api-link", core.api_link.start, core.api_link.stop))
+    parts.append(Task("usage-refresher", core.refresher.start, core.refresher.stop))
+    return parts
+

@@ -1,0 +1,102 @@
+"""Finding the node's GPUs at start: NVML (or the simulated node), retried while it fails.
+
+A driver still loading or a card not yet ready is retried with growing delays (each
+failure logged) until it works or the daemon is stopped: a crash loop would help
+nothing, so /healthz stays alive meanwhile. With ``--fail-on-init-error`` the first
+failure ends the start instead. A simulated node file with a mistake in it is fatal at
+once (waiting will not fix a file someone wrote).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from gpushare.base.startup import NodeConfigurationError, StartupError
+from gpushare.config import Settings
+from gpushare.gpu import mig
+from gpushare.gpu.gpus import Gpu, GpuBackend, GpuError, open_backend
+from gpushare.gpu.mig import MigPlan, MigPlanError, MigStrategy
+
+log = structlog.get_logger(__name__)
+
+#: Delays between attempts to initialise NVML and list the GPUs at start: first, longest.
+DISCOVERY_RETRY_SECONDS = (0.5, 30.0)
+
+
+@dataclass(frozen=True)
+class Discovered:
+    """What start-up found: the backend, the cards gpushare may slice, the MIG plan."""
+
+    backend: GpuBackend
+    gpus: list[Gpu]  # cards (and, with migSharing, MIG devices) that can be shared
+    mig_plan: MigPlan
+    not_served: str  # why nothing at all is served on this node ("" when something is)
+
+
+def plan_gpus(gpus: Sequence[Gpu], strategy: str, sharing: bool = False) -> MigPlan:
+    """The cards gpushare slices and the MIG devices it serves (see mig.py); each card
+    left out gets one log line. :class:`NodeConfigurationError` where the strategy
+    cannot serve this node (``single`` on MIG devices of several profiles)."""
+    try:
+        result = mig.plan(gpus, MigStrategy(strategy), sharing=sharing)
+    except MigPlanError as exc:
+        raise NodeConfigurationError(str(exc)) from None
+    for skipped in result.skipped:
+        log.warning(
+            "gpu_skipped",
+            gpu=skipped.gpu.uuid,
+            index=skipped.gpu.index,
+            name=skipped.gpu.name,
+            reason=skipped.reason,
+        )
+    return result
+
+
+class Discovery:
+    """One start-up's search for the GPUs; :attr:`waiting_for` says why it is waiting."""
+
+    def __init__(
+        self, settings: Settings, stopping: threading.Event, backend: GpuBackend | None = None
+    ) -> None:
+        self.settings = settings
+        self.stopping = stopping
+        self.backend = backend
+        self.waiting_for = ""  # why the GPUs could not be read, while starting
+
+    def run(self) -> Discovered:
+        """The GPUs, once readable; :class:`StartupError` when stopped meanwhile or when
+        retrying cannot help."""
+        settings = self.settings
+        if self.backend is None and settings.simulate:
+            try:
+                self.backend = open_backend(settings.simulate)
+            except GpuError as exc:
+                raise StartupError(str(exc)) from None
+        delay, longest = DISCOVERY_RETRY_SECONDS
+        attempt = 0
+        while True:
+            try:
+                if self.backend is None:
+                    self.backend = open_backend(settings.simulate)
+                found = self.backend.discover()
+                plan = plan_gpus(found, settings.mig_strategy, settings.mig_sharing)
+                return Discovered(self.backend, plan.shared_gpus(), plan, plan.not_served(found))
+            except GpuError as exc:
+                if settings.fail_on_init_error:
+                    raise StartupError(str(exc)) from None
+                attempt += 1
+                self.waiting_for = f"attempt {attempt} failed, next in {delay:g} s: {exc}"
+                log.error(
+                    "gpu_discovery_failed", error=str(exc), attempt=attempt, retry_seconds=delay
+                )
+            if self.stopping.wait(delay):
+                raise StartupError("stopped while waiting for the GPUs to become readable")
+            delay = min(delay * 2, longest)
+
+    def close(self) -> None:
+        if self.backend is not None:
+            self.backend.close()

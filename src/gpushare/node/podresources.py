@@ -1,0 +1,180 @@
+"""The kubelet's records of who holds which devices (PodResources API, ``v1.List``).
+
+This is gpushare's only source of truth about allocations: there is no private
+checkpoint, so a daemon restarted in the middle of a busy node (even by ``kill -9``)
+agrees with the kubelet at once. A missing, refusing or failing socket yields
+``None`` and a log line, never an exception.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
+
+import grpc
+import structlog
+
+from gpushare._proto.podresources.v1 import api_pb2, api_pb2_grpc
+from gpushare.share.devices import Resource
+from gpushare.share.records import Snapshot
+from gpushare.share.usage import Holder
+
+log = structlog.get_logger(__name__)
+
+LIST_TIMEOUT = 2.0
+#: First pause before asking again when the kubelet's rate limit refused a read.
+EXHAUSTED_PAUSE = 0.01
+
+
+def parse_list_response(
+    response: api_pb2.ListPodResourcesResponse,
+    resources: Mapping[str, Resource],
+    taken_at: float,
+    exclusive: Collection[str] = (),
+) -> Snapshot:
+    """Keep only the devices of our resources (``resources``: full name -> Resource;
+    ``exclusive``: full names of the exclusive resources)."""
+    snapshot = Snapshot(taken_at)
+    for pod in response.pod_resources:
+        for container in pod.containers:
+            holder = Holder(pod.namespace, pod.name, container.name)
+            for devices in container.devices:
+                resource = resources.get(devices.resource_name)
+                if resource is None:
+                    if devices.resource_name in exclusive:
+                        held = snapshot.exclusive.setdefault(devices.resource_name, {})
+                        held.update(dict.fromkeys(devices.device_ids, holder))
+                    continue
+                ids = list(devices.device_ids)
+                snapshot.devices.setdefault(holder, {}).setdefault(resource, []).extend(ids)
+                for device_id in ids:
+                    snapshot.holders[(resource, device_id)] = holder
+    return snapshot
+
+
+class PodResourcesClient:
+    """Reads the kubelet's PodResources ``List``: always a read that began after the
+    caller asked, never an older answer.
+
+    Concurrent callers share one read in flight when it began after they asked; a
+    caller that arrived later than the read in flight waits for it to end and starts
+    its own. There is no client-side throttle: the kubelet limits the API itself
+    (about 100 requests a second, burst 10) and answers ``ResourceExhausted`` beyond
+    that, which reads here as "no fresh records" (None), like a missing socket.
+    """
+
+    def __init__(
+        self,
+        socket: Path,
+        resources: Mapping[str, Resource],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        exclusive: Collection[str] = (),
+    ) -> None:
+        self.socket = socket
+        self.resources = dict(resources)
+        self.exclusive = frozenset(exclusive)
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._channel: grpc.Channel | None = None
+        self._stub: api_pb2_grpc.PodResourcesListerStub | None = None
+        self._failing = False
+        self._inflight: float | None = None  # when the read in flight began
+        self._done: tuple[float, Snapshot | None, str] | None = None  # last read: began, result
+        self.last: Snapshot | None = None  # the newest snapshot read successfully
+        self.last_error = ""
+
+    def list(self, *, timeout: float = LIST_TIMEOUT) -> Snapshot | None:
+        """A snapshot read from now on; None when the kubelet cannot be read."""
+        return self.read_after(self._clock(), timeout=timeout)
+
+    def read_after(self, not_before: float, *, timeout: float = LIST_TIMEOUT) -> Snapshot | None:
+        """A snapshot whose read began at or after ``not_before`` (clock time), or None
+        when none could be had within ``timeout`` seconds (``last_error`` says why)."""
+        deadline = self._clock() + timeout
+        with self._cond:
+            while True:
+                done = self._done
+                if done is not None and done[0] >= not_before:
+                    return done[1]
+                if self._inflight is None:
+                    began = self._inflight = self._clock()
+                    break
+                left = deadline - self._clock()
+                if left <= 0:
+                    self.last_error = "the read in flight did not end in time"
+                    return None
+                self._cond.wait(left)
+        snapshot: Snapshot | None = None
+        error = "the read failed"
+        try:
+            snapshot, error = self._call(began, max(0.01, deadline - self._clock()))
+        except Exception as exc:  # e.g. the socket's directory unreadable: never wedge
+            error = self._report_failure(f"{type(exc).__name__}: {exc}")
+        finally:
+            self._finish(began, snapshot, error)
+        return snapshot
+
+    def _finish(self, began: float, snapshot: Snapshot | None, error: str) -> None:
+        with self._cond:
+            self._inflight = None
+            self._done = (began, snapshot, error)
+            if snapshot is not None:
+                self.last = snapshot
+            self.last_error = error
+            self._cond.notify_all()
+
+    def _call(self, began: float, timeout: float) -> tuple[Snapshot | None, str]:
+        """One List call, outside every lock."""
+        if not self.socket.exists():
+            return None, self._report_failure("socket missing")
+        with self._cond:
+            if self._stub is None:
+                self._channel = grpc.insecure_channel(f"unix://{self.socket}")
+                self._stub = api_pb2_grpc.PodResourcesListerStub(self._channel)
+            stub = self._stub
+        deadline = self._clock() + timeout
+        pause = EXHAUSTED_PAUSE
+        while True:
+            try:
+                response = stub.List(
+                    api_pb2.ListPodResourcesRequest(), timeout=max(0.01, deadline - self._clock())
+                )
+                break
+            except grpc.RpcError as exc:
+                code = exc.code()
+                error = f"{code.name}: {exc.details()}"
+                if code is grpc.StatusCode.RESOURCE_EXHAUSTED and self._clock() + pause < deadline:
+                    # The kubelet's limiter refills a token every 10 ms: the same fresh
+                    # read is asked again, never an older answer handed out.
+                    time.sleep(pause)
+                    pause *= 2
+                    continue
+                if code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    with self._cond:
+                        self._reset()
+                return None, self._report_failure(error)
+            except ValueError as exc:  # the channel was closed under us (shutdown)
+                return None, self._report_failure(str(exc))
+        if self._failing:
+            log.info("pod_resources_readable", socket=str(self.socket))
+            self._failing = False
+        return parse_list_response(response, self.resources, began, self.exclusive), ""
+
+    def _report_failure(self, error: str) -> str:
+        if not self._failing:
+            log.warning("pod_resources_unreadable", socket=str(self.socket), error=error)
+            self._failing = True
+        return error
+
+    def _reset(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+        self._stub = None
+
+    def close(self) -> None:
+        with self._cond:
+            self._reset()

@@ -1,0 +1,1 @@
+"""The operator's tools: the kubectl plugin, inspect, install, the chart schema, metrics."""

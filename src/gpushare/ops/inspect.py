@@ -1,0 +1,583 @@
+"""``kubectl gpushare inspect [NODE] [-d] [-o json]``: who uses which card, from annotations.
+
+Everything comes from two places the daemon writes: the Node annotation
+``<prefix>/gpus`` (per-card state, see ``nodestate.py``) and the Pod annotations
+``<prefix>/gpu.<container>`` (the card each container got), plus the pods' own
+resource requests. Reading the cluster is :func:`fetch`; turning plain Node and Pod
+objects into a view is :func:`build_view`; :func:`render_table` and :func:`render_json`
+are pure functions of that view.
+
+Pod annotations can be written by whoever may edit the pod, so they are believed only
+as far as the daemon's own Node annotation backs them: the pod is on that node, the
+annotation names one of its cards and a container of the pod that asks for gpushare
+resources, and the containers listed on a card add up to no more than the daemon
+counts there (otherwise the card's list is withheld and says so). Every string is
+printed through :func:`gpushare.ops.printable.printable`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from gpushare.base.cli import Parser
+from gpushare.config import Settings
+from gpushare.extender.fit import PodSpecError, container_need
+from gpushare.kube import nodestate
+from gpushare.kube.kubeapi import EXIT_NO_CLUSTER, ApiError, Cluster, NoCluster
+from gpushare.ops.printable import printable
+
+TERMINAL_PHASES = ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True)
+class ContainerOnCard:
+    namespace: str
+    pod: str
+    container: str
+    memory_units: int
+    core_units: int
+
+
+@dataclass(frozen=True)
+class CardView:
+    card: nodestate.CardState
+    containers: tuple[ContainerOnCard, ...]
+    #: the pods' annotations claim more than the daemon counts on the card: not listed
+    disputed: bool = False
+
+
+def _card_view(card: nodestate.CardState, claimed: Sequence[ContainerOnCard]) -> CardView:
+    memory = sum(c.memory_units for c in claimed)
+    core = sum(c.core_units for c in claimed)
+    if memory > card.memory_units_used or core > card.core_units_used:
+        return CardView(card, (), disputed=True)
+    return CardView(card, tuple(claimed))
+
+
+@dataclass(frozen=True)
+class NodeView:
+    name: str
+    memory_unit_mib: int
+    generation: int | None
+    updated: str
+    cards: tuple[CardView, ...]
+    problem: str = ""
+    #: cards not offered as shared units (whole-only, MIG with its devices)
+    whole: tuple[nodestate.WholeCardState, ...] = ()
+    #: the daemon never published on this opted-in node (``problem`` says so)
+    unreported: bool = False
+
+    @property
+    def card_count(self) -> int:
+        """Physical cards, as the node's ``gpu.count`` label counts them (a MIG device
+        sliced into units is listed as a card of its own but is part of its card)."""
+        return sum(1 for c in self.cards if not c.card.uuid.startswith("MIG-")) + len(
+            self.whole
+        )
+
+
+#: Said of an opted-in node whose daemon has not published its cards.
+NO_REPORT = "no daemon report"
+
+
+def card_health(card: nodestate.CardState) -> str:
+    """What the HEALTH column says of a shared card: its own health first, then whether
+    it is held whole (its units are then offered as unhealthy, but the card is fine)."""
+    own = card.healthy if card.hardware_healthy is None else card.hardware_healthy
+    if not own:
+        return "UNHEALTHY"
+    if card.held_by:
+        return f"held whole by {card.held_by}"
+    return "healthy"
+
+
+def whole_health(healthy: bool, held_by: str) -> str:
+    if not healthy:
+        return "UNHEALTHY"
+    return f"held by {held_by}" if held_by else "free"
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    nodes: tuple[NodeView, ...]
+
+
+# -- plain objects -> view ---------------------------------------------------------
+
+
+def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    meta = obj.get("metadata")
+    return meta if isinstance(meta, Mapping) else {}
+
+
+def _has_gpushare_resources(node: Mapping[str, Any], prefix: str) -> bool:
+    status = node.get("status") if isinstance(node.get("status"), Mapping) else {}
+    assert isinstance(status, Mapping)
+    allocatable = status.get("allocatable") or status.get("capacity") or {}
+    return any(
+        str(allocatable.get(f"{prefix}/{name}", "0")) not in ("0", "")
+        for name in ("vcuda-memory", "vcuda-core")
+    )
+
+
+def _containers_by_card(
+    pods: Sequence[Mapping[str, Any]], prefix: str
+) -> dict[tuple[str, str], list[ContainerOnCard]]:
+    """(node name, card UUID) -> the containers annotated as running there."""
+    marker = nodestate.pod_annotation_key(prefix, "")
+    found: dict[tuple[str, str], list[ContainerOnCard]] = {}
+    for pod in pods:
+        meta = _meta(pod)
+        status = pod.get("status") if isinstance(pod.get("status"), Mapping) else {}
+        if (status or {}).get("phase") in TERMINAL_PHASES:
+            continue
+        spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
+        assert isinstance(spec, Mapping)
+        node_name = str(spec.get("nodeName") or "")
+        if not node_name:  # not on a node: on no card
+            continue
+        specs = {
+            str(c.get("name")): c
+            for c in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+            if isinstance(c, Mapping)
+        }
+        annotations = meta.get("annotations")
+        annotations = annotations if isinstance(annotations, Mapping) else {}
+        named = {nodestate.pod_annotation_key(prefix, name): name for name in specs}
+        for key, uuid in sorted(annotations.items()):
+            name = named.get(key) if isinstance(key, str) and key.startswith(marker) else None
+            if name is None:  # not the daemon's key for a container of this pod
+                continue
+            try:
+                need = container_need(specs[name], prefix)
+            except PodSpecError:
+                continue
+            memory, core = need.memory_units, need.core_units
+            if not memory and not core:  # asks for no gpushare resource: on no card
+                continue
+            found.setdefault((node_name, str(uuid)), []).append(
+                ContainerOnCard(
+                    str(meta.get("namespace") or "default"),
+                    str(meta.get("name")),
+                    name,
+                    memory,
+                    core,
+                )
+            )
+    return found
+
+
+def build_view(
+    nodes: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]], prefix: str
+) -> ClusterView:
+    """The gpushare nodes (those with the annotation or the resources), sorted by name."""
+    by_card = _containers_by_card(pods, prefix)
+    key = nodestate.annotation_key(prefix)
+    views = []
+    for node in nodes:
+        name = str(_meta(node).get("name", ""))
+        text = (_meta(node).get("annotations") or {}).get(key)
+        if text is None:
+            if _has_gpushare_resources(node, prefix) or _opted_in(node, prefix):
+                problem = f"{NO_REPORT}: no {key} annotation (daemon not running, or no NODE_NAME?)"
+                views.append(NodeView(name, 0, None, "", (), problem, unreported=True))
+            continue
+        try:
+            state = nodestate.decode(str(text))
+        except ValueError as exc:
+            views.append(NodeView(name, 0, None, "", (), f"unreadable {key} annotation: {exc}"))
+            continue
+        cards = tuple(
+            _card_view(card, by_card.get((name, card.uuid), ()))
+            for card in sorted(state.cards, key=lambda c: c.index)
+        )
+        views.append(
+            NodeView(
+                name,
+                state.memory_unit_mib,
+                state.generation,
+                state.updated,
+                cards,
+                whole=tuple(sorted(state.whole, key=lambda c: c.index)),
+            )
+        )
+    return ClusterView(tuple(sorted(views, key=lambda v: v.name)))
+
+
+def _opted_in(node: Mapping[str, Any], prefix: str) -> bool:
+    """The node carries the opt-in label (``<prefix>/enabled=true``, what ``install``
+    and the chart put on a node for the DaemonSet to run there)."""
+    labels = _meta(node).get("labels")
+    return isinstance(labels, Mapping) and labels.get(f"{prefix}/{OPT_IN_NAME}") == "true"
+
+
+#: The name part of the opt-in label (``gpushare.io/enabled``).
+OPT_IN_NAME = "enabled"
+
+
+# -- view -> text --------------------------------------------------------------------
+
+
+def _count(number: int, noun: str) -> str:
+    """``1 node``, ``2 nodes``."""
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
+def _percent(used: int, total: int) -> str:
+    return f"{100 * used / total:.1f} %" if total else "-"
+
+
+@dataclass(frozen=True)
+class Totals:
+    nodes: int
+    cards: int
+    healthy_cards: int
+    memory_mib: int
+    memory_used_mib: int
+    core_units: int
+    core_units_used: int
+    unreported_nodes: int = 0
+    held_whole: int = 0
+
+
+def _own_health(card: nodestate.CardState) -> bool:
+    return card.healthy if card.hardware_healthy is None else card.hardware_healthy
+
+
+def totals(view: ClusterView) -> Totals:
+    cards = [(n, c.card) for n in view.nodes for c in n.cards]
+    physical = [c for _, c in cards if not c.uuid.startswith("MIG-")]
+    whole = [w for n in view.nodes for w in n.whole]
+    return Totals(
+        nodes=len(view.nodes),
+        unreported_nodes=sum(1 for n in view.nodes if n.unreported),
+        cards=len(physical) + len(whole),
+        held_whole=sum(1 for c in physical if c.held_by)
+        + sum(1 for w in whole if w.held_by or any(d.held_by for d in w.mig)),
+        healthy_cards=sum(1 for c in physical if _own_health(c))
+        + sum(1 for w in whole if w.healthy),
+        memory_mib=sum(c.memory_units * n.memory_unit_mib for n, c in cards),
+        memory_used_mib=sum(c.memory_units_used * n.memory_unit_mib for n, c in cards),
+        core_units=sum(c.core_units for _, c in cards),
+        core_units_used=sum(c.core_units_used for _, c in cards),
+    )
+
+
+def _align(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
+
+
+def render_table(view: ClusterView, details: bool = False, wide: bool = False) -> str:
+    """The human-readable report: one block per node, cluster totals at the bottom;
+    ``wide`` adds each card's UUID (``-o wide``)."""
+    lines: list[str] = []
+    for node in view.nodes:
+        if node.problem:
+            lines += [f"NODE {printable(node.name)}: {printable(node.problem, 400)}", ""]
+            continue
+        unit = node.memory_unit_mib
+        lines.append(
+            f"NODE {printable(node.name)}  ({_count(node.card_count, 'card')}, {unit} MiB units, "
+            f"generation {node.generation}, updated {printable(node.updated, 40)})"
+        )
+        rows: list[list[str]] = [["GPU", "NAME", "MEMORY MiB", "", "UNITS", "CORES", "HEALTH"]]
+        if wide:
+            rows[0].append("UUID")
+        entries: list[tuple[int, int, CardView | nodestate.WholeCardState]] = [
+            (c.card.index, 0, c) for c in node.cards
+        ] + [(w.index, 1, w) for w in node.whole]
+        for _index, _kind, entry in sorted(entries, key=lambda e: (e[0], e[1])):
+            if isinstance(entry, nodestate.WholeCardState):
+                rows += _whole_rows(entry, wide)
+                continue
+            view_card = entry
+            card = view_card.card
+            rows.append(
+                [
+                    str(card.index),
+                    printable(card.name, 64),
+                    f"{card.memory_units_used * unit}/{card.memory_units * unit}",
+                    f"({_percent(card.memory_units_used, card.memory_units)})",
+                    f"{card.memory_units_used}/{card.memory_units}",
+                    f"{card.core_units_used}/{card.core_units}",
+                    printable(card_health(card), 200),
+                    *([printable(card.uuid)] if wide else []),
+                ]
+            )
+            if details and view_card.disputed:
+                rows.append(
+                    ["", "  (not listed: pod annotations claim more than the daemon counts)"]
+                )
+            if details:
+                for c in view_card.containers:
+                    rows.append(
+                        [
+                            "",
+                            "  " + "/".join(map(printable, (c.namespace, c.pod, c.container))),
+                            f"{c.memory_units * unit}",
+                            "",
+                            f"{c.memory_units}",
+                            f"{c.core_units}",
+                        ]
+                    )
+        lines += ["  " + row for row in _align(rows)]
+        lines.append("")
+    total = totals(view)
+    reporting = (
+        f" ({total.nodes - total.unreported_nodes} reporting, "
+        f"{total.unreported_nodes} {NO_REPORT})"
+        if total.unreported_nodes
+        else ""
+    )
+    held = f", {total.held_whole} held whole" if total.held_whole else ""
+    lines += [
+        f"CLUSTER  {_count(total.nodes, 'node')}{reporting}, {_count(total.cards, 'card')} "
+        f"({total.healthy_cards} healthy{held})",
+        f"  memory  {total.memory_used_mib}/{total.memory_mib} MiB "
+        f"({_percent(total.memory_used_mib, total.memory_mib)})",
+        f"  cores   {total.core_units_used}/{total.core_units} "
+        f"({_percent(total.core_units_used, total.core_units)})",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _whole_rows(card: nodestate.WholeCardState, wide: bool) -> list[list[str]]:
+    """A card not offered as shared units, and its MIG devices under it."""
+    kind = "MIG" if card.mig else "whole"
+    rows = [
+        [
+            str(card.index),
+            printable(card.name, 64),
+            f"{card.memory_mib} ({kind})",
+            "",
+            "-",
+            "-",
+            printable(whole_health(card.healthy, card.held_by), 200),
+            *([printable(card.uuid)] if wide else []),
+        ]
+    ]
+    for device in card.mig:
+        rows.append(
+            [
+                "",
+                f"  MIG {printable(device.profile, 32)}",
+                "",
+                "",
+                "",
+                "",
+                printable(whole_health(device.healthy, device.held_by), 200),
+                *([printable(device.uuid)] if wide else []),
+            ]
+        )
+    return rows
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.capitalize() for part in rest)
+
+
+def _camel_keys(value: Any) -> Any:
+    """One key style for JSON and YAML output, kubectl's: ``memoryUnitsUsed``."""
+    if isinstance(value, dict):
+        return {_camel(str(k)): _camel_keys(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_camel_keys(v) for v in value]
+    return value
+
+
+def view_data(view: ClusterView) -> dict[str, Any]:
+    """The view as plain data with camelCase keys (containers always included)."""
+    nodes = []
+    for node in view.nodes:
+        unit = node.memory_unit_mib
+        gpus = [
+            {
+                "index": c.card.index,
+                "uuid": c.card.uuid,
+                "name": c.card.name,
+                "healthy": _own_health(c.card),
+                "offered": c.card.healthy,
+                "held_by": c.card.held_by or None,
+                "memory_mib": c.card.memory_mib,
+                "memory_units": c.card.memory_units,
+                "memory_units_used": c.card.memory_units_used,
+                "memory_total_mib": c.card.memory_units * unit,
+                "memory_used_mib": c.card.memory_units_used * unit,
+                "core_units": c.card.core_units,
+                "core_units_used": c.card.core_units_used,
+                **({"containers_disputed": True} if c.disputed else {}),
+                "containers": [
+                    {
+                        "namespace": x.namespace,
+                        "pod": x.pod,
+                        "container": x.container,
+                        "memory_units": x.memory_units,
+                        "memory_mib": x.memory_units * unit,
+                        "core_units": x.core_units,
+                    }
+                    for x in c.containers
+                ],
+            }
+            for c in node.cards
+        ]
+        nodes.append(
+            {
+                "name": node.name,
+                "memory_unit_mib": unit or None,
+                "generation": node.generation,
+                "updated": node.updated or None,
+                "problem": node.problem or None,
+                "card_count": node.card_count,
+                "gpus": gpus,
+                "whole_gpus": [
+                    {
+                        "index": w.index,
+                        "uuid": w.uuid,
+                        "name": w.name,
+                        "healthy": w.healthy,
+                        "memory_mib": w.memory_mib,
+                        "held_by": w.held_by or None,
+                        "mig": [
+                            {
+                                "uuid": d.uuid,
+                                "profile": d.profile,
+                                "resource": d.resource,
+                                "healthy": d.healthy,
+                                "held_by": d.held_by or None,
+                            }
+                            for d in w.mig
+                        ],
+                    }
+                    for w in node.whole
+                ],
+            }
+        )
+    t = totals(view)
+    summary = {
+        "nodes": t.nodes,
+        "unreported_nodes": t.unreported_nodes,
+        "cards": t.cards,
+        "healthy_cards": t.healthy_cards,
+        "held_whole": t.held_whole,
+        "memory_mib": t.memory_mib,
+        "memory_used_mib": t.memory_used_mib,
+        "memory_percent": round(100 * t.memory_used_mib / t.memory_mib, 1) if t.memory_mib else 0,
+        "core_units": t.core_units,
+        "core_units_used": t.core_units_used,
+        "core_percent": round(100 * t.core_units_used / t.core_units, 1) if t.core_units else 0,
+    }
+    data: dict[str, Any] = _camel_keys({"nodes": nodes, "totals": summary})
+    return data
+
+
+def render_json(view: ClusterView) -> str:
+    """The view as JSON (``-o json``)."""
+    return json.dumps(view_data(view), indent=2) + "\n"
+
+
+def render_yaml(view: ClusterView) -> str:
+    """The view as YAML (``-o yaml``)."""
+    return str(yaml.safe_dump(view_data(view), sort_keys=False))
+
+
+# -- the cluster ---------------------------------------------------------------------
+
+
+class NodeNotFound(Exception):
+    pass
+
+
+def fetch(
+    node_name: str | None, cluster: Cluster | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Nodes and pods as plain JSON objects, from the kubeconfig (or in-cluster)."""
+    cluster = cluster or Cluster()
+    if node_name:
+        node = cluster.node(node_name)
+        if node is None:
+            raise NodeNotFound(node_name)
+        return [node], cluster.pods(field_selector=f"spec.nodeName={node_name}")
+    return cluster.nodes(), cluster.pods()
+
+
+OUTPUTS = ("table", "wide", "json", "yaml")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="kubectl gpushare inspect",
+        description="Per-card GPU memory and core use of gpushare nodes, from their annotations.",
+    )
+    parser.add_argument("node", nargs="?", help="only this node")
+    parser.add_argument(
+        "-d", "--details", action="store_true", help="list the pods and containers on each card"
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        choices=OUTPUTS,
+        default="table",
+        help="table, wide (the table with containers and card UUIDs), json or yaml",
+    )
+    parser.add_argument(
+        "-n",
+        "--namespace",
+        metavar="NS",
+        help="only list containers of this namespace (cards and totals stay whole)",
+    )
+    parser.add_argument(
+        "--resource-prefix",
+        default=os.environ.get("GPUSHARE_RESOURCE_PREFIX", Settings().resource_prefix),
+        help="prefix of gpushare's resources and annotations",
+    )
+    add_cluster_flags(parser)
+    return parser
+
+
+def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
+    """kubectl's --kubeconfig and --context (also accepted before the subcommand)."""
+    parser.add_argument("--kubeconfig", metavar="FILE", help="the kubeconfig file to use")
+    parser.add_argument("--context", metavar="NAME", help="the kubeconfig context to use")
+
+
+def _in_namespace(pods: list[dict[str, Any]], namespace: str | None) -> list[dict[str, Any]]:
+    if not namespace:
+        return pods
+    return [pod for pod in pods if (_meta(pod).get("namespace") or "default") == namespace]
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
+    try:
+        nodes, pods = fetch(args.node, Cluster(args.kubeconfig, args.context))
+    except NoCluster as exc:
+        print(f"kubectl gpushare inspect: {exc}".replace("\n", " "), file=sys.stderr)
+        return EXIT_NO_CLUSTER
+    except NodeNotFound:
+        print(f"kubectl gpushare inspect: node {args.node!r} not found", file=sys.stderr)
+        return 1
+    except ApiError as exc:
+        print(f"kubectl gpushare inspect: the API server answered {exc}", file=sys.stderr)
+        return 1
+    view = build_view(nodes, _in_namespace(pods, args.namespace), args.resource_prefix)
+    if args.node and not view.nodes:
+        print(f"kubectl gpushare inspect: node {args.node!r} has no gpushare GPUs", file=sys.stderr)
+        return 1
+    if args.output == "json":
+        sys.stdout.write(render_json(view))
+    elif args.output == "yaml":
+        sys.stdout.write(render_yaml(view))
+    else:
+        wide = args.output == "wide"
+        sys.stdout.write(render_table(view, details=args.details or wide, wide=wide))
+    return 0

@@ -1,0 +1,252 @@
+"""Which card a container gets: pure functions over plain data, no gRPC, no NVML.
+
+This is the ONE placement of gpushare: the node daemon's binder (``binding.py``) and
+the scheduler extender (``extender/``) both call it, so the extender predicts exactly
+the card the daemon will choose. See docs/placement.md.
+
+Two levels:
+
+* **Containers and pods** (:func:`rank`, :func:`place_containers`): given each card's
+  free memory and core units and what the containers of a pod need, in the kubelet's
+  admission order, choose one card per container. A card is a candidate for a
+  container when it holds BOTH of its needs; candidates are ranked by the policy
+  (binpack: the fullest first; spread: the emptiest first; the GPU index breaks
+  ties). The pod is placed as a whole: the first container takes its best-ranked card
+  from which the remaining containers can still be placed (a bounded depth-first
+  search), so two containers of one pod never block each other needlessly.
+* **One kubelet request** (:func:`choose_card`): the kubelet asks for one resource at
+  a time (GetPreferredAllocation, then Allocate), in no fixed order. The binder
+  passes what it knows: the card the container is bound to already (``partner``), the
+  card its pod's plan gives it (``prefer``), or how much of the other resource will
+  follow (``other_need``). Rules, in order:
+
+  1. Only healthy cards holding ``size`` free units (and every ``must_include`` unit)
+     are eligible.
+  2. ``partner``: that card, if eligible (else Allocate will refuse the request).
+  3. ``prefer``: that card, if eligible.
+  4. ``other_need`` known: by policy among the eligible cards that hold both.
+  5. Nothing known: the eligible card with the most free units of the other resource;
+     if ANY card could hold both requests, this one can. Policy breaks ties.
+  6. No card is eligible: the card with the most free units, so that the kubelet pads
+     the answer and Allocate refuses it with a clear message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gpushare.base.compat import StrEnum
+from gpushare.share.devices import Resource
+
+
+class Policy(StrEnum):
+    """How cards are ranked for a container: pack them full, or spread the load."""
+
+    BINPACK = "binpack"
+    SPREAD = "spread"
+
+    @classmethod
+    def parse(cls, value: str | Policy) -> Policy:
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            choices = ", ".join(p.value for p in cls)
+            raise ValueError(f"unknown placement policy {value!r} (one of {choices})") from None
+
+
+BINPACK = Policy.BINPACK
+SPREAD = Policy.SPREAD
+
+#: Depth-first search over a pod's containers stops after this many card trials and
+#: keeps the greedy answer: pods have a handful of containers, nodes a handful of cards.
+SEARCH_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one container asks for, in units of each resource."""
+
+    memory: int
+    core: int
+
+    def of(self, resource: Resource) -> int:
+        return self.memory if resource is Resource.MEMORY else self.core
+
+
+@dataclass(frozen=True)
+class Room:
+    """One card's free units as placement sees them."""
+
+    uuid: str
+    index: int
+    memory_free: int
+    core_free: int
+    healthy: bool = True
+
+    def holds(self, need: Need) -> bool:
+        return self.healthy and self.memory_free >= need.memory and self.core_free >= need.core
+
+    def minus(self, need: Need) -> Room:
+        return Room(
+            self.uuid,
+            self.index,
+            self.memory_free - need.memory,
+            self.core_free - need.core,
+            self.healthy,
+        )
+
+
+def policy_key(
+    memory_free: int, core_free: int, index: int, uses_memory: bool, policy: Policy
+) -> tuple[int, ...]:
+    """Sort key of a card: memory then cores (only cores for a container without
+    memory), ascending for binpack, descending for spread, then the GPU index."""
+    key: tuple[int, ...] = (memory_free, core_free) if uses_memory else (core_free,)
+    if policy is Policy.SPREAD:
+        key = tuple(-k for k in key)
+    return (*key, index)
+
+
+def rank(rooms: Sequence[Room], need: Need, policy: Policy) -> list[Room]:
+    """The cards that hold ``need``, best first."""
+    uses_memory = need.memory > 0
+    return sorted(
+        (room for room in rooms if room.holds(need)),
+        key=lambda r: policy_key(r.memory_free, r.core_free, r.index, uses_memory, policy),
+    )
+
+
+def place_containers(
+    rooms: Sequence[Room], needs: Sequence[Need], policy: Policy
+) -> tuple[str, ...] | None:
+    """One card UUID per container (in order), the pod placed as a whole; None if no
+    assignment of whole containers to single cards exists (within the search limit).
+
+    The answer is the first feasible assignment in policy order: the first container
+    gets the best-ranked card from which the others still fit, and so on. Placing the
+    first container and calling again for the rest gives the same remaining cards.
+    """
+    trials = 0
+
+    def search(current: Sequence[Room], position: int) -> list[str] | None:
+        nonlocal trials
+        if position == len(needs):
+            return []
+        need = needs[position]
+        for room in rank(current, need, policy):
+            trials += 1
+            if trials > SEARCH_LIMIT:
+                return None
+            after = [r.minus(need) if r.uuid == room.uuid else r for r in current]
+            rest = search(after, position + 1)
+            if rest is not None:
+                return [room.uuid, *rest]
+        return None
+
+    found = search(list(rooms), 0)
+    if found is None and trials > SEARCH_LIMIT:
+        return _greedy(rooms, needs, policy)
+    return tuple(found) if found is not None else None
+
+
+def _greedy(rooms: Sequence[Room], needs: Sequence[Need], policy: Policy) -> tuple[str, ...] | None:
+    current = list(rooms)
+    chosen = []
+    for need in needs:
+        ranked = rank(current, need, policy)
+        if not ranked:
+            return None
+        uuid = ranked[0].uuid
+        chosen.append(uuid)
+        current = [r.minus(need) if r.uuid == uuid else r for r in current]
+    return tuple(chosen)
+
+
+# -- one kubelet request -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CardView:
+    """One card as placement sees it at the moment of a request."""
+
+    uuid: str
+    index: int
+    free_units: tuple[int, ...]  # free unit numbers of the resource being placed
+    memory_free: int
+    core_free: int
+    healthy: bool = True
+
+
+@dataclass(frozen=True)
+class Request:
+    """One container's request for one resource."""
+
+    resource: Resource
+    size: int
+    must_include: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    partner: str | None = None
+    prefer: str | None = None
+    other_need: int | None = None
+
+
+def _other_free(card: CardView, resource: Resource) -> int:
+    return card.core_free if resource is Resource.MEMORY else card.memory_free
+
+
+def _request_key(card: CardView, request: Request, policy: Policy) -> tuple[int, ...]:
+    uses_memory = request.resource is Resource.MEMORY or request.other_need != 0
+    return policy_key(card.memory_free, card.core_free, card.index, uses_memory, policy)
+
+
+def eligible_cards(cards: Sequence[CardView], request: Request) -> list[CardView]:
+    """Rule 1: healthy cards holding the request and all its must-include units."""
+    if len(request.must_include) > 1:
+        return []
+    eligible = []
+    for card in cards:
+        if not card.healthy or len(card.free_units) < request.size:
+            continue
+        required = request.must_include.get(card.uuid)
+        if request.must_include and required is None:
+            continue
+        if required and not set(required) <= set(card.free_units):
+            continue
+        eligible.append(card)
+    return eligible
+
+
+def choose_card(
+    cards: Sequence[CardView], request: Request, policy: Policy | str
+) -> CardView | None:
+    """The card for this request by the rules above; None only when there are no cards."""
+    policy = Policy.parse(policy)
+    eligible = eligible_cards(cards, request)
+    if not eligible:
+        return max(cards, key=lambda c: (c.healthy, len(c.free_units), -c.index), default=None)
+    for wanted in (request.partner, request.prefer):
+        if wanted is not None:
+            for card in eligible:
+                if card.uuid == wanted:
+                    return card
+            if wanted == request.partner:
+                break  # the partner's card cannot take it: Allocate will say so
+    if request.other_need is not None:
+        both = [c for c in eligible if _other_free(c, request.resource) >= request.other_need]
+        return min(both or eligible, key=lambda c: _request_key(c, request, policy))
+    return min(
+        eligible,
+        key=lambda c: (-_other_free(c, request.resource), *_request_key(c, request, policy)),
+    )
+
+
+def preferred_units(card: CardView, request: Request) -> list[int]:
+    """The unit numbers to offer on ``card``: must-include first, then the lowest free."""
+    chosen = list(dict.fromkeys(request.must_include.get(card.uuid, ())))
+    taken = set(chosen)
+    for n in card.free_units:
+        if len(chosen) >= request.size:
+            break
+        if n not in taken:
+            chosen.append(n)
+    return chosen

@@ -1,0 +1,61 @@
+"""The kubelet's records of who holds which devices, as plain data.
+
+One :class:`Snapshot` is one answer of the kubelet's PodResources ``List``, restricted to
+gpushare's resources. The core decides over it (pairing, exclusion, the unit-size guard,
+the cache-directory GC); the client that reads it from the kubelet's socket is a front
+door's business (:mod:`gpushare.node.podresources`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from gpushare.share.devices import SEPARATOR, Resource, parse_unit_number
+from gpushare.share.usage import Holder
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One List answer, restricted to gpushare's resources."""
+
+    taken_at: float  # when the read began (clock time): it shows everything recorded before
+    # (resource, device ID) -> the container holding it
+    holders: dict[tuple[Resource, str], Holder] = field(default_factory=dict)
+    # container -> resource -> device IDs
+    devices: dict[Holder, dict[Resource, list[str]]] = field(default_factory=dict)
+    # exclusive resources (whole cards, MIG): full resource name -> device ID -> holder
+    exclusive: dict[str, dict[str, Holder]] = field(default_factory=dict)
+
+    def holder_of(self, resource: Resource, device_id: str) -> Holder | None:
+        return self.holders.get((resource, device_id))
+
+    def used_by_card(self) -> dict[Resource, dict[str, list[int]]]:
+        """Per resource and card, the unit numbers some container holds (IDs that are not
+        gpushare's, e.g. with non-ASCII digits, are skipped: no card has them)."""
+        used: dict[Resource, dict[str, list[int]]] = {r: {} for r in Resource}
+        for resource, device_id in self.holders:
+            uuid, _, number = device_id.rpartition(SEPARATOR)
+            n = parse_unit_number(number)
+            if n is not None:
+                used[resource].setdefault(uuid, []).append(n)
+        return used
+
+    @functools.cached_property
+    def used_counts(self) -> dict[Resource, dict[str, int]]:
+        """Per resource and card, how many units some container holds (computed once)."""
+        counts: dict[Resource, dict[str, int]] = {r: {} for r in Resource}
+        for resource, device_id in self.holders:
+            uuid = device_id.rpartition(SEPARATOR)[0]
+            by_card = counts[resource]
+            by_card[uuid] = by_card.get(uuid, 0) + 1
+        return counts
+
+    def holders_by_card(self) -> dict[str, dict[Holder, dict[Resource, int]]]:
+        """Per card, each container on it and how many units of each resource it holds."""
+        cards: dict[str, dict[Holder, dict[Resource, int]]] = {}
+        for (resource, device_id), holder in self.holders.items():
+            uuid = device_id.rpartition(SEPARATOR)[0]
+            units = cards.setdefault(uuid, {}).setdefault(holder, {})
+            units[resource] = units.get(resource, 0) + 1
+        return cards

@@ -428,6 +428,9 @@ class NodeAgent:
                 str(self.cri_socket),
                 "--record",
                 str(self.records_file),
+                # the node's credentials: it reads its pods to let init containers finish
+                "--kubeconfig",
+                str(self.cluster.node_kubeconfig(self.name)),
             ],
             self.dir / "crifake.log",
         )

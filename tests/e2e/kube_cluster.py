@@ -63,10 +63,6 @@ FEATURE_GATES = {
 #: with, so that a test can add a node (Cluster.add_node) to the running cluster.
 SPARE_NODES = 8
 
-#: The init containers of the project's pods (the DaemonSet's tmpfs for cache directories):
-#: the CRI fake runs no processes, so it reports them finished as soon as they start.
-INIT_CONTAINERS = ("cache-fs",)
-
 T = TypeVar("T")
 
 
@@ -136,6 +132,9 @@ class Proc:
         self._out.flush()
         self.popen = subprocess.Popen(
             argv,
+            # Never the caller's directory: a program that removes relative paths (the
+            # kubelet unlinks "bin", see NodeAgent._in_namespace) touches only its own files.
+            cwd=log.parent,
             stdout=self._out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -339,6 +338,7 @@ class NodeAgent:
         self.dir = cluster.dir / spec.name
         self.root = self.dir / "kubelet"  # /var/lib/kubelet inside the namespace
         self.vgpu = self.dir / "vgpu"  # the daemon's --host-lib-dir
+        self.cwd = self.dir / "cwd"  # the working directory of its programs: kept empty
         self.records_file = self.dir / "containers.jsonl"
         self.cri_socket = self.dir / "cri.sock"
         self.gpus_file = self.dir / "gpus.yaml"
@@ -354,7 +354,7 @@ class NodeAgent:
 
     # ---- the namespace
     def _start_namespace(self) -> None:
-        for d in (self.root, self.vgpu):
+        for d in (self.root, self.vgpu, self.cwd):
             d.mkdir(parents=True, exist_ok=True)
         ready = self.dir / "namespace-ready"
         script = (
@@ -387,17 +387,20 @@ class NodeAgent:
         return self.holder is not None and not self.holder.alive()
 
     def _in_namespace(self, argv: list[str]) -> list[str]:
-        """``argv`` run in the node's mount namespace, in the node's own directory: entering
-        a mount namespace moves the working directory to ``/``, and the kubelet unlinks a
-        relative ``bin`` in its working directory (seen with strace: ``unlinkat(AT_FDCWD,
-        "bin")``), which on a merged-/usr host is the ``/bin`` link itself."""
+        """``argv`` run in the node's mount namespace, in an empty directory of its own
+        (``<node>/cwd``). Entering a mount namespace moves the working directory to ``/``, and
+        when a pod is deleted the kubelet (on the CRI fake) unlinks the entries of its working
+        directory one by one, alphabetically, until one fails (strace: ``unlinkat(AT_FDCWD,
+        "containers.jsonl")``, ``"cri.sock"``, ``"crifake.log"``, ... ``"kubelet"`` EBUSY): from
+        ``/`` that is the ``/bin`` link of a merged-/usr host, from the node's directory it is
+        the CRI socket and the records. In an empty directory it finds nothing to remove."""
         assert self.holder is not None
         return [
             "nsenter",
             "--target",
             str(self.holder.pid),
             "--mount",
-            f"--wd={self.dir}",
+            f"--wd={self.cwd}",
             "--",
             *argv,
         ]
@@ -425,9 +428,9 @@ class NodeAgent:
                 str(self.cri_socket),
                 "--record",
                 str(self.records_file),
-                # the fake runs no processes: init containers must be told to finish
-                "--exit-at-start",
-                ",".join(INIT_CONTAINERS),
+                # the node's credentials: it reads its pods to let init containers finish
+                "--kubeconfig",
+                str(self.cluster.node_kubeconfig(self.name)),
             ],
             self.dir / "crifake.log",
         )

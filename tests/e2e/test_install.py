@@ -44,7 +44,12 @@ def test_install_then_uninstall(bare: Cluster) -> None:
     assert bare.api.get_or_none(DS) is not None
     assert bare.node(NODE)["metadata"]["labels"].get(OPT_IN) == "true"
 
-    (pod,) = wait_for("the DaemonSet's pod on the node", lambda: daemonset_pods(bare), 60)
+    # The controller creates the pod with node affinity; the scheduler then binds it.
+    (pod,) = wait_for(
+        "the DaemonSet's pod bound to the node",
+        lambda: [p for p in daemonset_pods(bare) if p["spec"].get("nodeName")],
+        60,
+    )
     name = pod["metadata"]["name"]
     assert pod["spec"]["nodeName"] == NODE
     bare.wait_pod("kube-system", name, "Running")

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from e2e_nodes import TESLA_P4, cards
-from kube_cluster import CORE, MEMORY, PREFIX, WHOLE, Cluster, NodeSpec, pod_manifest
+from kube_cluster import CORE, MEMORY, PREFIX, WHOLE, Cluster, NodeSpec, pod_manifest, wait_for
 
 NODE = "node-3"
 A100 = "GPU-7780f282-99a1-7024-f7a4-65a55230ed76"
@@ -121,4 +121,10 @@ def test_kubectl_gpushare_inspect_reads_the_real_server(
     text = json.dumps(report)
     for node in ("node-1", "node-2", NODE):
         assert node in text
-    assert "inspect-me" in cluster.kubectl_gpushare("inspect", "-d", NODE).stdout
+
+    # inspect reads the Node annotation, which the daemon rewrites shortly after admitting.
+    def details() -> str | None:
+        out = cluster.kubectl_gpushare("inspect", "-d", NODE).stdout
+        return out if "inspect-me" in out else None
+
+    assert "inspect-me" in wait_for("inspect -d to list the pod", details, 60, step=0.5)

@@ -2,8 +2,11 @@
 // kubelet, and records what the kubelet asks the runtime to create: for every CreateContainer,
 // one JSON line with the pod, the container and the merged config the runtime would get (env,
 // mounts, devices, CDI devices, annotations). The e2e tests read that file instead of looking
-// inside a real container. Nothing else is changed: every call, CreateContainer included, is
-// answered by the fake.
+// inside a real container. Every call, CreateContainer included, is answered by the fake, with
+// one addition: the fake's containers run until stopped, so an init container would never
+// finish and its pod never start; with --kubeconfig (the node's credentials) crifake reads the
+// pod of each created container and lets an init container (not a restartable sidecar) exit 0
+// as soon as it is started.
 package main
 
 import (
@@ -14,12 +17,15 @@ import (
 	"net"
 	"os"
 	"os/signal"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
 
 	"google.golang.org/grpc"
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
 	kubeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 	"k8s.io/cri-client/pkg/fake"
 )
@@ -58,29 +64,50 @@ type record struct {
 // recorder is the runtime service the kubelet talks to: the fake, with CreateContainer recorded.
 type recorder struct {
 	*fake.RemoteRuntime
-	mu  sync.Mutex
-	out *os.File
-	// exitAtStart names containers reported exited with code 0 as soon as they start.
-	exitAtStart map[string]bool
+	mu     sync.Mutex
+	out    *os.File
+	client kubernetes.Interface // nil: no init container ever finishes
+	// containers that exit 0 as soon as they are started (init containers)
+	exitOnStart map[string]bool
 }
 
-// StartContainer starts the container in the fake. The fake runs no processes, so a
-// container that must finish (an init container, such as the DaemonSet's cache-fs) would
-// run for ever and hold its pod in Init; one named in --exit-at-start is reported exited
-// with code 0 at once, as a real one that did its job would be.
+// isInitContainer says whether the pod's spec lists the container as an init container that
+// runs to completion (not a sidecar with restartPolicy Always).
+func (r *recorder) isInitContainer(ctx context.Context, ns, pod, container string) bool {
+	if r.client == nil {
+		return false
+	}
+	p, err := r.client.CoreV1().Pods(ns).Get(ctx, pod, metav1.GetOptions{})
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "crifake: reading pod %s/%s: %v\n", ns, pod, err)
+		return false
+	}
+	for _, c := range p.Spec.InitContainers {
+		if c.Name == container {
+			return c.RestartPolicy == nil || *c.RestartPolicy != v1.ContainerRestartPolicyAlways
+		}
+	}
+	return false
+}
+
 func (r *recorder) StartContainer(ctx context.Context, req *kubeapi.StartContainerRequest) (*kubeapi.StartContainerResponse, error) {
 	resp, err := r.RemoteRuntime.StartContainer(ctx, req)
 	if err != nil {
 		return nil, err
 	}
-	svc := r.RemoteRuntime.RuntimeService
-	svc.Lock()
-	defer svc.Unlock()
-	if c, ok := svc.Containers[req.GetContainerId()]; ok && r.exitAtStart[c.GetMetadata().GetName()] {
-		c.State = kubeapi.ContainerState_CONTAINER_EXITED
-		c.ExitCode = 0
-		c.Reason = "Completed"
-		c.FinishedAt = time.Now().UnixNano()
+	r.mu.Lock()
+	exit := r.exitOnStart[req.GetContainerId()]
+	r.mu.Unlock()
+	if exit {
+		fakeRuntime := r.RemoteRuntime.RuntimeService
+		fakeRuntime.Lock()
+		if c, ok := fakeRuntime.Containers[req.GetContainerId()]; ok {
+			c.State = kubeapi.ContainerState_CONTAINER_EXITED
+			c.ExitCode = 0
+			c.Reason = "Completed"
+			c.FinishedAt = time.Now().UnixNano()
+		}
+		fakeRuntime.Unlock()
 	}
 	return resp, nil
 }
@@ -125,8 +152,12 @@ func (r *recorder) CreateContainer(ctx context.Context, req *kubeapi.CreateConta
 	if err != nil {
 		return nil, err
 	}
+	initContainer := r.isInitContainer(ctx, rec.Namespace, rec.Pod, rec.Container)
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if initContainer {
+		r.exitOnStart[rec.ContainerID] = true
+	}
 	if _, err := r.out.Write(append(line, '\n')); err != nil {
 		return nil, fmt.Errorf("recording container: %w", err)
 	}
@@ -136,14 +167,8 @@ func (r *recorder) CreateContainer(ctx context.Context, req *kubeapi.CreateConta
 func main() {
 	socket := flag.String("socket", "", "unix socket to serve the CRI on")
 	recordPath := flag.String("record", "", "file to append one JSON line per created container to")
-	exitAtStart := flag.String("exit-at-start", "", "comma-separated container names that exit 0 as soon as they start")
+	kubeconfig := flag.String("kubeconfig", "", "credentials to read pods with (init containers then finish)")
 	flag.Parse()
-	exiting := map[string]bool{}
-	for _, name := range strings.Split(*exitAtStart, ",") {
-		if name != "" {
-			exiting[name] = true
-		}
-	}
 	if *socket == "" || *recordPath == "" {
 		fmt.Fprintln(os.Stderr, "usage: crifake --socket PATH --record FILE")
 		os.Exit(2)
@@ -167,8 +192,17 @@ func main() {
 	}}
 	// The fake's pulled images have size 0 unless told, and the kubelet refuses those.
 	rt.ImageService.SetFakeImageSize(1 << 20)
+	rec := &recorder{RemoteRuntime: rt, out: out, exitOnStart: map[string]bool{}}
+	if *kubeconfig != "" {
+		config, err := clientcmd.BuildConfigFromFlags("", *kubeconfig)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		rec.client = kubernetes.NewForConfigOrDie(config)
+	}
 	srv := grpc.NewServer()
-	kubeapi.RegisterRuntimeServiceServer(srv, &recorder{RemoteRuntime: rt, out: out, exitAtStart: exiting})
+	kubeapi.RegisterRuntimeServiceServer(srv, rec)
 	kubeapi.RegisterImageServiceServer(srv, rt)
 	sigs := make(chan os.Signal, 1)
 	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT)

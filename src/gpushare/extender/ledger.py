@@ -42,7 +42,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from gpushare.extender.fit import BINPACK, CardRoom, PodNeed, card_rooms, fit_pod
+from gpushare.extender.fit import BINPACK, CardRoom, PodNeed, card_rooms, fit_pod, subtract
 from gpushare.kube.nodestate import NodeGpuState
 
 #: The most holds kept at once (a cluster binds far fewer pods per minute).
@@ -296,7 +296,7 @@ class AdmissionLedger:
         rooms = card_rooms(state)
         if not state.cards or any(card.pods is None for card in state.cards):
             held = self.pending_use(node, state.generation, exclude_pod)
-            return Occupancy(_take(rooms, held), self.pending_pods(node, exclude_pod), 0)
+            return Occupancy(subtract(rooms, held), self.pending_pods(node, exclude_pod), 0)
         self._expire()
         now = self._clock()
         unconfirmable_after = now - self.timeout_seconds
@@ -363,7 +363,7 @@ class AdmissionLedger:
             holding.add(entry.pod_uid)
             if entry.pod_uid == exclude_pod:
                 continue
-            rooms = _take(rooms, entry.use_by_card)
+            rooms = subtract(rooms, entry.use_by_card)
             pending += 1
         # 3. Live pods bound here by anyone that the state does not count yet.
         if self.watching:
@@ -375,12 +375,12 @@ class AdmissionLedger:
                 planned = _planned_use(rooms, facts)
                 fit = fit_pod(rooms, facts.need, policy) if planned is None else None
                 if planned is not None:
-                    rooms = _take(rooms, planned)
+                    rooms = subtract(rooms, planned)
                 elif fit is not None and fit.placement is not None:
-                    rooms = _take(rooms, fit.placement.use_by_card())
+                    rooms = subtract(rooms, fit.placement.use_by_card())
                 else:  # it fits nowhere that we know: count it everywhere
                     need = (facts.need.memory_units, facts.need.core_units)
-                    rooms = _take(rooms, {room.uuid: need for room in rooms})
+                    rooms = subtract(rooms, {room.uuid: need for room in rooms})
                 pending += 1
         return Occupancy(rooms, pending, len(released_pods))
 
@@ -404,20 +404,6 @@ def _planned_use(rooms: Iterable[CardRoom], facts: PodFacts) -> dict[str, tuple[
         if room is None or room.memory_free < memory or room.core_free < core:
             return None
     return use
-
-
-def _take(rooms: Iterable[CardRoom], use: Mapping[str, tuple[int, int]]) -> tuple[CardRoom, ...]:
-    result = []
-    for room in rooms:
-        memory, core = use.get(room.uuid, (0, 0))
-        result.append(
-            replace(
-                room,
-                memory_free=max(0, room.memory_free - memory),
-                core_free=max(0, room.core_free - core),
-            )
-        )
-    return tuple(result)
 
 
 def _give(room: CardRoom, units: tuple[int, int]) -> CardRoom:

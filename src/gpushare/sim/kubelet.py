@@ -259,9 +259,16 @@ class PodResourcesLister(pr_pb2_grpc.PodResourcesListerServicer):
                     containers=[
                         pr_pb2.ContainerResources(
                             name=r.container,
+                            # one entry per device, each with its NUMA node (0 here), as
+                            # the real kubelet (1.36) answers (e2e/README.md)
                             devices=[
-                                pr_pb2.ContainerDevices(resource_name=res, device_ids=ids)
+                                pr_pb2.ContainerDevices(
+                                    resource_name=res,
+                                    device_ids=[device],
+                                    topology=pr_pb2.TopologyInfo(nodes=[pr_pb2.NUMANode(ID=0)]),
+                                )
                                 for res, ids in r.devices.items()
+                                for device in ids
                             ],
                         )
                         for r in records

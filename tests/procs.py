@@ -9,6 +9,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from typing import Any
 
 from conftest import Node
 
@@ -27,6 +28,18 @@ def poll(predicate: Callable[[], bool], timeout: float, step: float = 0.02) -> b
             return True
         if time.monotonic() >= deadline:
             return False
+        time.sleep(step)
+
+
+def eventually(check: Callable[[], Any], timeout: float = 20.0, step: float = 0.02) -> Any:
+    """``check()``'s first true result, re-checked until ``timeout`` passes (then fails)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true within {timeout} s: {check}")
         time.sleep(step)
 
 

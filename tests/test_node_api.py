@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import procs
 import pytest
 from conftest import CARD_4GIB, NODE, TESLA_P4, Node, cards, gpu_uuid
 from kube_double import KubeApiDouble
@@ -15,15 +16,8 @@ from kube_double import KubeApiDouble
 from gpushare.kube import nodestate
 
 
-def eventually(check: Callable[[], Any], timeout: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not true within {timeout} s: {check}")
-        time.sleep(0.05)
+def eventually(check: Callable[[], Any]) -> Any:
+    return procs.eventually(check, timeout=15.0, step=0.05)
 
 
 def node_annotation(api: KubeApiDouble) -> nodestate.NodeGpuState | None:

@@ -11,7 +11,6 @@ published state and the API server.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,22 +18,12 @@ import pytest
 from conftest import CARD_4GIB, NODE, TESLA_P4, Node, cards
 from extender_kit import RunningExtender, args, container, extender_factory, kept, pod
 from kube_double import KubeApiDouble
+from procs import eventually
 
 from gpushare.kube import apilink, nodestate
 from gpushare.sim.kubelet import AdmissionError
 
 __all__ = ["extender_factory"]  # fixture
-
-
-def eventually(check: Callable[[], Any], timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not true within {timeout} s: {check}")
-        time.sleep(0.02)
 
 
 class Cluster:

@@ -8,29 +8,15 @@ a Node update that shows freed units.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 from conftest import NODE, TESLA_P4, Node, cards, gpu_uuid
 from kube_double import KubeApiDouble
+from procs import eventually
 
 from gpushare.gpu.gpus import Gpu
 from gpushare.kube import apilink, nodestate
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.usage import Holder, UsageLedger
-
-
-def eventually(check: Callable[[], Any], timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not true within {timeout} s: {check}")
-        time.sleep(0.02)
 
 
 def published(api: KubeApiDouble) -> nodestate.NodeGpuState | None:

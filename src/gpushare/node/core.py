@@ -241,11 +241,14 @@ def build_core(
         reaper=reaper,
     )
     refresher.after_read = core.after_read
-    core.specs = specs  # the fast suite hands in a book without a node name
+    mig_prefix = mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix)
+    if specs is not None:  # the fast suite hands in a book without a node name
+        specs.mig_prefix = mig_prefix  # MIG resources a container must not mix with units
+    core.specs = specs
     if whole:
         core.exclusion = Exclusion(health, offer, usage, whole, core.exclusive_ledger)
     if settings.node_name:
-        _link_to_api(core, specs or PodSpecBook(settings.resource_prefix))
+        _link_to_api(core, specs or PodSpecBook(settings.resource_prefix, mig_prefix))
     return core
 
 

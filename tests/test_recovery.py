@@ -8,9 +8,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from conftest import TESLA_P4, Node, cards, gpu_uuid
+import pytest
+from conftest import CARD_4GIB, TESLA_P4, Node, cards, gpu_uuid
 from procs import daemon_process, free_port, poll, reachable, scrape
 from prometheus_client.parser import text_string_to_metric_families
+from test_exclusion import card_of
 
 from gpushare.daemon import Daemon
 from gpushare.deviceplugin.kubelet import UNWATCHED_GRACE
@@ -165,3 +167,30 @@ def test_gpus_unreadable_at_start_are_retried_not_a_crash(node: Node) -> None:
     node.daemon.start()
     assert backend.calls == 2
     assert node.wait_registered()
+
+
+@pytest.mark.parametrize("binpack", [True, False])
+def test_a_pod_unlisted_after_a_kubelet_restart_still_fills_its_card(
+    node: Node, binpack: bool
+) -> None:
+    """Found by the e2e suite (test_registration's held-before/held-after): a restarted
+    kubelet admits the pods of its first batch in creation order, to the second, and
+    lists in PodResources only the pods admitted so far. A pod created in the same second
+    as a running one can come first: the running pod's units are held but unlisted. The
+    card it fills must not look empty of the resource asked second."""
+    node.with_pod_specs()
+    node.start(cards(CARD_4GIB, 2), placement="binpack" if binpack else "spread")
+    limits = {node.memory: 12, node.core: 50}
+    node.pod("held-before", limits)
+    first = node.kubelet.admit("held-before", "main", limits, order=[node.core, node.memory])
+    count = len(node.kubelet.registrations)
+    node.kubelet.restart(empty_pod_manager=True)
+    assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 5.0)
+    assert node.kubelet.wait_for(
+        lambda k: k.healthy_count(node.memory) == 32 and k.healthy_count(node.core) == 200, 5.0
+    )
+    node.pod("held-after", limits)
+    second = node.kubelet.admit("held-after", "main", limits, order=[node.core, node.memory])
+    assert second.card() != first.card()
+    assert {card_of(d) for ids in second.devices.values() for d in ids} == {second.card()}
+    node.kubelet.pods_synced()

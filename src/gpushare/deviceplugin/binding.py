@@ -132,6 +132,7 @@ class Binder:
         # (keyed by resource; valid while the last binding is still the one it saw).
         self._decided: dict[Resource, tuple[Binding | None, Decision, Snapshot | None]] = {}
         self._units = UnitIndex(inventory)
+        self._unlisted: set[str] = set()  # the cards last found to have unlisted holders
 
     # -- shared helpers -----------------------------------------------------------
     def _group(self, resource: Resource, device_ids: Sequence[str]) -> dict[str, list[int]]:
@@ -179,6 +180,40 @@ class Binder:
             )
         return last, decision, snapshot
 
+    def _unlisted_holders(
+        self,
+        resource: Resource,
+        free: dict[str, list[int]],
+        healthy: Sequence[str],
+        snapshot: Snapshot,
+    ) -> set[str]:
+        """Healthy cards on which the kubelet's offer (``free``, exact for ``resource``)
+        shows more units taken than the records list holders for: someone the records
+        do not name holds units there (an ordinary init container, or, right after a
+        kubelet restart, a running pod the kubelet has not added back to its pod
+        manager yet: it admits the pods of its first batch in creation order, to the
+        second, and lists only those added so far). What such a holder has of the
+        other resource is unknown, so the placement takes the card's other resource as
+        full: the card is used only where no card the records vouch for can take the
+        container."""
+        listed = snapshot.used_counts[resource]
+        unlisted = {
+            uuid
+            for uuid in healthy
+            if self.inventory.cards[uuid].units(resource) - len(free.get(uuid, ()))
+            > listed.get(uuid, 0)
+        }
+        if unlisted != self._unlisted:
+            self._unlisted = unlisted
+            log.info(
+                "records_miss_holders",
+                resource=resource.value,
+                gpus=sorted(unlisted),
+                detail="the kubelet holds units the PodResources records list no "
+                "container for; placement takes the other resource of these cards as full",
+            )
+        return unlisted
+
     def _describe(self, uuid: str) -> str:
         card = self.inventory.cards[uuid]
         return f"GPU{card.gpu.index} ({uuid})"
@@ -215,13 +250,17 @@ class Binder:
         last, decision, snapshot = self._decide(resource, size, arrival)
         with self._lock:
             self._decided[resource] = (last, decision, snapshot)
-        if snapshot is not None:  # the kubelet's records as of now: exact
+        if snapshot is not None:  # the kubelet's records as of now: exact, unless...
             other = resource.other
             used = snapshot.used_counts[other]
             other_free = {
                 uuid: card.units(other) - used.get(uuid, 0)
                 for uuid, card in self.inventory.cards.items()
             }
+            # ...the kubelet holds units of a card the records list no holder for.
+            unlisted = self._unlisted_holders(resource, free, healthy, snapshot)
+            for uuid in unlisted:
+                other_free[uuid] = 0
         else:  # the last offer of the other resource and every Allocate since
             other_free = self.usage.free_counts(resource.other)
         cards = [

@@ -228,6 +228,10 @@ class PodResourcesLister(pr_pb2_grpc.PodResourcesListerServicer):
         self._list_refilled = time.monotonic()
         self.list_refusals = 0
         self.list_delay = 0.0  # seconds a List takes to answer (a busy kubelet)
+        #: the pods the kubelet's pod manager holds, which are all ``List`` looks at
+        #: (None: every admitted pod). A restarted kubelet starts empty and adds each
+        #: pod of its first batch just before admitting it (see :meth:`restart`).
+        self.pod_manager: set[tuple[str, str]] | None = None
         self._lock = threading.Condition()
 
     def _take_list_token(self) -> bool:
@@ -247,9 +251,12 @@ class PodResourcesLister(pr_pb2_grpc.PodResourcesListerServicer):
         """What ``List`` answers: active pods, app containers and sidecars only."""
         with self._lock:
             by_pod: dict[tuple[str, str], list[Admitted]] = {}
+            known = self.pod_manager
             for record in self.admitted.values():
                 if record.init:
                     continue  # ordinary init containers are not listed
+                if known is not None and (record.namespace, record.pod) not in known:
+                    continue  # not in the pod manager (yet): its devices are held, unlisted
                 by_pod.setdefault((record.namespace, record.pod), []).append(record)
         return pr_pb2.ListPodResourcesResponse(
             pod_resources=[
@@ -354,19 +361,30 @@ class SimulatedKubelet(PluginRegistry, PodResourcesLister):
             self._pr_server.stop(0).wait()
             self._pr_server = None
 
-    def restart(self, *, remove_sockets: bool = True) -> None:
+    def restart(self, *, remove_sockets: bool = True, empty_pod_manager: bool = False) -> None:
         """What a kubelet restart does: drop every plugin, delete every other socket in
         the directory, and replace ``kubelet.sock`` atomically.
 
         Allocations survive, as they do in the kubelet's checkpoint. With
         ``remove_sockets=False`` the plugins' sockets stay (the kubelet only logs a
         failure to clean its directory), so only the new ``kubelet.sock`` tells.
+        ``empty_pod_manager``: the restarted kubelet's first batch of pods is still
+        being admitted: ``List`` shows only the pods admitted since (the real 1.36
+        kubelet adds each pod to its pod manager just before admitting it, ordering
+        the batch by creation time, to the second), until :meth:`pods_synced`.
         """
+        with self._lock:
+            self.pod_manager = set() if empty_pod_manager else None
         self.stop(keep_pod_resources=True)
         for path in self.plugin_dir.glob("*.sock"):
             if path != self.socket and remove_sockets:
                 path.unlink(missing_ok=True)
         self.start()
+
+    def pods_synced(self) -> None:
+        """Every admitted pod is in the pod manager again (the first batch is done)."""
+        with self._lock:
+            self.pod_manager = None
 
     def allocated(self, resource: str) -> set[str]:
         with self._lock:
@@ -409,6 +427,9 @@ class SimulatedKubelet(PluginRegistry, PodResourcesLister):
         for other in list(self._reuse):
             if other != (namespace, pod):
                 del self._reuse[other]  # devicesToReuse keeps the pod being admitted only
+        with self._lock:
+            if self.pod_manager is not None:
+                self.pod_manager.add((namespace, pod))  # AddPod, then admission
         try:
             for resource in order:
                 self._allocate_one(record, resource, requests[resource], reusable.get(resource))

@@ -21,6 +21,7 @@ one of this node's, or a capacity no card holds, fails that claim alone, with on
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,15 +124,43 @@ class ClaimPreparer:
         self.checkpoint = Checkpoint(state_dir / "claims")
         self.lock = NodeLock(state_dir / "prepare.lock")
         self.api_timeout = api_timeout
+        #: Claim UID -> its entry, as the checkpoint holds it (read once by
+        #: :meth:`tidy`, then kept in step): what :meth:`prepared` answers without file
+        #: I/O or the node lock.
+        self._held: dict[str, ClaimEntry] = {}
+        self._held_lock = threading.Lock()
+        #: Called after a prepare or unprepare that changed what is held.
+        self.on_change: Callable[[], None] | None = None
+
+    # ------------------------------------------------------------------ what is held
+    def prepared(self) -> list[ClaimEntry]:
+        """The claims prepared here now, by UID (a copy: never file I/O, no node lock)."""
+        with self._held_lock:
+            return [self._held[uid] for uid in sorted(self._held)]
+
+    def _remember(self, uid: str, entry: ClaimEntry | None) -> bool:
+        """Keep (or, with None, drop) ``uid`` in the view; True if that changed it."""
+        with self._held_lock:
+            before = self._held.get(uid)
+            if entry is None:
+                self._held.pop(uid, None)
+            else:
+                self._held[uid] = entry
+        return before != entry
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Outcome]:
         """Every claim's outcome, keyed by the UID the kubelet sent."""
         outcomes: dict[str, Outcome] = {}
+        changed = False
         with self.lock.held():
             for claim in claims:
                 try:
-                    devices = self._prepare_one(claim)
+                    devices, fresh = self._prepare_one(claim)
                 except ClaimRefused as exc:
                     log.warning(
                         "claim_refused", claim=claim.describe(), uid=claim.uid, reason=str(exc)
@@ -142,6 +171,9 @@ class ClaimPreparer:
                     outcomes[claim.uid] = Outcome(error=f"cannot prepare the claim: {exc}")
                 else:
                     outcomes[claim.uid] = Outcome(devices=devices)
+                    changed |= fresh
+        if changed:
+            self._changed()
         return outcomes
 
     def _check_ref(self, claim: ClaimRef) -> None:
@@ -192,7 +224,8 @@ class ClaimPreparer:
             ours.append(result)
         return ours
 
-    def _prepare_one(self, claim: ClaimRef) -> list[PreparedDevice]:
+    def _prepare_one(self, claim: ClaimRef) -> tuple[list[PreparedDevice], bool]:
+        """The claim's devices, and whether the view of what is held changed."""
         self._check_ref(claim)
         known = self.checkpoint.get(claim.uid)
         if known is not None and (known.namespace, known.name) != (claim.namespace, claim.name):
@@ -201,7 +234,8 @@ class ClaimPreparer:
                 f"not {claim.describe()}"
             )
         if known is not None and known.state == PREPARED:
-            return known.devices  # idempotent: the same answer again
+            # idempotent: the same answer again (maybe prepared by another instance)
+            return known.devices, self._remember(claim.uid, known)
         results = self._results(claim, self._read_claim(claim))
         offered = self.devices()
         plan = []
@@ -229,7 +263,7 @@ class ClaimPreparer:
         prepared: list[PreparedDevice] = []
         shares = []
         for request, device, result in plan:
-            answer = self._answer(claim, request, device, result)
+            answer, memory_mib, cores = self._answer(claim, request, device, result)
             cdi_name = f"{claim.uid}-{_NOT_CDI.sub('_', request)}-{device.name}"
             cdi_devices.append(
                 CdiDevice(
@@ -241,7 +275,18 @@ class ClaimPreparer:
                 )
             )
             ids = [f"{self.cdi_kind}={cdi_name}", *answer.cdi_devices]
-            prepared.append(PreparedDevice(request, self.pool, device.name, ids))
+            prepared.append(
+                PreparedDevice(
+                    request,
+                    self.pool,
+                    device.name,
+                    ids,
+                    card=device.card_uuid or device.uuid,
+                    mig="" if device.shared else device.uuid,
+                    memory_mib=memory_mib,
+                    cores=cores,
+                )
+            )
             shares.append(
                 {
                     "device": device.name,
@@ -260,15 +305,17 @@ class ClaimPreparer:
             devices=prepared,
         )
         self.checkpoint.put(claim.uid, entry)
+        self._remember(claim.uid, entry)
         log.info("claim_prepared", claim=claim.describe(), uid=claim.uid, shares=shares)
-        return prepared
+        return prepared, True
 
     def _answer(
         self, claim: ClaimRef, request: str, device: Offered, result: Mapping[str, Any]
-    ) -> Answer:
+    ) -> tuple[Answer, int, int]:
+        """The answer, the memory it holds to (MiB) and its cores (0: no core limit)."""
         if not device.shared:
             answer = build_exclusive_answer([device.uuid])
-            return with_device_list(answer, [device.uuid], self.listing)
+            return with_device_list(answer, [device.uuid], self.listing), device.memory_mib, 0
         try:
             share = share_of(result.get("consumedCapacity"), device.card_memory_mib, self.unit_mib)
         except ShareError as exc:
@@ -283,14 +330,16 @@ class ClaimPreparer:
             memory_mib=share.memory_units * self.unit_mib,
             cores=share.cores or None,  # no cores asked: unthrottled, as memory-only
         )
-        return enforcement_answer(
+        answer = enforcement_answer(
             grant, enforcement=self.enforcement, cache_dir=cache_dir, listing=self.listing
         )
+        return answer, share.memory_units * self.unit_mib, share.cores
 
     # ------------------------------------------------------------------ unprepare
     def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
         """Every claim's error ("" when done); a claim not prepared here is done."""
         errors: dict[str, str] = {}
+        changed = False
         with self.lock.held():
             for claim in claims:
                 try:
@@ -300,6 +349,7 @@ class ClaimPreparer:
                     errors[claim.uid] = str(exc)
                     continue
                 if entry is None:
+                    changed |= self._remember(claim.uid, None)
                     errors[claim.uid] = ""
                     continue
                 try:
@@ -309,8 +359,11 @@ class ClaimPreparer:
                     log.error("claim_unprepare_failed", uid=claim.uid, error=str(exc))
                     errors[claim.uid] = f"cannot unprepare the claim: {exc}"
                     continue
+                changed |= self._remember(claim.uid, None)
                 log.info("claim_unprepared", claim=f"{entry.namespace}/{entry.name}", uid=claim.uid)
                 errors[claim.uid] = ""
+        if changed:
+            self._changed()
         return errors
 
     def _release(self, entry: ClaimEntry) -> None:
@@ -322,18 +375,26 @@ class ClaimPreparer:
     def tidy(self) -> None:
         """At start: remove claim cache directories and claim specs that no checkpoint
         entry names (left by a daemon killed between making them and recording them,
-        or by a lost checkpoint)."""
+        or by a lost checkpoint). Also reads what is held into the view
+        (:meth:`prepared`)."""
         with self.lock.held():
-            entries = []
+            found: dict[str, ClaimEntry] = {}
+            unusable = False
             for uid in self.checkpoint.uids():
                 try:
                     entry = self.checkpoint.get(uid)
                 except CheckpointError as exc:
                     # kept: what it names stays too (nothing is removed on a guess)
                     log.error("dra_checkpoint_unusable", uid=uid, error=str(exc))
-                    return
+                    unusable = True
+                    continue
                 if entry is not None:
-                    entries.append(entry)
+                    found[uid] = entry
+            with self._held_lock:
+                self._held = {uid: e for uid, e in found.items() if e.state == PREPARED}
+            if unusable:
+                return
+            entries = list(found.values())
             keys = {key for entry in entries for key in entry.cache_keys}
             specs = {spec_file_name(self.cdi_kind, e.spec_name) for e in entries}
             prefix = spec_file_name(self.cdi_kind, "x")[: -len("x.json")]

@@ -21,7 +21,6 @@ one of this node's, or a capacity no card holds, fails that claim alone, with on
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from gpushare.dra.checkpoint import (
     NodeLock,
     PreparedDevice,
 )
+from gpushare.dra.held import HeldClaims
 from gpushare.dra.model import API_VERSION, Offered, ShareError, share_of
 from gpushare.gpu.health import HealthBoard
 from gpushare.host.cdi import CdiDevice, CdiMount, remove_spec, spec_file_name, write_spec
@@ -91,6 +91,22 @@ def claim_path(namespace: str, name: str) -> str:
     return f"/apis/{API_VERSION}/namespaces/{namespace}/resourceclaims/{name}"
 
 
+def _held_device(
+    request: str, pool: str, device: Offered, cdi_ids: list[str], memory_mib: int, cores: int
+) -> PreparedDevice:
+    """The record of one prepared device: its answer, and what it holds."""
+    return PreparedDevice(
+        request,
+        pool,
+        device.name,
+        cdi_ids,
+        card=device.card_uuid or device.uuid,
+        mig="" if device.shared else device.uuid,
+        memory_mib=memory_mib,
+        cores=cores,
+    )
+
+
 class ClaimPreparer:
     """Prepares claims of this node's pool from the checkpoint and the API server."""
 
@@ -124,33 +140,9 @@ class ClaimPreparer:
         self.checkpoint = Checkpoint(state_dir / "claims")
         self.lock = NodeLock(state_dir / "prepare.lock")
         self.api_timeout = api_timeout
-        #: Claim UID -> its entry, as the checkpoint holds it (read once by
-        #: :meth:`tidy`, then kept in step): what :meth:`prepared` answers without file
-        #: I/O or the node lock.
-        self._held: dict[str, ClaimEntry] = {}
-        self._held_lock = threading.Lock()
-        #: Called after a prepare or unprepare that changed what is held.
-        self.on_change: Callable[[], None] | None = None
-
-    # ------------------------------------------------------------------ what is held
-    def prepared(self) -> list[ClaimEntry]:
-        """The claims prepared here now, by UID (a copy: never file I/O, no node lock)."""
-        with self._held_lock:
-            return [self._held[uid] for uid in sorted(self._held)]
-
-    def _remember(self, uid: str, entry: ClaimEntry | None) -> bool:
-        """Keep (or, with None, drop) ``uid`` in the view; True if that changed it."""
-        with self._held_lock:
-            before = self._held.get(uid)
-            if entry is None:
-                self._held.pop(uid, None)
-            else:
-                self._held[uid] = entry
-        return before != entry
-
-    def _changed(self) -> None:
-        if self.on_change is not None:
-            self.on_change()
+        #: The checkpoint's entries, read by :meth:`tidy` and kept in step: what
+        #: readers of the node's state see, without file I/O or the node lock.
+        self.held = HeldClaims()
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Outcome]:
@@ -173,7 +165,7 @@ class ClaimPreparer:
                     outcomes[claim.uid] = Outcome(devices=devices)
                     changed |= fresh
         if changed:
-            self._changed()
+            self.held.changed()
         return outcomes
 
     def _check_ref(self, claim: ClaimRef) -> None:
@@ -235,7 +227,7 @@ class ClaimPreparer:
             )
         if known is not None and known.state == PREPARED:
             # idempotent: the same answer again (maybe prepared by another instance)
-            return known.devices, self._remember(claim.uid, known)
+            return known.devices, self.held.remember(claim.uid, known)
         results = self._results(claim, self._read_claim(claim))
         offered = self.devices()
         plan = []
@@ -275,18 +267,7 @@ class ClaimPreparer:
                 )
             )
             ids = [f"{self.cdi_kind}={cdi_name}", *answer.cdi_devices]
-            prepared.append(
-                PreparedDevice(
-                    request,
-                    self.pool,
-                    device.name,
-                    ids,
-                    card=device.card_uuid or device.uuid,
-                    mig="" if device.shared else device.uuid,
-                    memory_mib=memory_mib,
-                    cores=cores,
-                )
-            )
+            prepared.append(_held_device(request, self.pool, device, ids, memory_mib, cores))
             shares.append(
                 {
                     "device": device.name,
@@ -305,7 +286,7 @@ class ClaimPreparer:
             devices=prepared,
         )
         self.checkpoint.put(claim.uid, entry)
-        self._remember(claim.uid, entry)
+        self.held.remember(claim.uid, entry)
         log.info("claim_prepared", claim=claim.describe(), uid=claim.uid, shares=shares)
         return prepared, True
 
@@ -349,7 +330,7 @@ class ClaimPreparer:
                     errors[claim.uid] = str(exc)
                     continue
                 if entry is None:
-                    changed |= self._remember(claim.uid, None)
+                    changed |= self.held.remember(claim.uid, None)
                     errors[claim.uid] = ""
                     continue
                 try:
@@ -359,11 +340,11 @@ class ClaimPreparer:
                     log.error("claim_unprepare_failed", uid=claim.uid, error=str(exc))
                     errors[claim.uid] = f"cannot unprepare the claim: {exc}"
                     continue
-                changed |= self._remember(claim.uid, None)
+                changed |= self.held.remember(claim.uid, None)
                 log.info("claim_unprepared", claim=f"{entry.namespace}/{entry.name}", uid=claim.uid)
                 errors[claim.uid] = ""
         if changed:
-            self._changed()
+            self.held.changed()
         return errors
 
     def _release(self, entry: ClaimEntry) -> None:
@@ -390,8 +371,7 @@ class ClaimPreparer:
                     continue
                 if entry is not None:
                     found[uid] = entry
-            with self._held_lock:
-                self._held = {uid: e for uid, e in found.items() if e.state == PREPARED}
+            self.held.replace_all({u: e for u, e in found.items() if e.state == PREPARED})
             if unusable:
                 return
             entries = list(found.values())

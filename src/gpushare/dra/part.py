@@ -114,7 +114,7 @@ class DraPart:
         note sizes has them None, except on a MIG device (its size is the device's)."""
         offered = {d.name: d for d in self.devices}
         by_card: dict[str, list[DraClaimState]] = {}
-        for entry in self.preparer.prepared():
+        for entry in self.preparer.held.entries():
             for device in entry.devices:
                 known = offered.get(device.device)
                 card = device.card or (known.card_uuid if known is not None else "")
@@ -145,7 +145,7 @@ class DraPart:
         core.card_facts.serve_dra(cards, self.shares)
         link = core.api_link
         if link is not None:
-            self.preparer.on_change = link.notify_changed
+            self.preparer.held.on_change = link.notify_changed
 
 
 def build_dra_part(

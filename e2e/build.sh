@@ -16,7 +16,7 @@ LDFLAGS="-s -w \
 mkdir -p bin
 start=$(date +%s)
 go build -trimpath -ldflags "$LDFLAGS" -o bin/ \
-  ./cmd/etcd ./cmd/crifake \
+  ./cmd/etcd ./cmd/crifake ./cmd/dracall \
   k8s.io/kubernetes/cmd/kube-apiserver \
   k8s.io/kubernetes/cmd/kube-scheduler \
   k8s.io/kubernetes/cmd/kube-controller-manager \

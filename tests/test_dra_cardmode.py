@@ -3,12 +3,17 @@ publishes it), and the cards for the DRA part are exactly those."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from conftest import NODE, TESLA_P4, Node, cards, gpu_uuid
+from mig_layouts import A100_UUID, mig_uuid, reference_a100, uniform_a100
 from procs import poll
 from test_exclusion import card_of, gpu, start
+from test_mig_serving import registered
+from test_mig_serving import start as start_mig
 
 from gpushare.base.startup import NodeConfigurationError
 from gpushare.config import ConfigError, load_settings
@@ -16,7 +21,7 @@ from gpushare.daemon import Daemon
 from gpushare.gpu.gpus import Gpu
 from gpushare.share.cardmodes import CardMode, card_modes, dra_cards, parse_card_modes
 from gpushare.sim.apiserver import KubeApiDouble
-from gpushare.sim.drakubelet import DraKubelet
+from gpushare.sim.drakubelet import DraKubelet, allocated_claim
 
 
 def test_a_dra_card_is_in_the_slice_and_in_no_device_plugin_list(
@@ -94,3 +99,125 @@ def test_shared_units_are_admitted_beside_a_dra_card(node: Node, api: KubeApiDou
     )
     admitted = node.kubelet.admit("p", "main", {node.memory: 4, node.core: 30})
     assert {card_of(d) for ids in admitted.devices.values() for d in ids} == {gpu_uuid(1)}
+
+
+# ------------------------------------------------------------------ a card in MIG mode
+
+
+def _slice_devices(api: KubeApiDouble) -> list[str]:
+    found = api.get("ResourceSlice", f"{NODE}-gpu.gpushare.io-0", api_version="resource.k8s.io/v1")
+    return [d["name"] for d in (found or {}).get("spec", {}).get("devices", [])]
+
+
+def _start_mig_node(node: Node, modes: str, **overrides: Any) -> Daemon:
+    return start_mig(
+        node,
+        [reference_a100(), cards(TESLA_P4, 2)[1]],
+        card_modes=modes,
+        mig_strategy="mixed",
+        node_name=NODE,
+        dra_kubelet_root=str(node.root / "kubelet"),
+        dra_cdi_dir=str(node.root / "cdi"),
+        **overrides,
+    )
+
+
+def test_a_mig_card_in_dra_mode_leaves_the_mig_plan_and_its_devices_are_in_the_slice(
+    node: Node, api: KubeApiDouble
+) -> None:
+    daemon = _start_mig_node(node, "0=dra")
+    # the device plugin serves the shared card only: no MIG resource at all
+    assert not [name for name in registered(node) if "/mig-" in name]
+    assert not daemon.core.found.mig_plan.mig_devices
+    assert poll(lambda: len(_slice_devices(api)) == 4, 10)
+    assert sorted(_slice_devices(api)) == [
+        "gpu-0-mig-10-0",
+        "gpu-0-mig-2-0",
+        "gpu-0-mig-3-0",
+        "gpu-0-mig-9-0",
+    ]
+    kubelet = DraKubelet(node.root / "kubelet")
+    kubelet.register()
+    claim = api.add(
+        allocated_claim(
+            "default", "small", "gpu.gpushare.io", NODE,
+            [{"request": "mig", "device": "gpu-0-mig-9-0"}],
+        )
+    )
+    ref = ("default", "small", claim["metadata"]["uid"])
+    (answer,) = kubelet.prepare([ref]).values()
+    kubelet.close()
+    assert answer.error == ""
+    spec = json.loads(
+        (node.root / "cdi" / f"gpu.gpushare.io-claim_{ref[2]}.json").read_text()
+    )
+    env = dict(e.split("=", 1) for e in spec["devices"][0]["containerEdits"]["env"])
+    assert env["NVIDIA_VISIBLE_DEVICES"] == mig_uuid(2)  # the 1g.5gb at GPU instance 9
+    assert "CUDA_DEVICE_MEMORY_LIMIT_0" not in env  # a MIG device is whole: no interposer
+    # the card still counts on the node (gpu.count) and is shown under its index
+    assert poll(lambda: A100_UUID in _whole_uuids(api), 10)
+    # ...with the claim prepared on its MIG device (the device's memory, no core limit)
+    assert poll(lambda: _dra_claims(api).get(A100_UUID) == [["small", "gpu-0-mig-9-0", 0]], 10)
+    mib = next(d.memory_mib for d in daemon.core.found.dra_mig_cards[0].mig_devices
+               if d.uuid == mig_uuid(2))  # fmt: skip
+    assert _dra_claims(api, "memory_mib")[A100_UUID] == [["small", "gpu-0-mig-9-0", mib]]
+
+
+def _dra_claims(api: KubeApiDouble, figure: str = "cores") -> dict[str, list[list[Any]]]:
+    """Card UUID -> [claim, device, figure] of each DRA card's published claims."""
+    found = api.get("Node", NODE) or {}
+    text = found.get("metadata", {}).get("annotations", {}).get("gpushare.io/gpus")
+    cards = json.loads(text).get("wholeGpus", []) if text else []
+    return {
+        c["uuid"]: [[x["claim"], x["device"], x[figure]] for x in c["claims"]]
+        for c in cards
+        if c.get("mode") == "dra"
+    }
+
+
+def _whole_uuids(api: KubeApiDouble) -> set[str]:
+    found = api.get("Node", NODE) or {}
+    text = found.get("metadata", {}).get("annotations", {}).get("gpushare.io/gpus")
+    if not text:
+        return set()
+    return {card["uuid"] for card in json.loads(text).get("wholeGpus", [])}
+
+
+def test_a_mig_card_without_a_mode_stays_with_the_device_plugin(
+    node: Node, api: KubeApiDouble
+) -> None:
+    daemon = _start_mig_node(node, "1=dra")
+    assert {name for name in registered(node) if "/mig-" in name} == {
+        "gpushare.io/mig-3g.20gb",
+        "gpushare.io/mig-2g.10gb",
+        "gpushare.io/mig-1g.5gb",
+    }
+    assert len(daemon.core.found.mig_plan.mig_devices) == 4
+    assert poll(lambda: _slice_devices(api) == ["gpu-1"], 10)
+
+
+@pytest.mark.parametrize("mode", ["shared", "exclusive"])
+def test_a_mig_card_in_a_device_plugin_mode_is_refused_in_one_line(
+    node: Node, api: KubeApiDouble, mode: str
+) -> None:
+    with pytest.raises(NodeConfigurationError, match="in MIG mode") as caught:
+        _start_mig_node(node, f"{A100_UUID}={mode}")
+    assert "\n" not in str(caught.value)
+
+
+def test_single_strategy_looks_only_at_the_mig_cards_it_serves(
+    node: Node, api: KubeApiDouble
+) -> None:
+    """The reference A100 (three profiles) would make ``single`` refuse the node; in
+    ``dra`` mode it is the DRA driver's, and the uniform card is served as ``gpu``."""
+    start_mig(
+        node,
+        [reference_a100(), uniform_a100("GPU-uniform-a100", 1, 16)],
+        card_modes="0=dra",
+        mig_strategy="single",
+        node_name=NODE,
+        dra_kubelet_root=str(node.root / "kubelet"),
+        dra_cdi_dir=str(node.root / "cdi"),
+    )
+    assert node.kubelet.wait_for(lambda k: k.healthy_count("gpushare.io/gpu") == 7)
+    assert poll(lambda: len(_slice_devices(api)) == 4, 10)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TESLA_P4, Node, cards
+from mig_layouts import reference_a100
 from pairing_world import CORE, MEMORY, REGIMES, World, _Context, pod_object
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2
@@ -122,3 +123,29 @@ def test_a_container_mixing_whole_cards_and_shared_units_is_refused(
     # A pod of one kind per container is served.
     node.pod("ok", {node.memory: 4})
     assert node.kubelet.admit("ok", "main", {node.memory: 4}).card()
+
+
+@pytest.mark.parametrize("nvidia_names", [False, True])
+@pytest.mark.parametrize("mig_first", [True, False])
+def test_shared_units_with_a_mig_device_are_refused(
+    node: Node, mig_first: bool, nvidia_names: bool
+) -> None:
+    """Whichever resource the kubelet asks first, and with ``migNvidiaNames`` (MIG devices
+    named ``nvidia.com/mig-*``) too: a container asking a MIG device and shared units is
+    refused, never given two GPUs."""
+    node.with_pod_specs()
+    node.start(
+        [reference_a100(), cards(TESLA_P4, 2)[1]],
+        mig_strategy="mixed",
+        mig_nvidia_names=nvidia_names,
+    )
+    prefix = "nvidia.com" if nvidia_names else node.settings.resource_prefix
+    mig = f"{prefix}/mig-1g.5gb"
+    assert node.kubelet.wait_for(lambda k: bool(k.devices(mig)))
+    requests = {mig: 1, node.memory: 4}
+    node.pod("mix", requests)
+    order = [mig, node.memory] if mig_first else [node.memory, mig]
+    with pytest.raises(AdmissionError, match="together with whole cards or MIG"):
+        node.kubelet.admit("mix", "main", requests, order=order)
+    node.pod("ok", {mig: 1})
+    assert node.kubelet.admit("ok", "main", {mig: 1}).devices[mig]

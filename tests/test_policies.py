@@ -590,3 +590,23 @@ def test_the_chart_says_loudly_when_a_policy_is_off() -> None:
     assert "WARNING" in off and "may patch every Node and" in off
     template = (ROOT / "charts/gpushare/templates/NOTES.txt").read_text()
     assert 'semverCompare ">=1.30.0-0"' in template and "were NOT installed" in template
+
+
+def test_with_nvidia_mig_names_the_chart_refuses_their_mix_too() -> None:
+    """``config.migNvidiaNames``: the daemon serves MIG devices as ``nvidia.com/mig-*``
+    (and ``nvidia.com/gpu`` in the single strategy): the chart's policy refuses a
+    container mixing those with shared units; without it, they are not ours to judge."""
+    values = {"config": {"migNvidiaNames": True}}
+    (spec,) = [
+        o["spec"]
+        for o in chart_objects(values)
+        if o["kind"] == "ValidatingAdmissionPolicy" and o["metadata"]["name"].endswith("memory")
+    ]
+    policy = Policy(spec)
+    for other in ("nvidia.com/mig-1g.5gb", "nvidia.com/gpu", "gpushare.io/mig-1g.5gb"):
+        pod = _pod(_limits("app", **{other: 1, "gpushare.io/vcuda-memory": 4}))
+        denials = policy.denials(CREATE_POD, pod)
+        assert denials is not None
+        assert any("together with whole cards or MIG" in d for d in denials), other
+    alone = _pod(_limits("app", **{"nvidia.com/mig-1g.5gb": 1}))
+    assert policy.denials(CREATE_POD, alone) == []

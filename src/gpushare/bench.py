@@ -723,24 +723,26 @@ def _dra_rounds(
     plan: Plan, root: Path, client: Any, create: Callable[[dict[str, Any]], None], rounds: int
 ) -> tuple[str, str, str, str, bool]:
     """The DRA part serving ``plan.cards`` simulated H200 in this process, the stand-in
-    kubelet calling over the plugin's unix socket. Each round creates one allocated
-    claim (not timed), prepares it (timed: the GET, the checks, the answer, a cache
-    directory, the CDI spec and the checkpoint entry), GETs the same claim with the same
-    client (timed: the baseline), makes the same call with no claim (timed: the gRPC
-    floor, for context) and unprepares it. Returns the row's cells."""
+    kubelet calling over the plugin's unix socket from a process of its own (as the
+    kubelet does: the caller's side of gRPC is not this process's work, and the two do
+    not share one interpreter lock). Each round creates one allocated claim (not timed),
+    prepares it (timed by the caller: the GET, the checks, the answer, a cache
+    directory, the CDI spec and the checkpoint entry), GETs the same claim with the
+    part's client (timed: the baseline), makes the same call with no claim (timed by the
+    caller: the gRPC floor, for context) and unprepares it. Returns the row's cells."""
     from gpushare.base.logs import configure_logging
     from gpushare.config import Settings
     from gpushare.dra.part import build_dra_part
     from gpushare.gpu.health import HealthBoard
     from gpushare.host.library import ensure_lock_dir, install_library
     from gpushare.share.answers import DeviceListing, Enforcement
-    from gpushare.sim.drakubelet import DraKubelet, allocated_claim
+    from gpushare.sim.drakubelet import allocated_claim
 
     # The part logs as the DaemonSet's daemon does: JSON lines, info and up, here to a file.
     log_file = (root / "dra.log").open("w")
     configure_logging("json", "info", log_file)
     part = None
-    kubelet = DraKubelet(root / "kubelet")
+    kubelet = DraCaller(root / "kubelet")
     prepare: list[float] = []
     get: list[float] = []
     empty: list[float] = []
@@ -782,18 +784,15 @@ def _dra_rounds(
             )
             create(claim)
             ref = ("default", f"bench-{i}", claim["metadata"]["uid"])
-            began = time.perf_counter()
-            answers = kubelet.prepare([ref])
-            prepare.append(time.perf_counter() - began)
-            if answers[ref[2]].error:
-                raise RuntimeError(f"prepare failed: {answers[ref[2]].error}")
+            seconds, error = kubelet.call("prepare", ref)
+            if error:
+                raise RuntimeError(f"prepare failed: {error}")
+            prepare.append(seconds)
             began = time.perf_counter()
             client.get(f"{path}/bench-{i}")
             get.append(time.perf_counter() - began)
-            began = time.perf_counter()
-            kubelet.prepare([])  # the gRPC floor: the same call with no claim
-            empty.append(time.perf_counter() - began)
-            kubelet.unprepare([ref])
+            empty.append(kubelet.call("empty")[0])  # the gRPC floor: no claim
+            kubelet.call("unprepare", ref)
     finally:
         kubelet.close()
         if part is not None:
@@ -801,12 +800,79 @@ def _dra_rounds(
         log_file.close()
     p50, base = percentile(prepare, 50), percentile(get, 50)
     return (
-        f"{plan.cards} x H200, {rounds} claims)",
+        f"{plan.cards} x H200, {rounds} claims, {kubelet.kind})",
         f"p50 {ms(p50)}, p99 {ms(percentile(prepare, 99))}",
         "p50 <= 2x one GET of the claim",
         f"GET p50 {ms(base)}; {p50 / base:.1f}x (empty call {ms(percentile(empty, 50))})",
         p50 <= 2 * base,
     )
+
+
+class DraCaller:
+    """The kubelet's side of the DRA calls, timed as the kubelet sees them.
+
+    Registration goes through the stand-in kubelet (:class:`DraKubelet`). The calls are
+    made by ``dracall`` (built by ``make e2e`` beside the cluster's binaries: grpc-go and
+    the kubelet's DRA v1 client, in a process of its own, as the kubelet makes them)
+    where it is built, else by the stand-in in this process, whose own Python gRPC client
+    and interpreter lock then count in the figure (:attr:`kind` says which)."""
+
+    def __init__(self, kubelet_root: Path) -> None:
+        from gpushare.sim import controlplane
+        from gpushare.sim.drakubelet import DraKubelet
+
+        self.kubelet = DraKubelet(kubelet_root)
+        self._program = controlplane.BIN / "dracall"
+        self._process: subprocess.Popen[str] | None = None
+        self.kind = "grpc-go caller" if self._program.is_file() else "Python caller"
+
+    def register(self) -> None:
+        self.kubelet.register()
+        if self._program.is_file():
+            self._process = subprocess.Popen(
+                [str(self._program), f"--socket={self.kubelet.info.endpoint}"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+
+    def call(self, what: str, ref: tuple[str, str, str] | None = None) -> tuple[float, str]:
+        """(seconds the call took, as the caller saw it; its error, "" if none)."""
+        if self._process is None:
+            return self._call_here(what, ref)
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._process.stdin.write(" ".join([what, *(ref or ())]) + "\n")
+        self._process.stdin.flush()
+        seconds, _, error = self._process.stdout.readline().rstrip("\n").partition(" ")
+        if not seconds:
+            raise RuntimeError(f"dracall ended (exit status {self._process.poll()})")
+        if what != "prepare" and error:
+            raise RuntimeError(f"DRA {what} failed: {error}")
+        return float(seconds), error
+
+    def _call_here(self, what: str, ref: tuple[str, str, str] | None) -> tuple[float, str]:
+        began = time.perf_counter()
+        if what == "empty":
+            self.kubelet.prepare([])
+            error = ""
+        elif what == "prepare" and ref is not None:
+            error = self.kubelet.prepare([ref])[ref[2]].error
+        elif ref is not None:
+            error = self.kubelet.unprepare([ref])[ref[2]]
+            if error:
+                raise RuntimeError(f"DRA {what} failed: {error}")
+        return time.perf_counter() - began, error
+
+    def close(self) -> None:
+        if self._process is not None:
+            if self._process.stdin is not None:
+                self._process.stdin.close()
+            try:
+                self._process.wait(10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self.kubelet.close()
 
 
 # --------------------------------------------------------------------------- main

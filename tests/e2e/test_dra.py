@@ -186,8 +186,13 @@ def random_sizes() -> list[tuple[int, int]]:
     ]
 
 
-#: Pods of the random workload that could not run: DRA's and the device plugin's.
-REFUSED: dict[str, int] = {}
+#: Pods of 18 units (4608 MiB), no cores: one fits a card (29 units), two fit a node's two
+#: cards by their sum (58), so a scheduler that sees only the node's total places three.
+FRAGMENTING = [(4608, 0)] * 6
+#: The workloads compared in docs/dra.md, by name: (memory MiB, cores) per pod.
+WORKLOADS = {"random": random_sizes(), "fragmenting": FRAGMENTING}
+#: Pods that could not run, by (workload, front door): "dra" or "device plugin".
+REFUSED: dict[tuple[str, str], str] = {}
 
 
 def settled(cluster: Cluster, names: list[str]) -> dict[str, dict[str, Any]] | None:
@@ -266,7 +271,7 @@ def test_random_shares_land_on_one_card_never_overcommitted(
     except E2EError:
         assert inspected_claims(cluster) == expected  # the difference, shown
         raise
-    REFUSED["dra"] = len(asked) - running
+    REFUSED[("random", "dra")] = f"{len(asked) - running} of {len(asked)} unschedulable"
     print(f"dra e2e: {running} of {len(asked)} running; per card (MiB, cores): {used}")
 
 
@@ -295,6 +300,39 @@ def inspected_claims(
                 card["coreUnitsUsed"],
             )
     return shown
+
+
+def test_fragmenting_shares_wait_for_a_card_instead_of_failing(
+    cluster: Cluster, workload: Workload
+) -> None:
+    """Six shares of 18 units on four cards of 29: four run, one per card; the other two
+    stay Pending (unschedulable, placed as soon as a card frees), none fails admission."""
+    names = [f"dra-f{i}" for i in range(len(FRAGMENTING))]
+    for name, (memory, _cores) in zip(names, FRAGMENTING, strict=True):
+        workload.create(name, {"memory": f"{memory}Mi"})
+    pods = wait_for(
+        "every pod Running or unschedulable", lambda: settled(cluster, names), 180, step=0.5
+    )
+    phases = sorted(p["status"].get("phase", "") for p in pods.values())
+    assert phases == ["Pending"] * 2 + ["Running"] * 4, phases
+    devices = set()
+    for name in names:
+        if pods[name]["status"].get("phase") == "Running":
+            claim = workload.claim(name)
+            assert claim is not None
+            (result,) = claim["status"]["allocation"]["devices"]["results"]
+            devices.add((result["pool"], result["device"]))
+    assert len(devices) == 4  # one share per card: none holds two
+    REFUSED[("fragmenting", "dra")] = "2 of 6 unschedulable, 0 failed admission"
+    # a freed card takes a waiting pod: the allocator places it, the kubelet prepares it
+    running = next(n for n in names if pods[n]["status"].get("phase") == "Running")
+    cluster.delete_pod("default", running)
+
+    def running_now() -> int:
+        phases = [(cluster.pod("default", n) or {}).get("status", {}).get("phase") for n in names]
+        return phases.count("Running")
+
+    wait_for("a waiting pod Running on the freed card", lambda: running_now() == 4, 120, step=0.5)
 
 
 def test_daemon_killed_between_prepare_and_unprepare(cluster: Cluster, workload: Workload) -> None:
@@ -361,19 +399,21 @@ def test_an_unchanged_whole_card_pod_lands_on_a_dra_card(
         cluster.delete_pod("default", "dra-whole")
 
 
+@pytest.mark.parametrize("name", list(WORKLOADS))
 def test_the_same_workload_on_device_plugin_cards_for_comparison(
-    cluster: Cluster, dra_nodes: list[str]
+    cluster: Cluster, dra_nodes: list[str], name: str
 ) -> None:
     """The same sizes as vcuda-memory/vcuda-core pods on the same number of cards, served
     by the device plugin with the stock scheduler and no extender (the yardstick of docs/dra.md)."""
+    workload_name = name
     for name in dra_nodes:  # cards 1 and 2 to the device plugin, card 0 to DRA
         cluster.nodes[name].restart_daemon("--card-modes=0=dra")
         cluster.wait_allocatable(name, lambda a: int(a.get(MEMORY, "0")) == 2 * 29)
     names = []
     try:
-        for i, (memory, cores) in enumerate(random_sizes()):
+        for i, (memory, cores) in enumerate(WORKLOADS[workload_name]):
             limits = {MEMORY: math.ceil(memory / 256)} | ({CORE: cores} if cores else {})
-            manifest = pod_manifest(f"dp-r{i}", limits)
+            manifest = pod_manifest(f"dp-{workload_name[0]}{i}", limits)
             manifest["spec"]["affinity"] = {
                 "nodeAffinity": {
                     "requiredDuringSchedulingIgnoredDuringExecution": {
@@ -392,7 +432,7 @@ def test_the_same_workload_on_device_plugin_cards_for_comparison(
                 }
             }
             cluster.create_pod(manifest)
-            names.append(f"dp-r{i}")
+            names.append(f"dp-{workload_name[0]}{i}")
         pods = wait_for(
             "every device-plugin pod Running, refused or failed",
             lambda: settled(cluster, names),
@@ -403,11 +443,21 @@ def test_the_same_workload_on_device_plugin_cards_for_comparison(
         pending = sum(
             1 for p in pods.values() if p["status"].get("phase") not in ("Running", "Failed")
         )
-        REFUSED["device plugin"] = failed + pending
-        print(
-            f"refused of {len(names)}: DRA {REFUSED.get('dra')}, device plugin without the "
-            f"extender {failed + pending} ({failed} failed admission, {pending} unschedulable)"
+        REFUSED[(workload_name, "device plugin")] = (
+            f"{failed + pending} of {len(names)}: {pending} unschedulable, "
+            f"{failed} failed admission"
         )
+        print(
+            f"{workload_name} workload, not running: DRA {REFUSED.get((workload_name, 'dra'))}; "
+            f"device plugin without the extender {REFUSED[(workload_name, 'device plugin')]}"
+        )
+        # whatever the scheduler did, the device plugin never split a container
+        for pod in pods.values():
+            if pod["status"].get("phase") == "Running":
+                record = cluster.wait_record(
+                    pod["spec"]["nodeName"], "default", pod["metadata"]["name"], "main"
+                )
+                assert "," not in record["env"]["NVIDIA_VISIBLE_DEVICES"], record["env"]
     finally:
         for name in names:
             cluster.delete_pod("default", name, wait=False)

@@ -135,13 +135,12 @@ def test_the_rendered_chart_is_accepted(cluster: Cluster, name: str) -> None:
     assert refused(cluster, objects) == []
 
 
-def test_the_mutating_policy_as_v1_sets_the_scheduler_name(cluster: Cluster) -> None:
-    """daemonset/scheduler/set-scheduler-name.yaml is written for v1beta1 (off by default in
-    1.36, where MutatingAdmissionPolicy is GA): as v1 it is accepted, and it works: a pod asking
-    shared units gets schedulerName gpushare-scheduler from the real API server."""
+def test_the_mutating_policy_sets_the_scheduler_name(cluster: Cluster) -> None:
+    """daemonset/scheduler/set-scheduler-name.yaml as written (v1, GA in 1.36) is accepted,
+    and it works: a pod asking shared units gets schedulerName gpushare-scheduler from the
+    real API server."""
     objects = objects_of((REPO / "daemonset/scheduler/set-scheduler-name.yaml").read_text())
-    for obj in objects:
-        obj["apiVersion"] = "admissionregistration.k8s.io/v1"
+    assert {obj["apiVersion"] for obj in objects} == {"admissionregistration.k8s.io/v1"}
     try:
         for obj in objects:
             reply = cluster.api.apply(obj)

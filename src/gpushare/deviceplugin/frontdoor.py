@@ -187,6 +187,7 @@ class DevicePluginFrontDoor:
                 self.stopping,
                 answer=migserve.answer_builder(self.listing, specs=specs),
                 on_allocated=self.core.whole_allocated,  # annotated and published as whole cards
+                guard=lambda name=name: self._mixed_guard(name),  # type: ignore[misc]
             )
             named.append(self._serve(servicer, migserve.socket_name(devices), name))
         return named
@@ -250,8 +251,9 @@ class DevicePluginFrontDoor:
 
     # ------------------------------------------------------------------ per request
     def _mixed_guard(self, name: str) -> str | None:
-        """Refuse whole cards to a container being admitted that also holds shared
-        units (the kubelet's fresh records and the pod specs must both say so)."""
+        """Refuse whole cards or MIG devices to a container being admitted that also
+        holds shared units (the kubelet's fresh records and the pod specs must both say
+        so)."""
         specs = self.core.specs
         if specs is None:
             return None

@@ -18,7 +18,6 @@ import contextlib
 import fcntl
 import json
 import os
-import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
+from gpushare.base.atomicfile import replace_file
 
 log = structlog.get_logger(__name__)
 
@@ -139,18 +140,7 @@ class Checkpoint:
     def put(self, uid: str, entry: ClaimEntry) -> None:
         path = self._path(uid)
         data = json.dumps({"version": VERSION, "claim": asdict(entry)}).encode()
-        try:
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{path.name}.")
-        except FileNotFoundError:  # the first entry: the directory is made once
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        replace_file(path, data, 0o600, dir_mode=0o700)
 
     def delete(self, uid: str) -> None:
         self._path(uid).unlink(missing_ok=True)

@@ -218,7 +218,7 @@ def dra_part_for(core: NodeCore) -> DraPart | None:
     from gpushare.kube.apilink import ApiConfigMissing, connect_api
 
     settings = core.settings
-    cards = dra_cards([g for g in core.found.gpus if not g.parent_uuid], core.modes)
+    cards = dra_cards(core.physical_cards(), core.modes)
     if not cards:
         return None
     try:

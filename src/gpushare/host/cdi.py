@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -30,6 +29,8 @@ from pathlib import Path
 
 import structlog
 import yaml
+
+from gpushare.base.atomicfile import replace_file
 
 log = structlog.get_logger(__name__)
 
@@ -201,19 +202,7 @@ def write_spec(directory: Path, kind: str, name: str, devices: Sequence[CdiDevic
     link stands in its place (the rename replaces the link itself)."""
     document = json.dumps(spec_json(kind, devices)).encode()
     target = directory / spec_file_name(kind, name)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
-    except FileNotFoundError:  # the first spec: the directory is made once
-        directory.mkdir(mode=0o755, parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(document)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    replace_file(target, document, 0o644, dir_mode=0o755)
     return target
 
 

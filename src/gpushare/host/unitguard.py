@@ -22,13 +22,12 @@ and checked at start against the kubelet's records, before anything registers:
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import structlog
 
+from gpushare.base.atomicfile import replace_file
 from gpushare.share.devices import SEPARATOR, Resource
 from gpushare.share.records import Snapshot
 from gpushare.share.usage import Holder
@@ -126,11 +125,8 @@ def write_recorded(host_dir: Path, unit_mib: int) -> None:
     """Record the unit size in effect (atomically); a failure is logged, not fatal."""
     target = host_dir / STATE_FILE
     try:
-        host_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=host_dir, prefix=f".{STATE_FILE}.")
-        with os.fdopen(fd, "w") as handle:
-            json.dump({"memoryUnitMib": unit_mib}, handle)
-        os.replace(tmp, target)
+        data = json.dumps({"memoryUnitMib": unit_mib}).encode()
+        replace_file(target, data, 0o644, dir_mode=0o755)
     except OSError as exc:
         log.warning("memory_unit_record_not_written", path=str(target), error=str(exc))
 

@@ -38,14 +38,19 @@ def _units(resources: Mapping[str, Any] | None, name: str) -> int:
     return whole_units(resources.get(name)) or 0
 
 
-def exclusive_requests(container: Mapping[str, Any], prefix: str) -> tuple[str, ...]:
-    """The whole-card and MIG resources (``<prefix>/gpu``, ``<prefix>/mig-*``) asked for."""
+def exclusive_requests(
+    container: Mapping[str, Any], prefix: str, mig_prefix: str | None = None
+) -> tuple[str, ...]:
+    """The whole-card and MIG resources asked for: ``<prefix>/gpu``, ``<prefix>/mig-*``
+    and, where MIG devices are served under another prefix (``nvidia.com`` with
+    ``migNvidiaNames``), ``<mig_prefix>/gpu`` and ``<mig_prefix>/mig-*``."""
     limits = (container.get("resources") or {}).get("limits") or {}
+    prefixes = {prefix, mig_prefix or prefix}
     return tuple(
         sorted(
             str(name)
             for name in limits
-            if str(name) == f"{prefix}/gpu" or str(name).startswith(f"{prefix}/mig-")
+            if any(str(name) == f"{p}/gpu" or str(name).startswith(f"{p}/mig-") for p in prefixes)
         )
     )
 
@@ -115,8 +120,10 @@ def _plan_from(containers: Sequence[SpecContainer]) -> list[Need]:
 class PodSpecBook:
     """Thread-safe record of the GPU containers of pods on this node."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, mig_prefix: str | None = None) -> None:
         self.prefix = prefix
+        #: the prefix MIG devices are served under (``nvidia.com`` with ``migNvidiaNames``)
+        self.mig_prefix = mig_prefix or prefix
         #: Called when no known pod can be the one asking; re-reads the pods, True if done.
         self.on_miss: Callable[[], bool] | None = None
         self._lock = threading.Lock()
@@ -137,7 +144,7 @@ class PodSpecBook:
                         str(container.get("name", "")),
                         wanted,
                         init=not restartable,
-                        exclusive=exclusive_requests(container, self.prefix),
+                        exclusive=exclusive_requests(container, self.prefix, self.mig_prefix),
                     )
                 )
         for container in spec.get("containers") or []:
@@ -147,7 +154,7 @@ class PodSpecBook:
                     SpecContainer(
                         str(container.get("name", "")),
                         wanted,
-                        exclusive=exclusive_requests(container, self.prefix),
+                        exclusive=exclusive_requests(container, self.prefix, self.mig_prefix),
                     )
                 )
         phase = str((pod.get("status") or {}).get("phase", "Pending"))

@@ -23,6 +23,7 @@ from gpushare.base.parts import Part, Task
 from gpushare.base.startup import ConfigurationRefused, NodeConfigurationError, StartupError
 from gpushare.config import Settings
 from gpushare.gpu import mig
+from gpushare.gpu.gpus import Gpu
 from gpushare.gpu.gputype import ChoiceBook
 from gpushare.gpu.health import HealthBoard, HealthMonitor, HealthPolicy
 from gpushare.host.gc import GarbageCollector
@@ -89,7 +90,18 @@ class NodeCore:
     @property
     def no_gpus(self) -> bool:
         """No card and no MIG device to serve at all."""
-        return not self.found.gpus and not self.found.mig_plan.mig_devices
+        found = self.found
+        return not found.gpus and not found.mig_plan.mig_devices and not found.dra_mig_cards
+
+    def physical_cards(self) -> list[Gpu]:
+        """Every card this node serves in some way (what the ``gpu.count`` label counts):
+        whole cards, cards in MIG mode under the device plugin, then under DRA."""
+        found = self.found
+        return (
+            [g for g in found.gpus if not g.parent_uuid]
+            + list(found.mig_plan.mig_cards)
+            + found.dra_mig_cards
+        )
 
     def shared_allocated(self, resource: Resource, uuid: str, device_ids: Sequence[str]) -> None:
         """A front door answered shared units on card ``uuid``: tell whoever counts."""
@@ -121,10 +133,20 @@ def _modes_and_inventory(
     settings: Settings, found: Discovered
 ) -> tuple[dict[str, CardMode], Inventory]:
     gpus = found.gpus
+    mig_cards = list(found.mig_plan.mig_cards)
     try:
+        spec = parse_card_modes(settings.card_modes)
         modes = card_modes(
-            [g for g in gpus if not g.parent_uuid], parse_card_modes(settings.card_modes)
+            [g for g in gpus if not g.parent_uuid] + found.dra_mig_cards + mig_cards, spec
         )
+        for card in mig_cards:  # served by --mig-strategy: only dra may take one away
+            given = spec.get(card.uuid, spec.get(str(card.index)))
+            if given in (CardMode.SHARED, CardMode.EXCLUSIVE):
+                raise ValueError(
+                    f"cardModes puts card {card.index} ({card.uuid}) in {given.value} mode, "
+                    "but it is in MIG mode: its MIG devices are served by --mig-strategy, "
+                    "or by the DRA driver with mode dra"
+                )
         modes.update({g.uuid: CardMode.SHARED for g in gpus if g.parent_uuid})  # migSharing
     except ValueError as exc:
         raise NodeConfigurationError(str(exc)) from None
@@ -140,14 +162,14 @@ def build_core(
 ) -> NodeCore:
     """Build the core (nothing started); :class:`StartupError` when it cannot work."""
     modes, inventory = _modes_and_inventory(settings, found)
-    if not found.gpus and not found.mig_plan.mig_devices:
+    if not found.gpus and not found.mig_plan.mig_devices and not found.dra_mig_cards:
         log.warning(
             "no_usable_gpus",
             detail="no GPU to serve: none found by NVML, or all in MIG mode and not "
             "served; serving empty device lists, /readyz answers 503",
         )
     enforcement = prepare_enforcement(settings)
-    health = HealthBoard(g.uuid for g in found.gpus)
+    health = HealthBoard(g.uuid for g in found.gpus + found.dra_mig_cards)
     mig_health = HealthBoard(mig.health_keys(found.mig_plan))
     whole: list[WholeResource] = []
     if settings.whole_cards:
@@ -162,7 +184,7 @@ def build_core(
     usage = UsageLedger(inventory)
     plan = found.mig_plan
     card_facts = CardFacts(  # holders, each card's own health, cards not shared
-        [g for g in found.gpus if not g.parent_uuid] + list(plan.mig_cards),
+        [g for g in found.gpus if not g.parent_uuid] + list(plan.mig_cards) + found.dra_mig_cards,
         inventory.cards,
         plan,
         health,
@@ -205,7 +227,7 @@ def build_core(
         modes,
         inventory,
         enforcement,
-        device_listing(settings, found.gpus, found.mig_plan),
+        device_listing(settings, found.gpus, found.mig_plan, found.dra_mig_cards),
         health,
         mig_health,
         offer,
@@ -219,11 +241,14 @@ def build_core(
         reaper=reaper,
     )
     refresher.after_read = core.after_read
-    core.specs = specs  # the fast suite hands in a book without a node name
+    mig_prefix = mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix)
+    if specs is not None:  # the fast suite hands in a book without a node name
+        specs.mig_prefix = mig_prefix  # MIG resources a container must not mix with units
+    core.specs = specs
     if whole:
         core.exclusion = Exclusion(health, offer, usage, whole, core.exclusive_ledger)
     if settings.node_name:
-        _link_to_api(core, specs or PodSpecBook(settings.resource_prefix))
+        _link_to_api(core, specs or PodSpecBook(settings.resource_prefix, mig_prefix))
     return core
 
 
@@ -253,7 +278,7 @@ def _link_to_api(core: NodeCore, specs: PodSpecBook) -> None:
     watch_releases(core.refresher, link)  # freed units published within about a second
     driver = getattr(core.found.backend, "cuda_driver_version", None)
     link.label_facts = LabelFacts(
-        gpus=[g for g in core.found.gpus if not g.parent_uuid] + list(plan.mig_cards),
+        gpus=core.physical_cards(),
         cuda_driver=driver() if driver is not None else None,
         nvidia_product=settings.nvidia_product_label,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -20,6 +20,7 @@ from gpushare.config import Settings
 from gpushare.gpu import mig
 from gpushare.gpu.gpus import Gpu, GpuBackend, GpuError, open_backend
 from gpushare.gpu.mig import MigPlan, MigPlanError, MigStrategy
+from gpushare.share.cardmodes import CardMode, parse_card_modes
 
 log = structlog.get_logger(__name__)
 
@@ -33,8 +34,27 @@ class Discovered:
 
     backend: GpuBackend
     gpus: list[Gpu]  # cards (and, with migSharing, MIG devices) that can be shared
-    mig_plan: MigPlan
+    mig_plan: MigPlan  # what the device plugin serves of the cards in MIG mode
     not_served: str  # why nothing at all is served on this node ("" when something is)
+    #: cards in MIG mode that card mode ``dra`` gives to the DRA driver (with their MIG
+    #: devices): in no device-plugin plan, published by the DRA driver as MIG devices
+    dra_mig_cards: list[Gpu] = field(default_factory=list)
+
+
+def dra_mig_cards(gpus: Sequence[Gpu], card_modes_text: str) -> list[Gpu]:
+    """The cards in MIG mode (not pending a change) that ``cardModes`` puts in ``dra``
+    mode. A value that does not parse names none here: the core refuses it in one line."""
+    try:
+        spec = parse_card_modes(card_modes_text)
+    except ValueError:
+        return []
+    return [
+        g
+        for g in gpus
+        if g.mig_enabled
+        and not g.mig_pending
+        and spec.get(g.uuid, spec.get(str(g.index))) is CardMode.DRA
+    ]
 
 
 def plan_gpus(gpus: Sequence[Gpu], strategy: str, sharing: bool = False) -> MigPlan:
@@ -83,8 +103,11 @@ class Discovery:
                 if self.backend is None:
                     self.backend = open_backend(settings.simulate)
                 found = self.backend.discover()
-                plan = plan_gpus(found, settings.mig_strategy, settings.mig_sharing)
-                return Discovered(self.backend, plan.shared_gpus(), plan, plan.not_served(found))
+                dra = dra_mig_cards(found, settings.card_modes)
+                planned = [g for g in found if g.uuid not in {d.uuid for d in dra}]
+                plan = plan_gpus(planned, settings.mig_strategy, settings.mig_sharing)
+                not_served = "" if dra else plan.not_served(planned)
+                return Discovered(self.backend, plan.shared_gpus(), plan, not_served, dra)
             except GpuError as exc:
                 if settings.fail_on_init_error:
                     raise StartupError(str(exc)) from None

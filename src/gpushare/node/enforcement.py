@@ -70,28 +70,36 @@ def prepare_enforcement(settings: Settings) -> Enforcement:
 
 
 def device_listing(
-    settings: Settings, gpus: Sequence[Gpu], plan: MigPlan | None = None
+    settings: Settings,
+    gpus: Sequence[Gpu],
+    plan: MigPlan | None = None,
+    dra_mig_cards: Sequence[Gpu] = (),
 ) -> DeviceListing:
     """How answers name their cards and MIG devices (``--device-list-strategy`` and the
-    CDI settings); every front door answers with the same listing."""
+    CDI settings); every front door answers with the same listing. ``dra_mig_cards``:
+    the cards in MIG mode the DRA driver serves, outside ``plan``."""
     by_index = settings.cdi_name_strategy == "index"
     listing = DeviceListing(
         strategies=settings.device_list_strategies(),
         cdi_kind=settings.cdi_kind,
-        cdi_ids={g.uuid: str(g.index) for g in gpus} if by_index else {},
+        cdi_ids={g.uuid: str(g.index) for g in [*gpus, *dra_mig_cards]} if by_index else {},
     )
-    return with_mig_names(listing, plan, by_index) if plan is not None else listing
+    if plan is None:
+        return listing
+    return with_mig_names(listing, plan, by_index, dra_mig_cards)
 
 
-def with_mig_names(listing: DeviceListing, plan: MigPlan, by_index: bool) -> DeviceListing:
+def with_mig_names(
+    listing: DeviceListing, plan: MigPlan, by_index: bool, dra_mig_cards: Sequence[Gpu] = ()
+) -> DeviceListing:
     """``listing`` naming MIG devices as NVIDIA's CDI specs do under the ``index`` name
-    strategy, ``<card index>:<MIG index>`` (sliced ones too); unchanged by UUID."""
+    strategy, ``<card index>:<MIG index>`` (sliced ones, and those of ``dra_mig_cards``,
+    too); unchanged by UUID."""
     if not by_index:
         return listing
-    cards = {gpu.uuid: gpu for gpu in plan.mig_cards}
-    names = {
-        d.uuid: f"{cards[d.parent_uuid].index}:{d.index}"
-        for d in plan.mig_devices + list(plan.shared_mig)
-    }
+    cards = {gpu.uuid: gpu for gpu in [*plan.mig_cards, *dra_mig_cards]}
+    devices = [*plan.mig_devices, *plan.shared_mig]
+    devices += [d for card in dra_mig_cards for d in card.mig_devices]
+    names = {d.uuid: f"{cards[d.parent_uuid].index}:{d.index}" for d in devices}
     return replace(listing, cdi_ids={**listing.cdi_ids, **names})
 

@@ -156,6 +156,23 @@ def test_a_mig_card_in_dra_mode_leaves_the_mig_plan_and_its_devices_are_in_the_s
     assert "CUDA_DEVICE_MEMORY_LIMIT_0" not in env  # a MIG device is whole: no interposer
     # the card still counts on the node (gpu.count) and is shown under its index
     assert poll(lambda: A100_UUID in _whole_uuids(api), 10)
+    # ...with the claim prepared on its MIG device (the device's memory, no core limit)
+    assert poll(lambda: _dra_claims(api).get(A100_UUID) == [["small", "gpu-0-mig-9-0", 0]], 10)
+    mib = next(d.memory_mib for d in daemon.core.found.dra_mig_cards[0].mig_devices
+               if d.uuid == mig_uuid(2))  # fmt: skip
+    assert _dra_claims(api, "memory_mib")[A100_UUID] == [["small", "gpu-0-mig-9-0", mib]]
+
+
+def _dra_claims(api: KubeApiDouble, figure: str = "cores") -> dict[str, list[list[Any]]]:
+    """Card UUID -> [claim, device, figure] of each DRA card's published claims."""
+    found = api.get("Node", NODE) or {}
+    text = found.get("metadata", {}).get("annotations", {}).get("gpushare.io/gpus")
+    cards = json.loads(text).get("wholeGpus", []) if text else []
+    return {
+        c["uuid"]: [[x["claim"], x["device"], x[figure]] for x in c["claims"]]
+        for c in cards
+        if c.get("mode") == "dra"
+    }
 
 
 def _whole_uuids(api: KubeApiDouble) -> set[str]:

@@ -386,3 +386,76 @@ def test_sockets_are_private(dra: DraNode) -> None:
 def test_settings_default_driver() -> None:
     assert Settings().dra_driver == DRIVER
     assert replace(Settings(), dra_driver="x.example").dra_driver == "x.example"
+
+
+def test_what_each_prepared_device_holds_is_recorded_and_kept_in_memory(dra: DraNode) -> None:
+    part = dra.start()
+    small = dra.claim(
+        "small",
+        {
+            "request": "r",
+            "device": "gpu-1",
+            "consumedCapacity": {"memory": "1000Mi", "cores": "30"},
+        },
+    )
+    whole = dra.claim("whole", {"request": "r", "device": "gpu-0"})
+    dra.kubelet.prepare([small, whole])
+    entry = json.loads((dra.host / "dra" / "claims" / f"{small[2]}.json").read_text())
+    (device,) = entry["claim"]["devices"]
+    assert (device["card"], device["mig"], device["memory_mib"], device["cores"]) == (
+        "GPU-00000001",
+        "",
+        1024,  # the rounded limit enforced
+        30,
+    )
+    shares = part.shares()
+    assert {
+        uuid: [(c.claim, c.memory_mib, c.cores) for c in found] for uuid, found in shares.items()
+    } == {
+        "GPU-00000000": [("whole", 24576, 0)],
+        "GPU-00000001": [("small", 1024, 30)],
+    }
+    dra.kubelet.unprepare([whole])
+    assert set(part.shares()) == {"GPU-00000001"}
+
+
+def test_an_entry_written_before_sizes_were_recorded_still_reads(dra: DraNode) -> None:
+    """A checkpoint entry of an earlier daemon: no card, MIG, memory or cores."""
+    dra.start()
+    ref = dra.claim("c", {"request": "r", "device": "gpu-1", "consumedCapacity": {"memory": "1Gi"}})
+    first = dra.kubelet.prepare([ref])
+    dra.stop()
+    path = dra.host / "dra" / "claims" / f"{ref[2]}.json"
+    entry = json.loads(path.read_text())
+    for device in entry["claim"]["devices"]:
+        for key in ("card", "mig", "memory_mib", "cores"):
+            del device[key]
+    path.write_text(json.dumps(entry))
+    part = dra.start()
+    (claim,) = part.shares()["GPU-00000001"]  # the card, from the device's name
+    assert (claim.claim, claim.device, claim.memory_mib, claim.cores) == ("c", "gpu-1", None, None)
+    assert dra.kubelet.prepare([ref]) == first  # answered from the old entry
+    assert dra.kubelet.unprepare([ref]) == {ref[2]: ""}
+    assert part.shares() == {}
+    assert list(dra.cdi.iterdir()) == []
+
+
+def test_a_mig_device_records_itself_and_its_parent_card(dra: DraNode) -> None:
+    from gpushare.gpu.gpus import MigDevice
+
+    parent = dra.gpus[1]
+    mig = MigDevice("MIG-aaaa", parent.uuid, "3g.20gb", 19968, gpu_instance=1, compute_instance=0)
+    dra.gpus[1] = replace(parent, mig_enabled=True, mig_devices=(mig,))
+    part = dra.start()
+    ref = dra.claim("m", {"request": "r", "device": "gpu-1-mig-1-0"})
+    assert dra.kubelet.prepare([ref])[ref[2]].error == ""
+    entry = json.loads((dra.host / "dra" / "claims" / f"{ref[2]}.json").read_text())
+    (device,) = entry["claim"]["devices"]
+    assert (device["card"], device["mig"], device["memory_mib"], device["cores"]) == (
+        parent.uuid,
+        "MIG-aaaa",
+        19968,
+        0,
+    )
+    (claim,) = part.shares()[parent.uuid]
+    assert (claim.device, claim.memory_mib) == ("gpu-1-mig-1-0", 19968)

@@ -43,6 +43,9 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(os.environ.get("GPUSHARE_E2E_BIN", str(REPO / "e2e" / "bin")))
 #: The console scripts of the repository's virtual environment (the one running pytest).
 SCRIPTS = Path(sys.executable).parent
+#: The daemon and kubectl-gpushare import this checkout's code, whatever checkout the
+#: venv's editable install names (a git worktree shares the main checkout's venv).
+CHECKOUT_SRC = str(REPO / "src")
 
 PREFIX = "gpushare.io"
 MEMORY = f"{PREFIX}/vcuda-memory"
@@ -580,6 +583,7 @@ class NodeAgent:
                 "PATH": f"{SCRIPTS}:{os.environ.get('PATH', '/usr/bin:/bin')}",
                 "KUBECONFIG": str(kubeconfig),
                 "HOME": str(self.dir),
+                "PYTHONPATH": CHECKOUT_SRC,
             }
         )
         library = self.dir / "libvgpu.so"
@@ -1282,6 +1286,7 @@ class Cluster:
         if token is not None:
             config = self.write_kubeconfig(self.dir / "user.kubeconfig", token)
         env["KUBECONFIG"] = str(config)
+        env["PYTHONPATH"] = CHECKOUT_SRC
         return subprocess.run(
             [str(SCRIPTS / "kubectl-gpushare"), *args],
             env=env,

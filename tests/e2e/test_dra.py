@@ -26,6 +26,7 @@ from kube_cluster import (
     REPO,
     WHOLE,
     Cluster,
+    E2EError,
     NodeSpec,
     load_manifests,
     pod_manifest,
@@ -223,6 +224,9 @@ def test_random_shares_land_on_one_card_never_overcommitted(
         "every pod Running or unschedulable", lambda: settled(cluster, list(asked)), 180, step=0.5
     )
     used: dict[tuple[str, str], list[int]] = {}
+    claims: dict[tuple[str, str], set[tuple[str, str, int, int]]] = {
+        (n, d): set() for n in DRA_NODES for d in ("gpu-1", "gpu-2")
+    }
     running = 0
     for name, (memory, cores) in asked.items():
         if pods[name]["status"].get("phase") != "Running":
@@ -238,6 +242,7 @@ def test_random_shares_land_on_one_card_never_overcommitted(
         totals = used.setdefault((node, result["device"]), [0, 0])
         totals[0] += charged
         totals[1] += cores
+        claims[(node, result["device"])].add(("default", claim["metadata"]["name"], charged, cores))
         # what the runtime was told: our CDI device, whose edits carry the rounded limits
         record = cluster.wait_record(node, "default", name, "main")
         ours = f"{DRIVER}/claim={claim['metadata']['uid']}-gpu-{result['device']}"
@@ -258,8 +263,43 @@ def test_random_shares_land_on_one_card_never_overcommitted(
         ]
         assert not any(m >= need and c >= cores for m, c in free), (name, asked[name], free)
     assert running >= 4
+    # kubectl gpushare inspect (the Node annotation) lists each running pod's claim on the
+    # card the allocator chose, with the rounded sizes, and the cards' sums
+    expected = {key: (found, *used.get(key, [0, 0])) for key, found in claims.items()}
+    try:
+        wait_for("inspect shows the claims", lambda: inspected_claims(cluster) == expected, 30)
+    except E2EError:
+        assert inspected_claims(cluster) == expected  # the difference, shown
+        raise
     REFUSED[("random", "dra")] = f"{len(asked) - running} of {len(asked)} unschedulable"
     print(f"dra e2e: {running} of {len(asked)} running; per card (MiB, cores): {used}")
+
+
+def inspected_claims(
+    cluster: Cluster,
+) -> dict[tuple[str, str], tuple[set[tuple[str, str, int, int]], int, int]] | None:
+    """(node, device) -> the claims ``kubectl gpushare inspect -o json`` lists on each DRA
+    card of the DRA nodes (namespace, claim, MiB, cores), the card's MiB and cores used."""
+    reply = cluster.kubectl_gpushare("inspect", "-o", "json")
+    if reply.returncode != 0:
+        return None
+    shown = {}
+    for node in json.loads(reply.stdout)["nodes"]:
+        if node["name"] not in DRA_NODES:
+            continue
+        for card in node["wholeGpus"]:
+            if card.get("mode") != "dra":
+                continue
+            assert card["memoryTotalMib"] == CARD_MIB and not card["claimsTruncated"]
+            listed = {
+                (c["namespace"], c["claim"], c["memoryMib"], c["cores"]) for c in card["claims"]
+            }
+            shown[(node["name"], f"gpu-{card['index']}")] = (
+                listed,
+                card["memoryUsedMib"],
+                card["coreUnitsUsed"],
+            )
+    return shown
 
 
 def test_fragmenting_shares_wait_for_a_card_instead_of_failing(

@@ -36,12 +36,41 @@ PREPARED = "prepared"
 
 @dataclass
 class PreparedDevice:
-    """One device of a prepared claim, as answered to the kubelet."""
+    """One device of a prepared claim, as answered to the kubelet, and what it holds.
+
+    ``card`` (the physical card's UUID, a MIG device's parent), ``mig`` (a MIG device's
+    UUID, served whole), ``memory_mib`` (the limit enforced: the rounded
+    ``consumedCapacity``, a MIG device's memory) and ``cores`` (0: no core limit) were
+    added later: an entry written before says nothing of them (None, "")."""
 
     request: str
     pool: str
     device: str
     cdi_ids: list[str]
+    card: str = ""
+    mig: str = ""
+    memory_mib: int | None = None
+    cores: int | None = None
+
+    @staticmethod
+    def from_json(data: Any) -> PreparedDevice:
+        if not isinstance(data, dict):
+            raise ValueError("a prepared device is not a mapping")
+        return PreparedDevice(
+            str(data["request"]),
+            str(data["pool"]),
+            str(data["device"]),
+            [str(i) for i in data["cdi_ids"]],
+            card=str(data.get("card") or ""),
+            mig=str(data.get("mig") or ""),
+            memory_mib=_count(data.get("memory_mib")),
+            cores=_count(data.get("cores")),
+        )
+
+
+def _count(value: Any) -> int | None:
+    """A non-negative whole number as written, or None (absent or not one)."""
+    return value if type(value) is int and value >= 0 else None
 
 
 @dataclass
@@ -63,12 +92,7 @@ class ClaimEntry:
             state=str(data["state"]),
             spec_name=str(data["spec_name"]),
             cache_keys=[str(k) for k in data.get("cache_keys", [])],
-            devices=[
-                PreparedDevice(
-                    str(d["request"]), str(d["pool"]), str(d["device"]), list(d["cdi_ids"])
-                )
-                for d in data.get("devices", [])
-            ],
+            devices=[PreparedDevice.from_json(d) for d in data.get("devices", [])],
         )
 
 

@@ -36,6 +36,7 @@ from gpushare.dra.checkpoint import (
     NodeLock,
     PreparedDevice,
 )
+from gpushare.dra.held import HeldClaims
 from gpushare.dra.model import API_VERSION, Offered, ShareError, share_of
 from gpushare.gpu.health import HealthBoard
 from gpushare.host.cdi import CdiDevice, CdiMount, remove_spec, spec_file_name, write_spec
@@ -90,6 +91,22 @@ def claim_path(namespace: str, name: str) -> str:
     return f"/apis/{API_VERSION}/namespaces/{namespace}/resourceclaims/{name}"
 
 
+def _held_device(
+    request: str, pool: str, device: Offered, cdi_ids: list[str], memory_mib: int, cores: int
+) -> PreparedDevice:
+    """The record of one prepared device: its answer, and what it holds."""
+    return PreparedDevice(
+        request,
+        pool,
+        device.name,
+        cdi_ids,
+        card=device.card_uuid or device.uuid,
+        mig="" if device.shared else device.uuid,
+        memory_mib=memory_mib,
+        cores=cores,
+    )
+
+
 class ClaimPreparer:
     """Prepares claims of this node's pool from the checkpoint and the API server."""
 
@@ -123,15 +140,19 @@ class ClaimPreparer:
         self.checkpoint = Checkpoint(state_dir / "claims")
         self.lock = NodeLock(state_dir / "prepare.lock")
         self.api_timeout = api_timeout
+        #: The checkpoint's entries, read by :meth:`tidy` and kept in step: what
+        #: readers of the node's state see, without file I/O or the node lock.
+        self.held = HeldClaims()
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Outcome]:
         """Every claim's outcome, keyed by the UID the kubelet sent."""
         outcomes: dict[str, Outcome] = {}
+        changed = False
         with self.lock.held():
             for claim in claims:
                 try:
-                    devices = self._prepare_one(claim)
+                    devices, fresh = self._prepare_one(claim)
                 except ClaimRefused as exc:
                     log.warning(
                         "claim_refused", claim=claim.describe(), uid=claim.uid, reason=str(exc)
@@ -142,6 +163,9 @@ class ClaimPreparer:
                     outcomes[claim.uid] = Outcome(error=f"cannot prepare the claim: {exc}")
                 else:
                     outcomes[claim.uid] = Outcome(devices=devices)
+                    changed |= fresh
+        if changed:
+            self.held.changed()
         return outcomes
 
     def _check_ref(self, claim: ClaimRef) -> None:
@@ -192,7 +216,8 @@ class ClaimPreparer:
             ours.append(result)
         return ours
 
-    def _prepare_one(self, claim: ClaimRef) -> list[PreparedDevice]:
+    def _prepare_one(self, claim: ClaimRef) -> tuple[list[PreparedDevice], bool]:
+        """The claim's devices, and whether the view of what is held changed."""
         self._check_ref(claim)
         known = self.checkpoint.get(claim.uid)
         if known is not None and (known.namespace, known.name) != (claim.namespace, claim.name):
@@ -201,7 +226,8 @@ class ClaimPreparer:
                 f"not {claim.describe()}"
             )
         if known is not None and known.state == PREPARED:
-            return known.devices  # idempotent: the same answer again
+            # idempotent: the same answer again (maybe prepared by another instance)
+            return known.devices, self.held.remember(claim.uid, known)
         results = self._results(claim, self._read_claim(claim))
         offered = self.devices()
         plan = []
@@ -229,7 +255,7 @@ class ClaimPreparer:
         prepared: list[PreparedDevice] = []
         shares = []
         for request, device, result in plan:
-            answer = self._answer(claim, request, device, result)
+            answer, memory_mib, cores = self._answer(claim, request, device, result)
             cdi_name = f"{claim.uid}-{_NOT_CDI.sub('_', request)}-{device.name}"
             cdi_devices.append(
                 CdiDevice(
@@ -241,7 +267,7 @@ class ClaimPreparer:
                 )
             )
             ids = [f"{self.cdi_kind}={cdi_name}", *answer.cdi_devices]
-            prepared.append(PreparedDevice(request, self.pool, device.name, ids))
+            prepared.append(_held_device(request, self.pool, device, ids, memory_mib, cores))
             shares.append(
                 {
                     "device": device.name,
@@ -260,15 +286,17 @@ class ClaimPreparer:
             devices=prepared,
         )
         self.checkpoint.put(claim.uid, entry)
+        self.held.remember(claim.uid, entry)
         log.info("claim_prepared", claim=claim.describe(), uid=claim.uid, shares=shares)
-        return prepared
+        return prepared, True
 
     def _answer(
         self, claim: ClaimRef, request: str, device: Offered, result: Mapping[str, Any]
-    ) -> Answer:
+    ) -> tuple[Answer, int, int]:
+        """The answer, the memory it holds to (MiB) and its cores (0: no core limit)."""
         if not device.shared:
             answer = build_exclusive_answer([device.uuid])
-            return with_device_list(answer, [device.uuid], self.listing)
+            return with_device_list(answer, [device.uuid], self.listing), device.memory_mib, 0
         try:
             share = share_of(result.get("consumedCapacity"), device.card_memory_mib, self.unit_mib)
         except ShareError as exc:
@@ -283,14 +311,16 @@ class ClaimPreparer:
             memory_mib=share.memory_units * self.unit_mib,
             cores=share.cores or None,  # no cores asked: unthrottled, as memory-only
         )
-        return enforcement_answer(
+        answer = enforcement_answer(
             grant, enforcement=self.enforcement, cache_dir=cache_dir, listing=self.listing
         )
+        return answer, share.memory_units * self.unit_mib, share.cores
 
     # ------------------------------------------------------------------ unprepare
     def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
         """Every claim's error ("" when done); a claim not prepared here is done."""
         errors: dict[str, str] = {}
+        changed = False
         with self.lock.held():
             for claim in claims:
                 try:
@@ -300,6 +330,7 @@ class ClaimPreparer:
                     errors[claim.uid] = str(exc)
                     continue
                 if entry is None:
+                    changed |= self.held.remember(claim.uid, None)
                     errors[claim.uid] = ""
                     continue
                 try:
@@ -309,8 +340,11 @@ class ClaimPreparer:
                     log.error("claim_unprepare_failed", uid=claim.uid, error=str(exc))
                     errors[claim.uid] = f"cannot unprepare the claim: {exc}"
                     continue
+                changed |= self.held.remember(claim.uid, None)
                 log.info("claim_unprepared", claim=f"{entry.namespace}/{entry.name}", uid=claim.uid)
                 errors[claim.uid] = ""
+        if changed:
+            self.held.changed()
         return errors
 
     def _release(self, entry: ClaimEntry) -> None:
@@ -322,18 +356,25 @@ class ClaimPreparer:
     def tidy(self) -> None:
         """At start: remove claim cache directories and claim specs that no checkpoint
         entry names (left by a daemon killed between making them and recording them,
-        or by a lost checkpoint)."""
+        or by a lost checkpoint). Also reads what is held into the view
+        (:meth:`prepared`)."""
         with self.lock.held():
-            entries = []
+            found: dict[str, ClaimEntry] = {}
+            unusable = False
             for uid in self.checkpoint.uids():
                 try:
                     entry = self.checkpoint.get(uid)
                 except CheckpointError as exc:
                     # kept: what it names stays too (nothing is removed on a guess)
                     log.error("dra_checkpoint_unusable", uid=uid, error=str(exc))
-                    return
+                    unusable = True
+                    continue
                 if entry is not None:
-                    entries.append(entry)
+                    found[uid] = entry
+            self.held.replace_all({u: e for u, e in found.items() if e.state == PREPARED})
+            if unusable:
+                return
+            entries = list(found.values())
             keys = {key for entry in entries for key in entry.cache_keys}
             specs = {spec_file_name(self.cdi_kind, e.spec_name) for e in entries}
             prefix = spec_file_name(self.cdi_kind, "x")[: -len("x.json")]

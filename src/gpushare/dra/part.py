@@ -10,7 +10,9 @@ node's name and the kubelet's root directory. The part then
 * serves the kubelet plugin (:mod:`gpushare.dra.server`) that prepares claims
   (:mod:`gpushare.dra.claims`),
 
-and is ready once the slices are published with consumable capacity kept.
+and is ready once the slices are published with consumable capacity kept. What it has
+prepared on each card (:meth:`DraPart.shares`) joins the node's published state and
+metrics through the core (:meth:`DraPart.report_to`).
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ from gpushare.dra.slices import SlicePublisher
 from gpushare.gpu.gpus import Gpu
 from gpushare.gpu.health import HealthBoard
 from gpushare.kube.kubeclient import ApiClient
+from gpushare.kube.nodestate import MAX_REQUEST, DraClaimState
 from gpushare.node.core import NodeCore
 from gpushare.share.answers import DeviceListing, Enforcement
-from gpushare.share.cardmodes import dra_cards
+from gpushare.share.cardmodes import CardMode, dra_cards
 
 log = structlog.get_logger(__name__)
 
@@ -104,6 +107,45 @@ class DraPart:
         if self.server.registered is False:
             return False, f"dra: the kubelet refused the plugin: {self.server.registration_error}"
         return True, "dra: slices published"
+
+    def shares(self) -> dict[str, tuple[DraClaimState, ...]]:
+        """Card UUID -> the devices of the claims prepared there, from the preparer's
+        memory (no file I/O, no node lock). A claim recorded by a daemon that did not
+        note sizes has them None, except on a MIG device (its size is the device's)."""
+        offered = {d.name: d for d in self.devices}
+        by_card: dict[str, list[DraClaimState]] = {}
+        for entry in self.preparer.held.entries():
+            for device in entry.devices:
+                known = offered.get(device.device)
+                card = device.card or (known.card_uuid if known is not None else "")
+                if not card:
+                    continue  # a device this node no longer offers, of an old entry
+                memory, cores = device.memory_mib, device.cores
+                if memory is None and known is not None and not known.shared:
+                    memory, cores = known.memory_mib, 0
+                by_card.setdefault(card, []).append(
+                    DraClaimState(
+                        entry.namespace,
+                        entry.name,
+                        device.request[:MAX_REQUEST],
+                        device.device,
+                        memory,
+                        cores,
+                    )
+                )
+        return {
+            card: tuple(sorted(claims, key=lambda c: (c.namespace, c.claim, c.request, c.device)))
+            for card, claims in by_card.items()
+        }
+
+    def report_to(self, core: NodeCore) -> None:
+        """Show what is prepared in the node's state and metrics (the core's card
+        facts), and have the API link publish again after each change."""
+        cards = [uuid for uuid, mode in core.modes.items() if mode is CardMode.DRA]
+        core.card_facts.serve_dra(cards, self.shares)
+        link = core.api_link
+        if link is not None:
+            self.preparer.held.on_change = link.notify_changed
 
 
 def build_dra_part(
@@ -180,7 +222,7 @@ def dra_part_for(core: NodeCore) -> DraPart | None:
     if not cards:
         return None
     try:
-        return build_dra_part(
+        part = build_dra_part(
             settings,
             cards,
             core.health,
@@ -193,3 +235,5 @@ def dra_part_for(core: NodeCore) -> DraPart | None:
         )
     except (ValueError, ApiConfigMissing) as exc:
         raise NodeConfigurationError(f"card mode dra: {exc}") from None
+    part.report_to(core)
+    return part

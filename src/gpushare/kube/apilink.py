@@ -116,7 +116,9 @@ class ApiLink:
         self.generation = 0
         self.published = threading.Event()  # set after each successful Node update
         self.publishes = 0  # successful Node updates, for tests and metrics
-        self._last_cards: tuple[nodestate.CardState, ...] | None = None
+        self._last_cards: (
+            tuple[tuple[nodestate.CardState, ...], tuple[nodestate.WholeCardState, ...]] | None
+        ) = None
         self._api: ApiClient | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -269,7 +271,7 @@ class ApiLink:
             updated=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             memory_unit_mib=self.inventory.memory_unit_mib,
             cards=cards,
-            whole=extras.whole,
+            whole=tuple(nodestate.listed_claims(card) for card in extras.whole),
         )
 
     def labels(self) -> dict[str, str]:
@@ -278,7 +280,8 @@ class ApiLink:
     def _publish_node(self, force: bool = True) -> bool:
         """Write the Node's state; unless ``force``, only if it changed. True if written."""
         state = self.node_state()
-        if not force and state.cards == self._last_cards:
+        shown = (state.cards, state.whole)
+        if not force and shown == self._last_cards:
             self.published.set()  # the Node shows the current state already
             return False
         body = {
@@ -290,7 +293,7 @@ class ApiLink:
         assert self._api is not None
         self._api.merge_patch(self._node_path, body, timeout=API_TIMEOUT)
         self.generation = state.generation
-        self._last_cards = state.cards
+        self._last_cards = shown
         self.publishes += 1
         self.published.set()
         log.debug("node_published", node=self.node_name, generation=state.generation)

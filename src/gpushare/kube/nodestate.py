@@ -23,6 +23,23 @@ both were added later and are optional. ``wholeGpus`` lists the cards not offere
 shared units (whole-only cards and MIG cards with their MIG devices), so that readers
 see every card the node's ``gpu.count`` label counts.
 
+A card in card mode ``dra`` (served by the DRA driver, not the device plugin) is listed
+under ``wholeGpus`` with ``"mode": "dra"`` and what the driver has prepared on it::
+
+    {"uuid": "GPU-...", "index": 2, "name": "Tesla P4", "memory_mib": 7611,
+     "healthy": true, "held_by": "", "mig": [], "mode": "dra",
+     "memory_used_mib": 5120, "cores_used": 30, "claim_count": 2,
+     "claims": [{"namespace": "ml", "claim": "train-0-gpu-x7k", "request": "gpu",
+                 "device": "gpu-2", "memory_mib": 4096, "cores": 30}, ...],
+     "claims_truncated": false}
+
+``memory_used_mib``/``cores_used`` add up every claim prepared on the card (memory: the
+limits enforced, the rounded ``consumedCapacity``; cores 0: not throttled);
+``claim_count`` counts them; at most :data:`MAX_CLAIMS_PER_CARD` are listed (then
+``claims_truncated``). A claim prepared by a daemon that did not record its size has
+``memory_mib``/``cores`` null. The scheduler extender places device-plugin pods by
+``gpus`` alone and never looks at these.
+
 ``pods`` names what the card's counts include, per pod: its UID (or
 ``namespace/name`` when the daemon does not know the UID yet) -> the memory and core
 units it holds there, as the kubelet's PodResources records showed them. Every pod
@@ -36,7 +53,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 VERSION = 1
@@ -44,6 +61,16 @@ VERSION = 1
 MAX_PODS_PER_CARD = 64
 #: Longest pod key read (a UID is 36 characters; ``namespace/name`` at most 317).
 MAX_POD_KEY = 320
+#: The most DRA claims listed per card; the rest set ``claims_truncated``.
+MAX_CLAIMS_PER_CARD = MAX_PODS_PER_CARD
+#: Card mode of a card served by the DRA driver.
+DRA_MODE = "dra"
+#: Longest names read from a claim entry: namespace (a DNS label), claim (a DNS
+#: subdomain), request (a DNS label, or ``<request>/<subrequest>``), device (a DNS
+#: label); and the longest mode.
+MAX_NAMESPACE, MAX_CLAIM_NAME, MAX_REQUEST, MAX_DEVICE, MAX_MODE = 63, 253, 127, 63, 16
+#: The largest memory (MiB) or count read from a claim entry.
+MAX_FIGURE = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -87,8 +114,21 @@ class MigState:
 
 
 @dataclass(frozen=True)
+class DraClaimState:
+    """One device of a ResourceClaim the DRA driver prepared on a card."""
+
+    namespace: str
+    claim: str
+    request: str
+    device: str  # the published device (``gpu-2``, ``gpu-0-mig-1-0``)
+    memory_mib: int | None  # the limit enforced; None: not recorded (an older daemon)
+    cores: int | None  # percent of the SMs, 0: not throttled; None: not recorded
+
+
+@dataclass(frozen=True)
 class WholeCardState:
-    """A card not offered as shared units: a whole-only card or a card in MIG mode."""
+    """A card not offered as shared units: a whole-only card, a card in MIG mode, or a
+    card served by the DRA driver (``mode`` "dra", with its claims)."""
 
     uuid: str
     index: int
@@ -97,6 +137,36 @@ class WholeCardState:
     healthy: bool
     held_by: str = ""
     mig: tuple[MigState, ...] = ()
+    #: "dra": served by the DRA driver; "" otherwise (the device plugin, or not said)
+    mode: str = ""
+    #: DRA cards: the claims prepared there (all of them in the daemon; at most
+    #: :data:`MAX_CLAIMS_PER_CARD` once published, then ``claims_truncated``)
+    claims: tuple[DraClaimState, ...] = ()
+    claims_truncated: bool = False
+    #: DRA cards: how many claims, and what they add up to (all of them)
+    claim_count: int = 0
+    memory_used_mib: int = 0
+    cores_used: int = 0
+
+
+def with_dra_claims(card: WholeCardState, claims: tuple[DraClaimState, ...]) -> WholeCardState:
+    """``card`` served by the DRA driver with ``claims`` prepared on it, their count and
+    what they add up to (sizes not recorded count as nothing)."""
+    return replace(
+        card,
+        mode=DRA_MODE,
+        claims=claims,
+        claim_count=len(claims),
+        memory_used_mib=sum(c.memory_mib or 0 for c in claims),
+        cores_used=sum(c.cores or 0 for c in claims),
+    )
+
+
+def listed_claims(card: WholeCardState) -> WholeCardState:
+    """``card`` as published: at most :data:`MAX_CLAIMS_PER_CARD` claims listed."""
+    if len(card.claims) <= MAX_CLAIMS_PER_CARD:
+        return card
+    return replace(card, claims=card.claims[:MAX_CLAIMS_PER_CARD], claims_truncated=True)
 
 
 @dataclass(frozen=True)
@@ -218,6 +288,15 @@ def _card_json(card: CardState) -> dict[str, Any]:
     return data
 
 
+def _whole_json(card: WholeCardState) -> dict[str, Any]:
+    data = asdict(card)
+    dra = ("mode", "claims", "claims_truncated", "claim_count", "memory_used_mib", "cores_used")
+    if card.mode != DRA_MODE:  # as before DRA: nothing more for these cards
+        for key in dra:
+            del data[key]
+    return data
+
+
 def encode(state: NodeGpuState) -> str:
     return json.dumps(
         {
@@ -226,7 +305,7 @@ def encode(state: NodeGpuState) -> str:
             "updated": state.updated,
             "memoryUnitMiB": state.memory_unit_mib,
             "gpus": [_card_json(card) for card in state.cards],
-            **({"wholeGpus": [asdict(card) for card in state.whole]} if state.whole else {}),
+            **({"wholeGpus": [_whole_json(card) for card in state.whole]} if state.whole else {}),
         },
         separators=(",", ":"),
     )
@@ -267,9 +346,55 @@ def _optional(data: dict[str, Any], key: str, kind: type, where: str, default: A
     return default if data.get(key) is None else _field(data, key, kind, where)
 
 
+def _name(data: dict[str, Any], key: str, limit: int, where: str) -> str:
+    value = _field(data, key, str, where)
+    if not 0 < len(value) <= limit:
+        raise ValueError(f"{where}: {key!r} must have 1 to {limit} characters")
+    return str(value)
+
+
+def _figure(data: dict[str, Any], key: str, where: str, default: Any) -> Any:
+    value = _optional(data, key, int, where, default)
+    if value is not None and not 0 <= value <= MAX_FIGURE:
+        raise ValueError(f"{where}: {key!r} must be between 0 and {MAX_FIGURE}")
+    return value
+
+
+def _request(claim: dict[str, Any], where: str) -> str:
+    value = _optional(claim, "request", str, where, "")
+    if len(value) > MAX_REQUEST:
+        raise ValueError(f"{where}: 'request' must have at most {MAX_REQUEST} characters")
+    return str(value)
+
+
+def _claims(entry: dict[str, Any], where: str) -> tuple[DraClaimState, ...]:
+    listed = _optional(entry, "claims", list, where, [])
+    if len(listed) > MAX_CLAIMS_PER_CARD:
+        raise ValueError(f"{where}: more than {MAX_CLAIMS_PER_CARD} claims listed")
+    claims = []
+    for position, claim in enumerate(listed):
+        at = f"{where}.claims[{position}]"
+        if not isinstance(claim, dict):
+            raise ValueError(f"{at} must be an object")
+        claims.append(
+            DraClaimState(
+                namespace=_name(claim, "namespace", MAX_NAMESPACE, at),
+                claim=_name(claim, "claim", MAX_CLAIM_NAME, at),
+                request=_request(claim, at),
+                device=_name(claim, "device", MAX_DEVICE, at),
+                memory_mib=_figure(claim, "memory_mib", at, None),
+                cores=_figure(claim, "cores", at, None),
+            )
+        )
+    return tuple(claims)
+
+
 def _decode_whole(entry: Any, where: str) -> WholeCardState:
     if not isinstance(entry, dict):
         raise ValueError(f"{where} must be an object")
+    mode = _optional(entry, "mode", str, where, "")
+    if len(mode) > MAX_MODE:
+        raise ValueError(f"{where}: 'mode' must have at most {MAX_MODE} characters")
     devices = []
     for position, device in enumerate(_optional(entry, "mig", list, where, [])):
         at = f"{where}.mig[{position}]"
@@ -292,6 +417,12 @@ def _decode_whole(entry: Any, where: str) -> WholeCardState:
         healthy=_field(entry, "healthy", bool, where),
         held_by=_optional(entry, "held_by", str, where, ""),
         mig=tuple(devices),
+        mode=mode,
+        claims=_claims(entry, where),
+        claims_truncated=entry.get("claims_truncated") is True,
+        claim_count=_figure(entry, "claim_count", where, 0),
+        memory_used_mib=_figure(entry, "memory_used_mib", where, 0),
+        cores_used=_figure(entry, "cores_used", where, 0),
     )
 
 

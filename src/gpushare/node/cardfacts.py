@@ -6,17 +6,26 @@ MIG mode, with their MIG devices), so that every card the ``gpu.count`` label co
 shown.
 
 Holders come from the kubelet's records (PodResources, the last read): the daemon's own
-source of truth, never from anything a tenant writes.
+source of truth, never from anything a tenant writes. Cards in card mode ``dra`` carry
+what the DRA driver has prepared on them, from the function it installs
+(:meth:`CardFacts.serve_dra`; this layer does not know the driver).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from gpushare.gpu.gpus import Gpu
 from gpushare.gpu.health import HealthBoard
 from gpushare.gpu.mig import MigPlan
-from gpushare.kube.nodestate import CardExtras, Hold, MigState, WholeCardState
+from gpushare.kube.nodestate import (
+    CardExtras,
+    DraClaimState,
+    Hold,
+    MigState,
+    WholeCardState,
+    with_dra_claims,
+)
 from gpushare.share.records import Snapshot
 
 
@@ -50,6 +59,19 @@ class CardFacts:
         self.records = records
         self.mig_resources = mig_resource_names(plan, mig_prefix)
         self._parent = {d.uuid: d.parent_uuid for d in plan.mig_devices}
+        self.dra_cards: frozenset[str] = frozenset()
+        self.dra_claims: Callable[[], Mapping[str, Sequence[DraClaimState]]] | None = None
+
+    def serve_dra(
+        self,
+        cards: Collection[str],
+        claims: Callable[[], Mapping[str, Sequence[DraClaimState]]],
+    ) -> None:
+        """The DRA driver serves ``cards`` (UUIDs); ``claims`` answers, per card UUID,
+        what it has prepared there. Called at every publication and scrape: it must be
+        cheap (no file I/O, no lock held across the node)."""
+        self.dra_cards = frozenset(cards)
+        self.dra_claims = claims
 
     def exclusive_resource_names(self) -> list[str]:
         """The MIG resources' full names (for the PodResources reader)."""
@@ -83,6 +105,7 @@ class CardFacts:
         holds = self.holds()
         by_device = {h.device: h.holder for h in holds}
         served = self.plan.mig_of()
+        dra = self.dra_claims() if self.dra_claims is not None else {}
         whole = []
         for gpu in sorted(self.cards, key=lambda g: g.index):
             if gpu.uuid in self.shared:
@@ -98,16 +121,17 @@ class CardFacts:
                 for d in served.get(gpu.uuid, ())
                 if d.uuid in self.mig_resources
             )
-            whole.append(
-                WholeCardState(
-                    uuid=gpu.uuid,
-                    index=gpu.index,
-                    name=gpu.name,
-                    memory_mib=gpu.memory_mib,
-                    healthy=self._healthy(gpu.uuid),
-                    held_by=by_device.get(gpu.uuid, ""),
-                    mig=mig,
-                )
+            card = WholeCardState(
+                uuid=gpu.uuid,
+                index=gpu.index,
+                name=gpu.name,
+                memory_mib=gpu.memory_mib,
+                healthy=self._healthy(gpu.uuid),
+                held_by=by_device.get(gpu.uuid, ""),
+                mig=mig,
             )
+            if gpu.uuid in self.dra_cards:
+                card = with_dra_claims(card, tuple(dra.get(gpu.uuid, ())))
+            whole.append(card)
         hardware = {uuid: self._healthy(uuid) for uuid in self.shared}
         return CardExtras(holds=holds, hardware_healthy=hardware, whole=tuple(whole))

@@ -3,7 +3,9 @@
 Everything comes from two places the daemon writes: the Node annotation
 ``<prefix>/gpus`` (per-card state, see ``nodestate.py``) and the Pod annotations
 ``<prefix>/gpu.<container>`` (the card each container got), plus the pods' own
-resource requests. Reading the cluster is :func:`fetch`; turning plain Node and Pod
+resource requests. Cards served by the DRA driver (card mode ``dra``) are shown from the
+same Node annotation: the claims prepared on each, their memory and cores.
+Reading the cluster is :func:`fetch`; turning plain Node and Pod
 objects into a view is :func:`build_view`; :func:`render_table` and :func:`render_json`
 are pure functions of that view.
 
@@ -22,7 +24,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import yaml
@@ -97,6 +99,15 @@ def card_health(card: nodestate.CardState) -> str:
     if card.held_by:
         return f"held whole by {card.held_by}"
     return "healthy"
+
+
+def dra_memory_total(card: nodestate.WholeCardState, unit_mib: int) -> int:
+    """What a DRA card publishes as its memory: the card's rounded down to the unit."""
+    return card.memory_mib // unit_mib * unit_mib if unit_mib > 0 else card.memory_mib
+
+
+def is_dra(card: nodestate.WholeCardState) -> bool:
+    return card.mode == nodestate.DRA_MODE
 
 
 def whole_health(healthy: bool, held_by: str) -> str:
@@ -176,9 +187,14 @@ def _containers_by_card(
 
 
 def build_view(
-    nodes: Sequence[Mapping[str, Any]], pods: Sequence[Mapping[str, Any]], prefix: str
+    nodes: Sequence[Mapping[str, Any]],
+    pods: Sequence[Mapping[str, Any]],
+    prefix: str,
+    namespace: str | None = None,
 ) -> ClusterView:
-    """The gpushare nodes (those with the annotation or the resources), sorted by name."""
+    """The gpushare nodes (those with the annotation or the resources), sorted by name;
+    with ``namespace``, the DRA claims of that namespace only are listed (the pods are
+    filtered by the caller; cards and totals stay whole)."""
     by_card = _containers_by_card(pods, prefix)
     key = nodestate.annotation_key(prefix)
     views = []
@@ -206,10 +222,21 @@ def build_view(
                 state.generation,
                 state.updated,
                 cards,
-                whole=tuple(sorted(state.whole, key=lambda c: c.index)),
+                whole=tuple(
+                    _claims_of(card, namespace)
+                    for card in sorted(state.whole, key=lambda c: c.index)
+                ),
             )
         )
     return ClusterView(tuple(sorted(views, key=lambda v: v.name)))
+
+
+def _claims_of(
+    card: nodestate.WholeCardState, namespace: str | None
+) -> nodestate.WholeCardState:
+    if not namespace or not card.claims:
+        return card
+    return replace(card, claims=tuple(c for c in card.claims if c.namespace == namespace))
 
 
 def _opted_in(node: Mapping[str, Any], prefix: str) -> bool:
@@ -256,6 +283,7 @@ def totals(view: ClusterView) -> Totals:
     cards = [(n, c.card) for n in view.nodes for c in n.cards]
     physical = [c for _, c in cards if not c.uuid.startswith("MIG-")]
     whole = [w for n in view.nodes for w in n.whole]
+    dra = [(n.memory_unit_mib, w) for n in view.nodes for w in n.whole if is_dra(w)]
     return Totals(
         nodes=len(view.nodes),
         unreported_nodes=sum(1 for n in view.nodes if n.unreported),
@@ -264,11 +292,18 @@ def totals(view: ClusterView) -> Totals:
         + sum(1 for w in whole if w.held_by or any(d.held_by for d in w.mig)),
         healthy_cards=sum(1 for c in physical if _own_health(c))
         + sum(1 for w in whole if w.healthy),
-        memory_mib=sum(c.memory_units * n.memory_unit_mib for n, c in cards),
-        memory_used_mib=sum(c.memory_units_used * n.memory_unit_mib for n, c in cards),
-        core_units=sum(c.core_units for _, c in cards),
-        core_units_used=sum(c.core_units_used for _, c in cards),
+        memory_mib=sum(c.memory_units * n.memory_unit_mib for n, c in cards)
+        + sum(dra_memory_total(w, unit) for unit, w in dra),
+        memory_used_mib=sum(c.memory_units_used * n.memory_unit_mib for n, c in cards)
+        + sum(w.memory_used_mib for _, w in dra),
+        core_units=sum(c.core_units for _, c in cards) + DRA_CORES * len(dra),
+        core_units_used=sum(c.core_units_used for _, c in cards)
+        + sum(w.cores_used for _, w in dra),
     )
+
+
+#: The cores a DRA card publishes (percent of its SMs).
+DRA_CORES = 100
 
 
 def _align(rows: Sequence[Sequence[str]]) -> list[str]:
@@ -297,7 +332,10 @@ def render_table(view: ClusterView, details: bool = False, wide: bool = False) -
         ] + [(w.index, 1, w) for w in node.whole]
         for _index, _kind, entry in sorted(entries, key=lambda e: (e[0], e[1])):
             if isinstance(entry, nodestate.WholeCardState):
-                rows += _whole_rows(entry, wide)
+                if is_dra(entry):
+                    rows += _dra_rows(entry, unit, details, wide)
+                else:
+                    rows += _whole_rows(entry, wide)
                 continue
             view_card = entry
             card = view_card.card
@@ -381,6 +419,67 @@ def _whole_rows(card: nodestate.WholeCardState, wide: bool) -> list[list[str]]:
     return rows
 
 
+def _size(value: int | None) -> str:
+    return "?" if value is None else str(value)
+
+
+def _dra_rows(
+    card: nodestate.WholeCardState, unit_mib: int, details: bool, wide: bool
+) -> list[list[str]]:
+    """A card served by the DRA driver; with ``details`` one line per claim's device."""
+    total = dra_memory_total(card, unit_mib)
+    rows = [
+        [
+            str(card.index),
+            printable(card.name, 64),
+            f"{card.memory_used_mib}/{total}",
+            f"({_percent(card.memory_used_mib, total)})",
+            "DRA",
+            f"{card.cores_used}/{DRA_CORES}",
+            "healthy" if card.healthy else "UNHEALTHY",
+            *([printable(card.uuid)] if wide else []),
+        ]
+    ]
+    if not details:
+        return rows
+    own = f"gpu-{card.index}"
+    for claim in card.claims:
+        name = "/".join(map(printable, (claim.namespace, claim.claim)))
+        where = "" if claim.device == own else f" on {printable(claim.device, 63)}"
+        request = f" ({printable(claim.request, 127)})" if claim.request else ""
+        rows.append(
+            ["", f"  claim {name}{request}{where}", _size(claim.memory_mib), "", "",
+             _size(claim.cores)]
+        )  # fmt: skip
+    if card.claims_truncated:
+        rows.append(["", f"  ({card.claim_count} claims, {len(card.claims)} listed)"])
+    return rows
+
+
+def _dra_data(card: nodestate.WholeCardState, unit_mib: int) -> dict[str, Any]:
+    """The DRA figures of a card's JSON/YAML entry."""
+    return {
+        "mode": card.mode,
+        "memory_total_mib": dra_memory_total(card, unit_mib),
+        "memory_used_mib": card.memory_used_mib,
+        "core_units": DRA_CORES,
+        "core_units_used": card.cores_used,
+        "claim_count": card.claim_count,
+        "claims_truncated": card.claims_truncated,
+        "claims": [
+            {
+                "namespace": c.namespace,
+                "claim": c.claim,
+                "request": c.request,
+                "device": c.device,
+                "memory_mib": c.memory_mib,
+                "cores": c.cores,
+            }
+            for c in card.claims
+        ],
+    }
+
+
 def _camel(name: str) -> str:
     head, *rest = name.split("_")
     return head + "".join(part.capitalize() for part in rest)
@@ -457,6 +556,7 @@ def view_data(view: ClusterView) -> dict[str, Any]:
                             }
                             for d in w.mig
                         ],
+                        **(_dra_data(w, unit) if is_dra(w) else {}),
                     }
                     for w in node.whole
                 ],
@@ -533,7 +633,8 @@ def build_parser() -> argparse.ArgumentParser:
         "-n",
         "--namespace",
         metavar="NS",
-        help="only list containers of this namespace (cards and totals stay whole)",
+        help="only list the containers and DRA claims of this namespace "
+        "(cards and totals stay whole)",
     )
     parser.add_argument(
         "--resource-prefix",
@@ -569,7 +670,9 @@ def main(argv: Sequence[str]) -> int:
     except ApiError as exc:
         print(f"kubectl gpushare inspect: the API server answered {exc}", file=sys.stderr)
         return 1
-    view = build_view(nodes, _in_namespace(pods, args.namespace), args.resource_prefix)
+    view = build_view(
+        nodes, _in_namespace(pods, args.namespace), args.resource_prefix, args.namespace
+    )
     if args.node and not view.nodes:
         print(f"kubectl gpushare inspect: node {args.node!r} has no gpushare GPUs", file=sys.stderr)
         return 1

@@ -29,7 +29,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from gpushare.base.buildinfo import build_info
 from gpushare.base.connguard import ConnectionGuard, GuardedHTTPServer, Limits
 from gpushare.gpu.health import HealthBoard
-from gpushare.kube.nodestate import CardExtras
+from gpushare.kube.nodestate import DRA_MODE, CardExtras
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.usage import UsageLedger
 
@@ -82,6 +82,8 @@ CARD_LABELS = ["gpu", "index", "model", "node"]
 CONTAINER_LABELS = ["namespace", "pod", "container", "gpu", "node"]
 #: Labels of a container's whole card or MIG device (``device`` = its UUID).
 DEVICE_LABELS = ["namespace", "pod", "container", "gpu", "device", "resource", "node"]
+#: Labels of one device of a DRA claim (``device`` = the published device's name).
+CLAIM_LABELS = ["namespace", "claim", "request", "device", "gpu", "node"]
 MIB = 1 << 20
 
 
@@ -156,7 +158,55 @@ class _CardCollector:
         yield from self._containers(unit_bytes)
         if extras is not None:
             yield from self._whole(extras)
+            yield from self._dra(extras)
         yield from self._extra()
+
+    def _dra(self, extras: CardExtras) -> Iterator[Metric]:
+        """The cards served by the DRA driver: what its prepared claims hold."""
+
+        def card_gauge(name: str, text: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, text, labels=CARD_LABELS)
+
+        claims = card_gauge("gpushare_dra_claims", "ResourceClaim devices prepared per DRA card")
+        total = card_gauge(
+            "gpushare_dra_memory_bytes_total",
+            "GPU memory a DRA card publishes in bytes (rounded down to the memory unit)",
+        )
+        memory = card_gauge(
+            "gpushare_dra_memory_bytes_allocated",
+            "GPU memory of the claims prepared per DRA card in bytes (the limits enforced)",
+        )
+        cores = card_gauge(
+            "gpushare_dra_cores_allocated",
+            "Cores (percent of the SMs) of the claims prepared per DRA card (0: unthrottled)",
+        )
+        claim_memory = GaugeMetricFamily(
+            "gpushare_dra_claim_memory_bytes",
+            "GPU memory limit of each device of a prepared ResourceClaim, in bytes",
+            labels=CLAIM_LABELS,
+        )
+        claim_cores = GaugeMetricFamily(
+            "gpushare_dra_claim_cores",
+            "Cores (percent of the SMs) of each device of a prepared ResourceClaim that has "
+            "a core limit",
+            labels=CLAIM_LABELS,
+        )
+        unit = self._inventory.memory_unit_mib
+        for card in extras.whole:
+            if card.mode != DRA_MODE:
+                continue
+            labels = [card.uuid, str(card.index), card.name, self._node]
+            claims.add_metric(labels, card.claim_count)
+            total.add_metric(labels, card.memory_mib // unit * unit * MIB)
+            memory.add_metric(labels, card.memory_used_mib * MIB)
+            cores.add_metric(labels, card.cores_used)
+            for claim in card.claims:
+                named = [claim.namespace, claim.claim, claim.request, claim.device, card.uuid]
+                if claim.memory_mib is not None:
+                    claim_memory.add_metric([*named, self._node], claim.memory_mib * MIB)
+                if claim.cores:
+                    claim_cores.add_metric([*named, self._node], claim.cores)
+        yield from (claims, total, memory, cores, claim_memory, claim_cores)
 
     def _whole(self, extras: CardExtras) -> Iterator[Metric]:
         devices = GaugeMetricFamily(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from e2e_nodes import NODES
 from kube_cluster import CORE, MEMORY, Cluster, pod_manifest
 
@@ -112,13 +111,6 @@ def test_a_program_spawned_on_a_node_sees_that_nodes_kubelet_directory(cluster: 
         marker.unlink(missing_ok=True)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="product race seen once in ~8 runs (e2e/README.md): right after a kubelet restart "
-    "the kubelet asked vcuda-core first, the daemon bound the cores to the fuller card "
-    "(basis 'released') and then refused the memory units on the other card "
-    "(pairing_refused, UnexpectedAdmissionError). Make it strict when fixed.",
-)
 def test_units_held_before_a_kubelet_restart_count_after_it(cluster: Cluster) -> None:
     """node-2's cards hold 16 units each. A pod holding 12 on one card before the kubelet
     restarts leaves 4 there: a second pod of 12 after the restart must get the other card,

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -53,15 +52,18 @@ def test_resource_prefix_and_unit_size_are_configurable(node: Node) -> None:
     assert len(node.kubelet.devices("baidu.com/vcuda-core")) == 100
 
 
-def test_reregisters_within_a_second_after_a_kubelet_restart(node: Node) -> None:
+def test_reregisters_on_the_new_kubelet_socket_after_a_kubelet_restart(node: Node) -> None:
+    """Each restart is answered because kubelet.sock changed, never by the fallback for
+    a kubelet that stopped watching (which waits a grace period of seconds first)."""
     node.start(cards(TESLA_P4, 1))
+    assert node.daemon is not None and node.daemon.plugin.link is not None
+    link = node.daemon.plugin.link
     for _ in range(3):
         count = len(node.kubelet.registrations)
-        started = time.monotonic()
         node.kubelet.restart()  # deletes every socket, our two included
-        assert node.kubelet.wait_for(lambda k, c=count: len(k.registrations) >= c + 2, 1.5)
-        assert node.wait_registered(1.5)
-        assert time.monotonic() - started < 1.5
+        assert node.kubelet.wait_for(lambda k, c=count: len(k.registrations) >= c + 2, 10.0)
+        assert node.wait_registered(10.0)
+    assert link.unwatched_retries == 0
     assert Path(node.settings.kubelet_dir, Resource.MEMORY.socket_name).exists()
     assert node.kubelet.admit("p", "c", {node.memory: 2}).card() == gpu_uuid(0)
 

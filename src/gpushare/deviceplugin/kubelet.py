@@ -102,6 +102,9 @@ class KubeletLink:
         self.servers = list(servers)  # (server, resource name)
         self.registered = threading.Event()
         self.registrations = 0
+        #: re-registrations that came from the kubelet not watching (the grace path),
+        #: not from its socket changing
+        self.unwatched_retries = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._registered_with: tuple[int, int] | None = None
@@ -246,6 +249,7 @@ class KubeletLink:
             return
         if unwatched and kubelet == self._registered_with:
             log.warning("kubelet_stopped_watching", retry_after_seconds=self._unwatched_grace)
+            self.unwatched_retries += 1
             self._unwatched_grace = min(self._unwatched_grace * 2, 60.0)
         else:
             self._unwatched_grace = UNWATCHED_GRACE

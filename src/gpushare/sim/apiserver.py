@@ -447,6 +447,8 @@ class KubeApiDouble(CollectionReads):
     def __init__(self) -> None:
         super().__init__()
         self._failures: list[int] = []
+        self._open = threading.Event()  # cleared while the server is held (hangs)
+        self._open.set()
         self._server: ThreadingHTTPServer | None = None
         self._scheme = "http"
         #: The group/versions served (drop one to play an older cluster).
@@ -491,6 +493,7 @@ class KubeApiDouble(CollectionReads):
         return f"{self._scheme}://127.0.0.1:{self._server.server_address[1]}"
 
     def stop(self) -> None:
+        self._open.set()  # held requests end
         with self._lock:
             self._stopping = True
             self._changed.notify_all()
@@ -533,9 +536,17 @@ class KubeApiDouble(CollectionReads):
         with self._lock:
             self._failures.extend([status] * count)
 
+    def hold(self) -> None:
+        """Hang every request (a stuck API server) until :meth:`release`."""
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
     # ------------------------------------------------------------------ serving
 
     def _handle(self, request: BaseHTTPRequestHandler) -> None:
+        self._open.wait()
         parsed = urlparse(request.path)
         length = int(request.headers.get("Content-Length") or 0)
         raw = request.rfile.read(length) if length else b""

@@ -470,3 +470,67 @@ def test_the_same_workload_on_device_plugin_cards_for_comparison(
                 lambda name=name: published(cluster, name) == ["gpu-1", "gpu-2"],
                 60,
             )
+
+
+def test_a_mig_card_in_dra_mode_serves_its_mig_devices_by_claim(
+    cluster: Cluster, dra_nodes: list[str]
+) -> None:
+    """A card in MIG mode in card mode ``dra``: its MIG devices are published in the slice
+    (one device each, whole) and leave the device plugin's MIG resources; a claim
+    selecting a 1g.5gb profile is allocated one by the real scheduler and prepared by
+    the real kubelet with that MIG device's UUID."""
+    from test_whole_and_mig import MIG_CARD
+
+    name = "node-5"
+    mig_card = {**MIG_CARD, "index": 1}
+    cluster.add_node(
+        NodeSpec(
+            name,
+            [cards(5, TESLA_P4, 1)[0], mig_card],
+            daemon_args=[
+                "--card-modes=1=dra",
+                "--mig-strategy=mixed",
+                f"--dra-cdi-dir={cdi_dir(cluster, name)}",
+                "--dra-resync-seconds=1",
+            ],
+        )
+    )
+    pod_name = "dra-mig"
+    try:
+        devices = wait_for(
+            f"{name}'s MIG devices published",
+            lambda: (found := published(cluster, name)) and len(found) == 4 and found,
+            60,
+        )
+        assert devices == sorted(
+            ["gpu-1-mig-2-0", "gpu-1-mig-3-0", "gpu-1-mig-9-0", "gpu-1-mig-10-0"]
+        )
+        allocatable = cluster.wait_allocatable(name, lambda a: int(a.get(MEMORY, "0")) == 29)
+        assert not [r for r in allocatable if "/mig-" in r], allocatable  # none by the plugin
+        template, pod = claim_pod(pod_name, None)
+        exactly = template["spec"]["spec"]["devices"]["requests"][0]["exactly"]
+        exactly["selectors"] = [
+            {"cel": {"expression": f'device.attributes["{DRIVER}"].profile == "1g.5gb"'}}
+        ]
+        pod["spec"]["nodeSelector"] = {"kubernetes.io/hostname": name}
+        reply = cluster.api.create(template)
+        assert reply.status_code == 201, reply.text[:400]
+        cluster.create_pod(pod)
+        cluster.wait_pod("default", pod_name, "Running")
+        statuses = cluster.pod("default", pod_name)["status"]["resourceClaimStatuses"]
+        claim = cluster.api.get(
+            f"{RESOURCE}/namespaces/default/resourceclaims/{statuses[0]['resourceClaimName']}"
+        )
+        (result,) = claim["status"]["allocation"]["devices"]["results"]
+        assert result["device"] in ("gpu-1-mig-9-0", "gpu-1-mig-10-0")
+        env = spec_env(cluster, name, claim)
+        by_gi = {9: MIG_CARD["instances"][2]["uuid"], 10: MIG_CARD["instances"][3]["uuid"]}
+        assert env["NVIDIA_VISIBLE_DEVICES"] == by_gi[int(result["device"].split("-")[3])]
+        assert "CUDA_DEVICE_MEMORY_LIMIT_0" not in env  # the partition is the limit
+        record = cluster.wait_record(name, "default", pod_name, "main")
+        assert f"{DRIVER}/claim={claim['metadata']['uid']}" in str(record["cdi_devices"])
+    finally:
+        cluster.delete_pod("default", pod_name)
+        cluster.api.delete(f"{RESOURCE}/namespaces/default/resourceclaimtemplates/{pod_name}")
+        cluster.remove_node(name)
+        cluster.api.delete(f"{RESOURCE}/resourceslices", fieldSelector=f"spec.nodeName={name}")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -97,6 +97,34 @@ class Records(Protocol):
     def read_after(self, not_before: float, *, timeout: float) -> Snapshot | None:
         """A snapshot whose read began at or after ``not_before``; None if none in time."""
         ...
+
+
+def other_free_in(
+    inventory: Inventory,
+    resource: Resource,
+    free: Mapping[str, Sequence[int]],
+    healthy: Sequence[str],
+    snapshot: Snapshot,
+) -> tuple[dict[str, int], set[str]]:
+    """Per card, the free units of the resource other than ``resource``, from the
+    kubelet's records; and the healthy cards on which the kubelet's offer of
+    ``resource`` (``free``, exact) shows holders the records do not list
+    (:meth:`Snapshot.unlisted_on`). What such a holder has of the other resource is
+    unknown, so it is taken as full there: the card is used only where no card the
+    records vouch for can take the container (found by the e2e suite after a kubelet
+    restart, e2e/README.md)."""
+    other = resource.other
+    used = snapshot.used_counts[other]
+    other_free = {
+        uuid: card.units(other) - used.get(uuid, 0) for uuid, card in inventory.cards.items()
+    }
+    taken = {
+        uuid: inventory.cards[uuid].units(resource) - len(free.get(uuid, ())) for uuid in healthy
+    }
+    unlisted = snapshot.unlisted_on(resource, taken)
+    for uuid in unlisted:
+        other_free[uuid] = 0
+    return other_free, unlisted
 
 
 class Binder:
@@ -180,30 +208,8 @@ class Binder:
             )
         return last, decision, snapshot
 
-    def _unlisted_holders(
-        self,
-        resource: Resource,
-        free: dict[str, list[int]],
-        healthy: Sequence[str],
-        snapshot: Snapshot,
-    ) -> set[str]:
-        """Healthy cards on which the kubelet's offer (``free``, exact for ``resource``)
-        shows more units taken than the records list holders for: someone the records
-        do not name holds units there (an ordinary init container, or, right after a
-        kubelet restart, a running pod the kubelet has not added back to its pod
-        manager yet: it admits the pods of its first batch in creation order, to the
-        second, and lists only those added so far). What such a holder has of the
-        other resource is unknown, so the placement takes the card's other resource as
-        full: the card is used only where no card the records vouch for can take the
-        container."""
-        listed = snapshot.used_counts[resource]
-        unlisted = {
-            uuid
-            for uuid in healthy
-            if self.inventory.cards[uuid].units(resource) - len(free.get(uuid, ()))
-            > listed.get(uuid, 0)
-        }
-        if unlisted != self._unlisted:
+    def _note_unlisted(self, resource: Resource, unlisted: set[str]) -> None:
+        if unlisted != self._unlisted:  # one line when the set changes
             self._unlisted = unlisted
             log.info(
                 "records_miss_holders",
@@ -212,7 +218,6 @@ class Binder:
                 detail="the kubelet holds units the PodResources records list no "
                 "container for; placement takes the other resource of these cards as full",
             )
-        return unlisted
 
     def _describe(self, uuid: str) -> str:
         card = self.inventory.cards[uuid]
@@ -251,16 +256,8 @@ class Binder:
         with self._lock:
             self._decided[resource] = (last, decision, snapshot)
         if snapshot is not None:  # the kubelet's records as of now: exact, unless...
-            other = resource.other
-            used = snapshot.used_counts[other]
-            other_free = {
-                uuid: card.units(other) - used.get(uuid, 0)
-                for uuid, card in self.inventory.cards.items()
-            }
-            # ...the kubelet holds units of a card the records list no holder for.
-            unlisted = self._unlisted_holders(resource, free, healthy, snapshot)
-            for uuid in unlisted:
-                other_free[uuid] = 0
+            other_free, unlisted = other_free_in(self.inventory, resource, free, healthy, snapshot)
+            self._note_unlisted(resource, unlisted)
         else:  # the last offer of the other resource and every Allocate since
             other_free = self.usage.free_counts(resource.other)
         cards = [

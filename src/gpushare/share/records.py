@@ -9,6 +9,7 @@ door's business (:mod:`gpushare.node.podresources`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gpushare.share.devices import SEPARATOR, Resource, parse_unit_number
@@ -50,6 +51,16 @@ class Snapshot:
             by_card = counts[resource]
             by_card[uuid] = by_card.get(uuid, 0) + 1
         return counts
+
+    def unlisted_on(self, resource: Resource, taken: Mapping[str, int]) -> set[str]:
+        """The cards on which more units of ``resource`` are ``taken`` (card UUID ->
+        units, as the kubelet's own offer shows them) than these records list holders
+        for: someone unlisted holds units there (an ordinary init container, or, right
+        after a kubelet restart, a running pod the kubelet has not added back to its pod
+        manager yet: it admits its first batch in creation order, to the second, and
+        lists only the pods added so far)."""
+        listed = self.used_counts[resource]
+        return {uuid for uuid, n in taken.items() if n > listed.get(uuid, 0)}
 
     def holders_by_card(self) -> dict[str, dict[Holder, dict[Resource, int]]]:
         """Per card, each container on it and how many units of each resource it holds."""

@@ -441,14 +441,31 @@ class CollectionReads(ObjectStore):
         request.wfile.write(data)
 
 
-class KubeApiDouble(CollectionReads):
+class Faults:
+    """What a test makes the double do wrong: answer errors, or hang."""
+
+    def __init__(self) -> None:
+        self._failures: list[int] = []  # statuses the next requests answer
+        self._open = threading.Event()  # cleared while the server is held (hangs)
+        self._open.set()
+
+    def fail_next(self, count: int, status: int = 500) -> None:
+        self._failures.extend([status] * count)
+
+    def hold(self) -> None:
+        """Hang every request (a stuck API server) until :meth:`release`."""
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+
+class KubeApiDouble(CollectionReads, Faults):
     """An API server over HTTP(S) for tests: the verbs, binding, apply, logs, discovery."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self._failures: list[int] = []
-        self._open = threading.Event()  # cleared while the server is held (hangs)
-        self._open.set()
+        CollectionReads.__init__(self)
+        Faults.__init__(self)
         self._server: ThreadingHTTPServer | None = None
         self._scheme = "http"
         #: The group/versions served (drop one to play an older cluster).
@@ -532,16 +549,6 @@ class KubeApiDouble(CollectionReads):
         )
         return path
 
-    def fail_next(self, count: int, status: int = 500) -> None:
-        with self._lock:
-            self._failures.extend([status] * count)
-
-    def hold(self) -> None:
-        """Hang every request (a stuck API server) until :meth:`release`."""
-        self._open.clear()
-
-    def release(self) -> None:
-        self._open.set()
 
     # ------------------------------------------------------------------ serving
 

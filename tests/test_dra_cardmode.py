@@ -221,3 +221,44 @@ def test_single_strategy_looks_only_at_the_mig_cards_it_serves(
     )
     assert node.kubelet.wait_for(lambda k: k.healthy_count("gpushare.io/gpu") == 7)
     assert poll(lambda: len(_slice_devices(api)) == 4, 10)
+
+
+def _tainted(api: KubeApiDouble) -> list[str]:
+    found = api.get("ResourceSlice", f"{NODE}-gpu.gpushare.io-0", api_version="resource.k8s.io/v1")
+    devices = (found or {}).get("spec", {}).get("devices", [])
+    return sorted(d["name"] for d in devices if d.get("taints"))
+
+
+def test_a_mig_device_of_a_dra_card_is_tainted_alone_and_refused(
+    node: Node, api: KubeApiDouble
+) -> None:
+    """An XID naming one GPU instance, and a destroyed MIG device, reach that device's
+    slice entry and its prepares alone (found by review: both were lost, or hit every
+    MIG device of the card); an XID on the card reaches all of them."""
+    _start_mig_node(node, "0=dra", ignored_xids="13")
+    assert poll(lambda: len(_slice_devices(api)) == 4, 10)
+    assert _tainted(api) == []
+    card = reference_a100()
+    card["instances"][2]["xid"] = 79  # gi 9: the first 1g.5gb
+    node.write_gpus([card, cards(TESLA_P4, 2)[1]])
+    assert poll(lambda: _tainted(api) == ["gpu-0-mig-9-0"], 10)
+    kubelet = DraKubelet(node.root / "kubelet")
+    kubelet.register()
+    refs = []
+    for name, device in (("sick", "gpu-0-mig-9-0"), ("fine", "gpu-0-mig-10-0")):
+        obj = api.add(
+            allocated_claim(
+                "default", name, "gpu.gpushare.io", NODE, [{"request": "mig", "device": device}]
+            )
+        )
+        refs.append(("default", name, obj["metadata"]["uid"]))
+    answers = kubelet.prepare(refs)
+    kubelet.close()
+    assert "unhealthy" in answers[refs[0][2]].error
+    assert answers[refs[1][2]].error == ""
+    del card["instances"][0]  # the 3g.20gb instance is destroyed
+    node.write_gpus([card, cards(TESLA_P4, 2)[1]])
+    assert poll(lambda: _tainted(api) == ["gpu-0-mig-2-0", "gpu-0-mig-9-0"], 10)
+    card["xid"] = 48  # the whole card
+    node.write_gpus([card, cards(TESLA_P4, 2)[1]])
+    assert poll(lambda: len(_tainted(api)) == 4, 10)

@@ -446,6 +446,7 @@ def test_a_mig_device_records_itself_and_its_parent_card(dra: DraNode) -> None:
     parent = dra.gpus[1]
     mig = MigDevice("MIG-aaaa", parent.uuid, "3g.20gb", 19968, gpu_instance=1, compute_instance=0)
     dra.gpus[1] = replace(parent, mig_enabled=True, mig_devices=(mig,))
+    dra.board = HealthBoard([*(g.uuid for g in dra.gpus), mig.uuid])
     part = dra.start()
     ref = dra.claim("m", {"request": "r", "device": "gpu-1-mig-1-0"})
     assert dra.kubelet.prepare([ref])[ref[2]].error == ""
@@ -459,3 +460,13 @@ def test_a_mig_device_records_itself_and_its_parent_card(dra: DraNode) -> None:
     )
     (claim,) = part.shares()[parent.uuid]
     assert (claim.device, claim.memory_mib) == ("gpu-1-mig-1-0", 19968)
+
+
+def test_a_mig_device_missing_from_the_health_board_is_a_build_error(dra: DraNode) -> None:
+    from gpushare.gpu.gpus import MigDevice
+
+    parent = dra.gpus[1]
+    mig = MigDevice("MIG-bbbb", parent.uuid, "1g.5gb", 4864, gpu_instance=9, compute_instance=0)
+    dra.gpus[1] = replace(parent, mig_enabled=True, mig_devices=(mig,))
+    with pytest.raises(ValueError, match="MIG-bbbb"):
+        dra.build()  # its health would read "unhealthy" forever

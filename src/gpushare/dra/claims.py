@@ -37,7 +37,7 @@ from gpushare.dra.checkpoint import (
     PreparedDevice,
 )
 from gpushare.dra.held import HeldClaims
-from gpushare.dra.model import API_VERSION, Offered, ShareError, share_of
+from gpushare.dra.model import API_VERSION, Offered, ShareError, share_of, unhealthy_reason
 from gpushare.gpu.health import HealthBoard
 from gpushare.host.cdi import CdiDevice, CdiMount, remove_spec, spec_file_name, write_spec
 from gpushare.host.library import (
@@ -238,8 +238,8 @@ class ClaimPreparer:
                     f"claim {claim.describe()}: device {result.get('device')!r} "
                     "is not one of this node's"
                 )
-            if not self.health.is_healthy(device.card_uuid):
-                reason = self.health.reason(device.card_uuid) or "unhealthy"
+            reason = unhealthy_reason(self.health, device)
+            if reason is not None:
                 raise ClaimRefused(
                     f"claim {claim.describe()}: device {device.name} is unhealthy ({reason})"
                 )

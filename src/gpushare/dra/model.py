@@ -26,7 +26,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any
+from typing import Any, Protocol
 
 from gpushare.base.quantity import MIB, QuantityError, mebibytes, parse_quantity
 from gpushare.gpu.gpus import Gpu, MigDevice
@@ -136,6 +136,29 @@ class Offered:
     card_memory_mib: int = 0  # the physical card's (shared devices)
     card_uuid: str = ""  # the physical card's (its health)
     attributes: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
+
+
+class Health(Protocol):
+    """What device health is read from (:class:`~gpushare.gpu.health.HealthBoard`)."""
+
+    def is_healthy(self, key: str) -> bool: ...
+
+    def reason(self, key: str) -> str: ...
+
+
+def health_keys(device: Offered) -> tuple[str, ...]:
+    """The health board's keys ``device`` depends on: its card's UUID and, for a MIG
+    device, its own (an XID naming its GPU instance, or the device lost, is its alone)."""
+    return tuple(dict.fromkeys((device.card_uuid or device.uuid, device.uuid)))
+
+
+def unhealthy_reason(board: Health, device: Offered) -> str | None:
+    """Why ``device`` is unhealthy (its card's reason first, then its own); None when it
+    is healthy."""
+    for key in health_keys(device):
+        if not board.is_healthy(key):
+            return board.reason(key) or "unhealthy"
+    return None
 
 
 def card_device_name(gpu: Gpu) -> str:

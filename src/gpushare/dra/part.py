@@ -26,7 +26,7 @@ import structlog
 from gpushare.base.startup import NodeConfigurationError
 from gpushare.config import Settings
 from gpushare.dra.claims import ClaimPreparer
-from gpushare.dra.model import Offered, offered_devices
+from gpushare.dra.model import Offered, health_keys, offered_devices
 from gpushare.dra.server import DraServer
 from gpushare.dra.slices import SlicePublisher
 from gpushare.gpu.gpus import Gpu
@@ -163,7 +163,8 @@ def build_dra_part(
     pcie_roots: Mapping[str, str] | None = None,
 ) -> DraPart:
     """The DRA part for ``gpus`` (the cards in ``dra`` card mode; one in MIG mode is
-    published as its MIG devices). ``board`` must hold every card of ``gpus`` by UUID.
+    published as its MIG devices). ``board`` must hold every card of ``gpus`` by UUID,
+    and each MIG device of those in MIG mode by its own.
     ``pcie_roots`` (card UUID -> root) default to what sysfs says."""
     if not node_name:
         raise ValueError("the DRA driver needs the node's name (NODE_NAME / --node-name)")
@@ -175,6 +176,9 @@ def build_dra_part(
     devices = offered_devices(
         gpus, settings.memory_unit_mib, driver_version=driver_version, pcie_roots=roots
     )
+    missing = sorted({k for d in devices for k in health_keys(d)} - set(board.cards()))
+    if missing:
+        raise ValueError(f"the health board holds no entry for {', '.join(missing)}")
     by_name = {d.name: d for d in devices}
     driver = settings.dra_driver
     state_dir = Path(settings.dra_state_dir) if settings.dra_state_dir else host_lib_dir / "dra"
@@ -205,7 +209,7 @@ def build_dra_part(
         driver=driver,
         pool=node_name,
         preparer=preparer,
-        devices=lambda: [(d.name, d.card_uuid) for d in devices],
+        devices=lambda: [(d.name, health_keys(d)) for d in devices],
         board=board,
     )
     return DraPart(devices, publisher, server, preparer)

@@ -129,8 +129,9 @@ class _Registration(reg_grpc.RegistrationServicer):
         return reg_pb2.RegistrationStatusResponse()
 
 
-#: (device name, card UUID) of every device published, for the health stream.
-DeviceCards = Callable[[], Sequence[tuple[str, str]]]
+#: (device name, its health keys: the card's UUID, and a MIG device's own) of every
+#: device published, for the health stream.
+DeviceCards = Callable[[], Sequence[tuple[str, Sequence[str]]]]
 Observer = Callable[[str, str, float], None]
 
 
@@ -146,14 +147,14 @@ class _Health(health_grpc.DRAResourceHealthServicer):
     def snapshot(self) -> Any:
         now = int(time.time())
         response = health_pb2.NodeWatchResourcesResponse()
-        for name, card in self.devices():
-            healthy = self.board.is_healthy(card)
+        for name, keys in self.devices():
+            sick = [key for key in keys if not self.board.is_healthy(key)]
             response.devices.add(
                 device=health_pb2.DeviceIdentifier(pool_name=self.pool, device_name=name),
-                health=health_pb2.HEALTHY if healthy else health_pb2.UNHEALTHY,
+                health=health_pb2.UNHEALTHY if sick else health_pb2.HEALTHY,
                 last_updated_time=now,
                 health_check_timeout_seconds=HEALTH_TIMEOUT_SECONDS,
-                message="" if healthy else self.board.reason(card)[:1024],
+                message=self.board.reason(sick[0])[:1024] if sick else "",
             )
         return response
 

@@ -34,6 +34,7 @@ from gpushare.dra.model import (
     lost_in_storage,
     slices_json,
     taints_lost,
+    unhealthy_reason,
 )
 from gpushare.gpu.health import HealthBoard
 from gpushare.kube.kubeclient import ApiClient, ApiStatusError
@@ -158,10 +159,9 @@ class SlicePublisher:
         for device in self.devices():
             if device.shared and self.capacity_off:
                 continue
-            healthy = self.board.is_healthy(device.card_uuid)
-            if not healthy and self.taints_off:
+            reason = unhealthy_reason(self.board, device)
+            if reason is not None and self.taints_off:
                 continue
-            reason = None if healthy else (self.board.reason(device.card_uuid) or "unhealthy")
             entries.append(device_json(device, self.unit_mib, self.driver, unhealthy=reason))
         return entries
 

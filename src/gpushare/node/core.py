@@ -169,7 +169,13 @@ def build_core(
             "served; serving empty device lists, /readyz answers 503",
         )
     enforcement = prepare_enforcement(settings)
-    health = HealthBoard(g.uuid for g in found.gpus + found.dra_mig_cards)
+    # The cards' own health; a card in MIG mode given to DRA brings its MIG devices too
+    # (the DRA driver publishes each, and an XID naming its GPU instance is its alone).
+    dra_mig_of = {card.uuid: card.mig_devices for card in found.dra_mig_cards}
+    health = HealthBoard(
+        [g.uuid for g in found.gpus + found.dra_mig_cards]
+        + [d.uuid for devices in dra_mig_of.values() for d in devices]
+    )
     mig_health = HealthBoard(mig.health_keys(found.mig_plan))
     whole: list[WholeResource] = []
     if settings.whole_cards:
@@ -215,7 +221,7 @@ def build_core(
             settings.ignored_xid_set(),
             settings.health_recovery_seconds,
         ),
-        mig_of=found.mig_plan.mig_of(),
+        mig_of={**found.mig_plan.mig_of(), **dra_mig_of},
         mig_board=mig_health,
     )
     refresher = UsageRefresher(

@@ -112,8 +112,9 @@ def test_allocate_is_unaffected_while_the_api_is_down(node: Node, api: KubeApiDo
     )
     admission.start()
     admission.join(60)
+    answered = not admission.is_alive()
     api.release()
-    assert admitted == [gpu_uuid(0)]
+    assert answered and admitted == [gpu_uuid(0)]
     assert node_annotation(api) is None
     eventually(lambda: api.calls("PATCH") or api.calls("GET"))
     api.fail_next(0)

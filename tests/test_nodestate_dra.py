@@ -137,3 +137,33 @@ def test_any_claim_list_reads_bounded_or_is_refused(claims: list[dict[str, Any]]
         assert len(claim.request) <= 127 and 0 < len(claim.device) <= 63
         for figure in (claim.memory_mib, claim.cores):
             assert figure is None or (type(figure) is int and 0 <= figure <= 2**30)
+
+
+def test_long_claim_names_are_listed_within_a_byte_budget() -> None:
+    """Tenants choose claim and request names: 64 claims of the longest names on each of
+    8 cards would pass the API server's 256 KiB for all of a Node's annotations."""
+    longest = tuple(
+        nodestate.DraClaimState("n" * 63, f"{i:03d}" + "c" * 250, "r" * 127, "gpu-1", 256, 1)
+        for i in range(64)
+    )
+    cards = tuple(
+        nodestate.listed_claims(
+            nodestate.with_dra_claims(
+                nodestate.WholeCardState(f"GPU-{n}", n, "T", 80000, True), longest
+            )
+        )
+        for n in range(8)
+    )
+    assert all(c.claims_truncated and c.claim_count == 64 for c in cards)
+    assert all(0 < len(c.claims) < 64 for c in cards)
+    text = nodestate.encode(nodestate.NodeGpuState(1, "", 256, (), cards))
+    assert len(text.encode()) < 128 * 1024
+    assert nodestate.decode(text).whole == cards
+    ordinary = tuple(
+        nodestate.DraClaimState("team-a", f"train-{i}-gpu-xyz12", "gpu", "gpu-1", 256, 1)
+        for i in range(64)
+    )
+    card = nodestate.with_dra_claims(
+        nodestate.WholeCardState("GPU-b", 1, "T", 80000, True), ordinary
+    )
+    assert nodestate.listed_claims(card) == card  # ordinary names: all 64 listed

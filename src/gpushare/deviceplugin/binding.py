@@ -118,8 +118,12 @@ def other_free_in(
     other_free = {
         uuid: card.units(other) - used.get(uuid, 0) for uuid, card in inventory.cards.items()
     }
+    # Only cards the offer names: one it leaves out entirely is full, or held back by
+    # the Topology Manager (another NUMA node), and either way cannot take the request.
     taken = {
-        uuid: inventory.cards[uuid].units(resource) - len(free.get(uuid, ())) for uuid in healthy
+        uuid: inventory.cards[uuid].units(resource) - len(free[uuid])
+        for uuid in healthy
+        if free.get(uuid)
     }
     unlisted = snapshot.unlisted_on(resource, taken)
     for uuid in unlisted:

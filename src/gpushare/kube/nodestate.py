@@ -162,11 +162,29 @@ def with_dra_claims(card: WholeCardState, claims: tuple[DraClaimState, ...]) -> 
     )
 
 
+#: Bytes of claims listed per card, about (names plus the JSON around them): tenants
+#: name their claims and requests (up to 253 and 63 characters), and every annotation of
+#: the Node together must stay under the API server's 256 KiB. Ordinary names fit the
+#: :data:`MAX_CLAIMS_PER_CARD`; the rest set ``claims_truncated``.
+MAX_CLAIM_BYTES_PER_CARD = 8192
+_CLAIM_JSON_BYTES = 90  # keys, quotes and the two numbers of one listed claim
+
+
 def listed_claims(card: WholeCardState) -> WholeCardState:
-    """``card`` as published: at most :data:`MAX_CLAIMS_PER_CARD` claims listed."""
-    if len(card.claims) <= MAX_CLAIMS_PER_CARD:
+    """``card`` as published: at most :data:`MAX_CLAIMS_PER_CARD` claims listed, and
+    no more than :data:`MAX_CLAIM_BYTES_PER_CARD` of them."""
+    listed: list[DraClaimState] = []
+    size = 0
+    for claim in card.claims[:MAX_CLAIMS_PER_CARD]:
+        size += _CLAIM_JSON_BYTES + sum(
+            len(text) for text in (claim.namespace, claim.claim, claim.request, claim.device)
+        )
+        if size > MAX_CLAIM_BYTES_PER_CARD:
+            break
+        listed.append(claim)
+    if len(listed) == len(card.claims):
         return card
-    return replace(card, claims=card.claims[:MAX_CLAIMS_PER_CARD], claims_truncated=True)
+    return replace(card, claims=tuple(listed), claims_truncated=True)
 
 
 @dataclass(frozen=True)

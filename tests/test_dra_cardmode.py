@@ -19,6 +19,8 @@ from gpushare.base.startup import NodeConfigurationError
 from gpushare.config import ConfigError, load_settings
 from gpushare.daemon import Daemon
 from gpushare.gpu.gpus import Gpu
+from gpushare.kube import nodestate
+from gpushare.ops import inspect
 from gpushare.share.cardmodes import CardMode, card_modes, dra_cards, parse_card_modes
 from gpushare.sim.apiserver import KubeApiDouble
 from gpushare.sim.drakubelet import DraKubelet, allocated_claim
@@ -161,6 +163,20 @@ def test_a_mig_card_in_dra_mode_leaves_the_mig_plan_and_its_devices_are_in_the_s
     mib = next(d.memory_mib for d in daemon.core.found.dra_mig_cards[0].mig_devices
                if d.uuid == mig_uuid(2))  # fmt: skip
     assert _dra_claims(api, "memory_mib")[A100_UUID] == [["small", "gpu-0-mig-9-0", mib]]
+    # its published total is its MIG devices' memory, and no cores; inspect shows that
+    state = nodestate.decode(
+        (api.get("Node", NODE) or {})["metadata"]["annotations"]["gpushare.io/gpus"]
+    )
+    (a100,) = [w for w in state.whole if w.uuid == A100_UUID]
+    instances = reference_a100()["instances"]
+    assert (a100.memory_total_mib, a100.cores_total) == (
+        sum(i["memory_mib"] for i in instances),
+        0,
+    )
+    assert (inspect.dra_memory_total(a100, 256), inspect.dra_cores_total(a100)) == (
+        a100.memory_total_mib,
+        0,
+    )
 
 
 def _dra_claims(api: KubeApiDouble, figure: str = "cores") -> dict[str, list[list[Any]]]:

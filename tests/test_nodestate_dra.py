@@ -98,6 +98,8 @@ def test_more_claims_than_listed_are_counted_and_flagged() -> None:
         ({"claims": [_claim(cores="30")]}, "'cores' must be an integer"),
         ({"memory_used_mib": -5}, "'memory_used_mib' must be between 0 and"),
         ({"claim_count": 1.5}, "'claim_count' must be an integer"),
+        ({"memory_total_mib": -1}, "'memory_total_mib' must be between 0 and"),
+        ({"cores_total": "100"}, "'cores_total' must be an integer"),
         ({"mode": "d" * 17}, "'mode' must have at most 16"),
         ({"mode": ["dra"]}, "'mode' must be a str"),
     ],

@@ -26,7 +26,7 @@ import structlog
 from gpushare.base.startup import NodeConfigurationError
 from gpushare.config import Settings
 from gpushare.dra.claims import ClaimPreparer
-from gpushare.dra.model import Offered, health_keys, offered_devices
+from gpushare.dra.model import FULL_CORES, Offered, health_keys, offered_devices
 from gpushare.dra.server import DraServer
 from gpushare.dra.slices import SlicePublisher
 from gpushare.gpu.gpus import Gpu
@@ -35,7 +35,7 @@ from gpushare.kube.kubeclient import ApiClient
 from gpushare.kube.nodestate import MAX_REQUEST, DraClaimState
 from gpushare.node.core import NodeCore
 from gpushare.share.answers import DeviceListing, Enforcement
-from gpushare.share.cardmodes import CardMode, dra_cards
+from gpushare.share.cardmodes import dra_cards
 
 log = structlog.get_logger(__name__)
 
@@ -70,8 +70,10 @@ class DraPart:
         publisher: SlicePublisher,
         server: DraServer,
         preparer: ClaimPreparer,
+        cards: Sequence[str] = (),
     ) -> None:
         self.devices = list(devices)
+        self.cards = list(cards)  # the UUIDs of the cards served (some may publish nothing)
         self.publisher = publisher
         self.server = server
         self.preparer = preparer
@@ -138,11 +140,21 @@ class DraPart:
             for card, claims in by_card.items()
         }
 
+    def published(self) -> dict[str, tuple[int, int]]:
+        """Card UUID -> the memory (MiB) and cores published of it in all: a card's
+        rounded memory and 100 cores, or its MIG devices' memory together and no cores
+        (a card publishing nothing, e.g. in MIG mode without MIG devices, is there too)."""
+        totals: dict[str, tuple[int, int]] = {uuid: (0, 0) for uuid in self.cards}
+        for device in self.devices:
+            memory, cores = totals.get(device.card_uuid, (0, 0))
+            shared_cores = FULL_CORES if device.shared else 0
+            totals[device.card_uuid] = (memory + device.memory_mib, cores + shared_cores)
+        return totals
+
     def report_to(self, core: NodeCore) -> None:
         """Show what is prepared in the node's state and metrics (the core's card
         facts), and have the API link publish again after each change."""
-        cards = [uuid for uuid, mode in core.modes.items() if mode is CardMode.DRA]
-        core.card_facts.serve_dra(cards, self.shares)
+        core.card_facts.serve_dra(self.published(), self.shares)
         link = core.api_link
         if link is not None:
             self.preparer.held.on_change = link.notify_changed
@@ -212,7 +224,7 @@ def build_dra_part(
         devices=lambda: [(d.name, health_keys(d)) for d in devices],
         board=board,
     )
-    return DraPart(devices, publisher, server, preparer)
+    return DraPart(devices, publisher, server, preparer, [g.uuid for g in gpus])
 
 
 def dra_part_for(core: NodeCore) -> DraPart | None:

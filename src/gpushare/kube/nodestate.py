@@ -29,12 +29,15 @@ under ``wholeGpus`` with ``"mode": "dra"`` and what the driver has prepared on i
     {"uuid": "GPU-...", "index": 2, "name": "Tesla P4", "memory_mib": 7611,
      "healthy": true, "held_by": "", "mig": [], "mode": "dra",
      "memory_used_mib": 5120, "cores_used": 30, "claim_count": 2,
+     "memory_total_mib": 7424, "cores_total": 100,
      "claims": [{"namespace": "ml", "claim": "train-0-gpu-x7k", "request": "gpu",
                  "device": "gpu-2", "memory_mib": 4096, "cores": 30}, ...],
      "claims_truncated": false}
 
 ``memory_used_mib``/``cores_used`` add up every claim prepared on the card (memory: the
 limits enforced, the rounded ``consumedCapacity``; cores 0: not throttled);
+``memory_total_mib``/``cores_total`` are what the card publishes (a card in MIG mode: its
+MIG devices' memory together, no cores; absent from older daemons);
 ``claim_count`` counts them; at most :data:`MAX_CLAIMS_PER_CARD` are listed (then
 ``claims_truncated``). A claim prepared by a daemon that did not record its size has
 ``memory_mib``/``cores`` null. The scheduler extender places device-plugin pods by
@@ -147,11 +150,22 @@ class WholeCardState:
     claim_count: int = 0
     memory_used_mib: int = 0
     cores_used: int = 0
+    #: DRA cards: what the card publishes in all (memory: the card's rounded down to the
+    #: unit, or its MIG devices' together; cores: 100, or 0 for MIG devices); None: not
+    #: said (an older daemon)
+    memory_total_mib: int | None = None
+    cores_total: int | None = None
 
 
-def with_dra_claims(card: WholeCardState, claims: tuple[DraClaimState, ...]) -> WholeCardState:
+def with_dra_claims(
+    card: WholeCardState,
+    claims: tuple[DraClaimState, ...],
+    published: tuple[int, int] | None = None,
+) -> WholeCardState:
     """``card`` served by the DRA driver with ``claims`` prepared on it, their count and
-    what they add up to (sizes not recorded count as nothing)."""
+    what they add up to (sizes not recorded count as nothing); ``published``: the
+    memory (MiB) and cores the card offers in all."""
+    memory_total, cores_total = published if published is not None else (None, None)
     return replace(
         card,
         mode=DRA_MODE,
@@ -159,6 +173,8 @@ def with_dra_claims(card: WholeCardState, claims: tuple[DraClaimState, ...]) -> 
         claim_count=len(claims),
         memory_used_mib=sum(c.memory_mib or 0 for c in claims),
         cores_used=sum(c.cores or 0 for c in claims),
+        memory_total_mib=memory_total,
+        cores_total=cores_total,
     )
 
 
@@ -308,10 +324,23 @@ def _card_json(card: CardState) -> dict[str, Any]:
 
 def _whole_json(card: WholeCardState) -> dict[str, Any]:
     data = asdict(card)
-    dra = ("mode", "claims", "claims_truncated", "claim_count", "memory_used_mib", "cores_used")
+    dra = (
+        "mode",
+        "claims",
+        "claims_truncated",
+        "claim_count",
+        "memory_used_mib",
+        "cores_used",
+        "memory_total_mib",
+        "cores_total",
+    )
     if card.mode != DRA_MODE:  # as before DRA: nothing more for these cards
         for key in dra:
             del data[key]
+    else:
+        for key in ("memory_total_mib", "cores_total"):
+            if data[key] is None:
+                del data[key]
     return data
 
 
@@ -441,6 +470,8 @@ def _decode_whole(entry: Any, where: str) -> WholeCardState:
         claim_count=_figure(entry, "claim_count", where, 0),
         memory_used_mib=_figure(entry, "memory_used_mib", where, 0),
         cores_used=_figure(entry, "cores_used", where, 0),
+        memory_total_mib=_figure(entry, "memory_total_mib", where, None),
+        cores_total=_figure(entry, "cores_total", where, None),
     )
 
 

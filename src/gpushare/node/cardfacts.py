@@ -59,18 +59,20 @@ class CardFacts:
         self.records = records
         self.mig_resources = mig_resource_names(plan, mig_prefix)
         self._parent = {d.uuid: d.parent_uuid for d in plan.mig_devices}
-        self.dra_cards: frozenset[str] = frozenset()
+        #: card UUID -> the memory (MiB) and cores the DRA driver publishes of it
+        self.dra_cards: dict[str, tuple[int, int]] = {}
         self.dra_claims: Callable[[], Mapping[str, Sequence[DraClaimState]]] | None = None
 
     def serve_dra(
         self,
-        cards: Collection[str],
+        published: Mapping[str, tuple[int, int]],
         claims: Callable[[], Mapping[str, Sequence[DraClaimState]]],
     ) -> None:
-        """The DRA driver serves ``cards`` (UUIDs); ``claims`` answers, per card UUID,
-        what it has prepared there. Called at every publication and scrape: it must be
-        cheap (no file I/O, no lock held across the node)."""
-        self.dra_cards = frozenset(cards)
+        """The DRA driver serves the cards of ``published`` (card UUID -> the memory in
+        MiB and the cores it offers of the card in all); ``claims`` answers, per card
+        UUID, what it has prepared there. Called at every publication and scrape: it
+        must be cheap (no file I/O, no lock held across the node)."""
+        self.dra_cards = dict(published)
         self.dra_claims = claims
 
     def exclusive_resource_names(self) -> list[str]:
@@ -131,7 +133,8 @@ class CardFacts:
                 mig=mig,
             )
             if gpu.uuid in self.dra_cards:
-                card = with_dra_claims(card, tuple(dra.get(gpu.uuid, ())))
+                published = self.dra_cards[gpu.uuid]
+                card = with_dra_claims(card, tuple(dra.get(gpu.uuid, ())), published)
             whole.append(card)
         hardware = {uuid: self._healthy(uuid) for uuid in self.shared}
         return CardExtras(holds=holds, hardware_healthy=hardware, whole=tuple(whole))

@@ -170,7 +170,8 @@ class _CardCollector:
         claims = card_gauge("gpushare_dra_claims", "ResourceClaim devices prepared per DRA card")
         total = card_gauge(
             "gpushare_dra_memory_bytes_total",
-            "GPU memory a DRA card publishes in bytes (rounded down to the memory unit)",
+            "GPU memory a DRA card publishes in bytes (rounded down to the memory unit; a "
+            "card in MIG mode: its MIG devices' memory together)",
         )
         memory = card_gauge(
             "gpushare_dra_memory_bytes_allocated",
@@ -197,7 +198,10 @@ class _CardCollector:
                 continue
             labels = [card.uuid, str(card.index), card.name, self._node]
             claims.add_metric(labels, card.claim_count)
-            total.add_metric(labels, card.memory_mib // unit * unit * MIB)
+            published = card.memory_total_mib
+            if published is None:  # not said: the card's memory rounded down to the unit
+                published = card.memory_mib // unit * unit
+            total.add_metric(labels, published * MIB)
             memory.add_metric(labels, card.memory_used_mib * MIB)
             cores.add_metric(labels, card.cores_used)
             for claim in card.claims:

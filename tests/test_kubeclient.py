@@ -339,7 +339,7 @@ def test_the_watch_retries_with_backoff_while_the_server_fails(
     api.add(pod("a"))
     watch = PodWatch(lambda: client, NODE, book)
     monkey = pytest.MonkeyPatch()
-    monkey.setattr("gpushare.kube.podwatch.random.uniform", lambda _a, _b: 0.01)
+    monkey.setattr("gpushare.kube.watching.random.uniform", lambda _a, _b: 0.01)
     try:
         watch.start()
         eventually(lambda: len(book) == 1)

@@ -20,7 +20,6 @@ the kubeadm extender's role grants them).
 from __future__ import annotations
 
 import asyncio
-import random
 import ssl
 import threading
 from collections.abc import Callable, Mapping
@@ -32,16 +31,15 @@ import structlog
 
 from gpushare.extender.fit import PodSpecError, pod_need
 from gpushare.extender.ledger import AdmissionLedger, PodFacts
-from gpushare.kube.kubeclient import ApiClient, ApiStatusError, Endpoint, Watch
+from gpushare.kube.kubeclient import ApiClient, Endpoint, Watch
 from gpushare.kube.nodestate import decode_plan, plan_annotation_key
+from gpushare.kube.watching import open_watch, raise_if_error, run_until_stopped
 
 log = structlog.get_logger(__name__)
 
 PODS = "/api/v1/pods"
 PAGE = 500
 LIST_TIMEOUT = 30.0
-WATCH_SECONDS = (300, 600)
-READ_GRACE = 60.0
 MAX_BACKOFF = 30.0
 #: How long the extender waits for the first list before it serves anyway.
 START_LIST_SECONDS = 10.0
@@ -85,10 +83,6 @@ def facts_of(pod: Mapping[str, Any], prefix: str) -> PodFacts:
         ended=phase in TERMINAL,
         plan=tuple(sorted(decode_plan(text).items())),
     )
-
-
-class Gone(Exception):
-    """The watch's resourceVersion is too old: list again."""
 
 
 class PodFeed:
@@ -178,48 +172,26 @@ class PodFeed:
         self.client.close()
 
     def _run(self) -> None:
-        backoff = 1.0
-        while not self._stop.is_set():
-            try:
-                if not self._resume:
-                    listed, self._resume = self.list_pods()
-                    self._call(self._adopt, listed)
-                    log.info("pods_listed", pods=len(listed))
-                self._watch_once()
-                backoff = 1.0
-            except Gone:
-                log.info("pod_watch_expired")
-                self._resume = ""
-            except Exception as exc:
-                if self._stop.is_set():
-                    break
-                log.warning("pod_watch_failed", error=str(exc)[:300], retry_seconds=backoff)
-                if self._stop.wait(backoff * random.uniform(0.8, 1.2)):
-                    break
-                backoff = min(backoff * 2, MAX_BACKOFF)
+        run_until_stopped(self._stop, self._cycle, self._relist, MAX_BACKOFF)
+
+    def _cycle(self) -> None:
+        if not self._resume:
+            listed, self._resume = self.list_pods()
+            self._call(self._adopt, listed)
+            log.info("pods_listed", pods=len(listed))
+        self._watch_once()
+
+    def _relist(self) -> None:
+        self._resume = ""
 
     def _watch_once(self) -> None:
-        seconds = random.randint(*WATCH_SECONDS)
-        query = {
-            "resourceVersion": self._resume,
-            "allowWatchBookmarks": "true",
-            "timeoutSeconds": str(seconds),
-        }
-        try:
-            watch = self.client.watch(PODS, query, read_timeout=seconds + READ_GRACE)
-        except ApiStatusError as exc:
-            if exc.status == 410:
-                raise Gone() from None
-            raise
+        watch = open_watch(self.client, PODS, {}, self._resume)
         self._current = watch
         try:
             if self._stop.is_set():
                 return
             for kind, obj in watch:
-                if kind == "ERROR":
-                    if obj.get("code") == 410:
-                        raise Gone()
-                    raise ApiStatusError(int(obj.get("code") or 500), str(obj.get("reason")), "")
+                raise_if_error(kind, obj)
                 if kind in ("ADDED", "MODIFIED", "DELETED"):
                     facts = facts_of(obj, self.prefix)
                     if facts.uid:

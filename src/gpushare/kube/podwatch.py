@@ -16,7 +16,6 @@ older event can never overwrite what the list showed.
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -24,28 +23,21 @@ from typing import Any
 
 import structlog
 
-from gpushare.kube.kubeclient import ApiClient, ApiStatusError, Watch
+from gpushare.kube.kubeclient import ApiClient, Watch
 from gpushare.kube.podslim import slim
 from gpushare.kube.podspecs import PodSpecBook
+from gpushare.kube.watching import open_watch, raise_if_error, run_until_stopped
 
 log = structlog.get_logger(__name__)
 
 PODS = "/api/v1/pods"
 LIST_TIMEOUT = 5.0
-#: The server ends each watch after a random time in this range (seconds), as client-go does.
-WATCH_SECONDS = (300, 600)
-#: A watch that sent nothing for this long past its own end is taken as dead.
-READ_GRACE = 60.0
 MAX_BACKOFF = 60.0
 ON_DEMAND_TIMEOUT = 1.0
 ON_DEMAND_MIN_INTERVAL = 0.2
 #: Pods per list page (client-go's pager uses 500); memory does not depend on it, as
 #: items are read one at a time.
 PAGE_LIMIT = 250
-
-
-class Gone(Exception):
-    """The watch's resourceVersion is too old: list again."""
 
 
 def _uid(obj: Mapping[str, Any]) -> str:
@@ -146,44 +138,24 @@ class PodWatch:
 
     # ------------------------------------------------------------------ watch
     def _run(self) -> None:
-        backoff = 1.0
-        while not self._stop.is_set():
-            try:
-                api = self._client()
-                if api is None:
-                    raise ConnectionError("no API endpoint yet")
-                if not self._resume:
-                    self._list(api, LIST_TIMEOUT)
-                self._watch_once(api)
-                backoff = 1.0
-            except Gone:
-                log.info("pod_watch_expired", node=self.node_name)
-                with self._lock:
-                    self._resume = ""
-            except Exception as exc:
-                if self._stop.is_set():
-                    break
-                log.warning("pod_watch_failed", error=str(exc)[:300], retry_seconds=backoff)
-                if self._stop.wait(backoff * random.uniform(0.8, 1.2)):
-                    break
-                backoff = min(backoff * 2, MAX_BACKOFF)
+        run_until_stopped(self._stop, self._cycle, self._relist, MAX_BACKOFF, node=self.node_name)
+
+    def _cycle(self) -> None:
+        api = self._client()
+        if api is None:
+            raise ConnectionError("no API endpoint yet")
+        if not self._resume:
+            self._list(api, LIST_TIMEOUT)
+        self._watch_once(api)
+
+    def _relist(self) -> None:
+        with self._lock:
+            self._resume = ""
 
     def _watch_once(self, api: ApiClient) -> None:
         with self._lock:
             epoch, since = self._epoch, self._resume
-        seconds = random.randint(*WATCH_SECONDS)
-        query = {
-            **self.query,
-            "resourceVersion": since,
-            "allowWatchBookmarks": "true",
-            "timeoutSeconds": str(seconds),
-        }
-        try:
-            watch = api.watch(PODS, query, read_timeout=seconds + READ_GRACE)
-        except ApiStatusError as exc:
-            if exc.status == 410:
-                raise Gone() from None
-            raise
+        watch = open_watch(api, PODS, self.query, since)
         self._current = watch
         try:
             if self._stop.is_set():
@@ -197,10 +169,7 @@ class PodWatch:
 
     def _apply(self, epoch: int, kind: str, obj: dict[str, Any]) -> bool:
         """Apply one event; False when the watch must end (a list came in between)."""
-        if kind == "ERROR":
-            if obj.get("code") == 410:
-                raise Gone()
-            raise ApiStatusError(int(obj.get("code") or 500), str(obj.get("reason") or ""), "")
+        raise_if_error(kind, obj)
         with self._lock:
             if self._epoch != epoch:
                 return False  # resume from the newer list's version

@@ -20,7 +20,6 @@ from gpushare.config import ConfigError, load_settings
 from gpushare.daemon import Daemon
 from gpushare.gpu.gpus import Gpu
 from gpushare.kube import nodestate
-from gpushare.ops import inspect
 from gpushare.share.cardmodes import CardMode, card_modes, dra_cards, parse_card_modes
 from gpushare.sim.apiserver import KubeApiDouble
 from gpushare.sim.drakubelet import DraKubelet, allocated_claim
@@ -173,7 +172,7 @@ def test_a_mig_card_in_dra_mode_leaves_the_mig_plan_and_its_devices_are_in_the_s
         sum(i["memory_mib"] for i in instances),
         0,
     )
-    assert (inspect.dra_memory_total(a100, 256), inspect.dra_cores_total(a100)) == (
+    assert (a100.dra_memory_total(256), a100.dra_cores_total()) == (
         a100.memory_total_mib,
         0,
     )

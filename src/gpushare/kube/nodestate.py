@@ -128,6 +128,10 @@ class DraClaimState:
     cores: int | None  # percent of the SMs, 0: not throttled; None: not recorded
 
 
+#: The cores a card in DRA mode publishes (percent of its SMs).
+DRA_FULL_CORES = 100
+
+
 @dataclass(frozen=True)
 class WholeCardState:
     """A card not offered as shared units: a whole-only card, a card in MIG mode, or a
@@ -155,6 +159,18 @@ class WholeCardState:
     #: said (an older daemon)
     memory_total_mib: int | None = None
     cores_total: int | None = None
+
+    def dra_memory_total(self, unit_mib: int) -> int:
+        """What a DRA card publishes as its memory (MiB), as the daemon says; from an
+        older daemon, the card's rounded down to the unit."""
+        if self.memory_total_mib is not None:
+            return self.memory_total_mib
+        return self.memory_mib // unit_mib * unit_mib if unit_mib > 0 else self.memory_mib
+
+    def dra_cores_total(self) -> int:
+        """The cores a DRA card publishes (0 for a card in MIG mode, whose devices are
+        whole; 100 from an older daemon)."""
+        return self.cores_total if self.cores_total is not None else DRA_FULL_CORES
 
 
 def with_dra_claims(

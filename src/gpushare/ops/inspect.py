@@ -101,19 +101,6 @@ def card_health(card: nodestate.CardState) -> str:
     return "healthy"
 
 
-def dra_memory_total(card: nodestate.WholeCardState, unit_mib: int) -> int:
-    """What a DRA card publishes as its memory, as the daemon says (a card in MIG mode:
-    its MIG devices'); from an older daemon, the card's rounded down to the unit."""
-    if card.memory_total_mib is not None:
-        return card.memory_total_mib
-    return card.memory_mib // unit_mib * unit_mib if unit_mib > 0 else card.memory_mib
-
-
-def dra_cores_total(card: nodestate.WholeCardState) -> int:
-    """The cores a DRA card publishes (0 for a card in MIG mode, whose devices are whole)."""
-    return card.cores_total if card.cores_total is not None else DRA_CORES
-
-
 def is_dra(card: nodestate.WholeCardState) -> bool:
     return card.mode == nodestate.DRA_MODE
 
@@ -301,17 +288,15 @@ def totals(view: ClusterView) -> Totals:
         healthy_cards=sum(1 for c in physical if _own_health(c))
         + sum(1 for w in whole if w.healthy),
         memory_mib=sum(c.memory_units * n.memory_unit_mib for n, c in cards)
-        + sum(dra_memory_total(w, unit) for unit, w in dra),
+        + sum(w.dra_memory_total(unit) for unit, w in dra),
         memory_used_mib=sum(c.memory_units_used * n.memory_unit_mib for n, c in cards)
         + sum(w.memory_used_mib for _, w in dra),
-        core_units=sum(c.core_units for _, c in cards) + sum(dra_cores_total(w) for _, w in dra),
+        core_units=sum(c.core_units for _, c in cards) + sum(w.dra_cores_total() for _, w in dra),
         core_units_used=sum(c.core_units_used for _, c in cards)
         + sum(w.cores_used for _, w in dra),
     )
 
 
-#: The cores a DRA card publishes (percent of its SMs).
-DRA_CORES = 100
 
 
 def _align(rows: Sequence[Sequence[str]]) -> list[str]:
@@ -435,7 +420,7 @@ def _dra_rows(
     card: nodestate.WholeCardState, unit_mib: int, details: bool, wide: bool
 ) -> list[list[str]]:
     """A card served by the DRA driver; with ``details`` one line per claim's device."""
-    total = dra_memory_total(card, unit_mib)
+    total = card.dra_memory_total(unit_mib)
     rows = [
         [
             str(card.index),
@@ -443,7 +428,7 @@ def _dra_rows(
             f"{card.memory_used_mib}/{total}",
             f"({_percent(card.memory_used_mib, total)})",
             "DRA",
-            f"{card.cores_used}/{dra_cores_total(card)}",
+            f"{card.cores_used}/{card.dra_cores_total()}",
             "healthy" if card.healthy else "UNHEALTHY",
             *([printable(card.uuid)] if wide else []),
         ]
@@ -468,9 +453,9 @@ def _dra_data(card: nodestate.WholeCardState, unit_mib: int) -> dict[str, Any]:
     """The DRA figures of a card's JSON/YAML entry."""
     return {
         "mode": card.mode,
-        "memory_total_mib": dra_memory_total(card, unit_mib),
+        "memory_total_mib": card.dra_memory_total(unit_mib),
         "memory_used_mib": card.memory_used_mib,
-        "core_units": dra_cores_total(card),
+        "core_units": card.dra_cores_total(),
         "core_units_used": card.cores_used,
         "claim_count": card.claim_count,
         "claims_truncated": card.claims_truncated,

@@ -198,10 +198,7 @@ class _CardCollector:
                 continue
             labels = [card.uuid, str(card.index), card.name, self._node]
             claims.add_metric(labels, card.claim_count)
-            published = card.memory_total_mib
-            if published is None:  # not said: the card's memory rounded down to the unit
-                published = card.memory_mib // unit * unit
-            total.add_metric(labels, published * MIB)
+            total.add_metric(labels, card.dra_memory_total(unit) * MIB)
             memory.add_metric(labels, card.memory_used_mib * MIB)
             cores.add_metric(labels, card.cores_used)
             for claim in card.claims:

@@ -470,6 +470,10 @@ def test_the_same_workload_on_device_plugin_cards_for_comparison(
                 lambda name=name: published(cluster, name) == ["gpu-1", "gpu-2"],
                 60,
             )
+            # ...and the Node's allocatable back to card 0 alone: the next comparison's
+            # wait for 2 cards must see its own daemon's registration, not this one's
+            # stale figure (seen: every pod refused "no healthy devices present").
+            cluster.wait_allocatable(name, lambda a: int(a.get(MEMORY, "0")) == 29)
 
 
 def test_a_mig_card_in_dra_mode_serves_its_mig_devices_by_claim(

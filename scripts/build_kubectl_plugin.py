@@ -81,10 +81,13 @@ def build(target: Path) -> Path:
         for relative in plugin_modules():
             (stage / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src / relative, stage / relative)
-        manifests = stage / "gpushare" / "manifests"
-        manifests.mkdir(parents=True, exist_ok=True)
-        for manifest in (src / "gpushare" / "manifests").glob("*.yaml"):
-            shutil.copy2(manifest, manifests / manifest.name)
+        # Every shipped manifest, folders included (policies/): install, uninstall and
+        # verify read them all.
+        shipped = src / "gpushare" / "manifests"
+        for manifest in shipped.rglob("*.yaml"):
+            dest = stage / "gpushare" / "manifests" / manifest.relative_to(shipped)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(manifest, dest)
         for package in VENDORED:
             spec = importlib.util.find_spec(package)
             assert spec is not None and spec.submodule_search_locations, package

@@ -273,14 +273,14 @@ def test_uninstall_keeps_the_objects_while_a_node_is_labelled_then_removes_them(
     assert api.calls("DELETE") == []
     assert "still labelled: gpu-b" in capsys.readouterr().out
 
-    assert main(["uninstall"]) == 0
+    assert main(["uninstall", "--all"]) == 0
     assert KEY not in _labels(api, "gpu-b")
     assert all(_stored(api, obj) is None for obj in OBJECTS)
     assert api.get("ClusterRole", "someone-else", None, "rbac.authorization.k8s.io/v1") is not None
     assert len(api.calls("DELETE")) == len(OBJECTS)
 
     deletes = len(api.calls("DELETE"))
-    assert main(["uninstall"]) == 0  # nothing left to do
+    assert main(["uninstall", "--all"]) == 0  # nothing left to do
     assert len(api.calls("DELETE")) == deletes
 
 
@@ -314,7 +314,7 @@ def test_uninstall_clears_what_the_daemon_published_only_once_its_pod_has_gone(
     api.add(finished)
     capsys.readouterr()
 
-    assert main(["uninstall", "--wait", "0.3"]) == 0
+    assert main(["uninstall", "--all", "--wait", "0.3"]) == 0
     out = capsys.readouterr().out
     assert KEY not in _labels(api, "gpu-a") and KEY not in _labels(api, "gpu-b")
     assert _labels(api, "gpu-a")[product] == "Tesla-P4"  # a running daemon could restore it
@@ -325,7 +325,7 @@ def test_uninstall_clears_what_the_daemon_published_only_once_its_pod_has_gone(
 
     pod = _daemon_pod("gpu-a")["metadata"]
     api.delete("Pod", pod["name"], pod["namespace"])
-    assert main(["uninstall", "--wait", "0.3"]) == 0  # again, as the message says
+    assert main(["uninstall", "--all", "--wait", "0.3"]) == 0  # again, as the message says
     assert product not in _labels(api, "gpu-a") and count not in _labels(api, "gpu-a")
     assert "removed what the daemon published on gpu-a" in capsys.readouterr().out
 
@@ -335,13 +335,17 @@ def test_uninstall_never_deletes_objects_it_did_not_create(
 ) -> None:
     for obj in OBJECTS:  # as `kubectl apply -k daemonset/` leaves them
         api.add(dict(obj))
-    assert main(["uninstall"]) == 0
+    assert main(["uninstall", "--all"]) == 0
     assert api.calls("DELETE") == []
     assert all(_stored(api, obj) is not None for obj in OBJECTS)
-    assert capsys.readouterr().out.count("not created by kubectl-gpushare") == len(OBJECTS)
+    lines = capsys.readouterr().out.splitlines()
+    for said in ("  keep ", "kept "):  # in the plan shown first, then as it goes
+        told = [line for line in lines if line.startswith(said)]
+        assert len(told) == len(OBJECTS)
+        assert all(line.endswith(": not created by kubectl-gpushare") for line in told)
 
 
-@pytest.mark.parametrize("command", [["install", "--node", "gpu-a"], ["uninstall"]])
+@pytest.mark.parametrize("command", [["install", "--node", "gpu-a"], ["uninstall", "--all"]])
 def test_no_kubeconfig_is_one_line_and_exit_2(
     command: list[str],
     tmp_path: Path,
@@ -356,7 +360,7 @@ def test_no_kubeconfig_is_one_line_and_exit_2(
     assert err.startswith(f"kubectl gpushare {command[0]}: no usable kubeconfig")
 
 
-@pytest.mark.parametrize("command", [["install", "--node", "gpu-a"], ["uninstall"]])
+@pytest.mark.parametrize("command", [["install", "--node", "gpu-a"], ["uninstall", "--all"]])
 def test_unreachable_api_server_is_one_line_and_exit_2(
     command: list[str],
     tmp_path: Path,
@@ -384,7 +388,7 @@ def test_console_script_dispatches_inspect_and_fails_in_one_line_without_a_clust
 ) -> None:
     env = {**os.environ, "KUBECONFIG": str(tmp_path / "missing")}
     env.pop("KUBERNETES_SERVICE_HOST", None)
-    for command, prog in ((["inspect"], "inspect"), (["uninstall"], "uninstall")):
+    for command, prog in ((["inspect"], "inspect"), (["uninstall", "--all"], "uninstall")):
         done = subprocess.run(
             [str(SCRIPT), *command], capture_output=True, text=True, timeout=60, env=env
         )
@@ -418,7 +422,7 @@ def test_uninstall_removes_the_mig_labels_and_nothing_else(
     node = api.get("Node", "gpu-a")
     node["metadata"]["labels"].update({**mig_labels, **others})  # type: ignore[index]
     api.add(node)  # type: ignore[arg-type]
-    assert main(["uninstall", "--wait", "0"]) == 0
+    assert main(["uninstall", "--all", "--wait", "0"]) == 0
     labels = _labels(api, "gpu-a")
     assert not set(mig_labels) & set(labels)
     assert {k: labels.get(k) for k in others} == others

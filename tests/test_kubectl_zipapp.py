@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import zipfile
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import pytest
 import yaml
 from kube_double import KubeApiDouble
 
+from gpushare.gpu import probe
 from gpushare.kube import nodestate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,6 +98,71 @@ def test_inspect_against_the_api_server_double(
     assert "1024/7424" in result.stdout
     missing = run(plugin, "inspect", env={"KUBECONFIG": str(tmp_path / "absent")})
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_every_manifest_install_reads_is_in_the_archive(plugin: Path) -> None:
+    """The one-file plugin died with "Can't listdir a file" on install, uninstall and
+    verify: the archive lacked manifests/policies/ (issue 33.1)."""
+    shipped = ROOT / "src" / "gpushare" / "manifests"
+    wanted = {f"gpushare/manifests/{p.relative_to(shipped)}" for p in shipped.rglob("*.yaml")}
+    with zipfile.ZipFile(plugin) as archive:
+        assert wanted <= set(archive.namelist())
+    assert any("/policies/" in name for name in wanted)
+
+
+def _finish_verify_pods(api: KubeApiDouble, stop: threading.Event) -> None:
+    """Stands in for the node: each verify pod "succeeds" with an enforcing report."""
+    done: set[str] = set()
+    while not stop.wait(0.02):
+        for key, obj in list(api.objects.items()):
+            if "/pods/gpushare-verify-" in key and key not in done:
+                done.add(key)
+                api.logs[key] = probe.render([probe.Check("one card visible", True, "GPU-1")])
+                with api._lock:
+                    obj.setdefault("status", {})["phase"] = "Succeeded"
+
+
+def test_every_subcommand_runs_from_the_built_file(
+    plugin: Path, api: KubeApiDouble, tmp_path: Path
+) -> None:
+    """install, verify, inspect and uninstall (and their dry runs) from the archive, with
+    nothing installed, against the API-server double: what the krew manifest ships."""
+    gpu = {"name": "gpu-a", "labels": {"nvidia.com/gpu.present": "true"}}
+    api.add({"apiVersion": "v1", "kind": "Node", "metadata": gpu,
+             "status": {"allocatable": {"gpushare.io/vcuda-memory": "28"}}})  # fmt: skip
+    env = {"KUBECONFIG": str(api.kubeconfig(tmp_path / "kubeconfig"))}
+
+    def ok(*args: str) -> str:
+        result = run(plugin, *args, env=env)
+        assert result.returncode == 0, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+        return result.stdout
+
+    assert "dry run: nothing changed" in ok("install", "--dry-run", "--node", "gpu-a")
+    first = ok("install", "--node", "gpu-a")
+    assert "warning: no --image given" in first and "labelled node gpu-a" in first
+    assert "created ValidatingAdmissionPolicy gpushare-daemon-node-scope" in first
+    assert "unchanged ValidatingAdmissionPolicy" in ok("install", "--node", "gpu-a")
+    upgrade = ok("install", "--node", "gpu-a", "--image", "reg.example/gs:1")
+    assert "configured DaemonSet kube-system/gpushare" in upgrade
+    stop = threading.Event()
+    finisher = threading.Thread(target=_finish_verify_pods, args=(api, stop), daemon=True)
+    finisher.start()
+    try:
+        verified = ok("verify", "--node", "gpu-a")  # the installed DaemonSet's image
+        assert "(reg.example/gs:1;" in verified and "VERDICT: enforced" in verified
+    finally:
+        stop.set()
+        finisher.join(5)
+    refused = run(plugin, "verify", "--node", "gpu-a", "--core-units", "150", env=env)
+    assert refused.returncode == 2 and "--core-units 150" in refused.stderr
+    ok("inspect")
+    assert "unlabel node gpu-a" in ok("uninstall", "--dry-run")
+    removed = ok("uninstall", "--all", "--wait", "0")
+    assert "unlabelled node gpu-a" in removed
+    assert "deleted DaemonSet kube-system/gpushare" in removed
+    script = run(plugin, "uninstall", env=env)
+    assert script.returncode == 2 and "--all" in script.stderr
 
 
 def test_the_krew_manifest_names_the_archive_by_its_digest(plugin: Path) -> None:

@@ -24,6 +24,7 @@ VOLATILE = [
     (re.compile(r"updated \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"), "updated <time>"),
     (re.compile(r"generation \d+"), "generation <n>"),
     (re.compile(r"gpushare-verify-[0-9a-f]{6}"), "gpushare-verify-<id>"),
+    (re.compile(r"\(\d+ s of (\d+) s\)"), r"(<n> s of \1 s)"),
 ]
 
 

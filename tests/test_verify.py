@@ -8,6 +8,7 @@ writes a probe report into its log.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,7 +90,14 @@ def test_the_report_round_trips_through_the_log() -> None:
 
 @pytest.fixture
 def cluster(api: KubeApiDouble) -> Iterator[Cluster]:
-    api.add({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-1", "labels": {}}})
+    api.add(
+        {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": "gpu-1", "labels": {}},
+            "status": {"allocatable": {"gpushare.io/vcuda-memory": "58"}},
+        }
+    )
     yield Cluster()
 
 
@@ -294,3 +302,95 @@ def test_a_hostile_status_of_a_pod_that_never_finishes_is_printed_escaped(
     assert node.seen, "the stand-in never saw the pod"
     assert "did not finish within" in said[-2] and "\\x1b[2J\\x0aVERDICT: ok" in said[-2]
     assert all("\x1b" not in line and "\n" not in line for line in said)
+
+
+# -- issue 33.3: progress, the first terminal state, impossible arguments -----------------
+
+
+class StuckNode(StandInNode):
+    """Leaves the verify pod waiting with ``reason`` (the kubelet cannot pull its image)."""
+
+    def __init__(self, api: KubeApiDouble, reason: str) -> None:
+        self.reason = reason
+        super().__init__(api, None, "")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, obj in list(self.api.objects.items()):
+                if "/pods/gpushare-verify-" in key and not self.seen:
+                    self.seen = obj
+                    waiting = {"reason": self.reason, "message": "Back-off pulling image x"}
+                    with self.api._lock:
+                        obj["status"] = {
+                            "phase": "Pending",
+                            "containerStatuses": [{"name": "probe", "state": {"waiting": waiting}}],
+                        }
+            self._stop.wait(0.02)
+
+
+def test_a_pod_that_cannot_pull_its_image_stops_verify_at_once_with_the_reason(
+    api: KubeApiDouble, cluster: Cluster
+) -> None:
+    node = StuckNode(api, "ImagePullBackOff")
+    said: list[str] = []
+    try:
+        code = verify.run(
+            cluster,
+            verify.Request(node="gpu-1", image="reg/gpushare:1", timeout_seconds=3600),
+            said.append,
+            poll_seconds=0.02,
+        )
+    finally:
+        node.stop()
+    assert code == verify.EXIT_NO_REPORT
+    assert "the pod cannot run: ImagePullBackOff: Back-off pulling image x" in said
+    assert _pods(api) == []
+
+
+def test_verify_says_what_it_waits_for(api: KubeApiDouble, cluster: Cluster) -> None:
+    ticks = iter(range(0, 10_000, 5))  # each reading of the clock is 5 s later
+    node = StandInNode(api, None, "")
+    said: list[str] = []
+    try:
+        code = verify.run(
+            cluster,
+            verify.Request(node="gpu-1", image="reg/gpushare:1", timeout_seconds=60),
+            said.append,
+            poll_seconds=0.01,
+            clock=lambda: float(next(ticks)),
+        )
+    finally:
+        node.stop()
+    assert code == verify.EXIT_NO_REPORT
+    waits = [line for line in said if line.startswith("waiting for pod default/gpushare-verify-")]
+    # the first reading, then one line per 15 s of an unchanged state (60 s: 3 or 4)
+    assert 3 <= len(waits) <= 4 and ": Pending (" in waits[0]
+    seconds = [int(line.rsplit("(", 1)[1].split(" ")[0]) for line in waits]
+    assert all(later - earlier >= 15 for earlier, later in itertools.pairwise(seconds))
+    assert said[-2].startswith("the pod did not finish within 60 s")
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--memory-units", "0"], "--memory-units 0: the probe needs at least 1 unit"),
+        (["--core-units", "150"], "--core-units 150: give 1 to 100 (100 is a whole card)"),
+        (["--core-units", "0"], "--core-units 0: give 1 to 100"),
+        (["--memory-units", "59"], "--memory-units 59: node gpu-1 has 58"),
+        (["--image", "Reg/GPUSHARE:1"], "must be lower case"),
+        (["--node", "cpu-1"], "node cpu-1 offers no gpushare.io/vcuda-memory"),
+    ],
+)
+def test_impossible_arguments_are_refused_in_one_line_before_any_pod(
+    api: KubeApiDouble,
+    cluster: Cluster,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    expected: str,
+) -> None:
+    api.add({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "cpu-1"}})
+    node = ["--node", "gpu-1"] if "--node" not in args else []
+    assert kubectl.main(["verify", *node, "--image", "reg/gpushare:1", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err, err
+    assert not api.calls("POST")

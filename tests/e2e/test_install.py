@@ -62,14 +62,14 @@ def test_install_then_uninstall(bare: Cluster) -> None:
     agent.start_daemon()  # waits for the node's allocatable
     assert int(bare.allocatable(NODE)[MEMORY]) == 32
 
-    uninstall = bare.kubectl_gpushare("uninstall", "--wait", "0")
+    uninstall = bare.kubectl_gpushare("uninstall", "--all", "--wait", "0")
     assert uninstall.returncode == 0, uninstall.stdout + uninstall.stderr
     assert OPT_IN not in bare.node(NODE)["metadata"].get("labels", {})
     # The controller takes the pod off the unlabelled node; its container (our daemon) ends.
     wait_for("the DaemonSet's pod to go", lambda: not daemonset_pods(bare), 90)
     agent.stop_daemon()
     # Run again once the pod has gone: now nothing keeps what install created.
-    again = bare.kubectl_gpushare("uninstall", "--wait", "0")
+    again = bare.kubectl_gpushare("uninstall", "--all", "--wait", "0")
     assert again.returncode == 0, again.stdout + again.stderr
     wait_for("the DaemonSet to be deleted", lambda: bare.api.get_or_none(DS) is None, 60)
     for path in (

@@ -89,6 +89,20 @@ def describe(obj: Mapping[str, Any]) -> str:
     return f"{obj.get('kind')} {name}"
 
 
+def _check_readable(path: str) -> None:
+    """NoCluster naming the file when none of ``path``'s files (``KUBECONFIG`` may list
+    several) can be read: the client's own message does not name it."""
+    files = [os.path.expanduser(p) for p in path.split(os.pathsep) if p]
+    errors = []
+    for file in files:
+        try:
+            with open(file, "rb"):
+                return
+        except OSError as exc:
+            errors.append(f"{file}: {exc.strerror or exc}")
+    raise NoCluster(f"no usable kubeconfig: {'; '.join(errors) or 'empty path'}")
+
+
 class Cluster:
     """The current kubeconfig's cluster (or the in-cluster one)."""
 
@@ -110,16 +124,20 @@ class Cluster:
             self._connect_plain(kubeconfig, context, in_cluster)
             return
         configuration = client.Configuration()
+        path = "(in-cluster service account)"
         try:
             if in_cluster and os.environ.get("KUBERNETES_SERVICE_HOST"):
                 config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
             else:
                 path = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+                _check_readable(path)
                 config.load_kube_config(  # type: ignore[no-untyped-call]
                     config_file=path, context=context, client_configuration=configuration
                 )
+        except NoCluster:
+            raise
         except Exception as exc:
-            raise NoCluster(f"no usable kubeconfig: {exc}") from None
+            raise NoCluster(f"no usable kubeconfig {path}: {exc}") from None
         configuration.retries = 1
         self._api_client = client.ApiClient(configuration)
         self._host = configuration.host

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -23,6 +24,7 @@ from gpushare.config import Settings
 from gpushare.gpu import mig
 from gpushare.kube import nodestate
 from gpushare.kube.kubeapi import ApiError, Cluster, describe
+from gpushare.ops import imageref
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kubectl-gpushare"}
 #: Labels that NVIDIA's GPU feature discovery (or the GPU operator) puts on GPU nodes.
@@ -44,6 +46,11 @@ def manifest_texts() -> dict[str, str]:
     folder = resources.files("gpushare") / "manifests"
     texts = {}
     for prefix, where in (("", folder), ("policies/", folder / "policies")):
+        if not where.is_dir():
+            raise DeployError(
+                f"this kubectl-gpushare lacks its manifests/{prefix} (a broken build); "
+                "rebuild it with make kubectl-plugin or pip install the package"
+            )
         for entry in where.iterdir():
             if entry.name.endswith(".yaml"):
                 texts[prefix + entry.name] = entry.read_text()
@@ -158,12 +165,19 @@ def install(
     *,
     image: str | None = None,
     runtime_class: str | None = None,
+    dry_run: bool = False,
 ) -> None:
     """Apply the manifests, then label ``nodes``. Idempotent; checks all before changing any.
-    ``image`` and ``runtime_class`` replace the DaemonSet's (see :func:`customise`)."""
+    ``image`` and ``runtime_class`` replace the DaemonSet's (see :func:`customise`).
+    ``dry_run``: the same checks, then say what would be done and change nothing."""
+    if image is not None:
+        problem = imageref.problem(image)
+        if problem:
+            raise DeployError(f"--image {image!r}: {problem}")
     objects = load_objects()
     key, value = opt_in_label(objects)
-    missing = [name for name in nodes if cluster.node(name) is None]
+    found = {name: cluster.node(name) for name in nodes}
+    missing = [name for name, node in found.items() if node is None]
     if missing:
         raise DeployError(f"no such node: {', '.join(missing)}")
     objects = _served_policies(cluster, objects, say)
@@ -184,6 +198,24 @@ def install(
             shipped = shipped_image(objects)
             if _pod_spec(obj)["containers"][0].get("image") == shipped:
                 say(unbuilt_image_warning(shipped))
+    for name, node in found.items():
+        if node is not None and not has_gpu(node):
+            say(
+                f"warning: node {name} reports no NVIDIA GPU (no {GPU_PRESENT_LABEL}=true or "
+                f"{GPU_PRODUCT_LABEL} label): the daemon will run there and, without a GPU, "
+                "offer nothing; uninstall --node to undo"
+            )
+    if dry_run:
+        for obj, before in pairs:
+            say(f"would {'create' if before is None else 'apply'} {describe(obj)}")
+        for name, node in found.items():
+            labels = ((node or {}).get("metadata") or {}).get("labels") or {}
+            if labels.get(key) != value:
+                say(f"would label node {name} {key}={value}")
+            else:
+                say(f"node {name} already labelled {key}={value}")
+        say("dry run: nothing changed")
+        return
     for obj, before in pairs:
         after = cluster.apply(managed(obj))
         version = (after.get("metadata") or {}).get("resourceVersion")
@@ -226,21 +258,40 @@ def _served_policies(
     return [obj for obj in objects if obj.get("kind") not in POLICY_KINDS]
 
 
-def uninstall(
-    cluster: Cluster,
-    nodes: Sequence[str],
-    say: Say,
-    *,
-    wait_seconds: float = UNINSTALL_WAIT_SECONDS,
-    poll_seconds: float = 1.0,
-) -> None:
-    """Unlabel ``nodes`` (all labelled nodes when empty); when none keeps the label,
-    delete the objects kubectl-gpushare created, and only those.
+@dataclass(frozen=True)
+class UninstallPlan:
+    """What :func:`uninstall` will do, decided before anything changes (shown to the
+    operator, who may cancel: ``--dry-run`` stops here)."""
 
-    What the daemon published on a node (its ``gpu.*`` labels and the per-card
-    annotation) is removed once its pod has left the node, which it does soon after
-    the opt-in label goes; a daemon still running could publish them again.
-    """
+    #: Nodes asked about (named, or every opted-in node and those the daemon published on).
+    targets: tuple[str, ...]
+    #: Of those, the ones carrying the opt-in label (``key=value``).
+    unlabel: tuple[str, ...]
+    selector: str
+    #: Nodes that keep the label: the objects stay while there is one.
+    remaining: tuple[str, ...]
+    #: ``describe()`` of the objects kubectl-gpushare created, deleted when none remains.
+    delete: tuple[str, ...]
+    #: ``describe()`` of objects of the same names it did not create: never touched.
+    foreign: tuple[str, ...]
+
+    def lines(self) -> list[str]:
+        """One line per change, in the order :func:`uninstall` makes them."""
+        out = [f"unlabel node {name} ({self.selector})" for name in self.unlabel]
+        out += [
+            f"remove what the daemon published on {name} (its gpu.* labels and annotation), "
+            "once its pod has left"
+            for name in self.targets
+        ]
+        out += [f"delete {what}" for what in self.delete]
+        out += [f"keep {what}: not created by kubectl-gpushare" for what in self.foreign]
+        if self.remaining:
+            out.append(f"keep the gpushare objects: still labelled: {', '.join(self.remaining)}")
+        return out
+
+
+def plan_uninstall(cluster: Cluster, nodes: Sequence[str]) -> UninstallPlan:
+    """What uninstalling from ``nodes`` (all when empty) means now; changes nothing."""
     objects = load_objects()
     key, value = opt_in_label(objects)
     selector = f"{key}={value}"
@@ -249,20 +300,60 @@ def uninstall(
     # Without names: every opted-in node, and those an earlier uninstall had to leave
     # the daemon's labels on (its pod was still there).
     published = {node_name(node) for node in cluster.nodes(nodestate.label_key(prefix, "count"))}
-    targets = list(nodes) or sorted(labelled | published)
+    targets = list(dict.fromkeys(nodes)) or sorted(labelled | published)
     missing = [name for name in targets if name not in labelled and cluster.node(name) is None]
     if missing:
         raise DeployError(f"no such node: {', '.join(missing)}")
-    for name in targets:
-        if name in labelled:
+    remaining = tuple(sorted(labelled - set(targets)))
+    delete: list[str] = []
+    foreign: list[str] = []
+    if not remaining:
+        for obj in reversed(objects):
+            stored = cluster.read(obj)
+            if stored is not None:
+                (delete if is_ours(stored) else foreign).append(describe(obj))
+    return UninstallPlan(
+        targets=tuple(targets),
+        unlabel=tuple(name for name in targets if name in labelled),
+        selector=selector,
+        remaining=remaining,
+        delete=tuple(delete),
+        foreign=tuple(foreign),
+    )
+
+
+def uninstall(
+    cluster: Cluster,
+    nodes: Sequence[str] | UninstallPlan,
+    say: Say,
+    *,
+    wait_seconds: float = UNINSTALL_WAIT_SECONDS,
+    poll_seconds: float = 1.0,
+) -> None:
+    """Unlabel ``nodes`` (all labelled nodes when empty; or carry out a plan of
+    :func:`plan_uninstall`); when none keeps the label, delete the objects
+    kubectl-gpushare created, and only those.
+
+    What the daemon published on a node (its ``gpu.*`` labels and the per-card
+    annotation) is removed once its pod has left the node, which it does soon after
+    the opt-in label goes; a daemon still running could publish them again.
+    """
+    plan = nodes if isinstance(nodes, UninstallPlan) else plan_uninstall(cluster, nodes)
+    objects = load_objects()
+    key, _ = opt_in_label(objects)
+    prefix = Settings().resource_prefix
+    for name in plan.targets:
+        if name in plan.unlabel:
             cluster.patch_node_metadata(name, {key: None}, {})
             say(f"unlabelled node {name}")
         else:
-            say(f"node {name} was not labelled {selector}")
-    remaining = sorted(node_name(node) for node in cluster.nodes(selector))
+            say(f"node {name} was not labelled {plan.selector}")
+    remaining = sorted(node_name(node) for node in cluster.nodes(plan.selector))
     if not remaining:
         _delete_ours(cluster, objects, say)
-    _forget_published_state(cluster, objects, targets, prefix, say, wait_seconds, poll_seconds)
+    _forget_published_state(
+        cluster, objects, plan.targets, prefix, say, wait_seconds, poll_seconds
+    )
     if remaining:
         say(f"kept the gpushare objects: still labelled: {', '.join(remaining)}")
 

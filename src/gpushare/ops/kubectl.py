@@ -89,13 +89,49 @@ def _install(args: argparse.Namespace) -> int:
             return _fail("install", str(exc) or "no answer", 1)
         if not nodes:
             return _fail("install", "no node chosen; nothing done", 1)
-    deploy.install(cluster, nodes, _say, image=args.image, runtime_class=args.runtime_class)
+    deploy.install(
+        cluster,
+        nodes,
+        _say,
+        image=args.image,
+        runtime_class=args.runtime_class,
+        dry_run=args.dry_run,
+    )
     return 0
 
 
 def _uninstall(args: argparse.Namespace) -> int:
     nodes = list(dict.fromkeys(args.node or []))
-    deploy.uninstall(Cluster(args.kubeconfig, args.context), nodes, _say, wait_seconds=args.wait)
+    if nodes and args.all:
+        return _fail("uninstall", "--all and --node exclude each other", EXIT_USAGE)
+    terminal = sys.stdin.isatty()
+    if not nodes and not args.all and not args.dry_run and not terminal:
+        return _fail(
+            "uninstall",
+            "no --node given and stdin is not a terminal to confirm on; name nodes with "
+            "--node NAME, or --all to remove gpushare from every node and delete its objects",
+            EXIT_USAGE,
+        )
+    cluster = Cluster(args.kubeconfig, args.context)
+    plan = deploy.plan_uninstall(cluster, nodes)
+    steps = plan.lines()
+    if not steps:
+        _say("nothing to remove: no node is labelled and no gpushare object exists")
+        return 0
+    _say(f"kubectl gpushare uninstall {'would' if args.dry_run else 'will'}:")
+    for step in steps:
+        _say(f"  {step}")
+    if args.dry_run:
+        _say("dry run: nothing changed")
+        return 0
+    if terminal and not args.yes:
+        try:
+            answer = input("Go ahead? [y/N]: ")
+        except EOFError:
+            answer = ""
+        if answer.strip().lower() not in ("y", "yes"):
+            return _fail("uninstall", "not confirmed; nothing done", 1)
+    deploy.uninstall(cluster, plan, _say, wait_seconds=args.wait)
     return 0
 
 
@@ -111,7 +147,10 @@ def _verify(args: argparse.Namespace) -> int:
         timeout_seconds=args.timeout,
         keep=args.keep,
     )
-    return verify.run(Cluster(args.kubeconfig, args.context), request, _say)
+    try:
+        return verify.run(Cluster(args.kubeconfig, args.context), request, _say)
+    except verify.BadRequest as exc:
+        return _fail("verify", str(exc), EXIT_USAGE)
 
 
 def _version(args: argparse.Namespace) -> int:
@@ -161,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="RuntimeClass of the NVIDIA runtime (e.g. nvidia), where it is not the default "
         "runtime (default: what an earlier install set, else none)",
     )
+    install.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check everything and say what would be applied and labelled; change nothing",
+    )
     check = commands.add_parser(
         "verify",
         help="prove on a node that memory and core limits are enforced (runs a probe pod)",
@@ -194,11 +238,24 @@ def build_parser() -> argparse.ArgumentParser:
     uninstall = commands.add_parser(
         "uninstall",
         help="unlabel nodes; with none left, delete what install created",
-        description="Remove the opt-in label from the named nodes (all when none is named). "
-        "When no node keeps it, delete the objects kubectl gpushare install created; objects "
-        "it did not create are never touched.",
+        description="Remove the opt-in label from the named nodes (with --all, or when none "
+        "is named and you confirm on a terminal: every node). When no node keeps it, delete "
+        "the objects kubectl gpushare install created; objects it did not create are never "
+        "touched. It first lists what it will remove and, on a terminal, asks.",
     )
     uninstall.add_argument("--node", action="append", metavar="NAME", help="opt this node out")
+    uninstall.add_argument(
+        "--all",
+        action="store_true",
+        help="every node, then delete what install created (needed without --node when "
+        "stdin is not a terminal)",
+    )
+    uninstall.add_argument(
+        "--dry-run", action="store_true", help="say what would be removed; change nothing"
+    )
+    uninstall.add_argument(
+        "-y", "--yes", action="store_true", help="do not ask on a terminal before removing"
+    )
     inspect.add_cluster_flags(uninstall)
     uninstall.add_argument(
         "--wait",

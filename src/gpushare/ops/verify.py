@@ -18,13 +18,30 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpushare.gpu.probe import REPORT_MARKER, Check, parse_report, verdict
+from gpushare.kube import nodestate
 from gpushare.kube.kubeapi import ApiError, Cluster
-from gpushare.ops import deploy
+from gpushare.ops import deploy, imageref
 from gpushare.ops.printable import printable
 
 EXIT_NOT_ENFORCED = 1
 EXIT_NO_REPORT = 3
 TERMINAL = ("Succeeded", "Failed")
+#: Container states the kubelet does not leave by itself: waiting longer shows nothing new.
+STUCK_REASONS = frozenset(
+    {
+        "ImagePullBackOff",
+        "ErrImageNeverPull",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "RunContainerError",
+        "CrashLoopBackOff",
+    }
+)
+#: A progress line at least this often while the pod has not finished (and on each change).
+PROGRESS_SECONDS = 15.0
+#: vcuda-core units of a whole card.
+CORE_UNITS_PER_CARD = 100
 #: The verify pod carries this label (to find leftovers: kubectl delete pod -l ...).
 POD_LABEL = ("app.kubernetes.io/name", "gpushare-verify")
 
@@ -100,6 +117,71 @@ def _why_not_running(pod: Mapping[str, Any]) -> str:
     return "; ".join(p.strip() for p in parts if p.strip()) or "no status yet"
 
 
+def _stuck(pod: Mapping[str, Any]) -> str | None:
+    """Why the pod can never finish on its own (a container stuck in a state of
+    :data:`STUCK_REASONS`), else None."""
+    for container in (pod.get("status") or {}).get("containerStatuses") or []:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in STUCK_REASONS:
+            return f"{waiting['reason']}: {waiting.get('message') or 'no message'}"
+    return None
+
+
+def _progress(pod: Mapping[str, Any]) -> str:
+    """``Pending (ContainerCreating)``: the phase and the container's waiting reason."""
+    status = pod.get("status") or {}
+    phase = str(status.get("phase") or "Pending")
+    reasons = [
+        str(((c.get("state") or {}).get("waiting") or {}).get("reason") or "")
+        for c in status.get("containerStatuses") or []
+    ]
+    reasons = [r for r in reasons if r] or [str(status.get("reason") or "")]
+    return f"{phase} ({', '.join(reasons)})" if any(reasons) else phase
+
+
+class BadRequest(ValueError):
+    """An argument verify cannot work with; the message is one line for the operator."""
+
+
+def check_request(cluster: Cluster, request: Request) -> None:
+    """Refuse, in one line, what cannot be verified: impossible unit counts, an image
+    that is no reference, a node that does not exist or runs no gpushare."""
+    if request.memory_units < 1:
+        raise BadRequest(
+            f"--memory-units {request.memory_units}: the probe needs at least 1 unit"
+        )
+    if not 1 <= request.core_units <= CORE_UNITS_PER_CARD:
+        raise BadRequest(
+            f"--core-units {request.core_units}: give 1 to {CORE_UNITS_PER_CARD} "
+            f"({CORE_UNITS_PER_CARD} is a whole card)"
+        )
+    if request.image is not None and (problem := imageref.problem(request.image)):
+        raise BadRequest(f"--image {request.image!r}: {problem}")
+    node = cluster.node(request.node)
+    if node is None:
+        raise ApiError(f"no such node: {request.node}")
+    resource = f"{request.prefix}/vcuda-memory"
+    allocatable = ((node.get("status") or {}).get("allocatable") or {}).get(resource)
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    published = nodestate.label_key(request.prefix, "count") in labels
+    if allocatable is None and not published:
+        raise BadRequest(
+            f"node {request.node} offers no {resource}: gpushare does not run there "
+            f"(kubectl gpushare install --node {request.node}; another --resource-prefix?)"
+        )
+    if allocatable is not None and str(allocatable).isdigit():
+        if int(allocatable) == 0:
+            raise BadRequest(
+                f"node {request.node} offers 0 {resource} units now (its daemon is starting "
+                "or found no healthy card): nothing to verify"
+            )
+        if request.memory_units > int(allocatable):
+            raise BadRequest(
+                f"--memory-units {request.memory_units}: node {request.node} has "
+                f"{allocatable} {resource} units in all"
+            )
+
+
 def _same_pod(stored: Mapping[str, Any] | None, uid: str) -> bool:
     """Whether ``stored`` is the pod verify created: a pod of the same name created by
     someone else after deleting it (its log could say anything) is not."""
@@ -116,12 +198,11 @@ def run(
     poll_seconds: float = 1.0,
     clock: Callable[[], float] = time.monotonic,
 ) -> int:
+    check_request(cluster, request)
     image = request.image or installed_image(cluster)
     if image is None:
         image = deploy.shipped_image(deploy.load_objects())
         say(deploy.unbuilt_image_warning(image))
-    if cluster.node(request.node) is None:
-        raise ApiError(f"no such node: {request.node}")
     name = f"gpushare-verify-{secrets.token_hex(3)}"
     pod = verify_pod(request, image, name)
     created = cluster.create(pod)
@@ -131,8 +212,10 @@ def run(
         f"{request.memory_units} memory units, {request.core_units} core units)"
     )
     try:
-        deadline = clock() + request.timeout_seconds
+        started = clock()
+        deadline = started + request.timeout_seconds
         stored: dict[str, Any] | None = None
+        shown, shown_at = "", started
         while clock() < deadline:
             stored = cluster.read(pod)
             if stored is None or not _same_pod(stored, uid):
@@ -140,6 +223,17 @@ def run(
                 return EXIT_NO_REPORT
             if (stored.get("status") or {}).get("phase") in TERMINAL:
                 break
+            stuck = _stuck(stored)
+            if stuck is not None:
+                say(f"the pod cannot run: {printable(stuck, 400)}")
+                return EXIT_NO_REPORT
+            now, state = clock(), _progress(stored)
+            if state != shown or now - shown_at >= PROGRESS_SECONDS:
+                say(
+                    f"waiting for pod {request.namespace}/{name}: {printable(state, 200)} "
+                    f"({now - started:.0f} s of {request.timeout_seconds:.0f} s)"
+                )
+                shown, shown_at = state, now
             time.sleep(poll_seconds)
         else:
             say(

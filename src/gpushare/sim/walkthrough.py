@@ -70,9 +70,14 @@ class Transcript:
 
 
 def _kubectl(args: list[str]) -> tuple[int, str]:
+    """The command as a script runs it: its stdin is no terminal (nothing is asked)."""
     out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        code = kubectl.main(args)
+    stdin, sys.stdin = sys.stdin, io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = kubectl.main(args)
+    finally:
+        sys.stdin = stdin
     return code, out.getvalue()
 
 
@@ -119,8 +124,9 @@ class ProbeNode:
         )
         self.api.logs[key] = result.stdout + result.stderr
         phase = "Succeeded" if result.returncode == 0 else "Failed"
-        with self.api._lock:
-            pod.setdefault("status", {})["phase"] = phase
+        with self.api._lock:  # the stored pod: a write since (the daemon's) replaced ``pod``
+            stored = self.api.objects.get(key, pod)
+            stored.setdefault("status", {})["phase"] = phase
         self.kubelet.release(pod["metadata"]["name"])  # the pod has ended
 
 
@@ -232,10 +238,19 @@ def run(root: Path) -> str:
         daemon = None
         t.text(
             "### 5. Remove\n\nUnlabel the nodes; with none left, everything `install` created "
-            "is deleted (objects it did not create are never touched). `--wait` is how long to "
-            "wait for the daemon pod to leave a node before removing what it published there:"
+            "is deleted (objects it did not create are never touched). `uninstall` first lists "
+            "what it will remove; on a terminal it then asks, and `--dry-run` stops there:"
         )
-        t.command("kubectl gpushare uninstall --wait 0", _kubectl(["uninstall", "--wait", "0"])[1])
+        t.command("kubectl gpushare uninstall --dry-run", _kubectl(["uninstall", "--dry-run"])[1])
+        t.text(
+            "In a script (no terminal to ask on) name the nodes with `--node`, or say `--all`. "
+            "`--wait` is how long to wait for the daemon pod to leave a node before removing "
+            "what it published there:"
+        )
+        t.command(
+            "kubectl gpushare uninstall --all --wait 0",
+            _kubectl(["uninstall", "--all", "--wait", "0"])[1],
+        )
     finally:
         if daemon is not None:
             daemon.stop()

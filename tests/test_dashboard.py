@@ -11,6 +11,8 @@ from conftest import TESLA_P4, Node, cards
 from procs import free_port, scrape
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpushare.ops.metrics import RENAMED
+
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "gpushare.json"
 #: Series Prometheus derives from a family: histogram parts, the counter's ``_total``.
 SUFFIXES = ("_bucket", "_sum", "_count", "_total")
@@ -51,7 +53,7 @@ def test_every_dashboard_query_names_only_exported_metrics(node: Node) -> None:
         used |= names
     # the dashboard shows the use figures the issue asks for
     for needed in (
-        "gpushare_memory_bytes_allocated",
+        "gpushare_memory_allocated_bytes",
         "gpushare_container_memory_bytes",
         "gpushare_ready",
         "gpushare_registered",
@@ -62,6 +64,8 @@ def test_every_dashboard_query_names_only_exported_metrics(node: Node) -> None:
     ):
         assert needed in used
     assert "gpushare_container_memory_bytes" in families  # a live per-container series
+    deprecated = used & set(RENAMED.values())
+    assert not deprecated, f"the dashboard uses names deprecated in 0.2: {deprecated}"
 
 
 def test_the_dashboard_is_importable_json_with_unique_panel_ids() -> None:

@@ -14,6 +14,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import promlint
 import pytest
 from conftest import NODE, TESLA_P4, Node, cards, gpu_uuid
 from kube_double import KubeApiDouble
@@ -25,6 +26,7 @@ from gpushare.daemon import Daemon
 from gpushare.kube import nodestate
 from gpushare.kube.kubeapi import Cluster
 from gpushare.ops import inspect
+from gpushare.ops.metrics import RENAMED
 from gpushare.sim.drakubelet import DraKubelet, allocated_claim
 
 PREFIX = "gpushare.io"
@@ -180,22 +182,27 @@ def test_dra_claims_are_published_inspected_and_exported_beside_device_plugin_sh
     # metrics
     port = dra.port
     assert per_card(port, "gpushare_dra_claims") == {one: 2, two: 1}
-    assert per_card(port, "gpushare_dra_memory_bytes_allocated") == {
+    assert per_card(port, "gpushare_dra_memory_allocated_bytes") == {
         one: 3072 * MIB,
         two: P4_PUBLISHED * MIB,
     }
-    assert per_card(port, "gpushare_dra_memory_bytes_total") == {
+    assert per_card(port, "gpushare_dra_memory_capacity_bytes") == {
         one: P4_PUBLISHED * MIB,
         two: P4_PUBLISHED * MIB,
     }
     assert per_card(port, "gpushare_dra_cores_allocated") == {one: 30, two: 0}
+    # Prometheus' naming rules hold for the DRA families too (issue 33.5); the renamed
+    # ones are also served under their old names, marked deprecated
+    text = scrape(port)[1]
+    assert promlint.problems(text, deprecated=RENAMED.values()) == []
+    assert "# HELP gpushare_dra_memory_bytes_total DEPRECATED: use " in text
     assert per_claim(port, "gpushare_dra_claim_memory_bytes") == {
         ("ml", "small", one): 1024 * MIB,
         ("ml", "memory-only", one): 2048 * MIB,
         ("batch", "whole", two): P4_PUBLISHED * MIB,
     }
     assert per_claim(port, "gpushare_dra_claim_cores") == {("ml", "small", one): 30}
-    assert set(per_card(port, "gpushare_memory_bytes_allocated")) == {gpu_uuid(0)}
+    assert set(per_card(port, "gpushare_memory_allocated_bytes")) == {gpu_uuid(0)}
 
     # unprepared: gone from all three
     assert dra.kubelet.unprepare([refs[0], refs[2]]) == {refs[0][2]: "", refs[2][2]: ""}
@@ -216,4 +223,4 @@ def test_dra_claims_are_published_inspected_and_exported_beside_device_plugin_sh
     }
     assert dra.kubelet.unprepare([refs[1]]) == {refs[1][2]: ""}
     eventually(lambda: claims_of(node_annotation(api)) == {one: set(), two: set()})
-    assert per_card(port, "gpushare_dra_memory_bytes_allocated") == {one: 0, two: 0}
+    assert per_card(port, "gpushare_dra_memory_allocated_bytes") == {one: 0, two: 0}

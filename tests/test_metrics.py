@@ -61,11 +61,11 @@ def test_metrics_report_cards_allocations_and_latency(node: Node) -> None:
     cards_seen = per_card(text)
     other = gpu_uuid(1) if a.card() == gpu_uuid(0) else gpu_uuid(0)
     for uuid in (gpu_uuid(0), gpu_uuid(1)):
-        assert cards_seen["gpushare_memory_units_total"][uuid] == 29
-        assert cards_seen["gpushare_memory_bytes_total"][uuid] == 29 * 256 * MIB
-        assert cards_seen["gpushare_core_units_total"][uuid] == 100
+        assert cards_seen["gpushare_memory_units_capacity"][uuid] == 29
+        assert cards_seen["gpushare_memory_capacity_bytes"][uuid] == 29 * 256 * MIB
+        assert cards_seen["gpushare_core_units_capacity"][uuid] == 100
     assert cards_seen["gpushare_memory_units_allocated"] == {a.card(): 20, other: 20}
-    assert cards_seen["gpushare_memory_bytes_allocated"] == {
+    assert cards_seen["gpushare_memory_allocated_bytes"] == {
         a.card(): 20 * 256 * MIB,
         other: 20 * 256 * MIB,
     }

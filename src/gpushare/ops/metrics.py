@@ -16,7 +16,7 @@ import json
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from typing import Any
@@ -87,6 +87,35 @@ CLAIM_LABELS = ["namespace", "claim", "request", "device", "gpu", "node"]
 MIB = 1 << 20
 
 
+#: Series renamed in 0.2 (Prometheus' conventions: a gauge does not end in ``_total``, the
+#: unit is the suffix), new name -> old name. The old names are served too, as deprecated
+#: duplicates, for one release: dashboards and alerts have that long to move.
+RENAMED = {
+    "gpushare_memory_units_capacity": "gpushare_memory_units_total",
+    "gpushare_memory_capacity_bytes": "gpushare_memory_bytes_total",
+    "gpushare_memory_allocated_bytes": "gpushare_memory_bytes_allocated",
+    "gpushare_core_units_capacity": "gpushare_core_units_total",
+    "gpushare_dra_memory_capacity_bytes": "gpushare_dra_memory_bytes_total",
+    "gpushare_dra_memory_allocated_bytes": "gpushare_dra_memory_bytes_allocated",
+}
+
+
+def with_deprecated(families: Iterable[Metric]) -> Iterator[Metric]:
+    """``families``, each renamed one followed by a copy under its old name whose HELP
+    says it is deprecated and names the new one."""
+    for family in families:
+        yield family
+        old = RENAMED.get(family.name)
+        if old is None:
+            continue
+        copy = GaugeMetricFamily(
+            old, f"DEPRECATED: use {family.name} (this name goes in the next release). "
+            f"{family.documentation}"
+        )
+        copy.samples = [sample._replace(name=old) for sample in family.samples]
+        yield copy
+
+
 class _CardCollector:
     """Per-card and per-container gauges, read from the ledger and the board at scrape
     time, plus whatever ``extra`` adds."""
@@ -113,20 +142,22 @@ class _CardCollector:
 
         families = {
             "memory_total": card_gauge(
-                "gpushare_memory_units_total", "Memory units advertised per GPU"
+                "gpushare_memory_units_capacity", "Memory units advertised per GPU"
             ),
             "memory_used": card_gauge(
                 "gpushare_memory_units_allocated",
                 "Memory units allocated per GPU (the kubelet's records and recent Allocates)",
             ),
             "bytes_total": card_gauge(
-                "gpushare_memory_bytes_total",
+                "gpushare_memory_capacity_bytes",
                 "GPU memory advertised per GPU in bytes (memory units times the unit size)",
             ),
             "bytes_used": card_gauge(
-                "gpushare_memory_bytes_allocated", "GPU memory allocated per GPU in bytes"
+                "gpushare_memory_allocated_bytes", "GPU memory allocated per GPU in bytes"
             ),
-            "core_total": card_gauge("gpushare_core_units_total", "Core units advertised per GPU"),
+            "core_total": card_gauge(
+                "gpushare_core_units_capacity", "Core units advertised per GPU"
+            ),
             "core_used": card_gauge(
                 "gpushare_core_units_allocated",
                 "Core units allocated per GPU (the kubelet's records and recent Allocates)",
@@ -154,7 +185,7 @@ class _CardCollector:
         for whole in extras.whole if extras is not None else ():
             labels = [whole.uuid, str(whole.index), whole.name, self._node]
             families["healthy"].add_metric(labels, 1 if whole.healthy else 0)
-        yield from families.values()
+        yield from with_deprecated(families.values())
         yield from self._containers(unit_bytes)
         if extras is not None:
             yield from self._whole(extras)
@@ -169,12 +200,12 @@ class _CardCollector:
 
         claims = card_gauge("gpushare_dra_claims", "ResourceClaim devices prepared per DRA card")
         total = card_gauge(
-            "gpushare_dra_memory_bytes_total",
+            "gpushare_dra_memory_capacity_bytes",
             "GPU memory a DRA card publishes in bytes (rounded down to the memory unit; a "
             "card in MIG mode: its MIG devices' memory together)",
         )
         memory = card_gauge(
-            "gpushare_dra_memory_bytes_allocated",
+            "gpushare_dra_memory_allocated_bytes",
             "GPU memory of the claims prepared per DRA card in bytes (the limits enforced)",
         )
         cores = card_gauge(
@@ -207,7 +238,7 @@ class _CardCollector:
                     claim_memory.add_metric([*named, self._node], claim.memory_mib * MIB)
                 if claim.cores:
                     claim_cores.add_metric([*named, self._node], claim.cores)
-        yield from (claims, total, memory, cores, claim_memory, claim_cores)
+        yield from with_deprecated((claims, total, memory, cores, claim_memory, claim_cores))
 
     def _whole(self, extras: CardExtras) -> Iterator[Metric]:
         devices = GaugeMetricFamily(

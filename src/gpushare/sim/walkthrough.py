@@ -222,8 +222,8 @@ def run(root: Path) -> str:
         t.text("### 3. Watch\n\nPer card and per container, from the daemon's `/metrics`:")
         t.command(
             "curl -s http://<pod IP>:9445/metrics | grep -E "
-            "'^gpushare_(memory_bytes|container_memory_bytes|gpu_healthy)'",
-            _metrics_lines(daemon, ("gpushare_memory_bytes_allocated",
+            "'^gpushare_(memory_allocated_bytes|container_memory_bytes|gpu_healthy)'",
+            _metrics_lines(daemon, ("gpushare_memory_allocated_bytes",
                                     "gpushare_container_memory_bytes", "gpushare_gpu_healthy")),
         )  # fmt: skip
         t.text(

@@ -4,7 +4,8 @@ cel-python (``celpy``) runs each expression the way the API server runs a
 ValidatingAdmissionPolicy: match constraints, match conditions, variables in order,
 then every validation; an expression that errors denies (failurePolicy: Fail). The
 functions of Kubernetes' CEL libraries the policies use, ``list.join(sep)`` and the
-quantity library's ``quantity(s)`` and ``isGreaterThan``, are provided here (cel-python
+quantity library's ``quantity(s)``, ``isGreaterThan``, ``isInteger`` and ``asInteger``, are
+provided here (cel-python
 has none of them); the API server's own evaluation belongs to the e2e suite. Verdicts
 are checked against allowed and forbidden requests, and against a plain-Python
 statement of the rule for random changes (hypothesis).
@@ -84,7 +85,25 @@ def _is_greater_than(left: Any, right: Any) -> celtypes.BoolType:
     return celtypes.BoolType(left.value > right.value)
 
 
-FUNCTIONS = {"join": _join, "quantity": _quantity, "isGreaterThan": _is_greater_than}
+INT64_MAX = (1 << 63) - 1
+
+
+def _is_integer(q: Any) -> celtypes.BoolType:
+    """Quantity.isInteger(): whether it is an int64 without loss."""
+    if not isinstance(q, Quantity):
+        raise TypeError("isInteger needs a quantity")
+    return celtypes.BoolType(q.value.denominator == 1 and -INT64_MAX - 1 <= q.value <= INT64_MAX)
+
+
+def _as_integer(q: Any) -> celtypes.IntType:
+    """Quantity.asInteger(): an error where isInteger() is false."""
+    if not _is_integer(q):
+        raise ValueError(f"cannot convert value to integer: {q}")
+    return celtypes.IntType(int(q.value))
+
+
+FUNCTIONS = {"join": _join, "quantity": _quantity, "isGreaterThan": _is_greater_than,
+             "isInteger": _is_integer, "asInteger": _as_integer}  # fmt: skip
 
 
 @dataclass
@@ -214,6 +233,65 @@ def test_a_pod_asking_cores_without_memory_is_refused_with_what_to_add(
     assert [m.split("container(s) ", 1)[1].split(" ask for")[0] for m in messages] == denied
     for message in messages:
         assert message.endswith("add gpushare.io/vcuda-memory of 1 or more")
+
+
+@pytest.mark.parametrize(
+    ("limits", "said"),
+    [
+        ({"core": 150, "memory": 4}, "more than 100 gpushare.io/vcuda-core (a asks 150)"),
+        ({"memory": "4Gi"}, "a: 4Gi is 4294967296 units of 256 MiB; did you mean 16?"),
+        ({"memory": 3000}, "a: 3000 is 3000 units of 256 MiB; did you mean 12?"),
+        ({"memory": 4294967296}, "a: 4294967296 is 4294967296 units of 256 MiB; did you mean 16?"),
+        ({"memory": "2049"}, "a: 2049 is 2049 units of 256 MiB; did you mean 9?"),
+        ({"memory": "9Ei"}, "a: 9Ei is more units than any card holds"),
+    ],
+)
+def test_a_quantity_no_container_can_mean_is_refused_with_the_unit(
+    limits: dict[str, Any], said: str
+) -> None:
+    """Issue 33.4: 150 core units, or memory written in MiB or bytes, was admitted and then
+    failed ("no single card had 150 free units") or stayed Pending for ever."""
+    messages = CORE.denials(CREATE_POD, _pod(_c("a", **limits)))
+    assert messages is not None and len(messages) == 1, messages
+    assert said in messages[0]
+    if "memory" in said:
+        assert messages[0].endswith("it counts units of 256 MiB, not MiB or bytes")
+
+
+@pytest.mark.parametrize("limits", [{"core": 100, "memory": 2048}, {"memory": 1}, {"core": 0}])
+def test_the_largest_sensible_quantities_pass(limits: dict[str, int]) -> None:
+    assert CORE.denials(CREATE_POD, _pod(_c("a", **limits))) == []
+
+
+@given(units=st.integers(min_value=0, max_value=1 << 40), cores=st.integers(0, 1000))
+@settings(max_examples=60, deadline=None)
+def test_quantities_are_refused_exactly_beyond_a_card(units: int, cores: int) -> None:
+    """512 GiB of 256 MiB units (2048) and 100 core units: refused beyond, never within;
+    the suggestion is the figure read as MiB (or as bytes from 1 Mi up), rounded up."""
+    messages = CORE.denials(CREATE_POD, _pod(_c("a", memory=max(units, 1), core=cores))) or []
+    units = max(units, 1)
+    assert any("vcuda-core (" in m for m in messages) is (cores > 100)
+    memory = [m for m in messages if "vcuda-memory than" in m]
+    assert bool(memory) is (units > 2048)
+    if memory:
+        mib = 256 * (1 << 20) if units >= 1 << 20 else 256
+        assert f"did you mean {-(-units // mib)}?" in memory[0]
+
+
+def test_the_charts_policy_follows_the_unit_size_and_the_prefix() -> None:
+    values = {"config": {"memoryUnitMib": 1024, "resourcePrefix": "example.com"}}
+    (spec,) = [
+        o["spec"]
+        for o in chart_objects(values)
+        if o["kind"] == "ValidatingAdmissionPolicy" and o["metadata"]["name"].endswith("memory")
+    ]
+    policy = Policy(spec)
+    pod = _pod(_limits("a", **{"example.com/vcuda-memory": "4Gi"}))
+    (message,) = policy.denials(CREATE_POD, pod) or [""]
+    assert "a: 4Gi is 4294967296 units of 1024 MiB; did you mean 4?" in message
+    assert "more example.com/vcuda-memory than" in message
+    assert policy.denials(CREATE_POD, _pod(_limits("a", **{"example.com/vcuda-memory": 512}))) == []
+    assert policy.denials(CREATE_POD, _pod(_limits("a", **{"example.com/vcuda-memory": 513})))
 
 
 def test_the_core_policy_looks_only_at_new_pods() -> None:

@@ -58,3 +58,23 @@ def test_zero_memory_with_cores_is_refused(cluster: Cluster) -> None:
     the policy compares quantities now, with the API server's own ``quantity()``."""
     code, message = create(cluster, "zero-memory", {"main": {MEMORY: 0, CORE: 10}})
     assert code == 422, message
+
+
+@pytest.mark.parametrize(
+    ("limits", "said"),
+    [
+        ({MEMORY: 4, CORE: 150}, "more than 100 gpushare.io/vcuda-core (main asks 150)"),
+        ({MEMORY: "4Gi"}, "main: 4Gi is 4294967296 units of 256 MiB; did you mean 16?"),
+        # the API server stores 3000 in canonical form, 3k, before admission sees it
+        ({MEMORY: 3000}, "main: 3k is 3000 units of 256 MiB; did you mean 12?"),
+    ],
+)
+def test_a_quantity_no_container_can_mean_is_refused_with_the_unit(
+    cluster: Cluster, limits: dict[str, int | str], said: str
+) -> None:
+    """Issue 33.4, with the API server's own quantity library (asInteger, isInteger)."""
+    code, message = create(cluster, "nonsense", {"main": limits})  # type: ignore[dict-item]
+    assert code == 422, message
+    assert said in message, message
+    code, message = create(cluster, "largest", {"main": {MEMORY: 2048, CORE: 100}})
+    assert code == 201, message

@@ -34,14 +34,21 @@ lint: $(VENV)/.installed-test
 verify-pairing: $(VENV)/.installed-test  ## every admission sequence of up to 5 containers, 3 regimes
 	$(BIN)/pytest -q -m slow tests/test_pairing.py
 
-bench: $(VENV)/.installed-test  ## measure latency, start time and footprint
-	$(BIN)/python -m gpushare.bench --write docs/benchmarks.md
+# make bench and make simulate write their reports into $(BENCH_OUT) (gitignored);
+# UPDATE_DOCS=1 also rewrites their sections of the tracked docs/benchmarks.md.
+BENCH_OUT ?= bench-out
+UPDATE_DOCS ?=
+
+bench: $(VENV)/.installed-test  ## measure latency, start time and footprint (bench-out/; UPDATE_DOCS=1: docs too)
+	$(BIN)/python -m gpushare.bench --out $(BENCH_OUT)/bench.md \
+	  $(if $(UPDATE_DOCS),--write docs/benchmarks.md)
 
 churn: $(VENV)/.installed  ## freed room to binding: the churn scenario against the stand-ins
 	$(BIN)/python -m gpushare.sim.churn --rounds 8 --legacy
 
-simulate: $(VENV)/.installed  ## trace-driven placement simulation
-	$(BIN)/python -m gpushare.sim.trace --section docs/benchmarks.md
+simulate: $(VENV)/.installed  ## trace-driven placement simulation (bench-out/; UPDATE_DOCS=1: docs too)
+	$(BIN)/python -m gpushare.sim.trace --write $(BENCH_OUT)/simulate.md \
+	  $(if $(UPDATE_DOCS),--section docs/benchmarks.md)
 
 # The version is written once, in src/gpushare/__init__.py; the image tag follows it.
 VERSION   := $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' src/gpushare/__init__.py)

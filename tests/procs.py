@@ -9,6 +9,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from conftest import Node
@@ -52,8 +53,11 @@ def scrape(port: int, path: str = "/metrics") -> tuple[int, str]:
 
 
 def daemon_command(node: Node, *extra: str, port: int = 0) -> list[str]:
-    """The ``gpushare-device-plugin`` command line for the node's files, JSON logs."""
+    """The ``gpushare-device-plugin`` command line for the node's files, JSON logs. The
+    kubelet's device-plugin directory exists, as on a real node (the daemon checks it
+    before waiting for the GPUs), whether or not a kubelet stand-in runs there."""
     s = node.settings
+    Path(s.kubelet_dir).mkdir(parents=True, exist_ok=True)
     return [
         sys.executable,
         "-m",

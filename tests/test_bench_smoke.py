@@ -38,7 +38,10 @@ def test_quick_bench_prints_one_table_with_every_row(tmp_path: Path) -> None:
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# Benchmarks\n\nHand-written notes.\n")
     result = subprocess.run(
-        [sys.executable, "-m", "gpushare.bench", "--quick", "--write", str(doc)],
+        [
+            *(sys.executable, "-m", "gpushare.bench", "--quick", "--write", str(doc)),
+            *("--out", str(tmp_path / "out" / "bench.md")),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -57,6 +60,24 @@ def test_quick_bench_prints_one_table_with_every_row(tmp_path: Path) -> None:
     assert written.startswith("# Benchmarks\n\nHand-written notes.\n")
     assert "<!-- bench:start -->" in written and "<!-- bench:end -->" in written
     assert all(name in written for name in rows)
+    own = (tmp_path / "out" / "bench.md").read_text()  # make bench: bench-out/, not the doc
+    assert own.startswith("Produced by `make bench`") and all(name in own for name in rows)
+
+
+def test_make_bench_and_simulate_leave_the_tracked_doc_alone_unless_asked() -> None:
+    """Issue 33.8: they rewrote docs/benchmarks.md on every run; now only UPDATE_DOCS=1."""
+    root = Path(__file__).resolve().parent.parent
+
+    def planned(*args: str) -> str:
+        done = subprocess.run(["make", "-n", "-C", str(root), *args], capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    for target in ("bench", "simulate"):
+        assert "docs/benchmarks.md" not in planned(target)
+        assert f"bench-out/{target}.md" in planned(target)
+        assert "docs/benchmarks.md" in planned(target, "UPDATE_DOCS=1")
 
 
 def test_a_section_is_replaced_in_place(tmp_path: Path) -> None:

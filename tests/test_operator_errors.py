@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import platform
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -93,6 +94,33 @@ def test_a_kubelet_dir_that_does_not_exist_is_refused_not_created(node: Node) ->
     assert error.value.exit_code == 2
     assert f"--kubelet-dir {missing} does not exist" in str(error.value)
     assert not missing.exists() and not missing.parent.exists()
+
+
+@pytest.mark.parametrize("wrong", ["kubelet-dir", "library"])
+def test_a_wrong_path_is_refused_with_exit_2_while_nvml_is_missing(
+    short_tmp: Path, wrong: str
+) -> None:
+    """Issue 33.8: without a readable NVML (here: none, and no --simulate) the daemon waits
+    for the GPUs; a wrong --kubelet-dir or --library was only reported once NVML worked.
+    Both need no GPU and are checked first: exit 2, as documented, with one line."""
+    library = short_tmp / "not-elf.so"
+    library.write_text("not a shared object\n")
+    good_dir = short_tmp / "device-plugins"
+    good_dir.mkdir()
+    flags = {
+        "kubelet-dir": ["--kubelet-dir", str(short_tmp / "missing"), "--no-enforcement"],
+        "library": ["--kubelet-dir", str(good_dir), "--library", str(library)],
+    }[wrong]
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("gpushare-device-plugin")), *flags,
+         "--metrics-port", "0", "--node-name", "", "--log-format", "json"],
+        capture_output=True, text=True, timeout=120,
+        env={"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": str(short_tmp)},  # no libnvidia-ml
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if not x.startswith("{")]
+    assert f"--{wrong} " in line
+    assert "gpu_discovery_failed" not in done.stderr + done.stdout
 
 
 def test_a_missing_kubelet_socket_is_logged_at_once_then_every_minute(short_tmp: Path) -> None:

@@ -187,6 +187,7 @@ def test_mig_cards_are_skipped_with_a_log_line(node: Node) -> None:
 def test_a_bad_simulated_node_file_names_the_entry(short_tmp: Path) -> None:
     bad = short_tmp / "node.yaml"
     bad.write_text(yaml.safe_dump({"gpus": [{"uuid": "GPU-1", "memory_mib": "lots"}]}))
+    (short_tmp / "dp").mkdir()  # the kubelet's directory, as on a node
     result = subprocess.run(
         [
             sys.executable,

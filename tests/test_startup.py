@@ -59,6 +59,7 @@ def test_a_unit_too_small_for_the_kubelets_message_limit_exits_2_naming_the_fix(
 ) -> None:
     node_file = short_tmp / "node.yaml"
     node_file.write_text(yaml.safe_dump({"gpus": big_node(16, 192 * 1024)}))
+    (short_tmp / "dp").mkdir()  # the kubelet's directory, as on a node
     result = subprocess.run(
         [
             sys.executable,
@@ -84,7 +85,7 @@ def test_a_unit_too_small_for_the_kubelets_message_limit_exits_2_naming_the_fix(
     assert "196608 units of 16 MiB" in lines[0]
     assert "kubelet's 4 MiB gRPC message limit" in lines[0]
     assert lines[0].endswith("use a larger memory unit: --memory-unit-mib 64 or more")
-    assert not (short_tmp / "dp").exists()  # refused before serving anything
+    assert not list((short_tmp / "dp").iterdir())  # refused before serving anything
 
 
 def test_the_default_unit_fits_sixteen_192_gib_cards_and_the_suggestion_fits() -> None:

@@ -13,7 +13,8 @@ empty unary call (GetDevicePluginOptions) to the same server over the same chann
 interleaved with the measured calls, so both see the same machine load.
 
 Prints one table, each figure beside its target and the baseline, and exits 1 when a
-target is missed (2 when the benchmark itself failed). ``--write PATH`` also puts the
+target is missed (2 when the benchmark itself failed). ``--out FILE`` writes the report to
+a file of its own (``make bench``: bench-out/bench.md); ``--write PATH`` also puts the
 table, with the machine and the command, into PATH's ``bench`` section.
 ``--quick`` runs a tiny version (two cards, few iterations) for the smoke test; its
 figures say nothing about performance.
@@ -906,6 +907,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = Parser(prog="python -m gpushare.bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a tiny run for the smoke test")
     parser.add_argument("--write", metavar="PATH", help="put the table into PATH's bench section")
+    parser.add_argument("--out", metavar="PATH", help="write the report to PATH, a file of its own")
     parser.add_argument(
         "--idle-seconds",
         type=bounded_float(0.1, 86400),
@@ -935,19 +937,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         else "every target met"
     )
     print(f"\n{summary} ({took:.0f} s; {about})")
+    body = "\n".join(
+        [
+            f"Produced by `make bench` (`{command}`) on "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {took:.0f} s.",
+            f"Machine: {about}.",
+            "",
+            table,
+            "",
+            f"Result: {summary}.",
+        ]
+    )
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(body + "\n")
+        print(f"wrote {args.out}")
     if args.write:
-        body = "\n".join(
-            [
-                f"Produced by `make bench` (`{command}`) on "
-                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {took:.0f} s.",
-                f"Machine: {about}.",
-                "",
-                table,
-                "",
-                f"Result: {summary}.",
-            ]
-        )
         replace_section(Path(args.write), "bench", body)
+        print(f"rewrote the bench section of {args.write}")
     return 1 if missed else 0
 
 

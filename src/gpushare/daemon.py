@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -28,11 +29,12 @@ from gpushare.base.memory import limit_malloc_arenas
 from gpushare.base.parts import Part, Parts
 from gpushare.base.startup import StartupError
 from gpushare.config import ConfigError, Settings, effective_config, load_settings_with_origins
-from gpushare.deviceplugin.frontdoor import DevicePluginFrontDoor
+from gpushare.deviceplugin.frontdoor import DevicePluginFrontDoor, check_kubelet_dir
 from gpushare.gpu.gpus import GpuBackend
 from gpushare.kube.podspecs import PodSpecBook
 from gpushare.node.core import NodeCore, build_core, core_parts, late_parts
 from gpushare.node.discovery import Discovery
+from gpushare.node.enforcement import check_library
 from gpushare.share.cardmodes import CardMode
 from gpushare.share.devices import Resource
 
@@ -86,6 +88,11 @@ class Daemon:
 
             self.metrics_part = MetricsPart(settings, self.liveness, self.readiness)
             self._launch(self.metrics_part)
+        # What needs no GPU is checked before waiting for one: a wrong path or library is
+        # reported (exit 2) while NVML is still missing, not once it works.
+        if not settings.no_enforcement:
+            check_library(Path(settings.library))
+        check_kubelet_dir(Path(settings.kubelet_dir))
         self.core = core = build_core(settings, self.discovery.run(), self.specs)
         if self.metrics_part is not None:
             self.metrics = self.metrics_part.read(core, self._registered_resources)

@@ -89,6 +89,18 @@ def check_message_sizes(inventory: Inventory) -> None:
         )
 
 
+def check_kubelet_dir(path: Path) -> None:
+    """:class:`BadKubeletDir` unless ``path`` is a directory. Checked before the GPUs are
+    read too (the daemon), so that a wrong path is reported while NVML is missing."""
+    if not path.is_dir():
+        raise BadKubeletDir(
+            f"--kubelet-dir {path} does not exist: it must be the kubelet's "
+            "device-plugins directory (<kubelet root-dir>/device-plugins, e.g. "
+            "/var/lib/kubelet/device-plugins; k0s: /var/lib/k0s/kubelet/device-plugins), "
+            "mounted at the same path"
+        )
+
+
 class DevicePluginFrontDoor:
     """Every device-plugin resource of the node, served and registered with the kubelet."""
 
@@ -194,13 +206,7 @@ class DevicePluginFrontDoor:
 
     # ------------------------------------------------------------------ the part
     def start(self) -> None:
-        if not self.kubelet_dir.is_dir():
-            raise BadKubeletDir(
-                f"--kubelet-dir {self.kubelet_dir} does not exist: it must be the kubelet's "
-                "device-plugins directory (<kubelet root-dir>/device-plugins, e.g. "
-                "/var/lib/kubelet/device-plugins; k0s: /var/lib/k0s/kubelet/device-plugins), "
-                "mounted at the same path"
-            )
+        check_kubelet_dir(self.kubelet_dir)
         if self.core.found.not_served:
             log.error("nothing_served", reason=self.core.found.not_served)
         try:

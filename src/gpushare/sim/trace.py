@@ -374,8 +374,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(report, end="")
     print(f"\n({time.perf_counter() - started:.1f} s)", file=sys.stderr)
     if args.write:
+        Path(args.write).parent.mkdir(parents=True, exist_ok=True)
         with open(args.write, "w") as out:
             out.write(report)
+        print(f"wrote {args.write}", file=sys.stderr)
     if args.section:
         command = f"python -m gpushare.sim.trace --pods {args.pods} --seed {args.seed}"
         report += (
@@ -386,6 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             command += f" --load {args.load}"
         body = f"Produced by `make simulate` (`{command}`).\n\n{report}"
         replace_section(Path(args.section), "simulate", body)
+        print(f"rewrote the simulate section of {args.section}", file=sys.stderr)
     failures = sum(r.admission_failures for r in results if r.extender)
     if failures:
         print(f"FAILED: {failures} admission failures with the extender", file=sys.stderr)

@@ -16,15 +16,17 @@ test: $(VENV)/.installed-test  ## lint, type-check, check the layers and run the
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/pytest -q
 
-# A real Kubernetes v1.36 (etcd, kube-apiserver, kube-scheduler, kube-controller-manager and
-# kubelets on a CRI fake) built from Go modules into e2e/bin, and the suite in tests/e2e that
-# runs the daemon on it. Needs Go >= 1.26, root (mount namespaces) and, the first time, the
-# Go module proxy. See e2e/README.md.
+# A real Kubernetes (etcd, kube-apiserver, kube-scheduler, kube-controller-manager and
+# kubelets on a CRI fake) built from Go modules, and the suite in tests/e2e that runs the
+# daemon on it. K8S_VERSION picks the minor: 1.36 (v1.36.3, e2e/go.mod, into e2e/bin) or
+# 1.37 (v1.37.2, e2e/go.1.37.mod, into e2e/bin-1.37). Needs Go >= 1.26, root (mount
+# namespaces) and, the first time, the Go module proxy. See e2e/README.md.
+K8S_VERSION ?= 1.36
 e2e-build:
-	e2e/build.sh
+	K8S_VERSION=$(K8S_VERSION) e2e/build.sh
 
-e2e: $(VENV)/.installed-test e2e-build  ## build the e2e cluster's programs and run tests/e2e on them
-	$(BIN)/pytest -q -m e2e tests/e2e
+e2e: $(VENV)/.installed-test e2e-build  ## build the e2e cluster's programs and run tests/e2e on them (K8S_VERSION=1.36|1.37)
+	K8S_VERSION=$(K8S_VERSION) $(BIN)/pytest -q -m e2e tests/e2e
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check src tests

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import itertools
 import shutil
+import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -85,17 +86,43 @@ def run_sequence(regime: Regime, sequence: Sequence[Container], policy: Policy) 
     return total
 
 
+#: make verify-pairing prints a running count at least this often (it runs for minutes).
+PROGRESS_SECONDS = 15.0
+
+
 def enumerate_all(
-    length: int, policy: Policy = Policy.BINPACK, kinds: Sequence[Container] | None = None
+    length: int,
+    policy: Policy = Policy.BINPACK,
+    kinds: Sequence[Container] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, tuple[int, Outcome]]:
+    """Every sequence in every regime; ``progress`` gets a running count now and then."""
     results = {}
-    for regime in REGIMES:
+    planned = sum(1 for _ in sequences(length, kinds)) if progress else 0
+    began = shown = time.perf_counter()
+    for number, regime in enumerate(REGIMES, 1):
         total, count = Outcome(), 0
         for sequence in sequences(length, kinds):
             total.add(run_sequence(regime, sequence, policy))
             count += 1
+            if progress and (now := time.perf_counter()) - shown >= PROGRESS_SECONDS:
+                shown = now
+                progress(
+                    f"  {policy}, regime {number}/{len(REGIMES)} ({regime.name}): "
+                    f"{count}/{planned} sequences, {now - began:.0f} s so far"
+                )
         results[regime.name] = (count, total)
+        if progress:
+            progress(
+                f"  {policy}, regime {number}/{len(REGIMES)} ({regime.name}): done, {count} "
+                f"sequences, {time.perf_counter() - began:.0f} s so far"
+            )
     return results
+
+
+def _to_terminal(line: str) -> None:
+    """Past pytest's capture: make verify-pairing's running count."""
+    print(line, file=sys.__stderr__, flush=True)
 
 
 def report(
@@ -140,7 +167,7 @@ def test_every_sequence_never_splits(
 @pytest.mark.parametrize("policy", list(Policy))
 def test_every_sequence_full(policy: Policy, capsys: pytest.CaptureFixture[str]) -> None:
     started = time.perf_counter()
-    results = enumerate_all(FULL_LENGTH, policy)
+    results = enumerate_all(FULL_LENGTH, policy, progress=_to_terminal)
     with capsys.disabled():
         print(f"\n{policy}: " + report(FULL_LENGTH, results, time.perf_counter() - started))
     check(results)
@@ -149,7 +176,7 @@ def test_every_sequence_full(policy: Policy, capsys: pytest.CaptureFixture[str])
 @pytest.mark.slow
 def test_every_long_sequence(capsys: pytest.CaptureFixture[str]) -> None:
     started = time.perf_counter()
-    results = enumerate_all(LONG_LENGTH, Policy.BINPACK, LONG_KINDS)
+    results = enumerate_all(LONG_LENGTH, Policy.BINPACK, LONG_KINDS, progress=_to_terminal)
     with capsys.disabled():
         print("\n" + report(LONG_LENGTH, results, time.perf_counter() - started, len(LONG_KINDS)))
     check(results)

@@ -39,8 +39,14 @@ import urllib3
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-#: The harness binaries `make e2e` builds (e2e/build.sh).
-BIN = Path(os.environ.get("GPUSHARE_E2E_BIN", str(REPO / "e2e" / "bin")))
+#: The Kubernetes minor the suite runs on: 1.36 (e2e/bin) or 1.37 (e2e/bin-1.37), as
+#: `make e2e K8S_VERSION=...` builds them (e2e/build.sh).
+K8S_VERSION = os.environ.get("K8S_VERSION", "1.36")
+#: The harness binaries `make e2e` builds; $GPUSHARE_E2E_BIN names another folder.
+BIN = Path(
+    os.environ.get("GPUSHARE_E2E_BIN")
+    or REPO / "e2e" / ("bin" if K8S_VERSION == "1.36" else f"bin-{K8S_VERSION}")
+)
 #: The console scripts of the repository's virtual environment (the one running pytest).
 SCRIPTS = Path(sys.executable).parent
 #: The daemon and kubectl-gpushare import this checkout's code, whatever checkout the

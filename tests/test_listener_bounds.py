@@ -231,7 +231,6 @@ def _reachable(port: int) -> bool:
         return False
 
 
-
 # -- the second wall: NetworkPolicy ------------------------------------------------------
 
 

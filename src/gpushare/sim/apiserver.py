@@ -549,7 +549,6 @@ class KubeApiDouble(CollectionReads, Faults):
         )
         return path
 
-
     # ------------------------------------------------------------------ serving
 
     def _handle(self, request: BaseHTTPRequestHandler) -> None:

@@ -163,17 +163,13 @@ def reference_layout(uuid: str = "GPU-7780f282-99a1-7024-f7a4-65a55230ed76") -> 
         uuid=uuid,
         mig=(1, 1),
         migs=[
-            FakeMig(
-                "MIG-a", gi=2, ci=0, gi_profile=2, ci_profile=2, memory_mib=20096, sm=42, index=0
-            ),
-            FakeMig(
-                "MIG-b", gi=3, ci=0, gi_profile=1, ci_profile=1, memory_mib=9984, sm=28, index=1
-            ),
-            FakeMig(
-                "MIG-c", gi=9, ci=0, gi_profile=0, ci_profile=0, memory_mib=4864, sm=14, index=2
-            ),
-            FakeMig(
-                "MIG-d", gi=10, ci=0, gi_profile=0, ci_profile=0, memory_mib=4864, sm=14, index=4
-            ),  # index 3 empty: skipped as not found
+            FakeMig("MIG-a", gi=2, ci=0, gi_profile=2, ci_profile=2, memory_mib=20096, sm=42,
+                    index=0),
+            FakeMig("MIG-b", gi=3, ci=0, gi_profile=1, ci_profile=1, memory_mib=9984, sm=28,
+                    index=1),
+            FakeMig("MIG-c", gi=9, ci=0, gi_profile=0, ci_profile=0, memory_mib=4864, sm=14,
+                    index=2),
+            FakeMig("MIG-d", gi=10, ci=0, gi_profile=0, ci_profile=0, memory_mib=4864, sm=14,
+                    index=4),  # index 3 empty: skipped as not found
         ],
     )

@@ -23,38 +23,14 @@ def reference_a100(uuid: str = A100_UUID, index: int = 0, first: int = 0) -> dic
         "numa_node": 0,
         "mig": True,
         "instances": [
-            {
-                "uuid": mig_uuid(first + 0),
-                "profile": "3g.20gb",
-                "memory_mib": 20096,
-                "gi": 2,
-                "ci": 0,
-                "sm": 42,
-            },
-            {
-                "uuid": mig_uuid(first + 1),
-                "profile": "2g.10gb",
-                "memory_mib": 9984,
-                "gi": 3,
-                "ci": 0,
-                "sm": 28,
-            },
-            {
-                "uuid": mig_uuid(first + 2),
-                "profile": "1g.5gb",
-                "memory_mib": 4864,
-                "gi": 9,
-                "ci": 0,
-                "sm": 14,
-            },
-            {
-                "uuid": mig_uuid(first + 3),
-                "profile": "1g.5gb",
-                "memory_mib": 4864,
-                "gi": 10,
-                "ci": 0,
-                "sm": 14,
-            },
+            {"uuid": mig_uuid(first + 0), "profile": "3g.20gb", "memory_mib": 20096, "gi": 2,
+             "ci": 0, "sm": 42},
+            {"uuid": mig_uuid(first + 1), "profile": "2g.10gb", "memory_mib": 9984, "gi": 3,
+             "ci": 0, "sm": 28},
+            {"uuid": mig_uuid(first + 2), "profile": "1g.5gb", "memory_mib": 4864, "gi": 9,
+             "ci": 0, "sm": 14},
+            {"uuid": mig_uuid(first + 3), "profile": "1g.5gb", "memory_mib": 4864, "gi": 10,
+             "ci": 0, "sm": 14},
         ],
     }
 
@@ -63,14 +39,8 @@ def uniform_a100(uuid: str, index: int, first: int) -> dict[str, Any]:
     """An A100-40GB cut into seven 1g.5gb devices."""
     card = reference_a100(uuid, index, first)
     card["instances"] = [
-        {
-            "uuid": mig_uuid(first + i),
-            "profile": "1g.5gb",
-            "memory_mib": 4864,
-            "gi": 7 + i,
-            "ci": 0,
-            "sm": 14,
-        }
+        {"uuid": mig_uuid(first + i), "profile": "1g.5gb", "memory_mib": 4864, "gi": 7 + i,
+         "ci": 0, "sm": 14}
         for i in range(7)
     ]
     return card

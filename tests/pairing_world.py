@@ -269,7 +269,9 @@ class World:
         return outcome
 
 
-def assignment_exists(free: Mapping[str, Sequence[int]], needs: Sequence[tuple[int, int]]) -> bool:
+def assignment_exists(
+    free: Mapping[str, Sequence[int]], needs: Sequence[tuple[int, int]]
+) -> bool:
     """Brute force: can each (memory, core) need go whole to one card of ``free``?"""
     for cards in itertools.product(list(free), repeat=len(needs)):
         left = {uuid: list(room) for uuid, room in free.items()}

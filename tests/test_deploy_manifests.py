@@ -279,7 +279,6 @@ def test_daemonset_runs_with_the_least_privileges(source: str) -> None:
 
 # -- RBAC: the verbs of the calls the daemon makes, and nothing more --------------------
 
-
 def _verb(method: str, path: str, query: dict[str, list[str]]) -> tuple[str, str]:
     """(resource, RBAC verb) of one HTTP request to the API server."""
     parts = path.strip("/").split("/")  # api v1 [namespaces ns] resource [name]

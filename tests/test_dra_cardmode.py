@@ -141,10 +141,7 @@ def test_a_mig_card_in_dra_mode_leaves_the_mig_plan_and_its_devices_are_in_the_s
     kubelet.register()
     claim = api.add(
         allocated_claim(
-            "default",
-            "small",
-            "gpu.gpushare.io",
-            NODE,
+            "default", "small", "gpu.gpushare.io", NODE,
             [{"request": "mig", "device": "gpu-0-mig-9-0"}],
         )
     )
@@ -152,7 +149,9 @@ def test_a_mig_card_in_dra_mode_leaves_the_mig_plan_and_its_devices_are_in_the_s
     (answer,) = kubelet.prepare([ref]).values()
     kubelet.close()
     assert answer.error == ""
-    spec = json.loads((node.root / "cdi" / f"gpu.gpushare.io-claim_{ref[2]}.json").read_text())
+    spec = json.loads(
+        (node.root / "cdi" / f"gpu.gpushare.io-claim_{ref[2]}.json").read_text()
+    )
     env = dict(e.split("=", 1) for e in spec["devices"][0]["containerEdits"]["env"])
     assert env["NVIDIA_VISIBLE_DEVICES"] == mig_uuid(2)  # the 1g.5gb at GPU instance 9
     assert "CUDA_DEVICE_MEMORY_LIMIT_0" not in env  # a MIG device is whole: no interposer

@@ -82,11 +82,9 @@ def test_an_old_library_goes_once_no_container_from_its_time_remains(node: Node)
     node.daemon = daemon = Daemon(node.settings)
     daemon.start()
     assert node.kubelet.wait_for(
-        lambda k: (
-            len(k.registrations) >= 4
-            and k.healthy_count(node.memory) == 29
-            and k.healthy_count(node.core) == 100
-        ),  # both lists, before asking for both
+        lambda k: len(k.registrations) >= 4
+        and k.healthy_count(node.memory) == 29
+        and k.healthy_count(node.core) == 100,  # both lists, before asking for both
         5.0,
     )
     new = node.kubelet.admit("new", "main", {node.memory: 2, node.core: 5})

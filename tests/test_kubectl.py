@@ -422,8 +422,6 @@ def test_uninstall_removes_the_mig_labels_and_nothing_else(
     labels = _labels(api, "gpu-a")
     assert not set(mig_labels) & set(labels)
     assert {k: labels.get(k) for k in others} == others
-
-
 @pytest.mark.parametrize(
     "argv", [["--help"], ["version"], ["--version"], ["inspect", "--help"], ["install", "-h"]]
 )

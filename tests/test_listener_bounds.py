@@ -231,6 +231,7 @@ def _reachable(port: int) -> bool:
         return False
 
 
+
 # -- the second wall: NetworkPolicy ------------------------------------------------------
 
 

@@ -48,40 +48,20 @@ def test_simulated_reference_layout_reads_as_mig_devices(tmp_path: Path) -> None
     [
         ({"mig": False}, "'instances' need 'mig: true'"),
         ({"instances": {"a": 1}}, "'instances' must be a list"),
-        (
-            {"instances": [{"uuid": "GPU-x", "profile": "1g.5gb", "memory_mib": 1, "gi": 1}]},
-            "starting with MIG-",
-        ),
-        (
-            {"instances": [{"uuid": "MIG-x", "profile": "1g.5", "memory_mib": 1, "gi": 1}]},
-            "not a MIG profile",
-        ),
-        (
-            {"instances": [{"uuid": "MIG-x", "profile": "1g.5gb", "memory_mib": 0, "gi": 1}]},
-            "must be positive",
-        ),
-        (
-            {"instances": [{"uuid": "MIG-x", "profile": "1g.5gb", "memory_mib": 9, "gi": -1}]},
-            "'gi' must be a non-negative integer",
-        ),
-        (
-            {
-                "instances": [
-                    {"uuid": "MIG-x", "profile": "1g.5gb", "memory_mib": 9, "gi": 1},
-                    {"uuid": "MIG-y", "profile": "1g.5gb", "memory_mib": 9, "gi": 1},
-                ]
-            },
-            "gi 1 / ci 0 appears twice",
-        ),
-        (
-            {
-                "instances": [
-                    {"uuid": "MIG-x", "profile": "1g.5gb", "memory_mib": 9, "gi": 1},
-                    {"uuid": "MIG-x", "profile": "1g.5gb", "memory_mib": 9, "gi": 2},
-                ]
-            },
-            "uuid MIG-x appears twice",
-        ),
+        ({"instances": [{"uuid": "GPU-x", "profile": "1g.5gb", "memory_mib": 1, "gi": 1}]},
+         "starting with MIG-"),
+        ({"instances": [{"uuid": "MIG-x", "profile": "1g.5", "memory_mib": 1, "gi": 1}]},
+         "not a MIG profile"),
+        ({"instances": [{"uuid": "MIG-x", "profile": "1g.5gb", "memory_mib": 0, "gi": 1}]},
+         "must be positive"),
+        ({"instances": [{"uuid": "MIG-x", "profile": "1g.5gb", "memory_mib": 9, "gi": -1}]},
+         "'gi' must be a non-negative integer"),
+        ({"instances": [{"uuid": "MIG-x", "profile": "1g.5gb", "memory_mib": 9, "gi": 1},
+                        {"uuid": "MIG-y", "profile": "1g.5gb", "memory_mib": 9, "gi": 1}]},
+         "gi 1 / ci 0 appears twice"),
+        ({"instances": [{"uuid": "MIG-x", "profile": "1g.5gb", "memory_mib": 9, "gi": 1},
+                        {"uuid": "MIG-x", "profile": "1g.5gb", "memory_mib": 9, "gi": 2}]},
+         "uuid MIG-x appears twice"),
         ({"instances": ["MIG-x"]}, "instances\\[0\\] must be a mapping"),
     ],
 )
@@ -110,9 +90,8 @@ def test_simulated_mig_events(tmp_path: Path) -> None:
 
     card = reference_a100()
     card["instances"][1]["xid"] = 43
-    assert step([card, shared_card(1)]) == [
-        GpuEvent(A100_UUID, xid=43, gpu_instance=3, compute_instance=0)
-    ]
+    assert step([card, shared_card(1)]) == [GpuEvent(A100_UUID, xid=43, gpu_instance=3,
+                                                      compute_instance=0)]
     removed = reference_a100()
     del removed["instances"][3]
     assert step([removed, shared_card(1)]) == [GpuEvent(mig_uuid(3), gone=True)]
@@ -224,16 +203,8 @@ def layouts(draw: st.DrawFn) -> list[Gpu]:
                     MigDevice(mig_uuid(serial), uuid, draw(st.sampled_from(PROFILES)), 4864, gi, 0)
                 )
         gpus.append(
-            Gpu(
-                uuid,
-                "x",
-                40536,
-                index,
-                index,
-                mig_enabled=enabled,
-                mig_pending=draw(st.booleans()),
-                mig_devices=tuple(devices),
-            )
+            Gpu(uuid, "x", 40536, index, index, mig_enabled=enabled,
+                mig_pending=draw(st.booleans()), mig_devices=tuple(devices))
         )
     return gpus
 
@@ -246,9 +217,8 @@ def test_every_card_and_mig_device_is_served_once_or_left_out_with_a_reason(
         result = plan(gpus, strategy)
     except MigPlanError:
         assert strategy is MigStrategy.SINGLE
-        profiles = {
-            d.profile for g in gpus if g.mig_enabled and not g.mig_pending for d in g.mig_devices
-        }
+        profiles = {d.profile for g in gpus if g.mig_enabled and not g.mig_pending
+                    for d in g.mig_devices}
         assert len(profiles) > 1
         return
     served = [d.uuid for d in result.mig_devices]
@@ -339,9 +309,8 @@ def test_policy_a_vanished_mig_device_is_unhealthy_until_back_and_a_changed_layo
     assert gone is not None and not gone.healthy
     back = policy.on_event(GpuEvent(mig_uuid(3), gone=False), now=1.0)
     assert back is not None and back.healthy
-    verdicts = [
-        policy.on_event(e, 2.0) for e in expand(GpuEvent(A100_UUID, mig_changed=True), mig_of)
-    ]
+    verdicts = [policy.on_event(e, 2.0) for e in expand(GpuEvent(A100_UUID, mig_changed=True),
+                                                         mig_of)]
     assert all(v is not None and not v.healthy and "restart" in v.reason for v in verdicts)
     assert policy.on_event(GpuEvent(A100_UUID, mig_changed=True), 3.0) is None  # said once
     policy.on_event(GpuEvent(A100_UUID, gone=True), 4.0)
@@ -371,10 +340,7 @@ def test_mig_sharing_slices_mixed_mig_devices_as_cards_without_cores(
     assert [g.uuid for g in sliced] == [gpu_uuid(1)] + [mig_uuid(i) for i in range(4)]
     first = sliced[1]
     assert (first.parent_uuid, first.memory_mib, first.numa_node, first.name) == (
-        A100_UUID,
-        20096,
-        0,
-        "A100-SXM4-40GB MIG 3g.20gb",
+        A100_UUID, 20096, 0, "A100-SXM4-40GB MIG 3g.20gb"
     )
     inventory = Inventory(sliced, 256)
     assert inventory.cards[mig_uuid(0)].units(Resource.MEMORY) == 78

@@ -34,10 +34,8 @@ def test_reference_layout_is_discovered_with_nvidia_profile_names(
     )
     a100, plain = backend.discover()
     assert a100.mig_enabled and not a100.mig_pending and not plain.mig_enabled
-    assert [
-        (d.uuid, d.profile, d.gpu_instance, d.compute_instance, d.index, d.memory_mib)
-        for d in a100.mig_devices
-    ] == [
+    assert [(d.uuid, d.profile, d.gpu_instance, d.compute_instance, d.index, d.memory_mib)
+            for d in a100.mig_devices] == [
         ("MIG-a", "3g.20gb", 2, 0, 0, 20096),
         ("MIG-b", "2g.10gb", 3, 0, 1, 9984),
         ("MIG-c", "1g.5gb", 9, 0, 2, 4864),
@@ -58,20 +56,13 @@ def test_profiles_come_from_slice_counts_where_instances_cannot_be_read(
     backend, _ = backend_with(pynvml, monkeypatch, [card], tmp_path)
     (a100,) = backend.discover()
     assert [d.profile for d in a100.mig_devices] == [
-        "3g.20gb",
-        "2g.10gb",
-        "1g.5gb",
-        "1g.5gb",
-        "1c.2g.10gb",
+        "3g.20gb", "2g.10gb", "1g.5gb", "1g.5gb", "1c.2g.10gb"
     ]
 
 
 @pytest.mark.parametrize(("mode", "pending"), [((0, 1), True), ((1, 0), True), ((1, 1), False)])
 def test_pending_mig_mode_is_read(
-    pynvml: Any,
-    monkeypatch: pytest.MonkeyPatch,
-    tmp_path: Path,
-    mode: tuple[int, int],
+    pynvml: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mode: tuple[int, int],
     pending: bool,
 ) -> None:
     card = FakeCard("GPU-p", mig=mode)
@@ -133,19 +124,12 @@ def test_nvml_xid_events_carry_the_instance_only_on_mig_cards(
     stop = threading.Event()
     xid = pynvml.nvmlEventTypeXidCriticalError
     events = [
-        SimpleNamespace(
-            device=("card", 0), eventType=xid, eventData=94, gpuInstanceId=9, computeInstanceId=0
-        ),
-        SimpleNamespace(
-            device=("card", 0),
-            eventType=xid,
-            eventData=79,
-            gpuInstanceId=0xFFFFFFFF,
-            computeInstanceId=0xFFFFFFFF,
-        ),
-        SimpleNamespace(
-            device=("card", 1), eventType=xid, eventData=79, gpuInstanceId=0, computeInstanceId=0
-        ),  # no MIG: ignored
+        SimpleNamespace(device=("card", 0), eventType=xid, eventData=94,
+                        gpuInstanceId=9, computeInstanceId=0),
+        SimpleNamespace(device=("card", 0), eventType=xid, eventData=79,
+                        gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF),
+        SimpleNamespace(device=("card", 1), eventType=xid, eventData=79,
+                        gpuInstanceId=0, computeInstanceId=0),  # no MIG: ignored
     ]
     registered: list[tuple[Any, int]] = []
 

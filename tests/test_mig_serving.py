@@ -93,18 +93,14 @@ def test_mixed_node_serves_mig_shared_and_whole_cards_at_once(node: Node) -> Non
     ]
     whole = f"{PREFIX}/gpu"
     start(
-        node,
-        gpus,
-        mig_strategy="mixed",
-        whole_cards=True,
+        node, gpus, mig_strategy="mixed", whole_cards=True,
         card_modes=f"1=shared,{gpu_uuid(2)}=exclusive",
     )
     assert node.kubelet.wait_for(
-        lambda k: (
-            counts(node, MIG_3G, MIG_2G, MIG_1G, whole)
-            == {MIG_3G: 1, MIG_2G: 1, MIG_1G: 2, whole: 1}
-            and k.healthy_count(node.memory) == 94
-        )
+        lambda k: counts(node, MIG_3G, MIG_2G, MIG_1G, whole) == {
+            MIG_3G: 1, MIG_2G: 1, MIG_1G: 2, whole: 1
+        }
+        and k.healthy_count(node.memory) == 94
     )
     assert list(node.kubelet.devices(whole)) == [gpu_uuid(2)]
     assert {d.split("::")[0] for d in node.kubelet.devices(node.memory)} == {gpu_uuid(1)}
@@ -160,7 +156,9 @@ def test_a_changed_mig_layout_is_unhealthy_until_restart(node: Node) -> None:
     start(node, [reference_a100()], mig_strategy="mixed")
     assert node.kubelet.wait_for(lambda k: k.healthy_count(MIG_1G) == 2)
     node.write_gpus([uniform_a100(A100_UUID, 0, 20)])  # repartitioned under us
-    assert node.kubelet.wait_for(lambda k: sum(counts(node, MIG_3G, MIG_2G, MIG_1G).values()) == 0)
+    assert node.kubelet.wait_for(
+        lambda k: sum(counts(node, MIG_3G, MIG_2G, MIG_1G).values()) == 0
+    )
     assert node.daemon is not None
     assert "restart gpushare" in node.daemon.core.mig_health.reason(mig_uuid(1))
 
@@ -234,12 +232,8 @@ def test_mig_labels_are_published_on_the_node(
 
 def test_mig_sharing_slices_each_instance_into_memory_units_without_cores(node: Node) -> None:
     start(node, [reference_a100()], mig_strategy="mixed", mig_sharing=True)
-    sizes = {
-        mig_uuid(0): 20096 // 256,
-        mig_uuid(1): 9984 // 256,
-        mig_uuid(2): 4864 // 256,
-        mig_uuid(3): 4864 // 256,
-    }
+    sizes = {mig_uuid(0): 20096 // 256, mig_uuid(1): 9984 // 256,
+             mig_uuid(2): 4864 // 256, mig_uuid(3): 4864 // 256}
     assert node.kubelet.wait_for(lambda k: k.healthy_count(node.memory) == sum(sizes.values()))
     ids = list(node.kubelet.devices(node.memory))
     assert {i.split("::")[0] for i in ids} == set(sizes)

@@ -54,11 +54,7 @@ def test_resources_of_the_reference_layout(tmp_path: Path) -> None:
     assert list(ones.devices) == [mig_uuid(2), mig_uuid(3)]
     first = ones.devices[mig_uuid(2)]
     assert (first.parent, first.name, first.memory_mib, first.cdi_id, first.numa_node) == (
-        A100_UUID,
-        "1g.5gb",
-        4864,
-        "0:2",
-        0,
+        A100_UUID, "1g.5gb", 4864, "0:2", 0
     )
     assert socket_name(ones) == "gpushare-mig-1g.5gb.sock"
 

@@ -93,11 +93,9 @@ def test_the_daemons_help_names_every_enumerated_value() -> None:
 
 @pytest.mark.parametrize("where", ["flag", "env"])
 def test_a_relative_kubelet_dir_is_refused_in_one_line(where: str, tmp_path: Path) -> None:
-    argv, env = (
-        (["--kubelet-dir", "dp"], {})
-        if where == "flag"
-        else ([], {"GPUSHARE_KUBELET_DIR": "var/lib/kubelet/device-plugins"})
-    )
+    argv, env = (["--kubelet-dir", "dp"], {}) if where == "flag" else ([], {
+        "GPUSHARE_KUBELET_DIR": "var/lib/kubelet/device-plugins"
+    })
     result = subprocess.run(
         [sys.executable, "-m", "gpushare.daemon", *argv, "--simulate", "/nonexistent"],
         capture_output=True,

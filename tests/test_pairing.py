@@ -236,7 +236,9 @@ class RealNode(RuleBasedStateMachine):
         node = self.node
         assert node.daemon is not None and node.daemon.core is not None
         cards_now = node.daemon.core.inventory.cards.values()
-        free = {card.uuid: [card.memory_units, 100] for card in cards_now}
+        free = {
+            card.uuid: [card.memory_units, 100] for card in cards_now
+        }
         for record in node.kubelet.admitted.values():
             for resource, ids in record.devices.items():
                 for device_id in ids:
@@ -264,7 +266,9 @@ class RealNode(RuleBasedStateMachine):
             order = list(requests)[::-1] if reverse[i] else list(requests)
             containers.append((f"c{i}", requests, order))
         if node.specs is not None:
-            node.specs.update(pod_object(name, [ContainerSpec(c, r) for c, r, _ in containers]))
+            node.specs.update(
+                pod_object(name, [ContainerSpec(c, r) for c, r, _ in containers])
+            )
         could_fit = self.fits(needs)
         refused = None
         for container, requests, order in containers:
@@ -409,5 +413,7 @@ def test_a_slow_kubelet_costs_refusals_never_a_split(node: Node) -> None:
             refused += 1
             continue
         admitted += 1
-        assert {d.split("::")[0] for ids in record.devices.values() for d in ids} == {record.card()}
+        assert {d.split("::")[0] for ids in record.devices.values() for d in ids} == {
+            record.card()
+        }
     assert admitted > 0

@@ -159,7 +159,7 @@ def test_the_list_reader_yields_each_item_and_the_list_fields(chunk: int) -> Non
     answer = {
         "kind": "PodList",
         "metadata": {"resourceVersion": "12", "continue": "12:5"},
-        "items": [{"a": [1, 2.5, 'x\u00e9\\"']}, {}, 123456789, None, "s"],
+        "items": [{"a": [1, 2.5, "x\u00e9\\\""]}, {}, 123456789, None, "s"],
         "apiVersion": "v1",
     }
     data = json.dumps(answer, ensure_ascii=False).encode()

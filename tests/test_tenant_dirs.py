@@ -89,7 +89,9 @@ def start_as_daemonset(
     command = [
         "setpriv",
         f"--bounding-set={bounding(capabilities)}",
-        *daemon_command(node, "--gc-grace-seconds", "1", "--pod-resources-interval-seconds", "1"),
+        *daemon_command(
+            node, "--gc-grace-seconds", "1", "--pod-resources-interval-seconds", "1"
+        ),
     ]
     with log_file.open("wb") as out:
         processes.append(

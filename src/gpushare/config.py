@@ -30,7 +30,9 @@ LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 CDI_NAME_STRATEGIES = ("uuid", "index")
 #: A CDI kind: ``<vendor>/<class>`` (CDI spec: vendor a domain-like name, class alphanumeric).
-CDI_KIND_PATTERN = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?/[a-zA-Z0-9]([a-zA-Z0-9_.-]*[a-zA-Z0-9])?$"
+CDI_KIND_PATTERN = (
+    r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?/[a-zA-Z0-9]([a-zA-Z0-9_.-]*[a-zA-Z0-9])?$"
+)
 DEVICE_LIST_STRATEGIES = ("envvar", "cdi-cri", "cdi-annotations")
 MIG_STRATEGIES = ("none", "single", "mixed")
 

@@ -31,11 +31,8 @@ class ChoicesFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help
-        if (
-            text
-            and action.choices
-            and "%(choices)" not in text
-            and not isinstance(action, argparse._SubParsersAction)
+        if text and action.choices and "%(choices)" not in text and not isinstance(
+            action, argparse._SubParsersAction
         ):
             text += " (one of: " + ", ".join(str(c) for c in action.choices) + ")"
         return text

@@ -69,7 +69,9 @@ class Task:
     """A part made of a start and a stop function, ready as soon as it runs (a
     background thread such as the reaper or the health monitor)."""
 
-    def __init__(self, name: str, start: Callable[[], object], stop: Callable[[], object]) -> None:
+    def __init__(
+        self, name: str, start: Callable[[], object], stop: Callable[[], object]
+    ) -> None:
         self._name, self._start, self._stop = name, start, stop
 
     @property

@@ -45,7 +45,6 @@ def _sysfs_bus_id(nvml_bus_id: str) -> str:
     domain, _, rest = nvml_bus_id.partition(":")
     return f"{domain[-4:]}:{rest}".lower()
 
-
 SYSFS_PCI_DEVICES = Path("/sys/bus/pci/devices")
 
 
@@ -350,7 +349,6 @@ def mig_mode(nvml: Any, handle: Any) -> tuple[bool, bool]:
         return False, False  # not supported on this card
     return bool(current), bool(pending)
 
-
 def mig_handles(nvml: Any, parent: Any) -> list[tuple[int, Any]]:
     """(index, handle) of every MIG device of a card in MIG mode."""
     found = []
@@ -360,7 +358,6 @@ def mig_handles(nvml: Any, parent: Any) -> list[tuple[int, Any]]:
         except nvml.NVMLError_NotFound:
             continue
     return found
-
 
 def read_mig_devices(nvml: Any, parent: Any, parent_uuid: str, total: int) -> tuple[MigDevice, ...]:
     """The card's MIG devices; one that cannot be read is logged and left out."""
@@ -390,7 +387,6 @@ def read_mig_devices(nvml: Any, parent: Any, parent_uuid: str, total: int) -> tu
         except (nvml.NVMLError, ProfileError) as exc:
             log.error("mig_device_unreadable", gpu=parent_uuid, index=index, error=str(exc))
     return tuple(devices)
-
 
 def mig_profile(nvml: Any, parent: Any, attributes: Any, gi: int, ci: int, total: int) -> str:
     """The profile name, found as go-nvlib finds it: the GPU-instance and

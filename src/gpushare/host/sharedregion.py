@@ -97,7 +97,9 @@ def _check(ok: bool, what: str) -> None:
 def parse_header(data: bytes) -> int:
     """Validate the header; return ``device_num``. RegionError for anything off."""
     _check(len(data) >= HEADER_SIZE, "shorter than the header")
-    magic, major, minor, _sm_init, _owner, _sem, devices, uuids, *limits = _HEADER.unpack_from(data)
+    magic, major, minor, _sm_init, _owner, _sem, devices, uuids, *limits = _HEADER.unpack_from(
+        data
+    )
     _check(magic == MAGIC, "no shared-region magic (not initialised, or another format)")
     _check(major == MAJOR_VERSION, f"shared-region major version {major}, not {MAJOR_VERSION}")
     _check(minor < 1000, "implausible minor version")

@@ -157,7 +157,9 @@ def _modes_and_inventory(
     return modes, inventory
 
 
-def build_core(settings: Settings, found: Discovered, specs: PodSpecBook | None = None) -> NodeCore:
+def build_core(
+    settings: Settings, found: Discovered, specs: PodSpecBook | None = None
+) -> NodeCore:
     """Build the core (nothing started); :class:`StartupError` when it cannot work."""
     modes, inventory = _modes_and_inventory(settings, found)
     if not found.gpus and not found.mig_plan.mig_devices and not found.dra_mig_cards:
@@ -222,7 +224,9 @@ def build_core(settings: Settings, found: Discovered, specs: PodSpecBook | None 
         mig_of={**found.mig_plan.mig_of(), **dra_mig_of},
         mig_board=mig_health,
     )
-    refresher = UsageRefresher(pod_resources.list, usage, settings.pod_resources_interval_seconds)
+    refresher = UsageRefresher(
+        pod_resources.list, usage, settings.pod_resources_interval_seconds
+    )
     core = NodeCore(
         settings,
         found,
@@ -366,3 +370,4 @@ def late_parts(core: NodeCore) -> list[Part]:
         parts.append(Task("api-link", core.api_link.start, core.api_link.stop))
     parts.append(Task("usage-refresher", core.refresher.start, core.refresher.stop))
     return parts
+

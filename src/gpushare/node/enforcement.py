@@ -102,3 +102,4 @@ def with_mig_names(
     devices += [d for card in dra_mig_cards for d in card.mig_devices]
     names = {d.uuid: f"{cards[d.parent_uuid].index}:{d.index}" for d in devices}
     return replace(listing, cdi_ids={**listing.cdi_ids, **names})
+

@@ -81,7 +81,9 @@ class NodeView:
     def card_count(self) -> int:
         """Physical cards, as the node's ``gpu.count`` label counts them (a MIG device
         sliced into units is listed as a card of its own but is part of its card)."""
-        return sum(1 for c in self.cards if not c.card.uuid.startswith("MIG-")) + len(self.whole)
+        return sum(1 for c in self.cards if not c.card.uuid.startswith("MIG-")) + len(
+            self.whole
+        )
 
 
 #: Said of an opted-in node whose daemon has not published its cards.
@@ -224,7 +226,9 @@ def build_view(
     return ClusterView(tuple(sorted(views, key=lambda v: v.name)))
 
 
-def _claims_of(card: nodestate.WholeCardState, namespace: str | None) -> nodestate.WholeCardState:
+def _claims_of(
+    card: nodestate.WholeCardState, namespace: str | None
+) -> nodestate.WholeCardState:
     if not namespace or not card.claims:
         return card
     return replace(card, claims=tuple(c for c in card.claims if c.namespace == namespace))
@@ -293,6 +297,8 @@ def totals(view: ClusterView) -> Totals:
     )
 
 
+
+
 def _align(rows: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(rows[0]))]
     return ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
@@ -358,7 +364,8 @@ def render_table(view: ClusterView, details: bool = False, wide: bool = False) -
         lines.append("")
     total = totals(view)
     reporting = (
-        f" ({total.nodes - total.unreported_nodes} reporting, {total.unreported_nodes} {NO_REPORT})"
+        f" ({total.nodes - total.unreported_nodes} reporting, "
+        f"{total.unreported_nodes} {NO_REPORT})"
         if total.unreported_nodes
         else ""
     )

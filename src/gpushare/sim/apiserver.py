@@ -549,6 +549,7 @@ class KubeApiDouble(CollectionReads, Faults):
         )
         return path
 
+
     # ------------------------------------------------------------------ serving
 
     def _handle(self, request: BaseHTTPRequestHandler) -> None:

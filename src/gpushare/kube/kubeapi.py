@@ -137,7 +137,7 @@ class Cluster:
         except NoCluster:
             raise
         except Exception as exc:
-            raise NoCluster(f"no usable kubeconfig {path}: {exc}") from None
+            raise NoCluster(f"no usable kubeconfig: {path}: {exc}") from None
         configuration.retries = 1
         self._api_client = client.ApiClient(configuration)
         self._host = configuration.host

@@ -861,6 +861,11 @@ class Cluster:
                 # 1.36, its v1beta1 is off by default: on for the manifests written for it.
                 "resource.k8s.io/v1=true,admissionregistration.k8s.io/v1beta1=true",
                 "--profiling=false",
+                # The `kubernetes` Service's endpoints would be the advertise address, here
+                # loopback: 1.36 logs "may not be in the loopback range" every 10 s, 1.37 refuses
+                # to start with it. Nothing in the harness reaches the API server through the
+                # Service (every client has a kubeconfig), so no endpoint reconciler.
+                "--endpoint-reconciler-type=none",
             ],
             self.dir / "kube-apiserver.log",
         )

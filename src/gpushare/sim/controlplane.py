@@ -25,8 +25,12 @@ import yaml
 
 from gpushare.kube.kubeclient import ApiClient, ApiStatusError, kubeconfig_endpoint
 
+#: e2e/bin (Kubernetes 1.36), or e2e/bin-<minor> for K8S_VERSION=<minor> (e2e/build.sh);
+#: $GPUSHARE_E2E_BIN names any other folder.
+_MINOR = os.environ.get("K8S_VERSION", "1.36")
+_FOLDER = "bin" if _MINOR == "1.36" else f"bin-{_MINOR}"
 BIN = Path(
-    os.environ.get("GPUSHARE_E2E_BIN", str(Path(__file__).resolve().parents[3] / "e2e" / "bin"))
+    os.environ.get("GPUSHARE_E2E_BIN") or Path(__file__).resolve().parents[3] / "e2e" / _FOLDER
 )
 NEEDED = ("etcd", "kube-apiserver", "kube-scheduler")
 T = TypeVar("T")
@@ -99,6 +103,8 @@ class ControlPlane:
                 str(self.bin / "kube-apiserver"),
                 "--etcd-servers", etcd,
                 "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1",
+                # no `kubernetes` Service endpoints: 1.37 refuses a loopback address for them
+                "--endpoint-reconciler-type=none",
                 "--secure-port", str(self.port), "--cert-dir", str(certs),
                 "--token-auth-file", str(root / "tokens.csv"),
                 "--authorization-mode", "Node,RBAC",

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from gpushare.extender.apiserver import BindingClient
+from gpushare.extender.bindingclient import BindingClient
 from gpushare.extender.ledger import AdmissionLedger
 from gpushare.extender.server import ExtenderSettings, build_app, start
 from gpushare.kube import nodestate

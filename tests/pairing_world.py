@@ -3,7 +3,7 @@
 Enumerating every admission sequence through real sockets would take hours; the
 transport adds nothing to the pairing decision. So these worlds keep everything that
 decides (``plugin.DevicePluginServicer`` -> ``binding.Binder`` -> ``pairing`` and
-``placement``) and the kubelet stand-in that drives it (``sim.kubelet``: its offer,
+``placement``) and the kubelet stand-in that drives it (``sim.kubeletdouble``: its offer,
 padding, Go-map order, records, rejections), and drop only the sockets: the servicer
 is called through :class:`DirectStub`, and the binder reads the stand-in's
 PodResources answer through :class:`DirectRecords`. The same sequences also run over
@@ -34,7 +34,7 @@ from gpushare.share.devices import Inventory, Resource
 from gpushare.share.placement import Policy
 from gpushare.share.records import Snapshot
 from gpushare.share.usage import UsageLedger
-from gpushare.sim.kubelet import AdmissionError, ContainerSpec, SimulatedKubelet
+from gpushare.sim.kubeletdouble import AdmissionError, ContainerSpec, SimulatedKubelet
 
 PREFIX = "gpushare.io"
 MEMORY = Resource.MEMORY.name_with(PREFIX)

@@ -17,7 +17,7 @@ from gpushare.share.answers import (
     LOCK_DIR,
 )
 from gpushare.share.devices import Resource
-from gpushare.sim.kubelet import AdmissionError
+from gpushare.sim.kubeletdouble import AdmissionError
 
 
 def per_card(node: Node, resource: str) -> dict[str, int]:

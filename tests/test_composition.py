@@ -19,8 +19,8 @@ START_AND_LIST_MODULES = textwrap.dedent(
     daemon = Daemon(load_settings(sys.argv[1:]))
     daemon.start()
     registered = daemon.plugin.link.registered.wait(20)
-    optional = ("prometheus_client", "http.server", "http.client", "gpushare.ops.metrics",
-                "gpushare.kube.apilink", "gpushare.kube.kubeclient", "kubernetes")
+    optional = ("prometheus_client", "http.server", "http.client", "gpushare.ops.daemonmetrics",
+                "gpushare.kube.apilink", "gpushare.kube.stdlibclient", "kubernetes")
     loaded = sorted(m for m in optional if m in sys.modules)
     daemon.stop()
     print(registered, loaded, flush=True)

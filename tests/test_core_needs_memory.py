@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from conftest import TESLA_P4, Node, cards
 
-from gpushare.sim.kubelet import AdmissionError
+from gpushare.sim.kubeletdouble import AdmissionError
 
 
 @pytest.mark.parametrize("memory", [0, None])

@@ -21,8 +21,8 @@ from gpushare.daemon import Daemon
 from gpushare.gpu.gpus import Gpu
 from gpushare.kube import nodestate
 from gpushare.share.cardmodes import CardMode, card_modes, dra_cards, parse_card_modes
-from gpushare.sim.apiserver import KubeApiDouble
-from gpushare.sim.drakubelet import DraKubelet, allocated_claim
+from gpushare.sim.apidouble import KubeApiDouble
+from gpushare.sim.drakubeletdouble import DraKubelet, allocated_claim
 
 
 def test_a_dra_card_is_in_the_slice_and_in_no_device_plugin_list(

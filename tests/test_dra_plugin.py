@@ -1,6 +1,6 @@
 """The DRA kubelet plugin over real unix sockets, claims served by the API-server double.
 
-The stand-in kubelet (:mod:`gpushare.sim.drakubelet`) registers through the plugin
+The stand-in kubelet (:mod:`gpushare.sim.drakubeletdouble`) registers through the plugin
 watcher's socket and calls NodePrepareResources / NodeUnprepareResources with only the
 claim's namespace, name and UID, as the real kubelet does.
 """
@@ -25,10 +25,10 @@ from gpushare.gpu.gpus import Gpu
 from gpushare.gpu.health import HealthBoard
 from gpushare.host.elf import stand_in
 from gpushare.host.library import cache_root, ensure_lock_dir, install_library
-from gpushare.kube.kubeclient import ApiClient, kubeconfig_endpoint
+from gpushare.kube.stdlibclient import ApiClient, kubeconfig_endpoint
 from gpushare.share.answers import CDI_CRI, DeviceListing, Enforcement
-from gpushare.sim.apiserver import KubeApiDouble
-from gpushare.sim.drakubelet import DraKubelet, RegistrationRefused, allocated_claim
+from gpushare.sim.apidouble import KubeApiDouble
+from gpushare.sim.drakubeletdouble import DraKubelet, RegistrationRefused, allocated_claim
 
 DRIVER = "gpu.gpushare.io"
 #: conftest.NODE, the Node the ``api`` fixture holds (not imported: tests/e2e has its own

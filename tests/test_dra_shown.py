@@ -23,9 +23,9 @@ from test_node_api import add_pod, eventually, node_annotation
 
 from gpushare.daemon import Daemon
 from gpushare.kube import nodestate
-from gpushare.kube.kubeapi import Cluster
+from gpushare.kube.kubectlapi import Cluster
 from gpushare.ops import inspect
-from gpushare.sim.drakubelet import DraKubelet, allocated_claim
+from gpushare.sim.drakubeletdouble import DraKubelet, allocated_claim
 
 PREFIX = "gpushare.io"
 DRIVER = "gpu.gpushare.io"

@@ -11,7 +11,7 @@ from conftest import NODE
 from structlog.testing import capture_logs
 from test_dra_plugin import DRIVER, DraNode, gpu, wait_until
 
-from gpushare.sim.apiserver import KubeApiDouble
+from gpushare.sim.apidouble import KubeApiDouble
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 

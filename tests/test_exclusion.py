@@ -21,7 +21,7 @@ from gpushare.base.startup import NodeConfigurationError
 from gpushare.daemon import Daemon
 from gpushare.share.cardmodes import CardMode, parse_card_modes
 from gpushare.share.devices import format_device_id
-from gpushare.sim.kubelet import AdmissionError
+from gpushare.sim.kubeletdouble import AdmissionError
 
 UNITS = 29  # memory units of a Tesla P4
 

@@ -29,7 +29,7 @@ from pairing_world import assignment_exists
 from gpushare.extender.fit import CardRoom, ContainerNeed, PodNeed, fit_pod
 from gpushare.share.devices import Resource
 from gpushare.share.placement import Policy
-from gpushare.sim.kubelet import AdmissionError
+from gpushare.sim.kubeletdouble import AdmissionError
 
 CARD_UNITS = CARD_4GIB["memory_mib"] // 256
 

@@ -15,7 +15,7 @@ from gpushare.host.gc import GarbageCollector
 from gpushare.host.library import prepare_cache_dir
 from gpushare.share.answers import CONTAINER_CACHE_DIR, CONTAINER_LIBRARY
 from gpushare.share.records import Snapshot
-from gpushare.sim.kubelet import Admitted
+from gpushare.sim.kubeletdouble import Admitted
 
 GRACE = 0.3
 

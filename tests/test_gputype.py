@@ -15,7 +15,7 @@ from test_extender import pod as extender_pod
 
 from gpushare.gpu.gputype import CardChoice, ChoiceBook, allowed_cards, card_choice
 from gpushare.kube import nodestate
-from gpushare.sim.kubelet import AdmissionError
+from gpushare.sim.kubeletdouble import AdmissionError
 
 T4 = {"uuid": gpu_uuid(0), "name": "Tesla T4", "memory_mib": 15360, "numa_node": 0}
 A100 = {"uuid": gpu_uuid(1), "name": "NVIDIA A100-PCIE-40GB", "memory_mib": 40960, "numa_node": 0}

@@ -17,7 +17,7 @@ from procs import poll
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from gpushare.share.devices import InvalidDeviceIds, Resource, parse_device_id, parse_unit_number
-from gpushare.sim.kubelet import Admitted
+from gpushare.sim.kubeletdouble import Admitted
 
 UNITS = {Resource.MEMORY: 29, Resource.CORE: 100}  # Tesla P4: 7611 // 256
 HEALTHY = (gpu_uuid(0), gpu_uuid(1))

@@ -16,7 +16,9 @@ from conftest import TESLA_P4, Node, cards
 from kube_double import KubeApiDouble
 from procs import daemon_command, poll
 
-from gpushare.kube.kubeclient import (
+from gpushare.kube.podspecs import PodSpecBook
+from gpushare.kube.podwatch import PodWatch
+from gpushare.kube.stdlibclient import (
     ApiClient,
     ApiStatusError,
     KubeConfigError,
@@ -24,8 +26,6 @@ from gpushare.kube.kubeclient import (
     kubeconfig_endpoint,
     load_endpoint,
 )
-from gpushare.kube.podspecs import PodSpecBook
-from gpushare.kube.podwatch import PodWatch
 from gpushare.share.usage import Holder
 
 NODE = "gpu-node-1"

@@ -19,7 +19,7 @@ from kube_double import KubeApiDouble
 from gpushare import __version__
 from gpushare.config import Settings
 from gpushare.kube import nodestate
-from gpushare.kube.kubeapi import FIELD_MANAGER
+from gpushare.kube.kubectlapi import FIELD_MANAGER
 from gpushare.ops import deploy
 from gpushare.ops.kubectl import choose_nodes, main
 

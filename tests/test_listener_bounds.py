@@ -27,7 +27,7 @@ from procs import daemon_command, free_port, poll, scrape
 
 from gpushare.base.connguard import ConnectionGuard, Limits
 from gpushare.extender.server import ExtenderSettings, build_app, start
-from gpushare.ops.metrics import MetricsServer
+from gpushare.ops.daemonmetrics import MetricsServer
 
 
 def _connect(port: int, source: str = "127.0.0.1") -> socket.socket:

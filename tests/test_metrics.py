@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpushare import __version__
 from gpushare.base.startup import StartupError
 from gpushare.daemon import Daemon
-from gpushare.ops.metrics import LinkState, MetricsServer, liveness, render_not_ready
-from gpushare.sim.kubelet import AdmissionError
+from gpushare.ops.daemonmetrics import LinkState, MetricsServer, liveness, render_not_ready
+from gpushare.sim.kubeletdouble import AdmissionError
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

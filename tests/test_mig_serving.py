@@ -17,7 +17,7 @@ from gpushare.base.startup import NodeConfigurationError
 from gpushare.daemon import Daemon
 from gpushare.gpu.gpus import SimulatedBackend
 from gpushare.gpu.mig import MigStrategy, plan
-from gpushare.sim.kubelet import AdmissionError
+from gpushare.sim.kubeletdouble import AdmissionError
 
 PREFIX = "gpushare.io"
 MIG_3G, MIG_2G, MIG_1G = (f"{PREFIX}/mig-{p}" for p in ("3g.20gb", "2g.10gb", "1g.5gb"))

@@ -21,7 +21,7 @@ from kube_double import KubeApiDouble
 from procs import eventually
 
 from gpushare.kube import apilink, nodestate
-from gpushare.sim.kubelet import AdmissionError
+from gpushare.sim.kubeletdouble import AdmissionError
 
 __all__ = ["extender_factory"]  # fixture
 

@@ -38,7 +38,7 @@ from pairing_world import (
 )
 
 from gpushare.share.placement import Policy
-from gpushare.sim.kubelet import AdmissionError, ContainerSpec
+from gpushare.sim.kubeletdouble import AdmissionError, ContainerSpec
 
 QUICK_LENGTH = 3  # every kind of container, for make test
 FULL_LENGTH = 4  # every kind of container, for make verify-pairing

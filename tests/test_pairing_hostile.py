@@ -20,7 +20,7 @@ from gpushare.gpu.gpus import Gpu
 from gpushare.gpu.health import HealthBoard
 from gpushare.node.podresources import PodResourcesClient
 from gpushare.share.whole import whole_cards
-from gpushare.sim.kubelet import AdmissionError, ContainerSpec
+from gpushare.sim.kubeletdouble import AdmissionError, ContainerSpec
 
 FACTS = REGIMES[2]  # PodResources and pod specs
 

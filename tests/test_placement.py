@@ -12,7 +12,7 @@ from gpushare.share.devices import Resource
 from gpushare.share.placement import (
     BINPACK,
     SPREAD,
-    CardView,
+    CandidateCard,
     Need,
     Policy,
     Request,
@@ -24,15 +24,17 @@ from gpushare.share.placement import (
 )
 
 
-def card(i: int, free: int, memory_free: int, core_free: int, healthy: bool = True) -> CardView:
-    return CardView(f"GPU-{i}", i, tuple(range(free)), memory_free, core_free, healthy)
+def card(
+    i: int, free: int, memory_free: int, core_free: int, healthy: bool = True
+) -> CandidateCard:
+    return CandidateCard(f"GPU-{i}", i, tuple(range(free)), memory_free, core_free, healthy)
 
 
-def memory_card(i: int, memory_free: int, core_free: int = 100) -> CardView:
+def memory_card(i: int, memory_free: int, core_free: int = 100) -> CandidateCard:
     return card(i, memory_free, memory_free, core_free)
 
 
-def core_card(i: int, memory_free: int, core_free: int) -> CardView:
+def core_card(i: int, memory_free: int, core_free: int) -> CandidateCard:
     return card(i, core_free, memory_free, core_free)
 
 

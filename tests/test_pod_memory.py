@@ -29,10 +29,10 @@ from conftest import TESLA_P4, Node, cards
 from procs import daemon_command, free_port, poll, scrape
 
 from gpushare.kube.jsonstream import ListStream
-from gpushare.kube.kubeclient import ApiClient, kubeconfig_endpoint
 from gpushare.kube.podslim import slim
 from gpushare.kube.podspecs import PodSpecBook
 from gpushare.kube.podwatch import PodWatch
+from gpushare.kube.stdlibclient import ApiClient, kubeconfig_endpoint
 from gpushare.share.devices import Resource
 from gpushare.share.usage import Holder
 from gpushare.sim.bigpods import big_pods

@@ -36,7 +36,7 @@ from gpushare.host.library import (
 from gpushare.host.tombstones import Reaper, bury, tombstones
 from gpushare.share.answers import CONTAINER_CACHE_DIR, LOCK_DIR
 from gpushare.share.records import Snapshot
-from gpushare.sim.kubelet import Admitted
+from gpushare.sim.kubeletdouble import Admitted
 
 DAEMONSET = Path(__file__).resolve().parents[1] / "daemonset" / "daemonset.yaml"
 STRANGER = 12345  # a uid that is neither the daemon's nor anyone's on the host

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_node_api import add_pod, eventually, node_annotation
 
 from gpushare.daemon import Daemon
-from gpushare.kube.kubeapi import Cluster
+from gpushare.kube.kubectlapi import Cluster
 from gpushare.ops import inspect
 
 PREFIX = "gpushare.io"

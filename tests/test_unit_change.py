@@ -15,7 +15,7 @@ from gpushare.host.unitguard import UnitSizeChanged, check_unit_size
 from gpushare.share.devices import Resource
 from gpushare.share.records import Snapshot
 from gpushare.share.usage import Holder
-from gpushare.sim.kubelet import AdmissionError
+from gpushare.sim.kubeletdouble import AdmissionError
 
 
 def restart_with(node: Node, **overrides: object) -> Daemon:

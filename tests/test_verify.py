@@ -18,7 +18,7 @@ from kube_double import KubeApiDouble
 
 from gpushare.gpu import probe
 from gpushare.gpu.probe import Check
-from gpushare.kube.kubeapi import Cluster
+from gpushare.kube.kubectlapi import Cluster
 from gpushare.ops import kubectl, verify
 
 MIB = 1 << 20

@@ -11,7 +11,7 @@ from conftest import H200, TESLA_P4, Node, cards, gpu_uuid
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from gpushare.share.answers import CONTAINER_LIBRARY
-from gpushare.sim.kubelet import AdmissionError
+from gpushare.sim.kubeletdouble import AdmissionError
 
 
 def gpu_resource(node: Node) -> str:

@@ -4,7 +4,7 @@ The daemon makes a handful of calls (read its Node, merge-patch it and its pods,
 and watch the pods of its node). The ``kubernetes`` package would cost about 38 MiB and
 a second of start for them; this module uses ``http.client`` and ``ssl`` and keeps the
 server's JSON as it comes. ``kubectl gpushare`` and the cluster-side tools keep using
-``kubernetes`` (see ``kubeapi.py``).
+``kubernetes`` (see ``kubectlapi.py``).
 
 Where the server and the credentials come from (:func:`load_endpoint`):
 

@@ -99,7 +99,7 @@ class Cluster:
 
         With the ``kubernetes`` package (an installed plugin) every kind of kubeconfig
         credential works; without it (the single-file plugin, ``make kubectl-plugin``) the
-        standard-library client of :mod:`gpushare.kube.kubeclient` is used: tokens and
+        standard-library client of :mod:`gpushare.kube.stdlibclient` is used: tokens and
         client certificates, no exec or auth-provider plugins."""
         self._api_client: Any = None
         self._plain: Any = None
@@ -127,7 +127,7 @@ class Cluster:
     def _connect_plain(self, kubeconfig: str | None, context: str | None, in_cluster: bool) -> None:
         from pathlib import Path
 
-        from gpushare.kube.kubeclient import (
+        from gpushare.kube.stdlibclient import (
             ApiClient,
             KubeConfigError,
             in_cluster_endpoint,
@@ -199,7 +199,7 @@ class Cluster:
     ) -> Any:
         import http.client
 
-        from gpushare.kube.kubeclient import ApiStatusError, KubeConfigError
+        from gpushare.kube.stdlibclient import ApiStatusError, KubeConfigError
 
         try:
             return self._plain.request(

@@ -12,7 +12,7 @@ from gpushare.config import Settings
 from gpushare.host.gc import CacheDirMetrics
 from gpushare.node.core import NodeCore
 from gpushare.ops.actualuse import ActualUseMetrics
-from gpushare.ops.metrics import Metrics, MetricsServer, render_not_ready
+from gpushare.ops.daemonmetrics import Metrics, MetricsServer, render_not_ready
 from gpushare.share.devices import Resource
 
 Probe = Callable[[], tuple[bool, str]]

@@ -763,7 +763,7 @@ class KubeApiDouble(CollectionReads, Faults):
 
 
 def main() -> None:
-    """``python -m gpushare.sim.apiserver``: serve the double on 127.0.0.1, print its URL,
+    """``python -m gpushare.sim.apidouble``: serve the double on 127.0.0.1, print its URL,
     and stop when standard input closes (``make bench`` runs it in its own process)."""
     import sys
 

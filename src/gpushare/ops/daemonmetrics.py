@@ -1,4 +1,4 @@
-"""Prometheus metrics and the liveness endpoint, on their own small HTTP server.
+"""The node daemon's Prometheus metrics and liveness endpoint, on their own HTTP server.
 
 ``/metrics`` serves one registry per daemon (tests run several daemons in one
 process). Per-card figures are read at scrape time from the usage ledger and the

@@ -17,7 +17,7 @@ from pathlib import Path
 from gpushare.ops.mdsection import markers
 from gpushare.sim import walkthrough
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
 
 VOLATILE = [

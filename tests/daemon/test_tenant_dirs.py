@@ -38,7 +38,7 @@ from gpushare.share.answers import CONTAINER_CACHE_DIR, LOCK_DIR
 from gpushare.share.records import Snapshot
 from gpushare.sim.kubelet import Admitted
 
-DAEMONSET = Path(__file__).resolve().parents[1] / "daemonset" / "daemonset.yaml"
+DAEMONSET = Path(__file__).resolve().parents[2] / "daemonset" / "daemonset.yaml"
 STRANGER = 12345  # a uid that is neither the daemon's nor anyone's on the host
 NOBODY = 65534
 #: Deeper than Python's recursion limit; wide enough for several reaper steps. The issue's

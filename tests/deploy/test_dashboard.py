@@ -11,7 +11,7 @@ from conftest import TESLA_P4, Node, cards
 from procs import free_port, scrape
 from prometheus_client.parser import text_string_to_metric_families
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "gpushare.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "gpushare.json"
 #: Series Prometheus derives from a family: histogram parts, the counter's ``_total``.
 SUFFIXES = ("_bucket", "_sum", "_count", "_total")
 

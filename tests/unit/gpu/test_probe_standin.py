@@ -19,7 +19,7 @@ import pytest
 
 from gpushare.gpu import probe
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 SOURCE = ROOT / "tests" / "standin" / "libcuda_standin.c"
 LIMIT = 1 << 30
 

@@ -24,7 +24,7 @@ from kubernetes_validate.utils import all_versions
 from gpushare.config import OPTIONS, Settings, flag_name, load_settings, yaml_key
 from gpushare.ops import deploy
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DAEMONSET_DIR = ROOT / "daemonset"
 CHART = ROOT / "charts" / "gpushare"
 DEFAULTS = Settings()

@@ -55,7 +55,7 @@ def test_version_flags_print_the_package_version() -> None:
         assert result.stdout.strip() == f"{prog} {__version__}"
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_chart_image_manifests_and_makefile_carry_the_package_version() -> None:

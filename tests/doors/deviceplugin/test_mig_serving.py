@@ -190,7 +190,7 @@ def test_mixed_without_mig_cards_changes_nothing(node: Node) -> None:
 
 
 def test_the_docs_example_node_file_serves_the_documented_resources(tmp_path: Path) -> None:
-    text = (Path(__file__).parent.parent / "docs" / "modes.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / "modes.md").read_text()
     section = text.split("## MIG", 1)[1]
     blocks = [b.split("```", 1)[0] for b in section.split("```yaml")[1:]]
     (node_file,) = [b for b in blocks if b.lstrip().startswith("gpus:")]

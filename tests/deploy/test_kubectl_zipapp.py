@@ -25,7 +25,7 @@ from kube_double import KubeApiDouble
 
 from gpushare.kube import nodestate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import build_kubectl_plugin  # noqa: E402
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "gpushare"
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "gpushare"
 LONGEST_CLASS = 300
 LONGEST_ROOT = 150
 

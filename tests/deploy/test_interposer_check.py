@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from test_deploy_manifests import _global_args, _stages
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHECK = ROOT / "scripts" / "check-interposer.sh"
 BUILD = ROOT / "scripts" / "build-hami-core.sh"
 HOOKS = [

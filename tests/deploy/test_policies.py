@@ -32,7 +32,7 @@ from gpushare.gpu import mig
 from gpushare.kube import nodestate
 from gpushare.kube.labels import NVIDIA_PRODUCT_LABEL
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 POLICIES = ROOT / "daemonset" / "policies"
 DAEMON = "system:serviceaccount:kube-system:gpushare"
 NODE_NAME_KEY = "authentication.kubernetes.io/node-name"

@@ -20,7 +20,7 @@ from test_deploy_manifests import chart_objects, one, validate
 
 from gpushare.extender.server import parse_settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXTENDER = ROOT / "daemonset" / "extender"
 SCHEDULER = ROOT / "daemonset" / "scheduler"
 RESOURCES = {"gpushare.io/vcuda-memory", "gpushare.io/vcuda-core"}

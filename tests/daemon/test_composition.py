@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 from conftest import TESLA_P4, Node, cards
-from kube_double import KubeApiDouble
-from procs import daemon_command, free_port
+from kit.kube_double import KubeApiDouble
+from kit.procs import daemon_command, free_port
 
 START_AND_LIST_MODULES = textwrap.dedent(
     """

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from conftest import TESLA_P4, Node, cards
-from procs import poll
+from kit.procs import poll
 
 from gpushare.daemon import Daemon
 from gpushare.host.elf import stand_in

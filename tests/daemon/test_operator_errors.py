@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import TESLA_P4, Node, cards
-from procs import daemon_command, error_lines, free_port, poll, scrape
+from kit.procs import daemon_command, error_lines, free_port, poll, scrape
 from structlog.testing import capture_logs
 
 from gpushare.base.startup import BadKubeletDir, BadLibrary, StartupError

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CARD_4GIB, TESLA_P4, Node, cards, gpu_uuid
-from procs import daemon_process, free_port, poll, reachable, scrape
+from kit.procs import daemon_process, free_port, poll, reachable, scrape
 from prometheus_client.parser import text_string_to_metric_families
 from test_exclusion import card_of
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 from conftest import H200, Node, cards, gpu_uuid
-from procs import daemon_command, error_lines
+from kit.procs import daemon_command, error_lines
 
 from gpushare.base.startup import ConfigurationTooLarge
 from gpushare.deviceplugin.frontdoor import check_message_sizes

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CARD_4GIB, Node, cards
-from procs import poll
+from kit.procs import poll
 
 from gpushare.base.startup import BadKubeletDir, StartupError
 from gpushare.daemon import Daemon

@@ -21,7 +21,7 @@ import pytest
 import structlog
 import yaml
 from conftest import TESLA_P4, Node, cards
-from procs import daemon_command, free_port, poll, scrape
+from kit.procs import daemon_command, free_port, poll, scrape
 
 from gpushare.host.diskuse import MAX_DEPTH, measure
 from gpushare.host.gc import GarbageCollector

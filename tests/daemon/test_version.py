@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 from conftest import TESLA_P4, Node, cards
-from procs import daemon_command
+from kit.procs import daemon_command
 
 from gpushare import __version__
 from gpushare.config import OPTIONS, yaml_key

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import TESLA_P4, Node, cards
-from procs import free_port, scrape
+from kit.procs import free_port, scrape
 from prometheus_client.parser import text_string_to_metric_families
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "gpushare.json"

@@ -295,8 +295,8 @@ def daemon_api_verbs() -> set[tuple[str, str]]:
     """What the daemon asks of the API server, recorded at the double's HTTP boundary
     while it publishes its Node, watches its pods and annotates an admitted one."""
     from conftest import TESLA_P4, Node, cards
-    from kube_double import KubeApiDouble
-    from procs import poll
+    from kit.kube_double import KubeApiDouble
+    from kit.procs import poll
 
     double = KubeApiDouble()
     double.start()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kube_double import KubeApiDouble
+from kit.kube_double import KubeApiDouble
 
 from gpushare.kube import nodestate
 

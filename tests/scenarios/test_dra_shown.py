@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 from conftest import NODE, TESLA_P4, Node, cards, gpu_uuid
-from kube_double import KubeApiDouble
-from procs import free_port, scrape
+from kit.kube_double import KubeApiDouble
+from kit.procs import free_port, scrape
 from prometheus_client.parser import text_string_to_metric_families
 from test_node_api import add_pod, eventually, node_annotation
 

@@ -24,7 +24,7 @@ import pytest
 from conftest import CARD_4GIB, Node, cards
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pairing_world import assignment_exists
+from kit.pairing_world import assignment_exists
 
 from gpushare.extender.fit import CardRoom, ContainerNeed, PodNeed, fit_pod
 from gpushare.share.devices import Resource

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 from conftest import CARD_4GIB, NODE, TESLA_P4, Node, cards
-from extender_kit import RunningExtender, args, container, extender_factory, kept, pod
-from kube_double import KubeApiDouble
-from procs import eventually
+from kit.extender import RunningExtender, args, container, extender_factory, kept, pod
+from kit.kube_double import KubeApiDouble
+from kit.procs import eventually
 
 from gpushare.kube import apilink, nodestate
 from gpushare.sim.kubelet import AdmissionError
@@ -214,7 +214,7 @@ def test_a_restarted_extender_keeps_no_node_until_it_has_read_the_pods(
 ) -> None:
     """Never from an empty ledger: while the pod list cannot be read, the filter keeps
     no node and /readyz says so; once it is read, the node is kept."""
-    from extender_kit import card, get, node
+    from kit.extender import card, get, node
 
     api.fail_next(1000, status=503)
     server = extender_factory(api_server=api.url, token_file="", ca_file="")

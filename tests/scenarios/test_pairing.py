@@ -26,7 +26,7 @@ from conftest import CARD_4GIB, TESLA_P4, Node, cards
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
-from pairing_world import (
+from kit.pairing_world import (
     CORE,
     MEMORY,
     REGIMES,

@@ -19,9 +19,9 @@ from dataclasses import replace
 from typing import Any
 
 from conftest import NODE, RTX_3090, TESLA_P4, Node, gpu_uuid
-from kube_double import KubeApiDouble
-from mig_layouts import mig_uuid, reference_a100
-from procs import free_port
+from kit.kube_double import KubeApiDouble
+from kit.mig_layouts import mig_uuid, reference_a100
+from kit.procs import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from test_node_api import add_pod, eventually, node_annotation
 

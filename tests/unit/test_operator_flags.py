@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kube_double import KubeApiDouble
+from kit.kube_double import KubeApiDouble
 from test_kubectl import api  # noqa: F401  (the API-server double with three nodes)
 
 from gpushare import config

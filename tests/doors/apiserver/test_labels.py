@@ -10,8 +10,8 @@ import yaml
 from conftest import NODE, TESLA_P4, Node, cards
 from hypothesis import given
 from hypothesis import strategies as st
-from kube_double import KubeApiDouble
-from procs import poll
+from kit.kube_double import KubeApiDouble
+from kit.procs import poll
 
 from gpushare.gpu.gpus import Gpu
 from gpushare.kube import nodestate

@@ -8,10 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import procs
 import pytest
 from conftest import CARD_4GIB, NODE, TESLA_P4, Node, cards, gpu_uuid
-from kube_double import KubeApiDouble
+from kit import procs
+from kit.kube_double import KubeApiDouble
 
 from gpushare.kube import nodestate
 

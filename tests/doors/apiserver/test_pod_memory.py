@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 from conftest import TESLA_P4, Node, cards
-from procs import daemon_command, free_port, poll, scrape
+from kit.procs import daemon_command, free_port, poll, scrape
 
 from gpushare.kube.jsonstream import ListStream
 from gpushare.kube.kubeclient import ApiClient, kubeconfig_endpoint

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 from conftest import NODE, TESLA_P4, Node, cards, gpu_uuid
-from kube_double import KubeApiDouble
-from procs import eventually
+from kit.kube_double import KubeApiDouble
+from kit.procs import eventually
 
 from gpushare.gpu.gpus import Gpu
 from gpushare.kube import apilink, nodestate

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import pytest
 from conftest import TESLA_P4, Node, cards, gpu_uuid
-from procs import poll
+from kit.procs import poll
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from gpushare.base.startup import NodeConfigurationError

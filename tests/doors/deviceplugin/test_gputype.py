@@ -8,8 +8,8 @@ import pytest
 from conftest import NODE, Node, gpu_uuid
 from hypothesis import given
 from hypothesis import strategies as st
-from kube_double import KubeApiDouble
-from procs import poll
+from kit.kube_double import KubeApiDouble
+from kit.procs import poll
 from test_extender import args, card, container, extender_factory, kept, node  # noqa: F401
 from test_extender import pod as extender_pod
 

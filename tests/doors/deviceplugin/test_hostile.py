@@ -13,7 +13,7 @@ import pytest
 from conftest import TESLA_P4, Node, cards, gpu_uuid
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from procs import poll
+from kit.procs import poll
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from gpushare.share.devices import InvalidDeviceIds, Resource, parse_device_id, parse_unit_number

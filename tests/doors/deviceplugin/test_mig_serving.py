@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from conftest import RTX_3090, TESLA_P4, Node, gpu_uuid
-from mig_layouts import A100_UUID, mig_uuid, reference_a100, uniform_a100
+from kit.mig_layouts import A100_UUID, mig_uuid, reference_a100, uniform_a100
 
 from gpushare.base.startup import NodeConfigurationError
 from gpushare.daemon import Daemon
@@ -207,7 +207,7 @@ def test_the_docs_example_node_file_serves_the_documented_resources(tmp_path: Pa
 def test_mig_labels_are_published_on_the_node(
     node: Node, short_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kube_double import KubeApiDouble
+    from kit.kube_double import KubeApiDouble
     from test_node_api import eventually
 
     api = KubeApiDouble()

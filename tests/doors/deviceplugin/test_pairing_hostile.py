@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 from conftest import TESLA_P4, Node, cards
-from mig_layouts import reference_a100
-from pairing_world import CORE, MEMORY, REGIMES, World, _Context, pod_object
+from kit.mig_layouts import reference_a100
+from kit.pairing_world import CORE, MEMORY, REGIMES, World, _Context, pod_object
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2
 from gpushare.deviceplugin.exclusive import ExclusiveServicer

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import RTX_3090, TESLA_P4, Node, cards, gpu_uuid, nvml_loads
-from procs import daemon_command, error_lines, free_port, poll, reachable, scrape
+from kit.procs import daemon_command, error_lines, free_port, poll, reachable, scrape
 
 from gpushare.share.devices import Resource
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 from conftest import NODE, TESLA_P4, Node, cards, gpu_uuid
-from mig_layouts import A100_UUID, mig_uuid, reference_a100, uniform_a100
-from procs import poll
+from kit.mig_layouts import A100_UUID, mig_uuid, reference_a100, uniform_a100
+from kit.procs import poll
 from test_exclusion import card_of, gpu, start
 from test_mig_serving import registered
 from test_mig_serving import start as start_mig

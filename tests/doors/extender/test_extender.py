@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from extender_kit import (
+from kit.extender import (
     MEMORY,
     P4_MIB,
     PREFIX,

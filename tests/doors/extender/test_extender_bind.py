@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from extender_kit import (
+from kit.extender import (
     MEMORY,
     RunningExtender,
     args,
@@ -22,7 +22,7 @@ from extender_kit import (
     node,
     pod,
 )
-from kube_double import KubeApiDouble
+from kit.kube_double import KubeApiDouble
 
 __all__ = ["extender_factory"]  # fixture
 

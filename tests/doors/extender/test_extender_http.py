@@ -16,7 +16,9 @@ from types import FrameType
 from typing import Any
 
 import pytest
-from extender_kit import (
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kit.extender import (
     MEMORY,
     RunningExtender,
     args,
@@ -29,8 +31,6 @@ from extender_kit import (
     node,
     pod,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from gpushare.extender import verbs
 from gpushare.extender.body import BadRequest, nesting_depth, parse_json

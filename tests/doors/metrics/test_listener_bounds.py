@@ -23,7 +23,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from conftest import TESLA_P4, Node, cards
-from procs import daemon_command, free_port, poll, scrape
+from kit.procs import daemon_command, free_port, poll, scrape
 
 from gpushare.base.connguard import ConnectionGuard, Limits
 from gpushare.extender.server import ExtenderSettings, build_app, start

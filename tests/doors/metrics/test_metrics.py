@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 from conftest import TESLA_P4, Node, cards, gpu_uuid
-from procs import free_port, poll, scrape
+from kit.procs import free_port, poll, scrape
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpushare import __version__

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from mig_layouts import A100_UUID, mig_uuid, reference_a100
+from kit.mig_layouts import A100_UUID, mig_uuid, reference_a100
 
 from gpushare.deviceplugin.migserve import (
     MissingCapability,

@@ -10,7 +10,7 @@ import yaml
 from conftest import RTX_3090, gpu_uuid
 from hypothesis import given
 from hypothesis import strategies as st
-from mig_layouts import A100_UUID, mig_uuid, reference_a100, uniform_a100
+from kit.mig_layouts import A100_UUID, mig_uuid, reference_a100, uniform_a100
 
 from gpushare.gpu.gpus import Gpu, GpuError, GpuEvent, MigDevice, SimulatedBackend
 from gpushare.gpu.health import HealthPolicy, expand

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_nvml import FakeCard, FakeMig, FakeNvml, reference_layout
+from kit.fake_nvml import FakeCard, FakeMig, FakeNvml, reference_layout
 
 from gpushare.gpu.gpus import GpuEvent
 from gpushare.gpu.nvml import NvmlBackend

@@ -1,6 +1,6 @@
 """Issue 24.1: the enforcement probe run whole, without a GPU, against a stand-in driver.
 
-``tests/standin/libcuda_standin.c`` (built by gcc here) answers the probe's CUDA calls
+``tests/kit/standin/libcuda_standin.c`` (built by gcc here) answers the probe's CUDA calls
 and keeps an interposer's memory limit the way HAMi-core does (shared by the processes
 of one accounting file); switches make it fail the way real interposers fail. The probe
 must find the first enforced and name what is not in the others. NVML is absent here:
@@ -20,7 +20,7 @@ import pytest
 from gpushare.gpu import probe
 
 ROOT = Path(__file__).resolve().parents[3]
-SOURCE = ROOT / "tests" / "standin" / "libcuda_standin.c"
+SOURCE = ROOT / "tests" / "kit" / "standin" / "libcuda_standin.c"
 LIMIT = 1 << 30
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")

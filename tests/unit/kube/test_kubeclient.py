@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 from conftest import TESLA_P4, Node, cards
-from kube_double import KubeApiDouble
-from procs import daemon_command, poll
+from kit.kube_double import KubeApiDouble
+from kit.procs import daemon_command, poll
 
 from gpushare.kube.kubeclient import (
     ApiClient,

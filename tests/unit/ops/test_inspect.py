@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kube_double import KubeApiDouble
+from kit.kube_double import KubeApiDouble
 
 from gpushare.kube import nodestate
 from gpushare.ops.inspect import build_view, main, render_json, render_table, render_yaml

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kube_double import KubeApiDouble
+from kit.kube_double import KubeApiDouble
 
 from gpushare import __version__
 from gpushare.config import Settings

@@ -20,7 +20,7 @@ import pytest
 from conftest import TESLA_P4, Node, cards
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from procs import free_port
+from kit.procs import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from test_node_api import eventually
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kube_double import KubeApiDouble
+from kit.kube_double import KubeApiDouble
 
 from gpushare.gpu import probe
 from gpushare.gpu.probe import Check

@@ -1,5 +1,5 @@
 """A tenant owns its cache directory and shares the lock directory: nothing it does there
-costs another container, a card or the daemon (issue 12 items 1-7, issue 11 item 7).
+costs another container, a card or the daemon.
 
 The tenant's moves are made by this test process, root with every capability, like
 root in a container with the runtime's default set (CAP_CHOWN, CAP_FOWNER,
@@ -263,7 +263,7 @@ def test_a_tree_deeper_than_the_recursion_limit_costs_nobody_anything(node: Node
         reap(node.root)
 
 
-# -- 3 and issue 11 item 7: per-allocation and GC work under the lock is O(1) ----------
+# -- per-allocation and GC work under the lock is O(1) ---------------------------------
 
 
 def test_preparing_a_directory_again_leaves_the_old_tree_untouched_for_the_reaper(
@@ -445,7 +445,7 @@ def test_a_tenant_changing_the_lock_directory_never_stops_the_daemon(
 def test_the_lock_directory_is_repaired_in_place_by_the_daemon(
     node: Node, started: list[subprocess.Popen[bytes]]
 ) -> None:
-    """Issue 23 item 5, the daemon run as the DaemonSet runs it (only CAP_DAC_OVERRIDE
+    """The daemon run as the DaemonSet runs it (only CAP_DAC_OVERRIDE
     and CAP_FOWNER): a tenant's chown and chmod of the shared lock directory are undone
     in place; the container that mounted it keeps a directory it can create files in."""
     node.write_gpus(cards(TESLA_P4, 1))
@@ -499,7 +499,7 @@ def test_the_lock_directory_is_repaired_whatever_stands_in_its_place(tmp_path: P
 def test_repairing_the_lock_directory_never_takes_it_from_running_containers(
     tmp_path: Path,
 ) -> None:
-    """Issue 23 item 5: a tenant's chown made the GC pass bury the directory and the
+    """A tenant's chown made the GC pass bury the directory and the
     reaper delete it, leaving every running container an unlinked directory in which
     HAMi-core could create no lock file. A running container is played by a descriptor
     of the directory it mounted (a bind mount holds the inode the same way)."""

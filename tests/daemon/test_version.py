@@ -1,4 +1,4 @@
-"""Issue 17.2: one version everywhere, and the start line that names every setting's origin."""
+"""One version everywhere, and the start line that names every setting's origin."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 17.5: the chart's values.schema.json refuses unknown keys and bad values, and every
+"""The chart's values.schema.json refuses unknown keys and bad values, and every
 new value renders into objects that validate offline."""
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def test_the_schema_and_the_daemon_judge_a_value_alike(
     except ConfigError:
         daemon_accepts = False
     helm_accepts = rejected({"config": {key: value}}) == ""
-    assert helm_accepts == daemon_accepts  # issue 24.5: exactly the same values
+    assert helm_accepts == daemon_accepts  # exactly the same values
 
 
 GOOD = {

@@ -1,4 +1,4 @@
-"""Issue 17.4: every query of the shipped Grafana dashboard names a metric the daemon exports."""
+"""Every query of the shipped Grafana dashboard names a metric the daemon exports."""
 
 from __future__ import annotations
 
@@ -56,9 +56,9 @@ def test_every_dashboard_query_names_only_exported_metrics(node: Node) -> None:
         "gpushare_ready",
         "gpushare_registered",
         "gpushare_gpu_healthy",
-        "gpushare_container_memory_used_bytes",  # issue 24.3: actual use beside allocation
+        "gpushare_container_memory_used_bytes",  # actual use beside allocation
         "gpushare_container_core_utilization_percent",
-        "gpushare_container_devices",  # issue 24.4: whole cards and MIG devices held
+        "gpushare_container_devices",  # whole cards and MIG devices held
     ):
         assert needed in used
     assert "gpushare_container_memory_bytes" in families  # a live per-container series

@@ -134,8 +134,8 @@ def test_every_chart_template_renders_and_validates(version: str) -> None:
         "ClusterRoleBinding",
         "ConfigMap",
         "DaemonSet",
-        "NetworkPolicy",  # networkPolicy.* (tests/test_listener_bounds.py)
-        "ValidatingAdmissionPolicy",  # policies.* (tests/test_policies.py)
+        "NetworkPolicy",  # networkPolicy.* (tests/doors/metrics/test_listener_bounds.py)
+        "ValidatingAdmissionPolicy",  # policies.* (tests/deploy/test_policies.py)
         "ValidatingAdmissionPolicyBinding",
     }
     for obj in objects:
@@ -265,7 +265,7 @@ def test_daemonset_runs_with_the_least_privileges(source: str) -> None:
     daemonset = dict(daemonsets())[source]
     spec = _pod_spec(daemonset)
     context = _container(daemonset)["securityContext"]
-    # only what deleting tenants' leftovers needs (docs/security.md, tests/test_tenant_dirs.py)
+    # only what deleting tenants' leftovers needs (docs/security.md, daemon/test_tenant_dirs.py)
     assert context["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE", "FOWNER"]}
     assert context["allowPrivilegeEscalation"] is False
     assert context["readOnlyRootFilesystem"] is True

@@ -1,4 +1,4 @@
-"""Issue 24.2: the interposer is checked with ``nm -D`` wherever it comes from.
+"""The interposer is checked with ``nm -D`` wherever it comes from.
 
 ``scripts/check-interposer.sh`` is what the image build runs on the library (published
 or built from source); here it runs on stand-in libraries gcc builds in the test: one

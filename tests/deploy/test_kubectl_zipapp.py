@@ -1,4 +1,4 @@
-"""Issue 24.7: ``kubectl gpushare`` as one file for Python 3.9+ with nothing to install.
+"""``kubectl gpushare`` as one file for Python 3.9+ with nothing to install.
 
 The test builds the zipapp (what ``make kubectl-plugin`` runs), then runs it with the
 oldest Python it can find from 3.9 up (this machine's own when there is none) against the

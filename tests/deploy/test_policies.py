@@ -199,7 +199,7 @@ CREATE_POD = {"operation": "CREATE", "resource": {"group": "", "version": "v1", 
         (_pod(_c("a", core=50), _c("b", core=10, cpu=1)), ["a, b"]),
         (_pod(_c("a", memory=1), init=(_c("setup", core=100),)), ["setup"]),
         # vcuda-memory: 0 is no memory: the kubelet skips it and only the core Allocate
-        # reaches the daemon (issue 23 item 1). vcuda-core: 0 asks nothing.
+        # reaches the daemon. vcuda-core: 0 asks nothing.
         (_pod(_c("a", memory=0, core=50)), ["a"]),
         (_pod(_c("a", memory=4, core=50), _c("b", core=10, memory=0)), ["b"]),
         (_pod(_c("a", memory=0, core=0)), []),
@@ -567,7 +567,7 @@ def test_a_container_never_mixes_shared_units_with_whole_cards_or_mig(
     assert not [d for d in CORE.denials(CREATE_POD, split) or [] if "MIG" in d]
 
 
-# -- installed by default, loudly absent where they cannot be (issue 23 item 7) --------------
+# -- installed by default, loudly absent where they cannot be ---------------------------------
 
 
 def test_the_default_install_applies_the_policies() -> None:

@@ -121,7 +121,7 @@ class Outcome:
     split: int = 0
     refused: int = 0  # by the plugin (Allocate error)
     needless: int = 0  # refused by the plugin although one card could hold the container
-    #: refused because the container asks cores and no memory units (issue 23 item 1): a
+    #: refused because the container asks cores and no memory units (the daemon's rule): a
     #: refusal by rule, not for want of room; never counted as needless
     core_only: int = 0
     insufficient: int = 0  # refused by the kubelet's own count (no plugin call decides it)
@@ -262,7 +262,7 @@ class World:
                 outcome.admitted += 1
         else:
             # Admitted whole: the pod starts, and the watch reports it Running. Its spec
-            # is still the fact about the container holding the last binding (item 8).
+            # is still the fact about the container holding the last binding.
             self.api_pods[name] = pod_object(name, specs, phase="Running")
             if self.specs is not None:
                 self.specs.update(self.api_pods[name])

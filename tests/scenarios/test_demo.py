@@ -1,4 +1,4 @@
-"""``make demo`` (issue 17.7): what the container sees, one refusal, and no illusions."""
+"""``make demo``: what the container sees, one refusal, and no illusions."""
 
 from __future__ import annotations
 

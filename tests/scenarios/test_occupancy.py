@@ -2,8 +2,8 @@
 API-server double, the kubelet stand-in admitting over gRPC, the real extender over
 HTTP binding through the double and watching its pods.
 
-Issue 23 item 4: a hold on a bound pod ends when the published state lists that pod,
-not at the daemon's next publish. Issue 26: a pod that ends frees its room in the
+A hold on a bound pod ends when the published state lists that pod,
+not at the daemon's next publish. A pod that ends frees its room in the
 extender at once, before the daemon publishes; a restarted extender starts from the
 published state and the API server.
 """
@@ -182,7 +182,7 @@ def test_a_restarted_extender_counts_pods_bound_before_it_started(cluster: Clust
 def test_pods_admitted_in_another_order_than_bound_land_where_the_extender_counted(
     cluster: Cluster,
 ) -> None:
-    """Issue 26's rare refusal: ``a container must stay on one GPU`` for a pod the
+    """A rare refusal once seen: ``a container must stay on one GPU`` for a pod the
     extender had placed. Two 16-unit cards; the extender binds 10, 10, 6, 6 (one 10 and
     one 6 per card). A kubelet that admits them in another order (after a restart it
     admits by creation time; bindings posted together land in any order) used to put

@@ -1,4 +1,4 @@
-"""Issue 24.8: docs an outsider can follow.
+"""Docs an outsider can follow.
 
 * docs/operations.md's walk-through (install, verify, watch, upgrade, remove) shows what
   the commands print: it is run again here, on the simulated node and the API-server

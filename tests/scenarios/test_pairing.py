@@ -282,7 +282,7 @@ class RealNode(RuleBasedStateMachine):
             assert record.card() in cards_used
         if refused is None:
             self.pods.append(name)
-            if node.specs is not None:  # started: the watch reports it Running (item 8)
+            if node.specs is not None:  # started: the watch reports it Running
                 specs = [ContainerSpec(c, r) for c, r, _ in containers]
                 node.specs.update(pod_object(name, specs, phase="Running"))
             return
@@ -290,7 +290,7 @@ class RealNode(RuleBasedStateMachine):
             specs = [ContainerSpec(c, r) for c, r, _ in containers]
             node.specs.update(pod_object(name, specs, phase="Failed"))
         facts = self.specs_on and self.records_on and not self.facts_degraded
-        if "no GPU memory limit" in refused.message:  # by rule (issue 23 item 1)
+        if "no GPU memory limit" in refused.message:  # by rule: cores need memory
             assert any(core and not memory for memory, core in needs), refused
         elif refused.reason != "OutOfResources" and facts:
             assert not could_fit, f"{name} {needs} refused needlessly: {refused}"
@@ -350,7 +350,7 @@ def test_core_only_then_a_pair_asked_memory_first_is_never_split(
         node.with_pod_specs()
     node.start(cards(TESLA_P4, 2))
     node.pod("a", {node.core: 5})
-    if regime.specs:  # its spec shows no memory units: refused (issue 23 item 1)
+    if regime.specs:  # its spec shows no memory units: refused
         with pytest.raises(AdmissionError, match="no GPU memory limit"):
             node.kubelet.admit("a", "main", {node.core: 5})
     else:
@@ -372,7 +372,7 @@ def test_core_only_then_a_pair_asked_memory_first_is_never_split(
 def test_the_spec_of_a_running_pod_holding_the_last_binding_is_used(
     node: Node, core_first: bool
 ) -> None:
-    """Issue 23 item 8, seen with the real device manager: a memory-only pod admitted
+    """Seen with the real device manager: a memory-only pod admitted
     and already Running, then a container asking both whose core comes first. The
     records name the Running pod's container as the holder of the last binding; its
     spec (no cores) proves the request is not its partner. Looking up Pending pods only,

@@ -1,5 +1,5 @@
-"""Every listener the project ships bounds what strangers can make it hold (issue 23
-item 3): connections and threads are capped overall and per client address, a
+"""Every listener the project ships bounds what strangers can make it hold:
+connections and threads are capped overall and per client address, a
 connection beyond the caps is answered 503 at once, and a request must be complete and
 answered within a total deadline however slowly its bytes trickle in.
 

@@ -1,4 +1,4 @@
-"""Issue 24.1: the probe's ctypes prototypes match the CUDA and NVML headers, no GPU needed.
+"""The probe's ctypes prototypes match the CUDA and NVML headers, no GPU needed.
 
 ``cuda.h`` comes from the ``nvidia-cuda-runtime-cu12`` wheel and ``nvml.h`` from
 ``nvidia-nvml-dev-cu12`` (the test extra). gcc compiles, against them, a pointer of the

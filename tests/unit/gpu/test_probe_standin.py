@@ -1,4 +1,4 @@
-"""Issue 24.1: the enforcement probe run whole, without a GPU, against a stand-in driver.
+"""The enforcement probe run whole, without a GPU, against a stand-in driver.
 
 ``tests/kit/standin/libcuda_standin.c`` (built by gcc here) answers the probe's CUDA calls
 and keeps an interposer's memory limit the way HAMi-core does (shared by the processes

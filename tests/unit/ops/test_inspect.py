@@ -347,7 +347,7 @@ def test_an_api_error_is_one_line_and_exit_1(cluster: KubeApiDouble, capsys: Any
     )
 
 
-# -- kubectl-like flags and outputs (issue 17.3) -------------------------------------------
+# -- kubectl-like flags and outputs -------------------------------------------------------
 
 
 def _keys(value: Any) -> Iterator[str]:

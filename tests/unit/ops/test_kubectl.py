@@ -74,7 +74,7 @@ def test_the_shipped_objects_are_the_daemonset_its_rbac_and_its_policies() -> No
 def test_install_applies_the_node_scope_policy_where_served_and_warns_where_not(
     api: KubeApiDouble, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 23 item 7: the daemon's token is narrowed to its own node by default."""
+    """The daemon's token is narrowed to its own node by default."""
     assert main(["install", "--node", "gpu-a"]) == 0
     group = "admissionregistration.k8s.io/v1"
     scope = api.get("ValidatingAdmissionPolicy", "gpushare-daemon-node-scope", None, group)

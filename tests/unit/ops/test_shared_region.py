@@ -1,4 +1,4 @@
-"""Issue 24.3: what containers really use, from HAMi-core's shared-region file.
+"""What containers really use, from HAMi-core's shared-region file.
 
 The file is the tenant's: the reader must survive any content (random and hostile
 bytes, links, FIFOs, huge files) with bounded work, validate every field it reads, and

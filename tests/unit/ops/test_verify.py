@@ -1,7 +1,7 @@
-"""Issue 24.1: ``kubectl gpushare verify`` and the enforcement probe, without a GPU.
+"""``kubectl gpushare verify`` and the enforcement probe, without a GPU.
 
 The probe's judgements are pure functions of its measurements (tested here on figures);
-its GPU part runs in tests/test_probe_gpu.py (``pytest -m gpu``). The subcommand runs
+its GPU part runs in tests/on_gpu/test_probe_real_gpu.py (``pytest -m gpu``). The subcommand runs
 against the API-server double, with a stand-in for the node that finishes the pod and
 writes a probe report into its log.
 """

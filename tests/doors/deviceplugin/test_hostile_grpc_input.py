@@ -261,7 +261,7 @@ def test_ten_thousand_allocations_leak_no_descriptors(plugin: Plugin) -> None:
     check_still_serving(plugin)
 
 
-# ------------------------------------------------------- non-ASCII digits (issue 12 item 9)
+# ------------------------------------------------------------------------ non-ASCII digits
 
 #: Digits ``str.isdigit`` accepts besides 0-9: int() reads "٣" as 3, rejects "²".
 UNICODE_DIGITS = [chr(c) for c in range(0x110000) if chr(c).isdigit() and not chr(c).isascii()]

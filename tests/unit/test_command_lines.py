@@ -1,4 +1,4 @@
-"""Issue 24.6: small things an operator trips on, on every command line.
+"""Small things an operator trips on, on every command line.
 
 * a flag must be spelled out (``--memory-unit 512`` is no ``--memory-unit-mib``);
 * ``--help`` lists the values of every option with choices;

@@ -1,4 +1,4 @@
-"""Issue 24.1: the enforcement probe on a real GPU with HAMi-core's libvgpu.so.
+"""The enforcement probe on a real GPU with HAMi-core's libvgpu.so.
 
 Runs only with ``pytest -m gpu`` on a machine with an NVIDIA driver and a libvgpu.so
 (``GPUSHARE_LIBVGPU=/path/to/libvgpu.so``, else /usr/local/vgpu/libvgpu.so); skipped

@@ -1,4 +1,4 @@
-"""Issue 12.10: changing --memory-unit-mib under running containers never double-books."""
+"""Changing --memory-unit-mib under running containers never double-books."""
 
 from __future__ import annotations
 

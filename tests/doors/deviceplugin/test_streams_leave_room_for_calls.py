@@ -1,4 +1,4 @@
-"""ListAndWatch streams never take what a unary call needs (issue 12, item 8).
+"""ListAndWatch streams never take what a unary call needs.
 
 Over real unix sockets, as a kubelet (or anyone who can reach the socket) would: extra
 streams are opened on the daemon's sockets, and admissions must still be answered.

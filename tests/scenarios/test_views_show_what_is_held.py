@@ -1,4 +1,4 @@
-"""Issue 24.4: never show something untrue.
+"""Never show something untrue: what inspect and the metrics show is what the node holds.
 
 A node with a card in MIG mode (mixed), a card offered both ways and a whole-only card,
 served to the kubelet stand-in over real sockets, publishing to the API-server double;

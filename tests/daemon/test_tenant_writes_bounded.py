@@ -1,4 +1,4 @@
-"""What tenants can write below <host-lib-dir>/containers is bounded (issue 23 item 6).
+"""What tenants can write below <host-lib-dir>/containers is bounded.
 
 A tenant wrote 1 GiB (or anything) onto the host's root file system through its cache
 directory; the shared lock directory was not even measured. The DaemonSet's init

@@ -1,4 +1,4 @@
-"""Issue 17.6: mistakes an operator makes are refused with a line that says what to do,
+"""Mistakes an operator makes are refused with a line that says what to do,
 or logged where the operator looks, never silently accepted."""
 
 from __future__ import annotations

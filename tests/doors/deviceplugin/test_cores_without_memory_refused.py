@@ -1,4 +1,4 @@
-"""A container asking cores and no memory units is refused by the daemon (issue 23 item 1).
+"""A container asking cores and no memory units is refused by the daemon.
 
 ``vcuda-memory: 0`` is skipped by the kubelet (a zero quantity is no request), so only
 the core Allocate reaches the daemon: answered, the container would run with no memory

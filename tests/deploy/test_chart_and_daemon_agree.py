@@ -1,4 +1,4 @@
-"""Issue 24.5: the chart and the daemon accept exactly the same configuration.
+"""The chart and the daemon accept exactly the same configuration.
 
 Every option's enumerated values, bounds, types and patterns, and every cross-field rule
 of ``gpushare.config.RULES``, are fed to both sides: Helm (the chart's values.schema.json

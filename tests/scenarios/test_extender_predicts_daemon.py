@@ -34,7 +34,7 @@ from gpushare.sim.kubelet import AdmissionError
 CARD_UNITS = CARD_4GIB["memory_mib"] // 256
 
 #: A container asking cores asks memory too: one asking cores and no memory is refused by
-#: the admission policy and by the daemon (issue 23 item 1), so it never reaches here.
+#: the admission policy and by the daemon, so it never reaches here.
 containers = st.lists(
     st.tuples(st.integers(0, 7), st.sampled_from([0, 0, 5, 20, 40, 60, 95])).filter(
         lambda shape: shape[0] > 0
@@ -185,7 +185,7 @@ def test_two_memory_only_containers_of_one_pod_land_where_predicted(node: Node) 
 
 
 def test_a_kept_pod_of_core_heavy_containers_is_admitted(node: Node) -> None:
-    """Once core-only containers; those are refused now (issue 23 item 1): the same
+    """Once core-only containers; those are refused now: the same
     shape with one memory unit each."""
     needs = (ContainerNeed("a", 1, 5), ContainerNeed("b", 1, 20), ContainerNeed("c", 1, 95))
     _kept_then_admitted(node, CARD_4GIB, [(1, 5), (1, 5), (1, 0)], needs)

@@ -1,4 +1,4 @@
-"""The pod watch keeps what the daemon uses of a pod, nothing more (issue 23 item 2).
+"""The pod watch keeps what the daemon uses of a pod, nothing more.
 
 A tenant's dead pods of about 1.4 MB each (long environment lists), bound to the node,
 took the daemon from 45 MiB to 193 MiB against its 128 Mi limit: the watch kept whole

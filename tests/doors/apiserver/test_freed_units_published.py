@@ -1,5 +1,5 @@
 """Freed units reach the Node's published state promptly, and the state names the pods
-its counts include (issue 26 items 1-2, issue 23 item 4).
+its counts include.
 
 The real daemon, the kubelet stand-in over gRPC and the API-server double over HTTP.
 The periodic publish is pushed out of reach (an hour), so only a release can explain

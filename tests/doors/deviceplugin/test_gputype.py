@@ -8,10 +8,10 @@ import pytest
 from conftest import NODE, Node, gpu_uuid
 from hypothesis import given
 from hypothesis import strategies as st
+from kit.extender import args, card, container, extender_factory, kept, node  # noqa: F401
+from kit.extender import pod as extender_pod
 from kit.kube_double import KubeApiDouble
 from kit.procs import poll
-from test_extender import args, card, container, extender_factory, kept, node  # noqa: F401
-from test_extender import pod as extender_pod
 
 from gpushare.gpu.gputype import CardChoice, ChoiceBook, allowed_cards, card_choice
 from gpushare.kube import nodestate

@@ -14,8 +14,8 @@ from dataclasses import replace
 from typing import Any
 
 from conftest import NODE, TESLA_P4, Node, cards, gpu_uuid
-from mig_layouts import mig_uuid, reference_a100
-from procs import free_port, scrape
+from kit.mig_layouts import mig_uuid, reference_a100
+from kit.procs import free_port, scrape
 from test_metrics import samples
 from test_mig_serving import start as start_mig
 

@@ -13,8 +13,8 @@ from procs import poll
 from test_extender import args, card, container, extender_factory, kept, node  # noqa: F401
 from test_extender import pod as extender_pod
 
-from gpushare.gpu.gputype import CardChoice, ChoiceBook, allowed_cards, card_choice
 from gpushare.kube import nodestate
+from gpushare.share.gputype import CardChoice, ChoiceBook, allowed_cards, card_choice
 from gpushare.sim.kubelet import AdmissionError
 
 T4 = {"uuid": gpu_uuid(0), "name": "Tesla T4", "memory_mib": 15360, "numa_node": 0}

@@ -23,7 +23,6 @@ import structlog
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2
 from gpushare.deviceplugin.binding import BindingError, Refusal
 from gpushare.deviceplugin.plugin import HEALTHY, UNHEALTHY, ListingServicer, answer_to_proto
-from gpushare.gpu.gputype import CardChoice
 from gpushare.gpu.health import HealthBoard
 from gpushare.share.answers import (
     Answer,
@@ -33,6 +32,7 @@ from gpushare.share.answers import (
     with_device_list,
 )
 from gpushare.share.devices import InvalidDeviceIds
+from gpushare.share.gputype import CardChoice
 from gpushare.share.whole import (
     ExclusiveDevice,
     ExclusiveResource,

@@ -16,7 +16,8 @@ from test_exclusion import card_of
 
 from gpushare.daemon import Daemon
 from gpushare.deviceplugin.registration import UNWATCHED_GRACE
-from gpushare.gpu.gpus import Gpu, GpuError, GpuEvent, SimulatedBackend
+from gpushare.gpu.gpus import Gpu, GpuError, GpuEvent
+from gpushare.gpu.simulated import SimulatedBackend
 from gpushare.share.devices import Resource
 
 

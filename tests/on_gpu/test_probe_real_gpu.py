@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpushare.gpu import probe
+from gpushare.probe import checks as probe
 
 
 def _libcuda() -> bool:
@@ -58,7 +58,7 @@ def test_the_probe_finds_every_limit_enforced(tmp_path: Path) -> None:
         CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "vgpu.cache"),
     )
     result = subprocess.run(
-        [sys.executable, "-m", "gpushare.gpu.probe"],
+        [sys.executable, "-m", "gpushare.probe"],
         capture_output=True,
         text=True,
         env=env,

@@ -13,8 +13,8 @@ from kit.extender import pod as extender_pod
 from kit.kube_double import KubeApiDouble
 from kit.procs import poll
 
-from gpushare.gpu.gputype import CardChoice, ChoiceBook, allowed_cards, card_choice
 from gpushare.kube import nodestate
+from gpushare.share.gputype import CardChoice, ChoiceBook, allowed_cards, card_choice
 from gpushare.sim.kubeletdouble import AdmissionError
 
 T4 = {"uuid": gpu_uuid(0), "name": "Tesla T4", "memory_mib": 15360, "numa_node": 0}

@@ -15,8 +15,8 @@ from kit.mig_layouts import A100_UUID, mig_uuid, reference_a100, uniform_a100
 
 from gpushare.base.startup import NodeConfigurationError
 from gpushare.daemon import Daemon
-from gpushare.gpu.gpus import SimulatedBackend
 from gpushare.gpu.mig import MigStrategy, plan
+from gpushare.gpu.simulated import SimulatedBackend
 from gpushare.sim.kubeletdouble import AdmissionError
 
 PREFIX = "gpushare.io"

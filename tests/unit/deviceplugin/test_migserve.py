@@ -17,8 +17,8 @@ from gpushare.deviceplugin.migserve import (
     resources,
     socket_name,
 )
-from gpushare.gpu.gpus import SimulatedBackend
 from gpushare.gpu.mig import MigPlan, MigStrategy, plan
+from gpushare.gpu.simulated import SimulatedBackend
 from gpushare.node.enforcement import with_mig_names
 from gpushare.share.answers import CDI_CRI, ENVVAR, DeviceListing, DeviceSpec
 

@@ -2,7 +2,7 @@
 
 ``cuda.h`` comes from the ``nvidia-cuda-runtime-cu12`` wheel and ``nvml.h`` from
 ``nvidia-nvml-dev-cu12`` (the test extra). gcc compiles, against them, a pointer of the
-exact function type for every prototype of :data:`gpushare.gpu.cuda.PROTOTYPES`
+exact function type for every prototype of :data:`gpushare.probe.cuda.PROTOTYPES`
 (``-Werror`` turns a mismatch into a failure), a static assertion of every C type's size
 against its ctypes type, and every structure's size and field offsets.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from gpushare.gpu import cuda
+from gpushare.probe import cuda
 
 
 def _include(package: str) -> Path | None:

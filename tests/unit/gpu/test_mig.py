@@ -12,9 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kit.mig_layouts import A100_UUID, mig_uuid, reference_a100, uniform_a100
 
-from gpushare.gpu.gpus import Gpu, GpuError, GpuEvent, MigDevice, SimulatedBackend
+from gpushare.gpu.gpus import Gpu, GpuError, GpuEvent, MigDevice
 from gpushare.gpu.health import HealthPolicy, expand
 from gpushare.gpu.mig import MigPlanError, MigStrategy, labels, plan
+from gpushare.gpu.simulated import SimulatedBackend
 
 
 def write(path: Path, gpus: list[dict[str, Any]]) -> Path:

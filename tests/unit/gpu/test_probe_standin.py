@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gpushare.gpu import probe
+from gpushare.probe import checks as probe
 
 ROOT = Path(__file__).resolve().parents[3]
 SOURCE = ROOT / "tests" / "kit" / "standin" / "libcuda_standin.c"
@@ -48,7 +48,7 @@ def run_probe(library: Path, tmp_path: Path, **extra: str) -> tuple[int, list[pr
         **extra,
     }
     result = subprocess.run(
-        [sys.executable, "-m", "gpushare.gpu.probe", "--library", str(library),
+        [sys.executable, "-m", "gpushare.probe", "--library", str(library),
          "--spin-seconds", "0.3"],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from gpushare.base.startup import NodeConfigurationError
 from gpushare.daemon import Daemon
-from gpushare.gpu.gpus import GpuError, SimulatedBackend
+from gpushare.gpu.gpus import GpuError
+from gpushare.gpu.simulated import SimulatedBackend
 from gpushare.gpu.topology import EXHAUSTIVE_LIMIT, Topology, from_description, pair, prefer
 
 # An 8-card node shaped like the common HGX boards of two halves: NVLink pairs

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from kit.kube_double import KubeApiDouble
 
-from gpushare.gpu import probe
-from gpushare.gpu.probe import Check
 from gpushare.kube.kubectlapi import Cluster
 from gpushare.ops import kubectl, verify
+from gpushare.probe import checks as probe
+from gpushare.probe.checks import Check
 
 MIB = 1 << 20
 LIMIT = 1024 * MIB
@@ -147,7 +147,7 @@ def test_an_enforcing_node_gets_verdict_enforced_and_the_pod_is_removed(
     assert spec["nodeName"] == "gpu-1" and spec["restartPolicy"] == "Never"
     (container,) = spec["containers"]
     assert container["image"] == "reg/gpushare:1"
-    assert container["command"] == ["python", "-m", "gpushare.gpu.probe"]
+    assert container["command"] == ["python", "-m", "gpushare.probe"]
     assert container["resources"]["limits"] == {
         "gpushare.io/vcuda-memory": "4",
         "gpushare.io/vcuda-core": "30",
@@ -208,7 +208,7 @@ def test_the_probe_without_a_driver_exits_2_with_one_line(tmp_path: Path) -> Non
     import sys
 
     result = subprocess.run(
-        [sys.executable, "-m", "gpushare.gpu.probe", "--library", str(tmp_path / "none.so")],
+        [sys.executable, "-m", "gpushare.probe", "--library", str(tmp_path / "none.so")],
         capture_output=True,
         text=True,
         timeout=60,

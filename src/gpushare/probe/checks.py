@@ -1,9 +1,9 @@
 """The enforcement probe: run inside a container given gpushare units, it checks that
 the limits the daemon handed out are really enforced there, and prints a verdict.
 
-``python -m gpushare.gpu.probe`` needs nothing in the container but Python, the NVIDIA
+``python -m gpushare.probe`` needs nothing in the container but Python, the NVIDIA
 driver's libraries the container runtime injects (``libcuda.so.1`` through ctypes, see
-:mod:`gpushare.gpu.cuda`; ``libnvidia-ml.so.1`` through pynvml) and, for the limits to
+:mod:`gpushare.probe.cuda`; ``libnvidia-ml.so.1`` through pynvml) and, for the limits to
 hold, HAMi-core's ``libvgpu.so`` loaded by the preload. It checks:
 
 * **what the container sees**: one card in ``NVIDIA_VISIBLE_DEVICES``, the interposer
@@ -162,7 +162,7 @@ def judge_compute(throttled: float, free: float, sm_limit: int) -> Check:
 
 
 def _allocate_until_oom(driver: Any, chunk: int, ceiling: int) -> tuple[int, bool, list[int]]:
-    from gpushare.gpu.cuda import CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS
+    from gpushare.probe.cuda import CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS
 
     pointers: list[int] = []
     total = 0
@@ -193,7 +193,7 @@ def _context(driver: Any) -> Any:
 
 
 def _bypass_async(driver: Any, size: int) -> tuple[int, bool]:
-    from gpushare.gpu.cuda import CUDA_SUCCESS
+    from gpushare.probe.cuda import CUDA_SUCCESS
 
     stream = ctypes.c_void_p()
     driver.call("cuStreamCreate", ctypes.byref(stream), 0)
@@ -207,7 +207,7 @@ def _bypass_async(driver: Any, size: int) -> tuple[int, bool]:
 
 
 def _bypass_create(driver: Any, limit: int) -> tuple[int, int, bool]:
-    from gpushare.gpu.cuda import (
+    from gpushare.probe.cuda import (
         CU_MEM_ALLOC_GRANULARITY_MINIMUM,
         CU_MEM_ALLOCATION_TYPE_PINNED,
         CU_MEM_LOCATION_TYPE_DEVICE,
@@ -241,7 +241,7 @@ def _bypass_create(driver: Any, limit: int) -> tuple[int, int, bool]:
 
 def spin_throughput(driver: Any, seconds: float = SPIN_SECONDS) -> float:
     """Kernels completed per second over ``seconds`` of back-to-back launches."""
-    from gpushare.gpu.cuda import SPIN_PTX
+    from gpushare.probe.cuda import SPIN_PTX
 
     blocks, threads, iters = 1024, 256, 20000
     module = ctypes.c_void_p()
@@ -282,7 +282,7 @@ def run(
     env: Mapping[str, str], library: str = "libcuda.so.1", spin_seconds: float = SPIN_SECONDS
 ) -> list[Check]:
     """Every check, in this process (and the two child processes it starts)."""
-    from gpushare.gpu.cuda import Driver
+    from gpushare.probe.cuda import Driver
 
     maps = _read("/proc/self/maps")
     checks = seen_checks(env, maps, _read("/etc/ld.so.preload"))
@@ -351,7 +351,7 @@ def _two_processes(
     name = "two processes share one limit"
     hold = (limit * 6 // 10) // chunk * chunk
     child = subprocess.Popen(
-        [sys.executable, "-m", "gpushare.gpu.probe", "--hold", str(hold), "--library", library],
+        [sys.executable, "-m", "gpushare.probe", "--hold", str(hold), "--library", library],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -374,7 +374,7 @@ def _two_processes(
 
 def _child_float(args: list[str], env: Mapping[str, str]) -> float:
     result = subprocess.run(
-        [sys.executable, "-m", "gpushare.gpu.probe", *args],
+        [sys.executable, "-m", "gpushare.probe", *args],
         capture_output=True,
         text=True,
         env=dict(env),
@@ -442,7 +442,7 @@ def parse_report(log: str) -> list[Check] | None:
 def main(argv: Sequence[str] | None = None) -> int:
     from gpushare.base.cli import Parser
 
-    parser = Parser(prog="python -m gpushare.gpu.probe", description=__doc__)
+    parser = Parser(prog="python -m gpushare.probe", description=__doc__)
     parser.add_argument("--hold", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--spin", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--library", default="libcuda.so.1", help="the CUDA driver library")
@@ -453,7 +453,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="length of each compute run (default: %(default)s)",
     )
     args = parser.parse_args(argv)
-    from gpushare.gpu.cuda import CudaError, Driver
+    from gpushare.probe.cuda import CudaError, Driver
 
     try:
         if args.hold is not None:  # the second process: hold memory until stdin closes

@@ -34,7 +34,7 @@ lint: $(VENV)/.installed-test
 	$(BIN)/lint-imports --no-cache
 
 verify-pairing: $(VENV)/.installed-test  ## every admission sequence of up to 5 containers, 3 regimes
-	$(BIN)/pytest -q -m slow tests/test_pairing.py
+	$(BIN)/pytest -q -m slow tests/scenarios/test_pairing.py
 
 # make bench and make simulate write their reports into $(BENCH_OUT) (gitignored);
 # UPDATE_DOCS=1 also rewrites their sections of the tracked docs/benchmarks.md.

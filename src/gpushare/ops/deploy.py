@@ -23,7 +23,7 @@ from gpushare.base.compat import zip_strict
 from gpushare.config import Settings
 from gpushare.gpu import mig
 from gpushare.kube import nodestate
-from gpushare.kube.kubeapi import ApiError, Cluster, describe
+from gpushare.kube.kubectlapi import ApiError, Cluster, describe
 from gpushare.ops import imageref
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kubectl-gpushare"}

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import yaml
 
-from gpushare.kube.kubeclient import ApiClient, ApiStatusError, kubeconfig_endpoint
+from gpushare.kube.stdlibclient import ApiClient, ApiStatusError, kubeconfig_endpoint
 
 #: e2e/bin (Kubernetes 1.36), or e2e/bin-<minor> for K8S_VERSION=<minor> (e2e/build.sh);
 #: $GPUSHARE_E2E_BIN names any other folder.

@@ -277,13 +277,22 @@ def test_checkpoint_survives_a_restart_between_prepare_and_unprepare(dra: DraNod
     assert list(dra.cdi.iterdir()) == []
 
 
-def test_leftovers_without_a_checkpoint_entry_are_tidied_at_start(dra: DraNode) -> None:
+def test_leftovers_without_a_checkpoint_entry_are_sorted_out_at_start(dra: DraNode) -> None:
+    """Killed before recording: the spec (a container may run with it) is kept and the
+    claim's entry recovered from it until the kubelet unprepares it; killed before the
+    spec, the cache directory was never handed out and goes."""
     dra.start()
     ref = dra.claim("c", {"request": "r", "device": "gpu-1"})
-    dra.kubelet.prepare([ref])
+    other = dra.claim("o", {"request": "r", "device": "gpu-0"})
+    dra.kubelet.prepare([ref, other])
     dra.stop()
     (dra.host / "dra" / "claims" / f"{ref[2]}.json").unlink()  # as if killed before recording
+    (dra.host / "dra" / "claims" / f"{other[2]}.json").unlink()
+    (dra.cdi / f"{DRIVER}-claim_{other[2]}.json").unlink()  # ...or before the spec
     dra.start()
+    assert [p.name for p in dra.cdi.iterdir()] == [f"{DRIVER}-claim_{ref[2]}.json"]
+    assert len([p for p in cache_root(dra.host).iterdir() if p.name.startswith("d-")]) == 1
+    assert dra.kubelet.unprepare([ref]) == {ref[2]: ""}
     assert list(dra.cdi.iterdir()) == []
     assert [p for p in cache_root(dra.host).iterdir() if p.name.startswith("d-")] == []
 
@@ -344,16 +353,19 @@ def test_a_second_daemon_holding_the_lock_serialises_prepare(dra: DraNode) -> No
         other.join(10)
 
 
-def test_an_unreadable_entry_fails_its_claim_alone(dra: DraNode) -> None:
+def test_an_unreadable_entry_is_recovered_for_its_claim_alone(dra: DraNode) -> None:
     dra.start()
     one = dra.claim("one", {"request": "r", "device": "gpu-0"})
     two = dra.claim("two", {"request": "r", "device": "gpu-1"})
     dra.kubelet.prepare([one, two])
-    (dra.host / "dra" / "claims" / f"{one[2]}.json").write_text("{not json")
+    entry = dra.host / "dra" / "claims" / f"{one[2]}.json"
+    entry.write_text("{not json")
     errors = dra.kubelet.unprepare([one, two])
-    assert "unusable" in errors[one[2]] and errors[two[2]] == ""
-    # what the broken entry named is kept, never removed on a guess
-    assert [p.name for p in dra.cdi.iterdir()] == [f"{DRIVER}-claim_{one[2]}.json"]
+    assert errors == {one[2]: "", two[2]: ""}
+    # recovered from the claim's CDI spec: what it named is gone, the bad file set aside
+    assert list(dra.cdi.iterdir()) == []
+    assert [p for p in cache_root(dra.host).iterdir() if p.name.startswith("d-")] == []
+    assert entry.with_name(f"{entry.name}.unusable").read_text() == "{not json"
 
 
 def test_an_old_instance_stopping_leaves_the_new_ones_sockets(dra: DraNode) -> None:

@@ -63,6 +63,12 @@ def _claims(request: Any) -> list[ClaimRef]:
     return [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
 
 
+def _deadline(context: grpc.ServicerContext) -> float | None:
+    """The kubelet's deadline for this call, on ``time.monotonic()``'s clock."""
+    left = context.time_remaining()
+    return None if left is None else time.monotonic() + left
+
+
 class _DraServicer:
     """NodePrepareResources and NodeUnprepareResources for one API version's messages."""
 
@@ -73,7 +79,9 @@ class _DraServicer:
 
     def NodePrepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
         began = time.perf_counter()
-        outcomes = self.preparer.prepare(_claims(request))
+        outcomes = self.preparer.prepare(
+            _claims(request), _deadline(context), lambda: not context.is_active()
+        )
         response = self.pb2.NodePrepareResourcesResponse()
         for uid, outcome in outcomes.items():
             entry = response.claims[uid]
@@ -93,7 +101,7 @@ class _DraServicer:
 
     def NodeUnprepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
         began = time.perf_counter()
-        errors = self.preparer.unprepare(_claims(request))
+        errors = self.preparer.unprepare(_claims(request), _deadline(context))
         response = self.pb2.NodeUnprepareResourcesResponse()
         for uid, error in errors.items():
             response.claims[uid].error = error

@@ -450,6 +450,8 @@ class Faults:
         self._failures: list[int] = []  # statuses the next requests answer
         self._open = threading.Event()  # cleared while the server is held (hangs)
         self._open.set()
+        #: The paths of the requests that arrived while the server was held, in order.
+        self.held_paths: list[str] = []
         #: What every watch does instead of watching: "" (watch), "gone" (answer a 410
         #: ERROR event at once, as for a compacted version) or "end" (end at once).
         self.watch_fault = ""
@@ -557,6 +559,9 @@ class KubeApiDouble(CollectionReads, Faults):
     # ------------------------------------------------------------------ serving
 
     def _handle(self, request: BaseHTTPRequestHandler) -> None:
+        if not self._open.is_set():
+            with self._lock:
+                self.held_paths.append(urlparse(request.path).path)
         self._open.wait()
         parsed = urlparse(request.path)
         length = int(request.headers.get("Content-Length") or 0)

@@ -111,6 +111,80 @@ def _held_device(
     )
 
 
+def _refused(claim: ClaimRef, exc: Exception) -> Outcome:
+    log.warning("claim_refused", claim=claim.describe(), uid=claim.uid, reason=str(exc))
+    return Outcome(error=str(exc))
+
+
+def _failed(claim: ClaimRef, exc: Exception) -> Outcome:
+    log.error("claim_prepare_failed", claim=claim.describe(), error=str(exc))
+    return Outcome(error=f"cannot prepare the claim: {exc}")
+
+
+def _unfinished(
+    claims: Sequence[ClaimRef], outcomes: dict[str, Outcome], why: str
+) -> dict[str, Outcome]:
+    """Every claim without an outcome gets ``why`` (the kubelet retries it)."""
+    for claim in claims:
+        if claim.uid not in outcomes:
+            log.warning("claim_prepare_abandoned", claim=claim.describe(), reason=why)
+            outcomes[claim.uid] = Outcome(error=f"not prepared: {why}")
+    return outcomes
+
+
+def _check_ref(claim: ClaimRef) -> None:
+    if not _DNS_SUBDOMAIN.match(claim.namespace) or len(claim.namespace) > 63:
+        raise ClaimRefused(f"namespace {claim.namespace[:80]!r} is not a namespace name")
+    if not _DNS_SUBDOMAIN.match(claim.name):
+        raise ClaimRefused(f"name {claim.name[:80]!r} is not a ResourceClaim name")
+    if not _UID.match(claim.uid):
+        raise ClaimRefused(f"UID {claim.uid[:80]!r} is not a UID")
+
+
+def _read_claim(api: ApiClient, claim: ClaimRef, timeout: float) -> dict[str, Any]:
+    try:
+        found = api.get(claim_path(claim.namespace, claim.name), timeout=timeout)
+    except ApiStatusError as exc:
+        if exc.status == 404:
+            raise ClaimRefused(f"claim {claim.describe()} not found") from None
+        raise ClaimRefused(f"cannot read claim {claim.describe()}: {exc}") from None
+    except OSError as exc:
+        raise ClaimRefused(
+            f"cannot read claim {claim.describe()}: API server unreachable ({exc})"
+        ) from None
+    if not isinstance(found, dict):
+        raise ClaimRefused(f"claim {claim.describe()}: the API server sent no object")
+    return found
+
+
+def _results(
+    claim: ClaimRef, found: dict[str, Any], driver: str, pool: str
+) -> list[dict[str, Any]]:
+    uid = (found.get("metadata") or {}).get("uid")
+    if uid != claim.uid:
+        raise ClaimRefused(
+            f"claim {claim.describe()} has UID {uid}, not {claim.uid}: "
+            "it was deleted and created again"
+        )
+    allocation = (found.get("status") or {}).get("allocation")
+    if not isinstance(allocation, dict):
+        raise ClaimRefused(f"claim {claim.describe()} is not allocated")
+    results = (allocation.get("devices") or {}).get("results") or []
+    if not isinstance(results, list):
+        raise ClaimRefused(f"claim {claim.describe()}: allocation results are not a list")
+    ours = []
+    for result in results:
+        if not isinstance(result, dict) or result.get("driver") != driver:
+            continue
+        if result.get("pool") != pool:
+            raise ClaimRefused(
+                f"claim {claim.describe()} is allocated device {result.get('device')} of "
+                f"pool {result.get('pool')}, not of this node ({pool})"
+            )
+        ours.append(result)
+    return ours
+
+
 class ClaimPreparer:
     """Prepares claims of this node's pool from the checkpoint and the API server."""
 
@@ -179,9 +253,9 @@ class ClaimPreparer:
                     try:
                         done = self._from_checkpoint(claim)
                     except ClaimRefused as exc:
-                        outcomes[claim.uid] = self._refused(claim, exc)
+                        outcomes[claim.uid] = _refused(claim, exc)
                     except (OSError, CheckpointError) as exc:
-                        outcomes[claim.uid] = self._failed(claim, exc)
+                        outcomes[claim.uid] = _failed(claim, exc)
                     else:
                         if done is None:
                             pending.append(claim)
@@ -189,7 +263,7 @@ class ClaimPreparer:
                             outcomes[claim.uid] = Outcome(devices=done[0])
                             changed |= done[1]
         except LockTimeout as exc:
-            return self._unfinished(claims, outcomes, str(exc))
+            return _unfinished(claims, outcomes, str(exc))
         read: dict[str, list[dict[str, Any]]] = {}
         for claim in pending:  # outside the lock
             left = None if deadline is None else deadline - time.monotonic()
@@ -197,9 +271,10 @@ class ClaimPreparer:
                 break
             try:
                 timeout = self.api_timeout if left is None else min(self.api_timeout, left)
-                read[claim.uid] = self._results(claim, self._read_claim(claim, timeout))
+                found = _read_claim(self.api, claim, timeout)
+                read[claim.uid] = _results(claim, found, self.driver, self.pool)
             except ClaimRefused as exc:
-                outcomes[claim.uid] = self._refused(claim, exc)
+                outcomes[claim.uid] = _refused(claim, exc)
         try:
             with self.lock.held(deadline) if read else contextlib.nullcontext():
                 for claim in pending:
@@ -208,43 +283,22 @@ class ClaimPreparer:
                     try:
                         devices, fresh = self._prepare_one(claim, read[claim.uid])
                     except ClaimRefused as exc:
-                        outcomes[claim.uid] = self._refused(claim, exc)
+                        outcomes[claim.uid] = _refused(claim, exc)
                     except (OSError, CheckpointError) as exc:
-                        outcomes[claim.uid] = self._failed(claim, exc)
+                        outcomes[claim.uid] = _failed(claim, exc)
                     else:
                         outcomes[claim.uid] = Outcome(devices=devices)
                         changed |= fresh
         except LockTimeout as exc:
-            self._unfinished(claims, outcomes, str(exc))
+            _unfinished(claims, outcomes, str(exc))
         if changed:
             self.held.changed()
-        return self._unfinished(claims, outcomes, "the kubelet's call ended first")
-
-    @staticmethod
-    def _refused(claim: ClaimRef, exc: Exception) -> Outcome:
-        log.warning("claim_refused", claim=claim.describe(), uid=claim.uid, reason=str(exc))
-        return Outcome(error=str(exc))
-
-    @staticmethod
-    def _failed(claim: ClaimRef, exc: Exception) -> Outcome:
-        log.error("claim_prepare_failed", claim=claim.describe(), error=str(exc))
-        return Outcome(error=f"cannot prepare the claim: {exc}")
-
-    @staticmethod
-    def _unfinished(
-        claims: Sequence[ClaimRef], outcomes: dict[str, Outcome], why: str
-    ) -> dict[str, Outcome]:
-        """Every claim without an outcome gets ``why`` (the kubelet retries it)."""
-        for claim in claims:
-            if claim.uid not in outcomes:
-                log.warning("claim_prepare_abandoned", claim=claim.describe(), reason=why)
-                outcomes[claim.uid] = Outcome(error=f"not prepared: {why}")
-        return outcomes
+        return _unfinished(claims, outcomes, "the kubelet's call ended first")
 
     def _from_checkpoint(self, claim: ClaimRef) -> tuple[list[PreparedDevice], bool] | None:
         """A prepared claim's devices from its entry (and whether the view changed);
         None when it must be prepared."""
-        self._check_ref(claim)
+        _check_ref(claim)
         known = self._known(claim)
         if known is not None and known.state == PREPARED:
             # idempotent: the same answer again (maybe prepared by another instance)
@@ -263,54 +317,6 @@ class ClaimPreparer:
                 f"not {claim.describe()}"
             )
         return known
-
-    def _check_ref(self, claim: ClaimRef) -> None:
-        if not _DNS_SUBDOMAIN.match(claim.namespace) or len(claim.namespace) > 63:
-            raise ClaimRefused(f"namespace {claim.namespace[:80]!r} is not a namespace name")
-        if not _DNS_SUBDOMAIN.match(claim.name):
-            raise ClaimRefused(f"name {claim.name[:80]!r} is not a ResourceClaim name")
-        if not _UID.match(claim.uid):
-            raise ClaimRefused(f"UID {claim.uid[:80]!r} is not a UID")
-
-    def _read_claim(self, claim: ClaimRef, timeout: float) -> dict[str, Any]:
-        try:
-            found = self.api.get(claim_path(claim.namespace, claim.name), timeout=timeout)
-        except ApiStatusError as exc:
-            if exc.status == 404:
-                raise ClaimRefused(f"claim {claim.describe()} not found") from None
-            raise ClaimRefused(f"cannot read claim {claim.describe()}: {exc}") from None
-        except OSError as exc:
-            raise ClaimRefused(
-                f"cannot read claim {claim.describe()}: API server unreachable ({exc})"
-            ) from None
-        if not isinstance(found, dict):
-            raise ClaimRefused(f"claim {claim.describe()}: the API server sent no object")
-        return found
-
-    def _results(self, claim: ClaimRef, found: dict[str, Any]) -> list[dict[str, Any]]:
-        uid = (found.get("metadata") or {}).get("uid")
-        if uid != claim.uid:
-            raise ClaimRefused(
-                f"claim {claim.describe()} has UID {uid}, not {claim.uid}: "
-                "it was deleted and created again"
-            )
-        allocation = (found.get("status") or {}).get("allocation")
-        if not isinstance(allocation, dict):
-            raise ClaimRefused(f"claim {claim.describe()} is not allocated")
-        results = (allocation.get("devices") or {}).get("results") or []
-        if not isinstance(results, list):
-            raise ClaimRefused(f"claim {claim.describe()}: allocation results are not a list")
-        ours = []
-        for result in results:
-            if not isinstance(result, dict) or result.get("driver") != self.driver:
-                continue
-            if result.get("pool") != self.pool:
-                raise ClaimRefused(
-                    f"claim {claim.describe()} is allocated device {result.get('device')} of "
-                    f"pool {result.get('pool')}, not of this node ({self.pool})"
-                )
-            ours.append(result)
-        return ours
 
     def _prepare_one(
         self, claim: ClaimRef, results: list[dict[str, Any]]

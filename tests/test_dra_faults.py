@@ -204,3 +204,27 @@ def test_a_prepare_past_the_kubelets_deadline_reads_no_further_claims(
     worker.join(60)
     assert answers[late[2]].error == ""
     assert not any(spec_file(dra, r[2]).exists() for r in refs)
+
+
+# ------------------------------------------------------------------ 4: the unit changes
+def test_a_unit_change_never_over_commits_a_card(dra: DraNode) -> None:  # noqa: F811
+    """96 claims of 256 MiB on a 24 576 MiB card, allocated under 256 MiB units, half of
+    them prepared before the daemon restarts with 1024 MiB units, half after."""
+    from dataclasses import replace
+
+    dra.settings = replace(dra.settings, memory_unit_mib=256)
+    dra.start()
+    refs = [shared(dra, f"c{i}", "256Mi") for i in range(96)]
+    before = dra.kubelet.prepare(refs[:48])
+    dra.stop()
+    dra.settings = replace(dra.settings, memory_unit_mib=1024)
+    dra.start()
+    assert dra.kubelet.prepare(refs[:48]) == before  # prepared claims keep their answers
+    after = dra.kubelet.prepare(refs[48:])
+    assert all(a.error == "" for a in after.values())
+    limits = [env_of(dra.spec(r[2]))["CUDA_DEVICE_MEMORY_LIMIT_0"] for r in refs]
+    assert set(limits) == {"256m"}  # what each was charged, never the new unit
+    assert sum(int(v.removesuffix("m")) for v in limits) <= dra.gpus[0].memory_mib
+    assert dra.part is not None
+    shown = [c.memory_mib for c in dra.part.shares()[dra.gpus[0].uuid]]
+    assert sum(m or 0 for m in shown) == 96 * 256

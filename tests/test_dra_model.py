@@ -59,7 +59,7 @@ def limits(consumed: dict[str, Fraction], gpu: Gpu, unit: int) -> dict[str, str]
         k: f"{v.numerator}" if v.denominator == 1 else f"{float(v)}" for k, v in consumed.items()
     }
     share = share_of(text, gpu.memory_mib, unit)
-    grant = Grant(gpu.uuid, memory_mib=share.memory_units * unit, cores=share.cores or None)
+    grant = Grant(gpu.uuid, memory_mib=share.memory_mib, cores=share.cores or None)
     return enforcement_answer(grant, enforcement=ENFORCING).envs
 
 
@@ -159,8 +159,10 @@ def test_share_of_refuses_what_no_card_holds() -> None:
         share_of({"memory": "4Gi", "cores": "150"}, 24259, 256)
     with pytest.raises(ShareError):
         share_of({"memory": "lots"}, 24259, 256)
-    # a result written under another policy is rounded up, never down
-    assert share_of({"memory": "1Mi"}, 24259, 256).memory_units == 1
+    # a result written under another policy (or unit) is what it was charged, to the MiB
+    assert share_of({"memory": "1Mi"}, 24259, 256).memory_mib == 1
+    assert share_of({"memory": "1.5Mi"}, 24259, 256).memory_mib == 2
+    assert share_of({"memory": "256Mi"}, 24259, 1024).memory_mib == 256
     assert share_of(None, 24259, 256) == share_of({}, 24259, 256)
 
 

@@ -189,7 +189,7 @@ def test_prepare_answers_cdi_with_the_rounded_limits(dra: DraNode, version: str)
     assert oct(cache_root(dra.host).stat().st_mode & 0o777) == "0o700"
 
 
-def test_unaligned_capacity_is_rounded_up_and_enforced(dra: DraNode) -> None:
+def test_unaligned_capacity_is_enforced_as_charged(dra: DraNode) -> None:
     dra.start()
     ref = dra.claim(
         "odd", {"request": "r", "device": "gpu-0", "consumedCapacity": {"memory": "1000Mi"}}
@@ -197,7 +197,7 @@ def test_unaligned_capacity_is_rounded_up_and_enforced(dra: DraNode) -> None:
     (answer,) = dra.kubelet.prepare([ref]).values()
     assert answer.error == ""
     env = env_of(dra.spec(ref[2]))
-    assert env["CUDA_DEVICE_MEMORY_LIMIT_0"] == "1024m"  # 4 units of 256 MiB
+    assert env["CUDA_DEVICE_MEMORY_LIMIT_0"] == "1000m"  # its charge, never more
     assert "CUDA_DEVICE_SM_LIMIT" not in env  # no cores: unthrottled
 
 
@@ -417,7 +417,7 @@ def test_what_each_prepared_device_holds_is_recorded_and_kept_in_memory(dra: Dra
     assert (device["card"], device["mig"], device["memory_mib"], device["cores"]) == (
         "GPU-00000001",
         "",
-        1024,  # the rounded limit enforced
+        1000,  # the limit enforced: the charge
         30,
     )
     shares = part.shares()
@@ -425,7 +425,7 @@ def test_what_each_prepared_device_holds_is_recorded_and_kept_in_memory(dra: Dra
         uuid: [(c.claim, c.memory_mib, c.cores) for c in found] for uuid, found in shares.items()
     } == {
         "GPU-00000000": [("whole", 24576, 0)],
-        "GPU-00000001": [("small", 1024, 30)],
+        "GPU-00000001": [("small", 1000, 30)],
     }
     dra.kubelet.unprepare([whole])
     assert set(part.shares()) == {"GPU-00000001"}

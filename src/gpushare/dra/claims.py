@@ -416,13 +416,13 @@ class ClaimPreparer:
                 cache_dir = prepare_claim_cache_dir(self.host_lib_dir, key)
         grant = Grant(
             device.uuid,
-            memory_mib=share.memory_units * self.unit_mib,
+            memory_mib=share.memory_mib,
             cores=share.cores or None,  # no cores asked: unthrottled, as memory-only
         )
         answer = enforcement_answer(
             grant, enforcement=self.enforcement, cache_dir=cache_dir, listing=self.listing
         )
-        return answer, share.memory_units * self.unit_mib, share.cores
+        return answer, share.memory_mib, share.cores
 
     # ------------------------------------------------------------------ unprepare
     def unprepare(

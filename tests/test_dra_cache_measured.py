@@ -78,3 +78,61 @@ def test_a_claims_cache_directory_is_measured_and_bounded(node: Node, api: KubeA
         assert poll(lambda: collector.over_limit == 0, 20.0)
     finally:
         kubelet.close()
+
+
+#: In a private mount namespace: the bound mounted, a DRA claim's tenant filling it,
+#: then the next device-plugin container's directory made as Allocate makes it.
+FILLED = r"""
+import errno, json, sys
+from pathlib import Path
+from gpushare.host import cachefs, library
+host = Path(sys.argv[1])
+cachefs.main(["--host-lib-dir", str(host), "--size-mib", "4"])
+claim = library.prepare_claim_cache_dir(host, library.claim_cache_key("u", "r", "gpu-1"))
+try:
+    with open(claim / "fill", "wb") as out:
+        while True:
+            out.write(b"x" * (1 << 20))
+            out.flush()
+except OSError as exc:
+    full = errno.errorcode.get(exc.errno, str(exc.errno))
+try:
+    made = str(library.prepare_cache_dir(host, ["GPU-0::0", "GPU-0::1"]))
+except OSError as exc:
+    made = f"refused: {exc}"
+print(json.dumps({"full": full, "made": made}))
+"""
+
+
+def test_a_full_cache_file_system_does_not_refuse_the_next_container(tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+    import sys
+
+    import pytest
+
+    if (
+        shutil.which("unshare") is None
+        or subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode != 0
+    ):
+        pytest.skip("needs unshare --mount (root) for a private mount namespace")
+    done = subprocess.run(
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            sys.executable,
+            "-c",
+            FILLED,
+            str(tmp_path / "vgpu"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["full"] == "ENOSPC"
+    assert not found["made"].startswith("refused"), found  # Allocate was refused before
+    assert "cache_record_not_written" in done.stdout + done.stderr

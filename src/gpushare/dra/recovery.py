@@ -48,6 +48,7 @@ from gpushare.dra.checkpoint import (
 )
 from gpushare.host.cdi import spec_file_name
 from gpushare.host.library import CLAIM_KEY_PREFIX, cache_root, release_cache_dir
+from gpushare.share import answers
 
 log = structlog.get_logger(__name__)
 
@@ -125,8 +126,8 @@ class Leftovers:
                 if path.parent == root and path.name.startswith(CLAIM_KEY_PREFIX):
                     keys.append(path.name)
             env = _env(device)
-            memory = _MIB.match(env.get("CUDA_DEVICE_MEMORY_LIMIT_0", ""))
-            cores = env.get("CUDA_DEVICE_SM_LIMIT", "0")
+            memory = _MIB.match(env.get(answers.MEMORY_LIMIT, ""))
+            cores = env.get(answers.CORE_LIMIT, "0")
             offered = next((n for n in names if cdi_name.endswith(f"-{n}")), "unknown")
             prepared.append(
                 PreparedDevice(
@@ -134,7 +135,7 @@ class Leftovers:
                     self.pool,
                     offered,
                     [f"{self.cdi_kind}={cdi_name}"],
-                    card=env.get("NVIDIA_VISIBLE_DEVICES", "").split(",")[0],
+                    card=env.get(answers.VISIBLE_DEVICES, "").split(",")[0],
                     memory_mib=int(memory.group(1)) if memory else None,
                     cores=int(cores) if cores.isascii() and cores.isdigit() else None,
                 )

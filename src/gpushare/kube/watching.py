@@ -70,24 +70,28 @@ def raise_if_error(kind: str, obj: Mapping[str, Any]) -> None:
 
 def run_until_stopped(
     stop: threading.Event,
-    cycle: Callable[[], None],
+    cycle: Callable[[], bool | None],
     relist: Callable[[], None],
     max_backoff: float,
     **fields: Any,
 ) -> None:
     """Run ``cycle`` (list if needed, then one watch) until ``stop`` is set. After
     :class:`Gone`, ``relist`` (the next cycle lists again); after any other failure,
-    wait a jittered delay that doubles up to ``max_backoff``. A cycle that ends (or is
-    Gone) sooner than :data:`QUICK_CYCLE_SECONDS` is followed by a pause that doubles
-    from :data:`FIRST_PAUSE` up to ``max_backoff`` while cycles keep ending at once.
-    ``fields`` go on the log lines."""
+    wait a jittered delay that doubles up to ``max_backoff``. A cycle that the server
+    ends (or answers Gone) sooner than :data:`QUICK_CYCLE_SECONDS` is followed by a
+    pause that doubles from :data:`FIRST_PAUSE` up to ``max_backoff`` while cycles keep
+    ending at once; a cycle that returns True ended for a reason of the caller's (a
+    list of its own superseded the watch) and is resumed at once. ``fields`` go on the
+    log lines."""
     backoff = 1.0
     pause = 0.0
     while not stop.is_set():
         began = time.monotonic()
         try:
-            cycle()
+            superseded = cycle()
             backoff = 1.0
+            if superseded:
+                continue
         except Gone:
             log.info("pod_watch_expired", **fields)
             relist()

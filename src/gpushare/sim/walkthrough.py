@@ -119,8 +119,9 @@ class ProbeNode:
         )
         self.api.logs[key] = result.stdout + result.stderr
         phase = "Succeeded" if result.returncode == 0 else "Failed"
-        with self.api._lock:
-            pod.setdefault("status", {})["phase"] = phase
+        with self.api._lock:  # the stored object now (the daemon may have annotated it)
+            current = self.api.objects.get(key, pod)
+            current.setdefault("status", {})["phase"] = phase
         self.kubelet.release(pod["metadata"]["name"])  # the pod has ended
 
 

@@ -24,7 +24,6 @@ from gpushare.base.startup import ConfigurationRefused, NodeConfigurationError, 
 from gpushare.config import Settings
 from gpushare.gpu import mig
 from gpushare.gpu.gpus import Gpu
-from gpushare.gpu.gputype import ChoiceBook
 from gpushare.gpu.health import HealthBoard, HealthMonitor, HealthPolicy
 from gpushare.host.gc import GarbageCollector
 from gpushare.host.library import cache_root
@@ -42,6 +41,7 @@ from gpushare.share.answers import DeviceListing, Enforcement
 from gpushare.share.cardmodes import CardMode, card_modes, parse_card_modes
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.exclusion import Exclusion
+from gpushare.share.gputype import ChoiceBook
 from gpushare.share.records import Snapshot
 from gpushare.share.usage import UsageLedger
 from gpushare.share.whole import (
@@ -291,7 +291,7 @@ def _link_to_api(core: NodeCore, specs: PodSpecBook) -> None:
     core.specs, core.choices, core.api_link = specs, choices, link
 
 
-class Records:
+class PodResourcesPart:
     """The ``pod-resources`` part: at start, the kubelet's records are read once so that
     the first placement after a restart respects them, and the unit size is checked
     against them; at stop, the client is closed."""
@@ -356,7 +356,7 @@ def log_found(core: NodeCore) -> None:
 
 def core_parts(core: NodeCore) -> list[Part]:
     """The parts started before the front doors, in order."""
-    parts: list[Part] = [Records(core)]
+    parts: list[Part] = [PodResourcesPart(core)]
     if core.reaper is not None:  # deletes buried cache directories (tombstones.py)
         parts.append(Task("reaper", core.reaper.start, core.reaper.stop))
     parts.append(Task("health-monitor", core.monitor.start, core.monitor.stop))

@@ -4,9 +4,10 @@ to 10 minutes and the next resumes from the last version seen; a 410 Gone (histo
 compacted) lists again; any other failure is retried after a doubling, jittered delay.
 A cycle (a list if needed, then one watch) that the server ends sooner than
 :data:`QUICK_CYCLE_SECONDS` (410 at once, a watch ended at once; not a watch the
-caller's own list superseded) is followed by a doubling, jittered pause too (from :data:`FIRST_PAUSE` up to the
-caller's maximum), reset by the first cycle that lasts: a server answering every watch
-at once costs at most a few requests a second at first, then one per maximum back-off,
+caller's own list superseded) is followed by a doubling, jittered pause too (from
+:data:`FIRST_PAUSE` up to the caller's maximum), reset by the first cycle that lasts:
+a server answering every watch at once costs at most a few requests a second at
+first, then one per maximum back-off,
 never a busy loop of watches and full lists.
 
 The daemon's pod watch (:mod:`gpushare.kube.podwatch`) and the scheduler extender's pod

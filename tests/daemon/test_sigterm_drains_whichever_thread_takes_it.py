@@ -10,7 +10,7 @@ import sys
 import threading
 
 from conftest import TESLA_P4, Node, cards
-from procs import daemon_command
+from kit.procs import daemon_command
 
 #: Runs the daemon with SIGTERM and SIGINT blocked in the main thread (and so in every
 #: thread it starts) but not in one thread started before: the kernel must hand a

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import structlog
 from conftest import NODE, TESLA_P4, Node, cards
-from kube_double import KubeApiDouble
-from procs import free_port, poll, scrape
+from kit.kube_double import KubeApiDouble
+from kit.procs import free_port, poll, scrape
 
-from gpushare.sim.drakubelet import DraKubelet, allocated_claim
+from gpushare.sim.drakubeletdouble import DraKubelet, allocated_claim
 
 DRIVER = "gpu.gpushare.io"
 MIB = 1 << 20

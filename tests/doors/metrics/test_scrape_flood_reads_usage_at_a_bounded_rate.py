@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from conftest import TESLA_P4, Node, cards
-from procs import eventually, free_port, scrape
+from kit.procs import eventually, free_port, scrape
 
 from gpushare.host import sharedregion as region
 from gpushare.ops.actualuse import REFRESH_SECONDS, REGION_FILE, region_path

@@ -10,8 +10,8 @@ import pytest
 from conftest import NODE, TESLA_P4, Node, cards
 from hypothesis import given
 from hypothesis import strategies as st
-from kube_double import KubeApiDouble
-from procs import eventually
+from kit.kube_double import KubeApiDouble
+from kit.procs import eventually
 from test_inspect import cluster  # noqa: F401  (the fixture)
 
 from gpushare.kube import nodestate

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
-from procs import eventually
+from kit.procs import eventually
 from test_dra_plugin import DRIVER, DraNode, dra, env_of  # noqa: F401  (dra: the fixture)
 
 from gpushare.host.library import cache_root

@@ -13,13 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from procs import eventually
+from kit.procs import eventually
 
-from gpushare.kube.kubeclient import ApiClient, kubeconfig_endpoint
 from gpushare.kube.podspecs import PodSpecBook
 from gpushare.kube.podwatch import PodWatch
+from gpushare.kube.stdlibclient import ApiClient, kubeconfig_endpoint
 from gpushare.kube.watching import FIRST_PAUSE
-from gpushare.sim.apiserver import KubeApiDouble, Recorded
+from gpushare.sim.apidouble import KubeApiDouble, Recorded
 
 NODE = "gpu-node-1"
 

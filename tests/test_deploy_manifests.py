@@ -18,6 +18,7 @@ from typing import Any
 import helm_python
 import kubernetes_validate
 import pytest
+import strict_yaml
 import yaml
 from kubernetes_validate.utils import all_versions
 
@@ -63,7 +64,7 @@ def validate(doc: dict[str, Any], version: str) -> None:
 
 
 def _docs(text: str) -> list[dict[str, Any]]:
-    return [doc for doc in yaml.safe_load_all(text) if doc]
+    return [doc for doc in strict_yaml.load_all(text) if doc]  # issue 32.17: no duplicate keys
 
 
 def manifest_files() -> list[Path]:
@@ -77,7 +78,7 @@ def manifest_files() -> list[Path]:
 
 
 def plain_objects() -> list[dict[str, Any]]:
-    kustomization = yaml.safe_load((DAEMONSET_DIR / "kustomization.yaml").read_text())
+    kustomization = strict_yaml.load((DAEMONSET_DIR / "kustomization.yaml").read_text())
     objects: list[dict[str, Any]] = []
     for name in kustomization["resources"]:
         objects.extend(_docs((DAEMONSET_DIR / name).read_text()))

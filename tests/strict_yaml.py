@@ -40,8 +40,8 @@ StrictLoader.add_constructor(
 
 
 def load(text: str) -> Any:
-    return yaml.load(text, Loader=StrictLoader)  # noqa: S506 - a SafeLoader
+    return yaml.load(text, Loader=StrictLoader)  # a SafeLoader
 
 
 def load_all(text: str) -> list[Any]:
-    return list(yaml.load_all(text, Loader=StrictLoader))  # noqa: S506 - a SafeLoader
+    return list(yaml.load_all(text, Loader=StrictLoader))  # a SafeLoader

@@ -79,7 +79,9 @@ def test_the_chart_mounts_host_lib_with_one_propagation_each() -> None:
     pod = daemonset["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
     (main,) = pod["containers"]
-    host_lib = {c["name"]: m for c in (init, main) for m in c["volumeMounts"] if m["name"] == "host-lib"}
+    host_lib = {
+        c["name"]: m for c in (init, main) for m in c["volumeMounts"] if m["name"] == "host-lib"
+    }
     # the init container's mount must reach the host; the daemon must see it
     assert host_lib["cache-fs"]["mountPropagation"] == "Bidirectional"
     assert host_lib["gpushare"]["mountPropagation"] == "HostToContainer"

@@ -167,7 +167,7 @@ class NodeVerdict:
     fit: Fit
     generation: int | None
     #: why, in a word (the metrics' label): fits, no_room, held, no_gpus, no_annotation,
-    #: bad_annotation
+    #: bad_annotation, kubelet_restart
     code: str = "fits"
 
 
@@ -212,6 +212,14 @@ def judge_state(
     """Fit the pod on the node's cards as the ledger counts them (the published state,
     less pods bound since, plus pods ended since) less the cards the pod's annotations
     exclude."""
+    if state.kubelet_restarted:
+        reason = (
+            f"the node's kubelet restarted at {state.kubelet_restarted[:40]} and does not list "
+            "every pod that held GPU units yet (it may still count the devices of pods "
+            "deleted before the restart); the gpushare daemon says when it does, and the "
+            "pod is retried"
+        )
+        return NodeVerdict(name, Fit(None, reason), state.generation, "kubelet_restart")
     if ledger.awaiting_list:
         reason = (
             "the extender has not read the cluster's pods yet (it counts the pods bound "

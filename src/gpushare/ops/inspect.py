@@ -16,7 +16,8 @@ resources, the daemon's own list of the pods on that card (``pods``, from the ku
 records) names the pod with at least the units its containers there ask, and the
 containers listed on a card add up to no more than the daemon counts there (otherwise
 the card's list is withheld and says so). A pod whose annotation names a card the
-daemon does not list it on is not shown there (issue 32.16), only counted as unbacked. Every string is
+daemon does not list it on is not shown there (issue 32.16), only counted as
+unbacked. Every string is
 printed through :func:`gpushare.ops.printable.printable`.
 """
 

@@ -24,11 +24,11 @@ from gpushare._proto.deviceplugin.v1beta1 import api_pb2
 from gpushare.base.kubeletgrpc import CallHook
 from gpushare.deviceplugin.binding import BindingError, Refusal
 from gpushare.deviceplugin.plugin import HEALTHY, UNHEALTHY, ListingServicer, answer_to_proto
-from gpushare.gpu.gputype import CardChoice
 from gpushare.gpu.health import HealthBoard
 from gpushare.share import answers
 from gpushare.share.answers import Answer, DeviceListing, Enforcement, GrantedDevice
 from gpushare.share.devices import InvalidDeviceIds
+from gpushare.share.gputype import CardChoice
 from gpushare.share.whole import (
     ExclusiveDevice,
     ExclusiveResource,

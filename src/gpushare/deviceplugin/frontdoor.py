@@ -37,11 +37,11 @@ from gpushare.deviceplugin.plugin import (
 from gpushare.deviceplugin.registration import KubeletLink
 from gpushare.gpu import mig
 from gpushare.gpu.gpus import GpuBackend, GpuError
-from gpushare.gpu.gputype import CardChoice
 from gpushare.gpu.topology import Topology, prefer
 from gpushare.host.cdi import CdiCheck
 from gpushare.node.core import NodeCore
 from gpushare.share.devices import Inventory, Resource
+from gpushare.share.gputype import CardChoice
 from gpushare.share.usage import Holder
 from gpushare.share.whole import ExclusiveDevice, ExclusiveResource
 

@@ -30,10 +30,10 @@ import structlog
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from gpushare.base.kubeletgrpc import CallHook, KubeletServer, ServerLoop, observed
 from gpushare.deviceplugin.binding import Binder, BindingError, Refusal
-from gpushare.gpu.gputype import CardChoice
 from gpushare.gpu.health import HealthBoard
 from gpushare.share.answers import Answer
 from gpushare.share.devices import Inventory, Resource, format_device_id
+from gpushare.share.gputype import CardChoice
 
 log = structlog.get_logger(__name__)
 

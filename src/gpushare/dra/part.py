@@ -32,6 +32,7 @@ from gpushare.dra.server import DraServer
 from gpushare.dra.slices import SlicePublisher
 from gpushare.gpu.gpus import Gpu
 from gpushare.gpu.health import HealthBoard
+from gpushare.gpu.pci import SYSFS_PCI_DEVICES, sysfs_bus_id
 from gpushare.kube.nodestate import MAX_REQUEST, DraClaimState
 from gpushare.kube.stdlibclient import ApiClient
 from gpushare.node.core import NodeCore
@@ -40,18 +41,14 @@ from gpushare.share.cardmodes import dra_cards
 
 log = structlog.get_logger(__name__)
 
-SYSFS_PCI_DEVICES = Path("/sys/bus/pci/devices")
-
 
 def pcie_root(bus_id: str, sysfs: Path = SYSFS_PCI_DEVICES) -> str | None:
     """The PCIe root complex (``pci0000:3a``) of an NVML bus ID (``00000000:3B:00.0``),
     from sysfs; None where sysfs does not tell."""
     if not bus_id:
         return None
-    domain, _, rest = bus_id.lower().partition(":")
-    name = f"{domain[-4:]}:{rest}"
     try:
-        target = os.path.realpath(sysfs / name)
+        target = os.path.realpath(sysfs / sysfs_bus_id(bus_id))
     except OSError:
         return None
     for part in Path(target).parts:

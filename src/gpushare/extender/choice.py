@@ -8,8 +8,8 @@ from dataclasses import replace
 from typing import Any
 
 from gpushare.extender.fit import CardRoom
-from gpushare.gpu.gputype import CardChoice, card_choice
 from gpushare.kube.nodestate import NodeGpuState
+from gpushare.share.gputype import CardChoice, card_choice
 
 
 def excluded_rooms(

@@ -34,8 +34,8 @@ from gpushare.extender.fit import (
     score,
 )
 from gpushare.extender.ledger import AdmissionLedger
-from gpushare.gpu.gputype import CardChoice
 from gpushare.kube import nodestate
+from gpushare.share.gputype import CardChoice
 
 __all__ = ["BadRequest", "ExtenderPolicy", "ExtenderState", "bind_verb", "filter_verb"]
 

@@ -1,7 +1,7 @@
 """The real GPUs, read through NVML (``nvidia-ml-py``): cards, their MIG devices and
 profile names, XID events and lost cards, NVLink/NUMA/PCIe topology.
 
-Loaded only when the node is not simulated (:func:`gpushare.gpu.gpus.open_backend`). A
+Loaded only when the node is not simulated (:func:`gpushare.node.discovery.open_backend`). A
 card or MIG device that cannot be read is logged and left out, never fatal.
 """
 
@@ -35,22 +35,15 @@ from gpushare.gpu.migprofile import (
     memory_gb,
     profile_of,
 )
+from gpushare.gpu.pci import SYSFS_PCI_DEVICES, sysfs_bus_id
 from gpushare.gpu.topology import Topology
 
 log = structlog.get_logger(__name__)
 
 
-def _sysfs_bus_id(nvml_bus_id: str) -> str:
-    """NVML's ``00000000:3B:00.0`` as sysfs spells it: ``0000:3b:00.0``."""
-    domain, _, rest = nvml_bus_id.partition(":")
-    return f"{domain[-4:]}:{rest}".lower()
-
-SYSFS_PCI_DEVICES = Path("/sys/bus/pci/devices")
-
-
 def _numa_node(bus_id: str, sysfs: Path = SYSFS_PCI_DEVICES) -> int | None:
     try:
-        value = int((sysfs / _sysfs_bus_id(bus_id) / "numa_node").read_text().strip())
+        value = int((sysfs / sysfs_bus_id(bus_id) / "numa_node").read_text().strip())
     except (OSError, ValueError):
         return None
     return value if value >= 0 else None
@@ -279,7 +272,7 @@ class NvmlBackend:
         bus_of: dict[str, str] = {}
         for uuid, handle in cards:
             with contextlib.suppress(nvml.NVMLError):
-                bus_of[_sysfs_bus_id(text(nvml.nvmlDeviceGetPciInfo(handle).busId))] = uuid
+                bus_of[sysfs_bus_id(text(nvml.nvmlDeviceGetPciInfo(handle).busId))] = uuid
         switch: dict[str, str] = {}
         for (a, ha), (b, hb) in itertools.combinations(cards, 2):
             try:
@@ -299,7 +292,7 @@ class NvmlBackend:
                     remote = text(nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
                 except nvml.NVMLError:
                     break  # no more links on this card (or NVLink not supported)
-                peer = bus_of.get(_sysfs_bus_id(remote))
+                peer = bus_of.get(sysfs_bus_id(remote))
                 if peer is None:
                     fabric[uuid] = fabric.get(uuid, 0) + 1  # an NVSwitch (or a bridge)
                 elif peer != uuid:

@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpushare.base.quantity import whole_units
-from gpushare.gpu.gputype import NAMES, OTHER_PREFIX
 from gpushare.kube.nodestate import plan_annotation_key
 from gpushare.kube.podspecs import TERMINAL_PHASES
+from gpushare.share.gputype import NAMES, OTHER_PREFIX
 
 #: A card-choice annotation is a short comma list; a longer value is cut.
 MAX_ANNOTATION_CHARS = 4096

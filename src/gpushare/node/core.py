@@ -25,7 +25,6 @@ from gpushare.base.startup import ConfigurationRefused, NodeConfigurationError, 
 from gpushare.config import Settings
 from gpushare.gpu import mig
 from gpushare.gpu.gpus import Gpu
-from gpushare.gpu.gputype import ChoiceBook
 from gpushare.gpu.health import HealthBoard, HealthMonitor, HealthPolicy
 from gpushare.host.gc import GarbageCollector
 from gpushare.host.library import cache_root
@@ -43,6 +42,7 @@ from gpushare.share.answers import DeviceListing, Enforcement
 from gpushare.share.cardmodes import CardMode, card_modes, parse_card_modes
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.exclusion import Exclusion
+from gpushare.share.gputype import ChoiceBook
 from gpushare.share.records import Snapshot
 from gpushare.share.restartholders import RestartHolders
 from gpushare.share.usage import Holder, UsageLedger

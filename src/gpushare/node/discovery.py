@@ -12,20 +12,32 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import structlog
 
 from gpushare.base.startup import NodeConfigurationError, StartupError
 from gpushare.config import Settings
 from gpushare.gpu import mig
-from gpushare.gpu.gpus import Gpu, GpuBackend, GpuError, open_backend
+from gpushare.gpu.gpus import Gpu, GpuBackend, GpuError
 from gpushare.gpu.mig import MigPlan, MigPlanError, MigStrategy
+from gpushare.gpu.simulated import SimulatedBackend
 from gpushare.share.cardmodes import CardMode, parse_card_modes
 
 log = structlog.get_logger(__name__)
 
 #: Delays between attempts to initialise NVML and list the GPUs at start: first, longest.
 DISCOVERY_RETRY_SECONDS = (0.5, 30.0)
+
+
+def open_backend(simulate: str) -> GpuBackend:
+    """The simulated backend when a node file is given, else NVML (the one place that
+    chooses: :mod:`gpushare.gpu` has the two backends, neither knows the other)."""
+    if simulate:
+        return SimulatedBackend(Path(simulate))
+    from gpushare.gpu.nvml import NvmlBackend  # pynvml: only on a real node
+
+    return NvmlBackend()
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 It creates one short-lived pod on the node (``spec.nodeName``: no scheduler involved)
 asking for a small share (by default 4 memory units and 30 core units), running the
-gpushare image's enforcement probe (:mod:`gpushare.gpu.probe`) in the container the
+gpushare image's enforcement probe (:mod:`gpushare.probe.checks`) in the container the
 kubelet and the daemon set up, waits for it to finish, reads the probe's report from its
 log, deletes the pod and prints the verdict. Exit status: 0 every limit held, 1 one did
 not (the report says which), 3 the pod did not run or did not report (why is printed),
@@ -17,10 +17,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpushare.gpu.probe import REPORT_MARKER, Check, parse_report, verdict
 from gpushare.kube.kubectlapi import ApiError, Cluster
 from gpushare.ops import deploy
 from gpushare.ops.printable import printable
+from gpushare.probe.checks import REPORT_MARKER, Check, parse_report, verdict
 
 EXIT_NOT_ENFORCED = 1
 EXIT_NO_REPORT = 3
@@ -68,7 +68,7 @@ def verify_pod(request: Request, image: str, name: str) -> dict[str, Any]:
             {
                 "name": "probe",
                 "image": image,
-                "command": ["python", "-m", "gpushare.gpu.probe"],
+                "command": ["python", "-m", "gpushare.probe"],
                 "resources": {"limits": limits},
             }
         ],

@@ -11,7 +11,7 @@ names aside), so the page never drifts from what the commands print.
 
 ``verify`` runs its probe where the pod would run: a stand-in for the node admits the
 probe pod through the kubelet stand-in (so the daemon allocates its units) and runs
-``python -m gpushare.gpu.probe`` with the environment the daemon's answer gave,
+``python -m gpushare.probe`` with the environment the daemon's answer gave,
 without a GPU here: what is printed is what verify says on a node without a driver.
 """
 
@@ -111,7 +111,7 @@ class ProbeNode:
         # and the host's loader would only complain about a path of the container.
         env.update({k: v for k, v in admitted.envs.items() if k != "LD_PRELOAD"})
         result = subprocess.run(
-            [sys.executable, "-m", "gpushare.gpu.probe"],
+            [sys.executable, "-m", "gpushare.probe"],
             capture_output=True,
             text=True,
             env=env,

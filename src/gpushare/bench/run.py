@@ -1,0 +1,621 @@
+"""``make bench``: the daemon's latency, start time and footprint.
+
+Every figure but the message sizes is taken from the real daemon process
+(``python -m gpushare.daemon``) run as the DaemonSet runs it: ``NODE_NAME`` set and its
+API link talking to the API-server double (``gpushare.sim.apidouble``, in a process of
+its own), metrics on, this node's pod specs watched. It serves a simulated node of H200
+cards and is driven over its unix sockets by the simulated kubelet in this process, the
+way the kubelet calls it: per container and resource, GetPreferredAllocation with every
+free healthy unit, then Allocate, the daemon reading PodResources as pairing needs.
+Each admitted container's pod is created on the API server just before its admission
+and deleted when it is released, so the pod watch works throughout. The baseline is an
+empty unary call (GetDevicePluginOptions) to the same server over the same channel,
+interleaved with the measured calls, so both see the same machine load.
+
+Prints one table, each figure beside its target and the baseline, and exits 1 when a
+target is missed (2 when the benchmark itself failed). ``--write PATH`` also puts the
+table, with the machine and the command, into PATH's ``bench`` section.
+``--quick`` runs a tiny version (two cards, few iterations) for the smoke test; its
+figures say nothing about performance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gpushare._proto.deviceplugin.v1beta1 import api_pb2
+from gpushare.base.cli import Parser, bounded_float
+from gpushare.bench.report import FULL, QUICK, Plan, Report, ms, percentile
+from gpushare.bench.rig import (
+    BIG_CARD_MIB,
+    BIG_CARDS,
+    CORE,
+    H200_MIB,
+    KUBELET_LIMIT,
+    MEMORY,
+    MIB,
+    NODE_NAME,
+    ApiServer,
+    Node,
+    node_gpus,
+    process_handle,
+    temporary_root,
+)
+from gpushare.deviceplugin.plugin import device_list_message
+from gpushare.host.elf import stand_in
+from gpushare.ops.mdsection import replace_section
+from gpushare.share.devices import Inventory, Resource
+from gpushare.sim.kubeletdouble import AdmissionError
+
+# --------------------------------------------------------------------------- phases
+
+
+def measure_messages(plan: Plan, report: Report) -> None:
+    """Message sizes and serialisation time of the largest messages, in this process."""
+    inventory = Inventory(node_gpus(plan.cards, H200_MIB), 256)
+    listing = device_list_message(inventory, Resource.MEMORY, lambda _uuid: True)
+    times = []
+    for _ in range(plan.serialize_reps):
+        started = time.perf_counter()
+        listing.SerializeToString()
+        times.append(time.perf_counter() - started)
+    units = len(listing.devices)
+    p50, p99 = statistics.median(times), percentile(times, 99)
+    report.add(
+        f"ListAndWatch message serialised, {plan.cards} x H200 ({units} memory units)",
+        f"p50 {ms(p50)}, p99 {ms(p99)}",
+        "< 1 ms",
+        f"{listing.ByteSize() / 1024:.0f} KiB",
+        p99 < 0.001,
+    )
+    big = Inventory(node_gpus(BIG_CARDS, BIG_CARD_MIB, "192 GiB card"), 256)
+    largest = 0
+    for resource in Resource:
+        message = device_list_message(big, resource, lambda _uuid: False)  # "Unhealthy": longest
+        largest = max(largest, message.ByteSize())
+    request = api_pb2.PreferredAllocationRequest(
+        container_requests=[
+            api_pb2.ContainerPreferredAllocationRequest(
+                available_deviceIDs=[
+                    device_id
+                    for uuid in big.cards
+                    for device_id in big.device_ids(Resource.MEMORY, uuid)
+                ],
+                allocation_size=1,
+            )
+        ]
+    )
+    largest = max(largest, request.ByteSize())
+    units = len(request.container_requests[0].available_deviceIDs)
+    report.add(
+        f"largest message, {BIG_CARDS} x 192 GiB ({units} memory units)",
+        f"{largest / MIB:.2f} MiB",
+        "well under 4 MiB (the daemon refuses to start above 3 MiB)",
+        "",
+        largest < KUBELET_LIMIT * 3 // 4,
+    )
+
+
+def measure_start(plan: Plan, report: Report) -> None:
+    times = []
+    for run in range(plan.runs):
+        with temporary_root() as root:
+            node = Node(root / f"s{run}", plan.cards)
+            try:
+                times.append(node.start())
+            finally:
+                node.stop()
+    median = statistics.median(times)
+    report.add(
+        f"start: process start to both resources registered with their device lists "
+        f"({len(times)} runs)",
+        f"median {ms(median)}, max {ms(max(times))}",
+        "<= 150 ms",
+        "",
+        median <= 0.150,
+    )
+
+
+@dataclass
+class Samples:
+    calls: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+
+    def observe(self, resource: str, method: str, seconds: float) -> None:
+        self.calls.setdefault((resource, method), []).append(seconds)
+
+
+def measure_daemon(plan: Plan, report: Report) -> None:
+    samples = Samples()
+    recording = [False]
+
+    def observe(resource: str, method: str, seconds: float) -> None:
+        if recording[0]:
+            samples.observe(resource, method, seconds)
+
+    with temporary_root() as root:
+        node = Node(root, plan.cards, observe)
+        try:
+            node.start()
+            assert node.proc is not None
+            process = process_handle(node.proc.pid)
+            settle(plan)
+            rss_started = process.memory_info().rss
+            report.add(
+                "idle RSS after start (API link, pod watch and metrics on)",
+                f"{rss_started / MIB:.1f} MiB",
+                "<= 40 MiB",
+                "",
+                rss_started <= 40 * MIB,
+            )
+            split = failures = 0
+
+            def admit(count: int, baseline: list[float] | None = None) -> None:
+                nonlocal split, failures
+                for _ in range(count):
+                    if baseline is not None:
+                        baseline.append(node.baseline_call())
+                    try:
+                        memory_card, core_card = node.admit_next(plan.window)
+                    except AdmissionError as exc:
+                        failures += 1
+                        report.notes.append(f"admission failed: {exc}")
+                        continue
+                    split += memory_card != core_card
+
+            admit(plan.window * 2)  # warm up: channels, caches, a full window
+            # Idle once it has served: measured before the long burst below, whose
+            # released cache directories the garbage collector removes for minutes after.
+            time.sleep(plan.quiet_seconds)
+            cpu_before, switches_before = process.cpu_times(), wakeups_of(node.proc.pid)
+            idle_started = time.monotonic()
+            time.sleep(plan.idle_seconds)
+            idle = time.monotonic() - idle_started
+            cpu_after, switches_after = process.cpu_times(), wakeups_of(node.proc.pid)
+            busy = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
+            wakeups = (switches_after - switches_before) / idle
+            runs: list[dict[str, tuple[float, float]]] = []
+            for _ in range(plan.runs):
+                samples.calls.clear()
+                node.admissions.clear()
+                baseline: list[float] = []
+                recording[0] = True
+                admit(plan.latency_containers, baseline)
+                recording[0] = False
+                run = {
+                    "baseline": (statistics.median(baseline), percentile(baseline, 99)),
+                    "admission": (
+                        statistics.median(node.admissions),
+                        percentile(node.admissions, 99),
+                    ),
+                }
+                for (resource, method), values in samples.calls.items():
+                    run[f"{method} {resource}"] = (
+                        statistics.median(values),
+                        percentile(values, 99),
+                    )
+                runs.append(run)
+            _latency_rows(plan, report, runs)
+
+            fds_before = process.num_fds()
+            done = 2 * plan.latency_containers * plan.runs + 4 * plan.window
+            admit(max(0, plan.allocations - done) // 2)  # two Allocate calls per container
+            settle(plan)
+            rss_after, fds_after = process.memory_info().rss, process.num_fds()
+            report.add(
+                f"RSS after {plan.allocations} Allocates",
+                f"{rss_after / MIB:.1f} MiB",
+                "<= 42 MiB",
+                f"{(rss_after - rss_started) / MIB:+.1f} MiB since start",
+                rss_after <= 42 * MIB,
+            )
+            report.add(
+                f"open descriptors after {plan.allocations} Allocates",
+                f"{fds_after - fds_before:+d}",
+                "+0",
+                f"{fds_before} before",
+                fds_after <= fds_before,
+            )
+            report.add(
+                "containers whose memory and core landed on two cards",
+                str(split),
+                "0",
+                f"{node.serial} admitted",
+                split == 0,
+            )
+            report.add(
+                "admissions refused",
+                str(failures),
+                "0",
+                f"{node.serial} admitted",
+                failures == 0,
+            )
+            report.add(
+                "pods created and deleted on the API server during the run",
+                f"{node.api.pods_created} created, {node.api.pods_deleted} deleted",
+                ">= 100 each",
+                "",
+                min(node.api.pods_created, node.api.pods_deleted) >= min(100, node.serial // 2),
+            )
+
+            report.add(
+                f"idle wake-ups over {idle:.0f} s, {plan.quiet_seconds:g} s after the warm-up "
+                "(voluntary switches, all threads)",
+                f"{wakeups:.1f}/s",
+                "<= 2/s",
+                f"{process.num_threads()} threads",
+                wakeups <= 2.0,
+            )
+            report.add(
+                f"idle CPU over {idle:.0f} s",
+                f"{100 * busy / idle:.3f} % of a core",
+                "<= 0.02 %",
+                "",
+                busy / idle <= 0.0002,
+            )
+        finally:
+            node.stop()
+
+
+def wakeups_of(pid: int) -> int:
+    """Voluntary context switches of all the process's threads (each is a wake-up)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            status = (task / "status").read_text()
+            total += int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+    return total
+
+
+def settle(plan: Plan) -> None:
+    """Let the refresh that follows a burst of admissions run (debounced, at most 1 s)."""
+    time.sleep(min(1.5, plan.idle_seconds * 3))
+
+
+#: (method, p50 limit, p99 limit) as multiples of the empty call's p50 and p99.
+RATIOS = {"Allocate": (1.5, 2.5), "GetPreferredAllocation": (3.0, 4.0)}
+
+
+def _latency_rows(plan: Plan, report: Report, runs: list[dict[str, tuple[float, float]]]) -> None:
+    """Each call's p50 and p99 against the empty call's in the same run (median of runs)."""
+    base_p50 = statistics.median(run["baseline"][0] for run in runs)
+    base_p99 = statistics.median(run["baseline"][1] for run in runs)
+    report.add(
+        "baseline: empty unary call (GetDevicePluginOptions)",
+        f"p50 {ms(base_p50)}, p99 {ms(base_p99)}",
+        "",
+        "",
+        None,
+    )
+    units = {MEMORY: f"{plan.cards * (H200_MIB // 256)} IDs", CORE: f"{plan.cards * 100} IDs"}
+    for method, (p50_limit, p99_limit) in RATIOS.items():
+        for resource in (MEMORY, CORE):
+            key = f"{method} {resource}"
+            p50 = statistics.median(run[key][0] for run in runs)
+            p99 = statistics.median(run[key][1] for run in runs)
+            r50 = statistics.median(run[key][0] / run["baseline"][0] for run in runs)
+            r99 = statistics.median(run[key][1] / run["baseline"][1] for run in runs)
+            offered = f", {units[resource]} offered" if method != "Allocate" else ""
+            report.add(
+                f"{method} {resource.split('/')[1]} ({plan.cards} x H200{offered})",
+                f"p50 {ms(p50)}, p99 {ms(p99)}",
+                f"p50 <= {p50_limit:g}x, p99 <= {p99_limit:g}x the empty call",
+                f"p50 {r50:.1f}x, p99 {r99:.1f}x",
+                r50 <= p50_limit and r99 <= p99_limit,
+            )
+    p50 = statistics.median(run["admission"][0] for run in runs)
+    p99 = statistics.median(run["admission"][1] for run in runs)
+    report.add(
+        "whole admission (two resources, four calls)",
+        f"p50 {ms(p50)}, p99 {ms(p99)}",
+        "p50 <= 5 ms",
+        f"4 empty calls: {ms(4 * base_p50)}",
+        p50 <= 0.005,
+    )
+
+
+# --------------------------------------------------------------------------- DRA
+
+
+def measure_dra(plan: Plan, report: Report) -> None:
+    """NodePrepareResources against one GET of the claim (docs/dra.md), against the
+    API-server double (in its own process) and, where ``make e2e`` built them, a real
+    kube-apiserver v1.36.3 (TLS, token authentication, RBAC, etcd)."""
+    from gpushare.kube.stdlibclient import ApiClient, kubeconfig_endpoint
+    from gpushare.sim import controlplane
+
+    rounds = max(20, plan.latency_containers // 2)
+    claims = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims"
+    with temporary_root() as root:
+        api = ApiServer(root)
+        try:
+            client = ApiClient(kubeconfig_endpoint(api.kubeconfig))
+
+            def post_double(claim: dict[str, Any]) -> None:
+                if api.call("POST", claims, claim) != 201:
+                    raise RuntimeError("the API-server double refused a claim")
+
+            row = _dra_rounds(plan, root, client, post_double, rounds)
+        finally:
+            api.stop()
+    # Information only: the double's GET (a dict lookup behind Python's HTTP server) costs
+    # less than an empty gRPC call, so 2x of it is no yardstick; the target is the real one.
+    report.add(
+        f"DRA NodePrepareResources, one share, API-server double ({row[0]}",
+        row[1],
+        "information (the target is against a real API server)",
+        row[3],
+        None,
+    )
+    if not controlplane.available():
+        report.notes.append(
+            f"DRA prepare against a real kube-apiserver not measured: no binaries in "
+            f"{controlplane.BIN} (make e2e builds them; GPUSHARE_E2E_BIN)"
+        )
+        return
+    with temporary_root() as root:
+        plane = controlplane.ControlPlane(root, {"DRAConsumableCapacity": True}, node=NODE_NAME)
+        try:
+            plane.add_node()
+            admin = plane.admin
+
+            def post_real(claim: dict[str, Any]) -> None:
+                status = claim.pop("status")
+                claim["spec"]["devices"]["requests"] = [
+                    {"name": "gpu", "exactly": {"deviceClassName": "gpushare.io"}}
+                ]
+                created = admin.request("POST", claims, body=claim)
+                created["status"] = status  # as the scheduler writes it
+                name = created["metadata"]["name"]
+                stored = admin.request("PUT", f"{claims}/{name}/status", body=created)
+                claim["metadata"]["uid"] = stored["metadata"]["uid"]
+
+            row = _dra_rounds(plan, root, admin, post_real, rounds)
+        finally:
+            plane.stop()
+    report.add(f"DRA NodePrepareResources, one share, real kube-apiserver ({row[0]}", *row[1:])
+
+
+def _dra_rounds(
+    plan: Plan, root: Path, client: Any, create: Callable[[dict[str, Any]], None], rounds: int
+) -> tuple[str, str, str, str, bool]:
+    """The DRA part serving ``plan.cards`` simulated H200 in this process, the stand-in
+    kubelet calling over the plugin's unix socket from a process of its own (as the
+    kubelet does: the caller's side of gRPC is not this process's work, and the two do
+    not share one interpreter lock). Each round creates one allocated claim (not timed),
+    prepares it (timed by the caller: the GET, the checks, the answer, a cache
+    directory, the CDI spec and the checkpoint entry), GETs the same claim with the
+    part's client (timed: the baseline), makes the same call with no claim (timed by the
+    caller: the gRPC floor, for context) and unprepares it. Returns the row's cells."""
+    from gpushare.base.logs import configure_logging
+    from gpushare.config import Settings
+    from gpushare.dra.part import build_dra_part
+    from gpushare.gpu.health import HealthBoard
+    from gpushare.host.library import ensure_lock_dir, install_library
+    from gpushare.share.answers import DeviceListing, Enforcement
+    from gpushare.sim.drakubeletdouble import allocated_claim
+
+    # The part logs as the DaemonSet's daemon does: JSON lines, info and up, here to a file.
+    log_file = (root / "dra.log").open("w")
+    configure_logging("json", "info", log_file)
+    part = None
+    kubelet = DraCaller(root / "kubelet")
+    prepare: list[float] = []
+    get: list[float] = []
+    empty: list[float] = []
+    path = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims"
+    try:
+        gpus = node_gpus(plan.cards, H200_MIB)
+        library = root / "libvgpu.so"
+        library.write_bytes(stand_in(b"bench interposer\n"))
+        host = root / "vgpu"
+        enforcement = Enforcement(install_library(library, host), None, True, ensure_lock_dir(host))
+        settings = Settings(host_lib_dir=str(host), dra_cdi_dir=str(root / "cdi"))
+        part = build_dra_part(
+            settings,
+            gpus,
+            HealthBoard(g.uuid for g in gpus),
+            enforcement,
+            DeviceListing(),
+            host,
+            client,
+            NODE_NAME,
+            root / "kubelet",
+            pcie_roots={},
+        )
+        part.start()
+        kubelet.register()
+        for i in range(rounds):
+            claim = allocated_claim(
+                "default",
+                f"bench-{i}",
+                settings.dra_driver,
+                NODE_NAME,
+                [
+                    {
+                        "request": "gpu",
+                        "device": f"gpu-{i % plan.cards}",
+                        "consumedCapacity": {"memory": "4Gi", "cores": "30"},
+                    }
+                ],
+            )
+            create(claim)
+            ref = ("default", f"bench-{i}", claim["metadata"]["uid"])
+            seconds, error = kubelet.call("prepare", ref)
+            if error:
+                raise RuntimeError(f"prepare failed: {error}")
+            prepare.append(seconds)
+            began = time.perf_counter()
+            client.get(f"{path}/bench-{i}")
+            get.append(time.perf_counter() - began)
+            empty.append(kubelet.call("empty")[0])  # the gRPC floor: no claim
+            kubelet.call("unprepare", ref)
+    finally:
+        kubelet.close()
+        if part is not None:
+            part.stop()
+        log_file.close()
+    p50, base = percentile(prepare, 50), percentile(get, 50)
+    return (
+        f"{plan.cards} x H200, {rounds} claims, {kubelet.kind})",
+        f"p50 {ms(p50)}, p99 {ms(percentile(prepare, 99))}",
+        "p50 <= 2x one GET of the claim",
+        f"GET p50 {ms(base)}; {p50 / base:.1f}x (empty call {ms(percentile(empty, 50))})",
+        p50 <= 2 * base,
+    )
+
+
+class DraCaller:
+    """The kubelet's side of the DRA calls, timed as the kubelet sees them.
+
+    Registration goes through the stand-in kubelet (:class:`DraKubelet`). The calls are
+    made by ``dracall`` (built by ``make e2e`` beside the cluster's binaries: grpc-go and
+    the kubelet's DRA v1 client, in a process of its own, as the kubelet makes them)
+    where it is built, else by the stand-in in this process, whose own Python gRPC client
+    and interpreter lock then count in the figure (:attr:`kind` says which)."""
+
+    def __init__(self, kubelet_root: Path) -> None:
+        from gpushare.sim import controlplane
+        from gpushare.sim.drakubeletdouble import DraKubelet
+
+        self.kubelet = DraKubelet(kubelet_root)
+        self._program = controlplane.BIN / "dracall"
+        self._process: subprocess.Popen[str] | None = None
+        self.kind = "grpc-go caller" if self._program.is_file() else "Python caller"
+
+    def register(self) -> None:
+        self.kubelet.register()
+        if self._program.is_file():
+            self._process = subprocess.Popen(
+                [str(self._program), f"--socket={self.kubelet.info.endpoint}"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+
+    def call(self, what: str, ref: tuple[str, str, str] | None = None) -> tuple[float, str]:
+        """(seconds the call took, as the caller saw it; its error, "" if none)."""
+        if self._process is None:
+            return self._call_here(what, ref)
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._process.stdin.write(" ".join([what, *(ref or ())]) + "\n")
+        self._process.stdin.flush()
+        seconds, _, error = self._process.stdout.readline().rstrip("\n").partition(" ")
+        if not seconds:
+            raise RuntimeError(f"dracall ended (exit status {self._process.poll()})")
+        if what != "prepare" and error:
+            raise RuntimeError(f"DRA {what} failed: {error}")
+        return float(seconds), error
+
+    def _call_here(self, what: str, ref: tuple[str, str, str] | None) -> tuple[float, str]:
+        began = time.perf_counter()
+        if what == "empty":
+            self.kubelet.prepare([])
+            error = ""
+        elif what == "prepare" and ref is not None:
+            error = self.kubelet.prepare([ref])[ref[2]].error
+        elif ref is not None:
+            error = self.kubelet.unprepare([ref])[ref[2]]
+            if error:
+                raise RuntimeError(f"DRA {what} failed: {error}")
+        return time.perf_counter() - began, error
+
+    def close(self) -> None:
+        if self._process is not None:
+            if self._process.stdin is not None:
+                self._process.stdin.close()
+            try:
+                self._process.wait(10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self.kubelet.close()
+
+
+# --------------------------------------------------------------------------- main
+
+
+def machine() -> str:
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    import grpc
+
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (
+        f"{os.cpu_count()} cores ({model}), Python {platform.python_version()}, "
+        f"grpcio {grpc.__version__}, {platform.system()} {platform.release()}; "
+        f"load average before the run: {load}"
+    )
+
+
+def run(plan: Plan, phases: Sequence[Callable[[Plan, Report], None]] | None = None) -> Report:
+    report = Report()
+    for phase in phases or (measure_messages, measure_start, measure_daemon, measure_dra):
+        phase(plan, report)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = Parser(prog="python -m gpushare.bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="a tiny run for the smoke test")
+    parser.add_argument("--write", metavar="PATH", help="put the table into PATH's bench section")
+    parser.add_argument(
+        "--idle-seconds",
+        type=bounded_float(0.1, 86400),
+        help="length of the idle CPU measurement (default 60)",
+    )
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    if args.idle_seconds is not None:
+        plan = Plan(**{**plan.__dict__, "idle_seconds": args.idle_seconds})
+    about = machine()
+    started = time.perf_counter()
+    try:
+        report = run(plan)
+    except Exception as exc:
+        print(f"gpushare.bench: the benchmark failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    took = time.perf_counter() - started
+    table = report.table()
+    print(table)
+    for note in report.notes[:10]:
+        print(f"note: {note}")
+    missed = report.missed
+    command = "python -m gpushare.bench" + (" --quick" if args.quick else "")
+    summary = (
+        f"{len(missed)} target(s) missed: " + "; ".join(row.figure for row in missed)
+        if missed
+        else "every target met"
+    )
+    print(f"\n{summary} ({took:.0f} s; {about})")
+    if args.write:
+        body = "\n".join(
+            [
+                f"Produced by `make bench` (`{command}`) on "
+                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {took:.0f} s.",
+                f"Machine: {about}.",
+                "",
+                table,
+                "",
+                f"Result: {summary}.",
+            ]
+        )
+        replace_section(Path(args.write), "bench", body)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

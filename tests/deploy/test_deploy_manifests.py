@@ -18,8 +18,8 @@ from typing import Any
 import helm_python
 import kubernetes_validate
 import pytest
-import strict_yaml
 import yaml
+from kit import strict_yaml
 from kubernetes_validate.utils import all_versions
 
 from gpushare.config import OPTIONS, Settings, flag_name, load_settings, yaml_key

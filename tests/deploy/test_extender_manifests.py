@@ -15,8 +15,8 @@ from typing import Any
 import helm_python
 import kubernetes_validate
 import pytest
-import strict_yaml
 import yaml
+from kit import strict_yaml
 from test_deploy_manifests import chart_objects, one, validate
 
 from gpushare.extender.server import parse_settings

@@ -9,9 +9,9 @@ import calendar
 import time
 from typing import Any
 
-from extender_kit import PREFIX, args, card, container, pod
 from hypothesis import given
 from hypothesis import strategies as st
+from kit.extender import PREFIX, args, card, container, pod
 
 from gpushare.extender.ledger import AdmissionLedger
 from gpushare.extender.verbs import (

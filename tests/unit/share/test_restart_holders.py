@@ -3,9 +3,9 @@ again (issue 32.14): the pure part, the node state and the extender."""
 
 from __future__ import annotations
 
-from extender_kit import PREFIX, args, card, container, pod
 from hypothesis import given
 from hypothesis import strategies as st
+from kit.extender import PREFIX, args, card, container, pod
 
 from gpushare.extender.ledger import AdmissionLedger
 from gpushare.extender.verbs import ExtenderPolicy, ExtenderState, filter_verb

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import strict_yaml
+from kit import strict_yaml
 from test_deploy_manifests import CHART, ROOT, render_chart
 from yaml.constructor import ConstructorError
 

@@ -528,7 +528,7 @@ def test_slices_wait_for_the_kubelets_registration_and_return_on_re_registration
         assert not ready and "waiting for the kubelet to register the DRA plugin" in why
         assert node.kubelet.register() == "v1.DRAPlugin"
         assert wait_until(lambda: bool(_slice_keys(api)))
-        assert part.ready() == (True, "dra: slices published")
+        assert wait_until(lambda: part.ready() == (True, "dra: slices published"))
         # a restarted kubelet deletes the node's slices and registers the plugin again
         for key in _slice_keys(api):
             api.delete(

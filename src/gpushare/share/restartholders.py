@@ -11,7 +11,9 @@ are asked first could be bound to that pod's card and then be refused its memory
 (issue 32.14).
 
 :class:`RestartHolders` keeps the holders of the last records read before the restart
-and, while any of them is not listed again, counts their units on their cards as held.
+(and those listed in the last :data:`RECENT_SECONDS`: the restarted kubelet's first,
+empty records may be read before its new socket is noticed) and, while any of them is
+not listed again, counts their units on their cards as held.
 A holder leaves when the records list it again; one whose pod is gone (the pod specs say
 so) leaves :data:`SOURCES_READY_SECONDS` after the restart, when the kubelet frees the
 devices of deleted pods; every holder leaves after :data:`LONGEST_SECONDS` (logged by the
@@ -35,6 +37,9 @@ from gpushare.share.usage import Holder
 SOURCES_READY_SECONDS = 30.0
 #: The longest a holder listed before the restart is waited for.
 LONGEST_SECONDS = 600.0
+#: A holder the records stopped listing this recently is still expected after a restart:
+#: the restarted kubelet's empty records may be read before its new socket is noticed.
+RECENT_SECONDS = 60.0
 
 ByCard = Mapping[str, Mapping[Holder, Mapping[Resource, int]]]
 
@@ -51,6 +56,8 @@ class RestartHolders:
         self._wall = wall
         self._lock = threading.Lock()
         self._last: dict[str, dict[Holder, dict[Resource, int]]] = {}
+        #: (card, holder) -> (units, clock time last listed), listed within RECENT_SECONDS
+        self._recent: dict[tuple[str, Holder], tuple[dict[Resource, int], float]] = {}
         #: the kubelet (its socket's identity) whose records ``_last`` holds
         self._kubelet: object = None
         #: card -> holder -> units: listed before the restart, not listed since
@@ -64,11 +71,14 @@ class RestartHolders:
         """The kubelet restarted: every holder of the last records is expected again."""
         with self._lock:
             self._kubelet = None  # the next kubelet's records are the ones to keep
-            if not self._last:
-                return  # nothing was held: nothing can be missing
             for uuid, holders in self._last.items():
                 for holder, units in holders.items():
                     self._missing.setdefault(uuid, {})[holder] = dict(units)
+            for (uuid, holder), (units, _at) in self._recent.items():
+                self._missing.setdefault(uuid, {}).setdefault(holder, dict(units))
+            self._recent.clear()
+            if not self._missing:
+                return  # nothing was held: nothing can be missing
             self._since = self._clock()
             self._since_wall = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self._wall()))
         self._notify()
@@ -92,6 +102,7 @@ class RestartHolders:
                 if self._kubelet is None or kubelet is None or kubelet == self._kubelet:
                     self._last = _copy(by_card)
                     self._kubelet = kubelet
+                    self._remember(by_card)
                 return 0
             elapsed = self._clock() - self._since
             for uuid in list(self._missing):
@@ -108,10 +119,21 @@ class RestartHolders:
             if not self._missing:
                 self._since, self._since_wall = None, ""
                 self._last, self._kubelet = _copy(by_card), kubelet
+                self._remember(by_card)
             now_complete = self._since is None
         if was_incomplete and now_complete:
             self._notify()
         return given_up
+
+    def _remember(self, by_card: ByCard) -> None:
+        """Note who the records list now; forget who they stopped listing long ago."""
+        now = self._clock()
+        for uuid, holders in by_card.items():
+            for holder, units in holders.items():
+                self._recent[(uuid, holder)] = (dict(units), now)
+        horizon = now - RECENT_SECONDS
+        for key in [k for k, (_u, at) in self._recent.items() if at < horizon]:
+            del self._recent[key]
 
     def held(self, resource: Resource) -> dict[str, int]:
         """Per card, the units of ``resource`` the holders not listed again hold."""

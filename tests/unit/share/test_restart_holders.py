@@ -11,7 +11,12 @@ from gpushare.extender.ledger import AdmissionLedger
 from gpushare.extender.verbs import ExtenderPolicy, ExtenderState, filter_verb
 from gpushare.kube import nodestate
 from gpushare.share.devices import Resource
-from gpushare.share.restartholders import LONGEST_SECONDS, SOURCES_READY_SECONDS, RestartHolders
+from gpushare.share.restartholders import (
+    LONGEST_SECONDS,
+    RECENT_SECONDS,
+    SOURCES_READY_SECONDS,
+    RestartHolders,
+)
 from gpushare.share.usage import Holder
 
 A = Holder("ml", "a", "main")
@@ -57,6 +62,24 @@ def test_a_new_kubelets_records_read_before_the_restart_is_reported_do_not_count
     holders.records_read({}, kubelet=2)  # the restarted kubelet lists nobody yet
     holders.kubelet_restarted()
     assert holders.held(Resource.MEMORY) == {"GPU-0": 12}
+
+
+def test_empty_records_read_just_before_the_restart_is_noticed_do_not_count() -> None:
+    # the restarted kubelet answers PodResources before its new socket is noticed
+    clock = Clock()
+    holders = _holders(clock)
+    holders.records_read({"GPU-0": {A: MEM_ONLY}}, kubelet=1)
+    clock.now += 1
+    holders.records_read({}, kubelet=1)
+    holders.kubelet_restarted()
+    assert holders.held(Resource.MEMORY) == {"GPU-0": 12}
+    # a holder gone from the records long before the restart is not expected
+    later = _holders(clock)
+    later.records_read({"GPU-0": {A: MEM_ONLY}}, kubelet=1)
+    clock.now += RECENT_SECONDS + 1
+    later.records_read({}, kubelet=1)
+    later.kubelet_restarted()
+    assert later.held(Resource.MEMORY) == {} and later.restarted_at() == ""
 
 
 def test_a_deleted_pod_holds_until_the_kubelets_sources_are_ready() -> None:

@@ -195,3 +195,32 @@ def test_a_pod_unlisted_after_a_kubelet_restart_still_fills_its_card(
     assert second.card() != first.card()
     assert {card_of(d) for ids in second.devices.values() for d in ids} == {second.card()}
     node.kubelet.pods_synced()
+
+
+def test_a_memory_only_pod_unlisted_after_a_kubelet_restart_keeps_its_card_full(
+    node: Node,
+) -> None:
+    """Issue 32.14 (a): a running pod asking memory units only, not listed yet by the
+    restarted kubelet, holds memory but no core on its card: the core offer shows nothing
+    unlisted there. A container whose cores are asked first must not be bound to that
+    card (its memory would be refused there): the daemon remembers who held units before
+    the restart until the records list them again."""
+    node.with_pod_specs()
+    node.start(cards(CARD_4GIB, 2), placement="binpack")
+    memory_only = {node.memory: 12}
+    node.pod("held-before", memory_only)
+    first = node.kubelet.admit("held-before", "main", memory_only)
+    assert node.daemon is not None
+    assert node.daemon.core.refresher.refresh_once()  # it ran a while: the records list it
+    count = len(node.kubelet.registrations)
+    node.kubelet.restart(empty_pod_manager=True)
+    assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 5.0)
+    assert node.kubelet.wait_for(
+        lambda k: k.healthy_count(node.memory) == 32 and k.healthy_count(node.core) == 200, 5.0
+    )
+    both = {node.memory: 8, node.core: 50}
+    node.pod("after", both)
+    second = node.kubelet.admit("after", "main", both, order=[node.core, node.memory])
+    assert second.card() != first.card()
+    assert {card_of(d) for ids in second.devices.values() for d in ids} == {second.card()}
+    node.kubelet.pods_synced()

@@ -19,6 +19,7 @@ import helm_python
 import kubernetes_validate
 import pytest
 import yaml
+from kit import strict_yaml
 from kubernetes_validate.utils import all_versions
 
 from gpushare.config import OPTIONS, Settings, flag_name, load_settings, yaml_key
@@ -63,7 +64,7 @@ def validate(doc: dict[str, Any], version: str) -> None:
 
 
 def _docs(text: str) -> list[dict[str, Any]]:
-    return [doc for doc in yaml.safe_load_all(text) if doc]
+    return [doc for doc in strict_yaml.load_all(text) if doc]  # issue 32.17: no duplicate keys
 
 
 def manifest_files() -> list[Path]:
@@ -77,7 +78,7 @@ def manifest_files() -> list[Path]:
 
 
 def plain_objects() -> list[dict[str, Any]]:
-    kustomization = yaml.safe_load((DAEMONSET_DIR / "kustomization.yaml").read_text())
+    kustomization = strict_yaml.load((DAEMONSET_DIR / "kustomization.yaml").read_text())
     objects: list[dict[str, Any]] = []
     for name in kustomization["resources"]:
         objects.extend(_docs((DAEMONSET_DIR / name).read_text()))

@@ -16,6 +16,7 @@ import helm_python
 import kubernetes_validate
 import pytest
 import yaml
+from kit import strict_yaml
 from test_deploy_manifests import chart_objects, one, validate
 
 from gpushare.extender.server import parse_settings
@@ -27,7 +28,7 @@ RESOURCES = {"gpushare.io/vcuda-memory", "gpushare.io/vcuda-core"}
 
 
 def _objects(path: Path) -> list[dict[str, Any]]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return [doc for doc in strict_yaml.load_all(path.read_text()) if doc]
 
 
 def _kustomized(folder: Path) -> list[dict[str, Any]]:

@@ -273,6 +273,7 @@ def test_a_real_server_without_consumable_capacity_is_detected(tmp_root: Path) -
         node = real_dra(tmp_root, plane, cards=2)
         node.part = build(node)
         node.part.start()
+        node.kubelet.register()  # slices are offered once the kubelet registered the plugin
         try:
             poll("a pass", lambda: node.part is not None and node.part.publisher.published, 60)
             ready, why = node.part.ready()

@@ -14,14 +14,14 @@ def test_the_extender_removes_the_admission_failures_that_node_totals_cause() ->
     for r in results:
         assert r.admitted + r.unschedulable + r.admission_failures == r.pods == 150
         assert len(r.failure_reasons) == r.admission_failures
-    with_extender, without = by_run[("binpack", True)], by_run[("binpack", False)]
+    without = by_run[("binpack", False)]
     assert without.admission_failures >= 20  # totals say yes, no single card has room
-    # What remains are the daemon's own refusals (docs/multi-card.md, "Known limits").
-    assert with_extender.admission_failures < without.admission_failures / 4
+    # With the extender no pod fails admission (issue 32.18: 73 of 2000 did, the rig
+    # without the daemon's re-read of the pods on a spec miss).
     for r in results:
         if r.extender:
-            for reason in r.failure_reasons[:3]:
-                assert reason in report
+            assert r.admission_failures == 0, r.failure_reasons[:3]
+    assert "Admission failures with the extender" not in report
     assert "| binpack | no | " in report and "| spread | yes | " in report
 
 

@@ -48,6 +48,7 @@ from gpushare.share.placement import (
     preferred_units,
 )
 from gpushare.share.records import Snapshot
+from gpushare.share.restartholders import RestartHolders
 from gpushare.share.unitindex import UnitIndex
 from gpushare.share.usage import Holder, UsageLedger
 
@@ -106,6 +107,7 @@ def other_free_in(
     free: Mapping[str, Sequence[int]],
     healthy: Sequence[str],
     snapshot: Snapshot,
+    restart: RestartHolders | None = None,
 ) -> tuple[dict[str, int], set[str]]:
     """Per card, the free units of the resource other than ``resource``, from the
     kubelet's records; and the healthy cards on which the kubelet's offer of
@@ -113,7 +115,9 @@ def other_free_in(
     (:meth:`Snapshot.unlisted_on`). What such a holder has of the other resource is
     unknown, so it is taken as full there: the card is used only where no card the
     records vouch for can take the container (found by the e2e suite after a kubelet
-    restart, e2e/README.md)."""
+    restart, e2e/README.md). A holder the records listed before a kubelet restart and
+    not since (``restart``) still holds what it held: e.g. memory only, which the core
+    offer cannot show (issue 32.14)."""
     other = resource.other
     used = snapshot.used_counts[other]
     other_free = {
@@ -129,6 +133,9 @@ def other_free_in(
     unlisted = snapshot.unlisted_on(resource, taken)
     for uuid in unlisted:
         other_free[uuid] = 0
+    for uuid, units in (restart.held(other) if restart is not None else {}).items():
+        if uuid in other_free:
+            other_free[uuid] = max(0, other_free[uuid] - units)
     return other_free, unlisted
 
 
@@ -148,8 +155,10 @@ class Binder:
         on_allocated: Callable[[Resource, str, Sequence[str]], None] | None = None,
         records_wait: float = RECORDS_WAIT,
         listing: DeviceListing | None = None,
+        restart: RestartHolders | None = None,
     ) -> None:
         self.inventory = inventory
+        self.restart = restart  # holders from before a kubelet restart (issue 32.14)
         self.usage = usage
         self.health = health
         self.policy = Policy.parse(policy)
@@ -264,7 +273,8 @@ class Binder:
         with self._lock:
             self._decided[resource] = (last, decision, snapshot)
         if snapshot is not None:  # the kubelet's records as of now: exact, unless...
-            other_free, unlisted = other_free_in(self.inventory, resource, free, healthy, snapshot)
+            args = (self.inventory, resource, free, healthy, snapshot, self.restart)
+            other_free, unlisted = other_free_in(*args)
             self._note_unlisted(resource, unlisted)
         else:  # the last offer of the other resource and every Allocate since
             other_free = self.usage.free_counts(resource.other)

@@ -131,6 +131,7 @@ class DevicePluginFrontDoor:
             specs=core.specs,
             on_allocated=core.shared_allocated,
             listing=self.listing,
+            restart=core.restart,
         )
         self.kubelet_dir = Path(settings.kubelet_dir)
         self.servers: list[PluginServer] = []
@@ -217,6 +218,7 @@ class DevicePluginFrontDoor:
             for server in self.servers:
                 server.start()
             self.link = KubeletLink(self.core.settings.kubelet_socket, self._named)
+            self.link.on_restart.append(self.core.restart.kubelet_restarted)
             self.link.start()
         except (OSError, RuntimeError) as exc:
             self.stop()  # every server, the one that failed half-way too (a no-op if unstarted)

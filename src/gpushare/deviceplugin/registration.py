@@ -108,6 +108,10 @@ class KubeletLink:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._registered_with: tuple[int, int] | None = None
+        #: the kubelet.sock last registered with (kept when it goes missing)
+        self._last_kubelet: tuple[int, int] | None = None
+        #: called when a registration follows a new kubelet.sock (a kubelet restart)
+        self.on_restart: list[Callable[[], None]] = []
         self._registered_at = time.monotonic()
         self._unwatched_grace = UNWATCHED_GRACE
         self._unregistered_since: float | None = time.monotonic()
@@ -254,6 +258,12 @@ class KubeletLink:
         else:
             self._unwatched_grace = UNWATCHED_GRACE
         self._lost()
+        if self.registrations and kubelet != self._last_kubelet:
+            # a new kubelet.sock after a registration: the kubelet restarted
+            log.info("kubelet_restarted", socket=str(self.kubelet_socket))
+            for hook in list(self.on_restart):
+                hook()
+        self._last_kubelet = kubelet
         for server, name in self.servers:
             register(
                 self.kubelet_socket, server.socket_path.name, name, self._changed_since(kubelet)

@@ -77,8 +77,22 @@ class DraPart:
         self.preparer = preparer
         self._started = False
 
+    def offering(self) -> str:
+        """Why the devices are not offered yet, or "": only once the kubelet has
+        registered the plugin can it prepare a claim (a pod placed before fails its
+        first prepare, "driver ... is not registered", and waits for the kubelet's retry,
+        about 90 s). Slices already in the API server (a daemon restart) are left as
+        they are until then."""
+        if self.server.registered:
+            return ""
+        if self.server.registered is False:
+            return f"the kubelet refused the plugin: {self.server.registration_error}"
+        return "waiting for the kubelet to register the DRA plugin"
+
     def start(self) -> None:
         self.preparer.tidy()
+        self.publisher.gate = self.offering
+        self.server.on_registered.append(self.publisher.poke)
         self.publisher.start()
         try:
             self.server.start()

@@ -224,6 +224,9 @@ class DraServer:
         self.stopping = threading.Event()
         self.registered: bool | None = None  # None: the kubelet has not reported yet
         self.registration_error = ""
+        #: called after each registration the kubelet reports as accepted (a kubelet
+        #: restart registers the plugin again)
+        self.on_registered: list[Callable[[], None]] = []
         self._board = board
         v1_servicer = _V1(preparer, v1, driver, observe)
         v1beta1_servicer = _V1beta1(preparer, v1beta1, driver, observe)
@@ -247,6 +250,8 @@ class DraServer:
         self.registered, self.registration_error = registered, error
         if registered:
             log.info("dra_registered", driver=self.driver)
+            for listener in list(self.on_registered):
+                listener()
         else:
             log.error("dra_registration_refused", driver=self.driver, error=error)
 

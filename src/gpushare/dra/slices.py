@@ -99,6 +99,10 @@ class SlicePublisher:
         self._forget: Callable[[], None] | None = None
         self._passes = 0
         self._pass_done = threading.Condition()
+        #: why the devices may not be offered yet ("" when they may): the DRA part
+        #: sets it to wait for the kubelet's registration of the plugin (issue 32.19)
+        self.gate: Callable[[], str] = lambda: ""
+        self.waiting = ""
 
     # ------------------------------------------------------------------ life
     def start(self) -> None:
@@ -134,6 +138,8 @@ class SlicePublisher:
             )
         if not self.published:
             why = f": {self.last_error}" if self.last_error else ""
+            if self.waiting and not why:
+                why = f": {self.waiting}"
             return f"ResourceSlices not published yet{why}"
         return ""
 
@@ -141,7 +147,12 @@ class SlicePublisher:
         while not self._stop.is_set():
             self._wake.clear()
             try:
-                self.reconcile()
+                waiting = self.gate()
+                if waiting != self.waiting and waiting:
+                    log.info("dra_slices_wait", driver=self.driver, reason=waiting)
+                self.waiting = waiting
+                if not waiting:
+                    self.reconcile()
                 self.last_error = ""
             except (ApiStatusError, OSError, ValueError) as exc:
                 if str(exc) != self.last_error:

@@ -31,7 +31,7 @@ class ExtenderMetrics:
         self.verdicts = Counter(
             "gpushare_extender_node_verdicts",
             "Filter verdicts per node, by reason (fits, no_room, held, no_gpus, "
-            "no_annotation, bad_annotation, card_choice, not_ready)",
+            "no_annotation, bad_annotation, card_choice, not_ready, kubelet_restart)",
             ["reason"],
             registry=self.registry,
         )

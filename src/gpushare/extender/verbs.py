@@ -14,8 +14,10 @@ records the hold. Posting the Binding to the API server is the HTTP layer's part
 
 from __future__ import annotations
 
+import calendar
+import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
@@ -80,6 +82,8 @@ class ExtenderState:
     nodes: Recent[str, nodestate.NodeGpuState] = field(
         default_factory=lambda: Recent(MAX_REMEMBERED_NODES)
     )
+    #: wall clock (seconds since the epoch), to bound the timestamps requests carry
+    clock: Callable[[], float] = time.time
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,7 @@ class NodeVerdict:
     fit: Fit
     generation: int | None
     #: why, in a word (the metrics' label): fits, no_room, held, no_gpus, no_annotation,
-    #: bad_annotation
+    #: bad_annotation, kubelet_restart
     code: str = "fits"
 
 
@@ -208,6 +212,14 @@ def judge_state(
     """Fit the pod on the node's cards as the ledger counts them (the published state,
     less pods bound since, plus pods ended since) less the cards the pod's annotations
     exclude."""
+    if state.kubelet_restarted:
+        reason = (
+            f"the node's kubelet restarted at {state.kubelet_restarted[:40]} and does not list "
+            "every pod that held GPU units yet (it may still count the devices of pods "
+            "deleted before the restart); the gpushare daemon says when it does, and the "
+            "pod is retried"
+        )
+        return NodeVerdict(name, Fit(None, reason), state.generation, "kubelet_restart")
     if ledger.awaiting_list:
         reason = (
             "the extender has not read the cluster's pods yet (it counts the pods bound "
@@ -247,9 +259,65 @@ def judge_node(
     published, code, reason = read_node_state(node, policy.resource_prefix)
     if published is None:
         return NodeVerdict(name, Fit(None, reason), None, code)
-    published = newest(state.nodes.get(name), published)
+    seen = state.nodes.get(name)
+    doubt = implausible(seen, published, state.clock())
+    if doubt:
+        if seen is None:
+            return NodeVerdict(name, Fit(None, doubt), None, "bad_annotation")
+        published = seen  # the request's copy is not believed: what was seen stands
+    else:
+        published = newest(seen, published)
     state.nodes.put(name, published)
     return judge_state(name, published, need, policy, state.ledger, exclude_pod, choice)
+
+
+#: How far a node's ``updated`` may be ahead of the extender's clock (clock skew).
+MAX_CLOCK_SKEW_SECONDS = 60.0
+#: The daemon publishes at most once per this many seconds (``apilink.MIN_PUBLISH_INTERVAL``),
+#: so its generation grows by at most one per this much time between two states.
+MIN_PUBLISH_SECONDS = 0.5
+
+
+def _epoch(updated: str) -> float | None:
+    try:
+        return float(calendar.timegm(time.strptime(updated, "%Y-%m-%dT%H:%M:%SZ")))
+    except (ValueError, OverflowError):
+        return None
+
+
+def implausible(
+    seen: nodestate.NodeGpuState | None, given: nodestate.NodeGpuState, now: float
+) -> str:
+    """Why a state a request carries cannot be the daemon's (issue 32.15), or "".
+
+    A filter's input must never outrank what the daemon publishes: its timestamp may be
+    at most :data:`MAX_CLOCK_SKEW_SECONDS` ahead of the extender's clock, and its
+    generation at most one per :data:`MIN_PUBLISH_SECONDS` ahead of the state seen
+    before, counted between their timestamps (plus the second they round away). A state
+    with no readable timestamp sorts before every dated one. A forged state passing both is
+    replaced by the daemon's next publish (a later timestamp), which it makes at least
+    every 30 s."""
+    when = _epoch(given.updated)
+    if when is None:  # sorts before every dated state: the daemon's next one replaces it
+        return ""
+    if when > now + MAX_CLOCK_SKEW_SECONDS:
+        return (
+            f"the node's gpushare annotation is dated {given.updated}, ahead of the "
+            f"extender's clock by more than {int(MAX_CLOCK_SKEW_SECONDS)} s (a clock skew, "
+            "or not written by the gpushare daemon); not used"
+        )
+    if seen is None:
+        return ""
+    before = _epoch(seen.updated)
+    elapsed = max(0.0, when - before) if before is not None else 0.0
+    # timestamps have whole seconds: one more second's publishes
+    step = int((elapsed + 1.0) / MIN_PUBLISH_SECONDS) + 1
+    if given.generation > seen.generation + step:
+        return (
+            f"the node's gpushare annotation is at generation {given.generation}, more than "
+            f"its daemon can have published since generation {seen.generation}; not used"
+        )
+    return ""
 
 
 def newest(
@@ -258,7 +326,8 @@ def newest(
     """The newer of the node's state seen before and the one a request carries: a
     scheduler's copy may be older than one seen already (the extender has then dropped
     holds that only the newer one confirms). A lower generation with a later timestamp
-    is a daemon that started counting again (its annotation was removed): the new one."""
+    is a daemon that started counting again (its annotation was removed): the new one.
+    Both are plausible (:func:`implausible`)."""
     if seen is None or given.generation >= seen.generation or given.updated > seen.updated:
         return given
     return seen

@@ -40,6 +40,7 @@ from gpushare.kube.podwatch import PodWatch
 from gpushare.kube.stdlibclient import ApiClient, ApiStatusError, KubeConfigError, load_endpoint
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.records import Snapshot
+from gpushare.share.restartholders import RestartHolders
 from gpushare.share.usage import Holder, UsageLedger
 
 log = structlog.get_logger(__name__)
@@ -117,7 +118,8 @@ class ApiLink:
         self.published = threading.Event()  # set after each successful Node update
         self.publishes = 0  # successful Node updates, for tests and metrics
         self._last_cards: (
-            tuple[tuple[nodestate.CardState, ...], tuple[nodestate.WholeCardState, ...]] | None
+            tuple[tuple[nodestate.CardState, ...], tuple[nodestate.WholeCardState, ...], str]
+            | None
         ) = None
         self._api: ApiClient | None = None
         self._wake = threading.Event()
@@ -139,6 +141,9 @@ class ApiLink:
         #: Who holds what whole, the cards' own health and the cards not shared
         #: (:class:`gpushare.node.cardfacts.CardFacts`); None: shared cards only.
         self.card_extras: Callable[[], nodestate.CardExtras] | None = None
+        #: who held units before a kubelet restart and is not listed since (published as
+        #: ``kubeletRestarted`` while any is); None: never said
+        self.restart: RestartHolders | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -272,6 +277,7 @@ class ApiLink:
             memory_unit_mib=self.inventory.memory_unit_mib,
             cards=cards,
             whole=tuple(nodestate.listed_claims(card) for card in extras.whole),
+            kubelet_restarted=self.restart.restarted_at() if self.restart is not None else "",
         )
 
     def labels(self) -> dict[str, str]:
@@ -280,7 +286,7 @@ class ApiLink:
     def _publish_node(self, force: bool = True) -> bool:
         """Write the Node's state; unless ``force``, only if it changed. True if written."""
         state = self.node_state()
-        shown = (state.cards, state.whole)
+        shown = (state.cards, state.whole, state.kubelet_restarted)
         if not force and shown == self._last_cards:
             self.published.set()  # the Node shows the current state already
             return False

@@ -23,6 +23,11 @@ both were added later and are optional. ``wholeGpus`` lists the cards not offere
 shared units (whole-only cards and MIG cards with their MIG devices), so that readers
 see every card the node's ``gpu.count`` label counts.
 
+``kubeletRestarted`` (optional): the UTC time the node's kubelet restarted, present
+while the kubelet's PodResources records do not list again every container that held
+units before the restart (the counts may then understate what the kubelet holds); the
+scheduler extender sends no pod to the node meanwhile.
+
 A card in card mode ``dra`` (served by the DRA driver, not the device plugin) is listed
 under ``wholeGpus`` with ``"mode": "dra"`` and what the driver has prepared on it::
 
@@ -257,6 +262,13 @@ class NodeGpuState:
     memory_unit_mib: int
     cards: tuple[CardState, ...]
     whole: tuple[WholeCardState, ...] = ()
+    #: the UTC time the node's kubelet restarted, while its PodResources records do not
+    #: list every container that held units before ("" when they do; issue 32.14)
+    kubelet_restarted: str = ""
+
+
+#: ``kubeletRestarted`` is a timestamp: longer text is refused.
+MAX_RESTARTED_CHARS = 40
 
 
 def annotation_key(prefix: str) -> str:
@@ -370,6 +382,7 @@ def encode(state: NodeGpuState) -> str:
             "memoryUnitMiB": state.memory_unit_mib,
             "gpus": [_card_json(card) for card in state.cards],
             **({"wholeGpus": [_whole_json(card) for card in state.whole]} if state.whole else {}),
+            **({"kubeletRestarted": state.kubelet_restarted} if state.kubelet_restarted else {}),
         },
         separators=(",", ":"),
     )
@@ -557,10 +570,14 @@ def decode(text: str) -> NodeGpuState:
             )
         )
     whole = _optional(data, "wholeGpus", list, "annotation", [])
+    restarted = _optional(data, "kubeletRestarted", str, "annotation", "")
+    if len(restarted) > MAX_RESTARTED_CHARS:
+        raise ValueError(f"kubeletRestarted is longer than {MAX_RESTARTED_CHARS} characters")
     return NodeGpuState(
         generation=_field(data, "generation", int, "annotation"),
         updated=str(data.get("updated", "")),
         memory_unit_mib=_field(data, "memoryUnitMiB", int, "annotation"),
         cards=tuple(cards),
         whole=tuple(_decode_whole(e, f"wholeGpus[{i}]") for i, e in enumerate(whole)),
+        kubelet_restarted=restarted,
     )

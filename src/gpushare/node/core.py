@@ -11,6 +11,7 @@ and GPU-model choices. :func:`build_core` only builds; :func:`core_parts` and
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,8 @@ from gpushare.share.devices import Inventory, Resource
 from gpushare.share.exclusion import Exclusion
 from gpushare.share.gputype import ChoiceBook
 from gpushare.share.records import Snapshot
-from gpushare.share.usage import UsageLedger
+from gpushare.share.restartholders import RestartHolders
+from gpushare.share.usage import Holder, UsageLedger
 from gpushare.share.whole import (
     ExclusiveDevice,
     ExclusiveLedger,
@@ -83,6 +85,8 @@ class NodeCore:
     reaper: Reaper | None = None
     exclusion: Exclusion | None = None
     exclusive_ledger: ExclusiveLedger = field(default_factory=ExclusiveLedger)
+    #: who held units before a kubelet restart, until the records list them again
+    restart: RestartHolders = field(default_factory=RestartHolders)
     specs: PodSpecBook | None = None
     choices: ChoiceBook | None = None
     api_link: ApiLink | None = None
@@ -102,6 +106,22 @@ class NodeCore:
             + list(found.mig_plan.mig_cards)
             + found.dra_mig_cards
         )
+
+    def records_read_after_restart(self, snapshot: Snapshot) -> None:
+        """Feed :attr:`restart` each records read (a pod the spec book no longer holds
+        is gone)."""
+        specs = self.specs
+        alive = None
+        if specs is not None:
+            book = specs
+
+            def alive(holder: Holder) -> bool:
+                return book.uid_of(holder.namespace, holder.pod) is not None
+
+        kubelet = _identity(self.settings.kubelet_socket)
+        given_up = self.restart.records_read(snapshot.holders_by_card(), alive, kubelet)
+        if given_up:
+            log.warning("kubelet_restart_holders_given_up", holders=given_up)
 
     def shared_allocated(self, resource: Resource, uuid: str, device_ids: Sequence[str]) -> None:
         """A front door answered shared units on card ``uuid``: tell whoever counts."""
@@ -155,6 +175,15 @@ def _modes_and_inventory(
     except ValueError as exc:
         raise StartupError(str(exc)) from None
     return modes, inventory
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """Which kubelet serves now: its socket's inode and change time (None: none)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_ctime_ns)
 
 
 def build_core(
@@ -247,6 +276,7 @@ def build_core(
         reaper=reaper,
     )
     refresher.after_read = core.after_read
+    refresher.read_listeners.append(core.records_read_after_restart)
     mig_prefix = mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix)
     if specs is not None:  # the fast suite hands in a book without a node name
         specs.mig_prefix = mig_prefix  # MIG resources a container must not mix with units
@@ -275,6 +305,8 @@ def _link_to_api(core: NodeCore, specs: PodSpecBook) -> None:
         core.pod_resources.list,
         extra_labels=mig.labels(plan, prefix),
     )
+    link.restart = core.restart
+    core.restart.listeners.append(link.notify_changed)  # published at once
     choices = ChoiceBook(
         prefix, [r.name_with(prefix) for r in Resource] + [name for name, _r, _b in core.whole]
     )

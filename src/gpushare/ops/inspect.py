@@ -12,8 +12,12 @@ are pure functions of that view.
 Pod annotations can be written by whoever may edit the pod, so they are believed only
 as far as the daemon's own Node annotation backs them: the pod is on that node, the
 annotation names one of its cards and a container of the pod that asks for gpushare
-resources, and the containers listed on a card add up to no more than the daemon
-counts there (otherwise the card's list is withheld and says so). Every string is
+resources, the daemon's own list of the pods on that card (``pods``, from the kubelet's
+records) names the pod with at least the units its containers there ask, and the
+containers listed on a card add up to no more than the daemon counts there (otherwise
+the card's list is withheld and says so). A pod whose annotation names a card the
+daemon does not list it on is not shown there (issue 32.16), only counted as
+unbacked. Every string is
 printed through :func:`gpushare.ops.printable.printable`.
 """
 
@@ -24,7 +28,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import yaml
@@ -46,6 +50,8 @@ class ContainerOnCard:
     container: str
     memory_units: int
     core_units: int
+    #: the keys the daemon may list the pod under: its UID, and ``namespace/name``
+    pod_keys: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -54,14 +60,50 @@ class InspectedCard:
     containers: tuple[ContainerOnCard, ...]
     #: the pods' annotations claim more than the daemon counts on the card: not listed
     disputed: bool = False
+    #: containers whose pod annotation names this card but whose pod the daemon's own
+    #: list for the card does not back: not listed (a claim, not a fact)
+    unbacked: int = 0
+
+
+def _backed(
+    card: nodestate.CardState, claimed: Sequence[ContainerOnCard]
+) -> tuple[list[ContainerOnCard], int]:
+    """The claimed containers the daemon's per-card pod list backs: the pod is listed
+    there and its containers claiming the card ask no more than the daemon counts for it.
+    With no list (an older daemon) every claim passes; with a truncated list, a pod the
+    list leaves out is kept (the card's total still bounds it)."""
+    if card.pods is None:
+        return list(claimed), 0
+    held = {key: (memory, core) for key, memory, core in card.pods}
+    by_pod: dict[tuple[str, str], list[ContainerOnCard]] = {}
+    for c in claimed:
+        by_pod.setdefault((c.namespace, c.pod), []).append(c)
+    kept: list[ContainerOnCard] = []
+    unbacked = 0
+    for containers in by_pod.values():
+        units = next((held[k] for k in containers[0].pod_keys if k in held), None)
+        if units is None:
+            if card.pods_truncated:
+                kept += containers
+            else:
+                unbacked += len(containers)
+            continue
+        memory = sum(c.memory_units for c in containers)
+        core = sum(c.core_units for c in containers)
+        if memory > units[0] or core > units[1]:
+            unbacked += len(containers)
+        else:
+            kept += containers
+    return kept, unbacked
 
 
 def _inspected_card(card: nodestate.CardState, claimed: Sequence[ContainerOnCard]) -> InspectedCard:
-    memory = sum(c.memory_units for c in claimed)
-    core = sum(c.core_units for c in claimed)
+    kept, unbacked = _backed(card, claimed)
+    memory = sum(c.memory_units for c in kept)
+    core = sum(c.core_units for c in kept)
     if memory > card.memory_units_used or core > card.core_units_used:
-        return InspectedCard(card, (), disputed=True)
-    return InspectedCard(card, tuple(claimed))
+        return InspectedCard(card, (), disputed=True, unbacked=unbacked)
+    return InspectedCard(card, tuple(kept), unbacked=unbacked)
 
 
 @dataclass(frozen=True)
@@ -158,6 +200,8 @@ def _containers_by_card(
         annotations = meta.get("annotations")
         annotations = annotations if isinstance(annotations, Mapping) else {}
         named = {nodestate.pod_annotation_key(prefix, name): name for name in specs}
+        namespace = str(meta.get("namespace") or "default")
+        keys = (str(meta.get("uid") or ""), f"{namespace}/{meta.get('name')}")
         for key, uuid in sorted(annotations.items()):
             name = named.get(key) if isinstance(key, str) and key.startswith(marker) else None
             if name is None:  # not the daemon's key for a container of this pod
@@ -171,11 +215,12 @@ def _containers_by_card(
                 continue
             found.setdefault((node_name, str(uuid)), []).append(
                 ContainerOnCard(
-                    str(meta.get("namespace") or "default"),
+                    namespace,
                     str(meta.get("name")),
                     name,
                     memory,
                     core,
+                    tuple(k for k in keys if k),
                 )
             )
     return found
@@ -348,6 +393,14 @@ def render_table(view: ClusterView, details: bool = False, wide: bool = False) -
                 rows.append(
                     ["", "  (not listed: pod annotations claim more than the daemon counts)"]
                 )
+            if details and view_card.unbacked:
+                rows.append(
+                    [
+                        "",
+                        f"  (not listed: {_count(view_card.unbacked, 'container')} whose pod "
+                        "annotation names this card, not backed by the daemon's pod list)",
+                    ]
+                )
             if details:
                 for c in view_card.containers:
                     rows.append(
@@ -508,6 +561,7 @@ def view_data(view: ClusterView) -> dict[str, Any]:
                 "core_units": c.card.core_units,
                 "core_units_used": c.card.core_units_used,
                 **({"containers_disputed": True} if c.disputed else {}),
+                **({"containers_unbacked": c.unbacked} if c.unbacked else {}),
                 "containers": [
                     {
                         "namespace": x.namespace,

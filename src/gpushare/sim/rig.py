@@ -58,6 +58,12 @@ class DaemonNode:
             Path(self.settings.kubelet_dir), Path(self.settings.pod_resources_socket), seed=seed
         )
         self.specs = PodSpecBook(self.settings.resource_prefix)
+        # The rig is the API server: every pod is in the book before the kubelet sees
+        # it, so the daemon's fresh re-read of the pods on a miss (its pod watch's
+        # ``refresh_now``) would find nothing new and "succeeds" at once. Without it a
+        # Running holder's spec is unknown and the daemon pairs by the fallback, which
+        # a real node never does (issue 32.18).
+        self.specs.on_miss = lambda: True
         self.daemon: Daemon | None = None
         #: why each admission failed ("node/pod: reason"), in order
         self.failures: list[str] = []

@@ -193,3 +193,24 @@ def test_a_missing_kubeconfig_names_what_failed_and_how_to_turn_the_link_off(
     message = str(error.value)
     assert f"the kubeconfig {tmp_path / 'missing-kubeconfig'}" in message
     assert "--node-name ''" in message and "\n" not in message
+
+
+def test_a_kubelet_restart_is_published_until_the_records_list_every_holder_again(
+    node: Node, api: KubeApiDouble
+) -> None:
+    """Issue 32.14: the extender sends no pod to the node while ``kubeletRestarted``
+    is published; the daemon clears it once the restarted kubelet lists the pod again."""
+    node.start(cards(TESLA_P4, 2), node_name=NODE)
+    eventually(lambda: node_annotation(api))
+    add_pod(api, node, "running", {node.memory: 5})
+    node.kubelet.admit("running", "main", {node.memory: 5})
+    assert node.daemon is not None
+    assert node.daemon.core.refresher.refresh_once()
+    count = len(node.kubelet.registrations)
+    node.kubelet.restart(empty_pod_manager=True)
+    assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 5.0)
+    state = eventually(lambda: (s := node_annotation(api)) and s.kubelet_restarted and s)
+    assert state.kubelet_restarted.endswith("Z")
+    node.kubelet.pods_synced()  # the first batch admitted: every pod listed again
+    node.daemon.core.refresher.refresh_once()
+    eventually(lambda: (s := node_annotation(api)) and not s.kubelet_restarted)

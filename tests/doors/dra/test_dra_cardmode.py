@@ -36,11 +36,15 @@ def test_a_dra_card_is_in_the_slice_and_in_no_device_plugin_list(
         dra_kubelet_root=str(node.root / "kubelet"),
         dra_cdi_dir=str(node.root / "cdi"),
     )
+    daemon = node.daemon
+    assert daemon is not None
+    # no slice before the kubelet has registered the plugin (issue 32.19)
+    assert poll(lambda: "register the DRA plugin" in daemon.readiness()[1], 10)
+    assert slices(api) == []
+    register_dra(node)
     assert list(node.kubelet.devices(gpu(node))) == [gpu_uuid(2)]
     assert {card_of(d) for d in node.kubelet.devices(node.memory)} == {gpu_uuid(1), gpu_uuid(2)}
     assert {card_of(d) for d in node.kubelet.devices(node.core)} == {gpu_uuid(1), gpu_uuid(2)}
-    daemon = node.daemon
-    assert daemon is not None
 
     def slice_devices() -> list[str]:
         found = api.get(
@@ -110,8 +114,20 @@ def _slice_devices(api: KubeApiDouble) -> list[str]:
     return [d["name"] for d in (found or {}).get("spec", {}).get("devices", [])]
 
 
+def slices(api: KubeApiDouble) -> list[str]:
+    return [key for key in api.objects if "/resourceslices/" in key]
+
+
+def register_dra(node: Node) -> None:
+    """Register the DRA plugin as the kubelet's plugin watcher does."""
+    kubelet = DraKubelet(node.root / "kubelet")
+    assert poll(lambda: bool(kubelet.registration_sockets()), 10)
+    kubelet.register()
+    kubelet.close()
+
+
 def _start_mig_node(node: Node, modes: str, **overrides: Any) -> Daemon:
-    return start_mig(
+    daemon = start_mig(
         node,
         [reference_a100(), cards(TESLA_P4, 2)[1]],
         card_modes=modes,
@@ -121,6 +137,8 @@ def _start_mig_node(node: Node, modes: str, **overrides: Any) -> Daemon:
         dra_cdi_dir=str(node.root / "cdi"),
         **overrides,
     )
+    register_dra(node)
+    return daemon
 
 
 def test_a_mig_card_in_dra_mode_leaves_the_mig_plan_and_its_devices_are_in_the_slice(
@@ -234,6 +252,7 @@ def test_single_strategy_looks_only_at_the_mig_cards_it_serves(
         dra_kubelet_root=str(node.root / "kubelet"),
         dra_cdi_dir=str(node.root / "cdi"),
     )
+    register_dra(node)
     assert node.kubelet.wait_for(lambda k: k.healthy_count("gpushare.io/gpu") == 7)
     assert poll(lambda: len(_slice_devices(api)) == 4, 10)
 

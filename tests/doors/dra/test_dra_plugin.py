@@ -516,3 +516,53 @@ def test_health_streams_hold_no_worker_and_prepare_is_still_answered(dra: DraNod
         for stream in streams:
             stream.cancel()
         channel.close()
+
+
+# -- issue 32.19: devices are offered only once the kubelet can prepare them ----------
+
+
+def _slice_keys(api: KubeApiDouble) -> list[str]:
+    return sorted(key for key in api.objects if "/resourceslices/" in key)
+
+
+def test_slices_wait_for_the_kubelets_registration_and_return_on_re_registration(
+    short_tmp: Path, api: KubeApiDouble
+) -> None:
+    # a long resync: only the registration itself may prompt the publishing
+    node = DraNode(short_tmp, api, dra_resync_seconds=3600.0)
+    try:
+        part = node.build()
+        part.start()
+        node.part = part
+        assert wait_until(lambda: part.publisher.waiting != "")
+        assert _slice_keys(api) == []  # the kubelet cannot prepare yet: nothing offered
+        ready, why = part.ready()
+        assert not ready and "waiting for the kubelet to register the DRA plugin" in why
+        assert node.kubelet.register() == "v1.DRAPlugin"
+        assert wait_until(lambda: bool(_slice_keys(api)))
+        assert wait_until(lambda: part.ready() == (True, "dra: slices published"))
+        # a restarted kubelet deletes the node's slices and registers the plugin again
+        for key in _slice_keys(api):
+            api.delete(
+                "ResourceSlice", key.rsplit("/", 1)[1], api_version="resource.k8s.io/v1"
+            )
+        assert _slice_keys(api) == []
+        DraKubelet(node.kubelet_root).register()
+        assert wait_until(lambda: bool(_slice_keys(api)))
+    finally:
+        node.stop()
+
+
+def test_a_refused_registration_offers_nothing(short_tmp: Path, api: KubeApiDouble) -> None:
+    node = DraNode(short_tmp, api)
+    try:
+        part = node.build()
+        part.start()
+        node.part = part
+        with pytest.raises(RegistrationRefused):
+            node.kubelet.register(versions=["v2.DRAPlugin"])
+        assert part.publisher.wait_passes(2, 10)
+        assert _slice_keys(api) == []
+        assert "the kubelet refused the plugin" in part.ready()[1]
+    finally:
+        node.stop()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import unicodedata
+from dataclasses import replace
+from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -84,3 +86,90 @@ def test_pods_not_on_a_gpu_are_not_listed() -> None:
     view = build_view(nodes, [*pods, pending, elsewhere, no_gpu, wrong_key], PREFIX)
     listed = {c.pod for card in view.nodes[0].cards for c in card.containers}
     assert listed == {"real"}
+
+
+# -- issue 32.16: the daemon's per-card pod list is the fact, a pod annotation a claim --
+
+
+def _listed_cards(
+    lists: list[tuple[int, dict[str, tuple[int, int]]]], truncated: bool = False
+) -> list[nodestate.CardState]:
+    """P4 cards with the daemon's per-card pod lists: (memory units used, {uid: units})."""
+    return [
+        replace(
+            _card(index, P4, used, sum(c for _, c in pods.values())),
+            pods=tuple((uid, m, c) for uid, (m, c) in sorted(pods.items())),
+            pods_truncated=truncated,
+        )
+        for index, (used, pods) in enumerate(lists)
+    ]
+
+
+def _with_uid(pod: dict[str, Any], uid: str) -> dict[str, Any]:
+    pod["metadata"]["uid"] = uid
+    return pod
+
+
+def test_a_pod_annotation_naming_a_card_the_daemon_does_not_list_it_on_is_not_shown() -> None:
+    # The daemon counts pod A's 4 units on card 0 and lists only B on card 1 (whose
+    # count holds 4 more, an Allocate its records do not show yet). A's own annotation
+    # names card 1: the sums would let it pass; the list does not.
+    cards = _listed_cards([(4, {"uid-a": (4, 0)}), (8, {"uid-b": (4, 0)})])
+    nodes = [_node("gpu-a", cards, 3)]
+    pods = [
+        _with_uid(_pod("a", "gpu-a", {"main": (4, 0, cards[1].uuid)}), "uid-a"),
+        _with_uid(_pod("b", "gpu-a", {"main": (4, 0, cards[1].uuid)}), "uid-b"),
+    ]
+    view = build_view(nodes, pods, PREFIX)
+    on_card = [[c.pod for c in card.containers] for card in view.nodes[0].cards]
+    assert on_card == [[], ["b"]]
+    assert view.nodes[0].cards[1].unbacked == 1
+    table = render_table(view, details=True)
+    assert "ml/a/main" not in table
+    assert "1 container whose pod annotation names this card, not backed" in table
+    gpus = json.loads(render_json(view))["nodes"][0]["gpus"]
+    assert gpus[1]["containers"][0]["pod"] == "b" and gpus[1]["containersUnbacked"] == 1
+
+
+def test_a_pod_claiming_more_units_than_the_daemon_lists_for_it_is_not_shown() -> None:
+    cards = _listed_cards([(12, {"uid-a": (4, 0)})])
+    pods = [_with_uid(_pod("a", "gpu-a", {"main": (12, 0, cards[0].uuid)}), "uid-a")]
+    card = build_view([_node("gpu-a", cards, 3)], pods, PREFIX).nodes[0].cards[0]
+    assert card.containers == () and card.unbacked == 1
+
+
+def test_a_pod_listed_by_namespace_and_name_is_shown() -> None:
+    cards = _listed_cards([(4, {"ml/a": (4, 0)})])
+    pods = [_with_uid(_pod("a", "gpu-a", {"main": (4, 0, cards[0].uuid)}), "uid-a")]
+    card = build_view([_node("gpu-a", cards, 3)], pods, PREFIX).nodes[0].cards[0]
+    assert [c.pod for c in card.containers] == ["a"] and card.unbacked == 0
+
+
+@given(
+    holders=st.lists(st.integers(0, 2), min_size=1, max_size=6),
+    claims=st.lists(st.integers(0, 2), min_size=6, max_size=6),
+    truncated=st.booleans(),
+)
+def test_every_container_shown_on_a_card_is_backed_by_that_cards_pod_list(
+    holders: list[int], claims: list[int], truncated: bool
+) -> None:
+    # pod i holds 2 units on card holders[i] (the daemon's fact); its annotation
+    # names card claims[i] (its claim). Shown on a card: only pods the daemon lists
+    # there, or (a truncated list) no more than the card's count.
+    lists: list[dict[str, tuple[int, int]]] = [{}, {}, {}]
+    for i, card in enumerate(holders):
+        lists[card][f"uid-{i}"] = (2, 0)
+    cards = _listed_cards([(2 * len(p), p) for p in lists], truncated)
+    pods = [
+        _with_uid(_pod(f"p{i}", "gpu-a", {"main": (2, 0, cards[claims[i]].uuid)}), f"uid-{i}")
+        for i in range(len(holders))
+    ]
+    view = build_view([_node("gpu-a", cards, 3)], pods, PREFIX)
+    for index, card in enumerate(view.nodes[0].cards):
+        shown = {c.pod for c in card.containers}
+        backed = {f"p{i}" for i, h in enumerate(holders) if h == index and claims[i] == index}
+        if not truncated:
+            assert shown == backed
+        else:
+            assert backed <= shown or card.disputed
+            assert sum(c.memory_units for c in card.containers) <= card.card.memory_units_used

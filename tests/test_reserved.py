@@ -14,12 +14,14 @@ from typing import Any
 
 import pytest
 import yaml
+from conftest import TESLA_P4, Node, cards
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_deploy_manifests import chart_objects
 from test_policies import CREATE_POD, POLICIES, Policy
 
 from gpushare.share import reserved
+from gpushare.sim.kubelet import AdmissionError
 
 ROOT = POLICIES.parent.parent
 
@@ -312,3 +314,55 @@ def test_a_prefix_is_unsafe_exactly_when_some_key_would_form_a_reserved_name() -
             )
     for prefix in ("APP_", "LD_X", "CUDA_X", "NVIDIA_X", "GPUX_", "X"):
         assert not reserved.prefix_can_form_reserved(prefix)
+
+
+# -- the daemon's own check, where the policy is off -------------------------------------------
+
+
+def _tampering_pod(node: Node, name: str, **extra: Any) -> dict[str, Any]:
+    pod = node.pod(name, {node.memory: 4})
+    pod["spec"]["containers"][0].update(extra)
+    assert node.specs is not None
+    node.specs.update(pod)
+    return pod
+
+
+def _failed(node: Node, pod: dict[str, Any]) -> None:
+    """What the kubelet does with a pod whose admission was refused."""
+    assert node.specs is not None
+    node.specs.update(pod | {"status": {"phase": "Failed"}})
+
+
+def test_without_the_policy_the_daemon_refuses_the_issue_pod_and_serves_the_honest_one(
+    node: Node,
+) -> None:
+    """Before the fix the issue's pod was admitted with ``CUDA_DEVICE_MEMORY_LIMIT_0=1024m``
+    in its answer and ``99999m`` after it in its spec: the runtime kept the tenant's."""
+    node.with_pod_specs()
+    node.start(cards(TESLA_P4, 1))
+    greedy = _tampering_pod(node, "greedy", env=ISSUE_ENV)
+    with pytest.raises(AdmissionError) as refused:
+        node.kubelet.admit("greedy", "main", {node.memory: 4})
+    message = str(refused.value)
+    assert "container greedy/main sets CUDA_DEVICE_MEMORY_LIMIT_0" in message
+    assert "\n" not in message
+    assert not node.kubelet.admitted
+    _failed(node, greedy)
+    _tampering_pod(node, "honest", env=[{"name": "APP_MODE", "value": "x"}])
+    record = node.kubelet.admit("honest", "main", {node.memory: 4})
+    assert record.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "1024m"
+
+
+def test_under_cdi_the_daemon_refuses_only_mounts_over_the_interposer(node: Node) -> None:
+    node.with_pod_specs()
+    node.start(cards(TESLA_P4, 1), device_list_strategy="cdi-cri")
+    mounts = _tampering_pod(
+        node,
+        "mounts",
+        volumeMounts=[{"name": "v", "mountPath": "/usr/local/vgpu/cache/vgpu.cache"}],
+    )
+    with pytest.raises(AdmissionError, match="mounts a volume at /usr/local/vgpu/cache"):
+        node.kubelet.admit("mounts", "main", {node.memory: 4})
+    _failed(node, mounts)
+    _tampering_pod(node, "env-only", env=ISSUE_ENV)
+    assert node.kubelet.admit("env-only", "main", {node.memory: 4}).card()

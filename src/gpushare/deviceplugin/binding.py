@@ -47,6 +47,7 @@ from gpushare.share.placement import (
     preferred_units,
 )
 from gpushare.share.records import Snapshot
+from gpushare.share.reserved import refusal as reserved_refusal
 from gpushare.share.unitindex import UnitIndex
 from gpushare.share.usage import Holder, UsageLedger
 
@@ -368,6 +369,20 @@ class Binder:
             if asker is not None:
                 message = core_without_memory(asker, self.specs.prefix)
                 raise BindingError(Refusal.PRECONDITION, message)
+        if decision.partner is None and self.specs is not None:
+            # A container of its own (its partner, if any, was checked with it): does its
+            # own spec set what carries its limits? The admission policy refuses such a
+            # pod; this is the second line where the policy is off (docs/security.md).
+            holder = decision.holder
+            if holder is None and snapshot is not None and seen is not None:
+                holder = snapshot.holder_of(seen.resource, seen.device_ids[0])
+            tamperer = self.specs.asking_tampering(resource, len(device_ids), snapshot, holder)
+            if tamperer is not None:
+                who, why = tamperer
+                log.warning("reserved_settings_refused", holder=str(who), reason=why)
+                raise BindingError(
+                    Refusal.PRECONDITION, reserved_refusal(f"{who.pod}/{who.container}", why)
+                )
         with self._lock:
             partner = decision.partner
             if partner is not None and partner.card != uuid:

@@ -26,6 +26,7 @@ from gpushare.base.quantity import whole_units
 from gpushare.kube.nodestate import decode_plan, plan_annotation_key
 from gpushare.share.devices import Resource
 from gpushare.share.placement import Need
+from gpushare.share.reserved import tampering
 from gpushare.share.records import Snapshot
 from gpushare.share.usage import Holder
 
@@ -77,6 +78,10 @@ class SpecContainer:
     #: Whole-card or MIG resources it asks for besides its shared units (full names): a
     #: container that mixes the kinds is refused (the two would name different cards).
     exclusive: tuple[str, ...] = ()
+    #: Why its own spec may change its limits (``share/reserved.py``): through env or
+    #: mounts (the ``envvar`` strategy), through mounts alone (CDI); "" when it cannot.
+    tampers: str = ""
+    tampers_by_mounts: str = ""
 
     @property
     def need(self) -> Need:
@@ -120,8 +125,13 @@ def _plan_from(containers: Sequence[SpecContainer]) -> list[Need]:
 class PodSpecBook:
     """Thread-safe record of the GPU containers of pods on this node."""
 
-    def __init__(self, prefix: str, mig_prefix: str | None = None) -> None:
+    def __init__(
+        self, prefix: str, mig_prefix: str | None = None, *, check_env: bool = True
+    ) -> None:
         self.prefix = prefix
+        #: Whether a container's own env can override what its answer sets (the
+        #: ``envvar`` strategy); with CDI the daemon's CDI edits replace it.
+        self.check_env = check_env
         #: the prefix MIG devices are served under (``nvidia.com`` with ``migNvidiaNames``)
         self.mig_prefix = mig_prefix or prefix
         #: Called when no known pod can be the one asking; re-reads the pods, True if done.
@@ -145,6 +155,8 @@ class PodSpecBook:
                         wanted,
                         init=not restartable,
                         exclusive=exclusive_requests(container, self.prefix, self.mig_prefix),
+                        tampers=tampering(container, env=True) or "",
+                        tampers_by_mounts=tampering(container, env=False) or "",
                     )
                 )
         for container in spec.get("containers") or []:
@@ -155,6 +167,8 @@ class PodSpecBook:
                         str(container.get("name", "")),
                         wanted,
                         exclusive=exclusive_requests(container, self.prefix, self.mig_prefix),
+                        tampers=tampering(container, env=True) or "",
+                        tampers_by_mounts=tampering(container, env=False) or "",
                     )
                 )
         phase = str((pod.get("status") or {}).get("phase", "Pending"))
@@ -367,6 +381,38 @@ class PodSpecBook:
         if not candidates or any(plan[0].memory for _holder, plan in candidates):
             return None
         return candidates[0][0]
+
+    def asking_tampering(
+        self,
+        resource: Resource,
+        size: int,
+        records: Snapshot | None,
+        last_holder: Holder | None = None,
+    ) -> tuple[Holder, str] | None:
+        """A container that may be the one now asking ``size`` units of ``resource`` and
+        whose own spec sets what carries its limits (reserved env names, envFrom without
+        a safe prefix, a volume over the interposer: ``share/reserved.py``), with why;
+        None when no candidate does or the book cannot tell which container asks.
+
+        Any candidate suffices (fail safe): with the admission policy in force such a
+        pod never reaches the node, so this only speaks where the policy is off."""
+        for holder, _plan in self._asking(resource, size, records, last_holder):
+            for entry in self._entries_of(holder):
+                for container in entry.containers:
+                    if container.name != holder.container:
+                        continue
+                    reason = container.tampers if self.check_env else container.tampers_by_mounts
+                    if reason:
+                        return holder, reason
+        return None
+
+    def _entries_of(self, holder: Holder) -> list[_Entry]:
+        with self._lock:
+            return [
+                e
+                for e in self._pods.values()
+                if (e.namespace, e.name) == (holder.namespace, holder.pod)
+            ]
 
     def _asking(
         self,

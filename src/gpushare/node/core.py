@@ -157,9 +157,7 @@ def _modes_and_inventory(
     return modes, inventory
 
 
-def build_core(
-    settings: Settings, found: Discovered, specs: PodSpecBook | None = None
-) -> NodeCore:
+def build_core(settings: Settings, found: Discovered, specs: PodSpecBook | None = None) -> NodeCore:
     """Build the core (nothing started); :class:`StartupError` when it cannot work."""
     modes, inventory = _modes_and_inventory(settings, found)
     if not found.gpus and not found.mig_plan.mig_devices and not found.dra_mig_cards:
@@ -224,9 +222,7 @@ def build_core(
         mig_of={**found.mig_plan.mig_of(), **dra_mig_of},
         mig_board=mig_health,
     )
-    refresher = UsageRefresher(
-        pod_resources.list, usage, settings.pod_resources_interval_seconds
-    )
+    refresher = UsageRefresher(pod_resources.list, usage, settings.pod_resources_interval_seconds)
     core = NodeCore(
         settings,
         found,
@@ -250,11 +246,18 @@ def build_core(
     mig_prefix = mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix)
     if specs is not None:  # the fast suite hands in a book without a node name
         specs.mig_prefix = mig_prefix  # MIG resources a container must not mix with units
+        specs.check_env = not core.listing.uses_cdi  # CDI edits replace the pod's env
     core.specs = specs
     if whole:
         core.exclusion = Exclusion(health, offer, usage, whole, core.exclusive_ledger)
     if settings.node_name:
-        _link_to_api(core, specs or PodSpecBook(settings.resource_prefix, mig_prefix))
+        _link_to_api(
+            core,
+            specs
+            or PodSpecBook(
+                settings.resource_prefix, mig_prefix, check_env=not core.listing.uses_cdi
+            ),
+        )
     return core
 
 
@@ -370,4 +373,3 @@ def late_parts(core: NodeCore) -> list[Part]:
         parts.append(Task("api-link", core.api_link.start, core.api_link.stop))
     parts.append(Task("usage-refresher", core.refresher.start, core.refresher.stop))
     return parts
-

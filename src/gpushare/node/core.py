@@ -72,7 +72,7 @@ class NodeCore:
     listing: DeviceListing  # how every front door names cards and MIG devices
     health: HealthBoard  # the cards' own health
     mig_health: HealthBoard  # MIG cards and devices, by UUID (see health.expand)
-    offer: HealthBoard  # what the shared units are offered from
+    availability: HealthBoard  # whether each card's shared units can be offered now
     usage: UsageLedger
     whole: list[WholeResource]
     pod_resources: PodResourcesClient
@@ -182,9 +182,9 @@ def build_core(settings: Settings, found: Discovered, specs: PodSpecBook | None 
         whole.append((resource.name_with(settings.resource_prefix), resource, board))
     # With whole cards, shared units are offered from the cards' health and from
     # whether a card is held whole (see exclusion.py).
-    offer = health
+    availability = health
     if whole:
-        offer = HealthBoard(inventory.cards, event="gpu_offer_changed", level="info")
+        availability = HealthBoard(inventory.cards, event="gpu_offer_changed", level="info")
     usage = UsageLedger(inventory)
     plan = found.mig_plan
     card_facts = CardFacts(  # holders, each card's own health, cards not shared
@@ -232,7 +232,7 @@ def build_core(settings: Settings, found: Discovered, specs: PodSpecBook | None 
         device_listing(settings, found.gpus, found.mig_plan, found.dra_mig_cards),
         health,
         mig_health,
-        offer,
+        availability,
         usage,
         whole,
         pod_resources,
@@ -249,7 +249,7 @@ def build_core(settings: Settings, found: Discovered, specs: PodSpecBook | None 
         specs.check_env = not core.listing.uses_cdi  # CDI edits replace the pod's env
     core.specs = specs
     if whole:
-        core.exclusion = Exclusion(health, offer, usage, whole, core.exclusive_ledger)
+        core.exclusion = Exclusion(health, availability, usage, whole, core.exclusive_ledger)
     if settings.node_name:
         _link_to_api(
             core,
@@ -273,7 +273,7 @@ def _link_to_api(core: NodeCore, specs: PodSpecBook) -> None:
         prefix,
         core.inventory,
         core.usage,
-        core.offer,
+        core.availability,
         specs,
         core.pod_resources.list,
         extra_labels=mig.labels(plan, prefix),

@@ -32,7 +32,7 @@ import structlog
 
 from gpushare.gpu.health import HealthBoard
 from gpushare.host.library import prepare_cache_dir
-from gpushare.kube.podspecs import PodSpecBook
+from gpushare.kube.podspecs import PodSpecBook, asking_tampering
 from gpushare.share import answers
 from gpushare.share.answers import Answer, DeviceListing, Enforcement
 from gpushare.share.devices import InvalidDeviceIds, Inventory, Resource, format_device_id
@@ -131,6 +131,29 @@ def other_free_in(
     for uuid in unlisted:
         other_free[uuid] = 0
     return other_free, unlisted
+
+
+def _refuse_tampering(
+    specs: PodSpecBook,
+    resource: Resource,
+    size: int,
+    snapshot: Snapshot | None,
+    decision: Decision,
+    seen: Binding | None,
+) -> None:
+    """Refuse the container now asking if its own spec sets what carries its limits
+    (``share/reserved.py``). The admission policy refuses such a pod; this is the second
+    line where the policy is off (docs/security.md)."""
+    holder = decision.holder
+    if holder is None and snapshot is not None and seen is not None:
+        holder = snapshot.holder_of(seen.resource, seen.device_ids[0])
+    tamperer = asking_tampering(specs, resource, size, snapshot, holder)
+    if tamperer is not None:
+        who, why = tamperer
+        log.warning("reserved_settings_refused", holder=str(who), reason=why)
+        raise BindingError(
+            Refusal.PRECONDITION, reserved_refusal(f"{who.pod}/{who.container}", why)
+        )
 
 
 class Binder:
@@ -374,19 +397,8 @@ class Binder:
                 message = core_without_memory(asker, self.specs.prefix)
                 raise BindingError(Refusal.PRECONDITION, message)
         if decision.partner is None and self.specs is not None:
-            # A container of its own (its partner, if any, was checked with it): does its
-            # own spec set what carries its limits? The admission policy refuses such a
-            # pod; this is the second line where the policy is off (docs/security.md).
-            holder = decision.holder
-            if holder is None and snapshot is not None and seen is not None:
-                holder = snapshot.holder_of(seen.resource, seen.device_ids[0])
-            tamperer = self.specs.asking_tampering(resource, len(device_ids), snapshot, holder)
-            if tamperer is not None:
-                who, why = tamperer
-                log.warning("reserved_settings_refused", holder=str(who), reason=why)
-                raise BindingError(
-                    Refusal.PRECONDITION, reserved_refusal(f"{who.pod}/{who.container}", why)
-                )
+            # A container of its own (its partner, if any, was checked with it)
+            _refuse_tampering(self.specs, resource, len(device_ids), snapshot, decision, seen)
         with self._lock:
             partner = decision.partner
             if partner is not None and partner.card != uuid:

@@ -26,8 +26,8 @@ from gpushare.base.quantity import whole_units
 from gpushare.kube.nodestate import decode_plan, plan_annotation_key
 from gpushare.share.devices import Resource
 from gpushare.share.placement import Need
-from gpushare.share.reserved import tampering
 from gpushare.share.records import Snapshot
+from gpushare.share.reserved import tampering
 from gpushare.share.usage import Holder
 
 TERMINAL_PHASES = ("Succeeded", "Failed")
@@ -129,8 +129,7 @@ class PodSpecBook:
         self, prefix: str, mig_prefix: str | None = None, *, check_env: bool = True
     ) -> None:
         self.prefix = prefix
-        #: Whether a container's own env can override what its answer sets (the
-        #: ``envvar`` strategy); with CDI the daemon's CDI edits replace it.
+        #: A container's env can override its answer's (``envvar``; CDI edits replace it)
         self.check_env = check_env
         #: the prefix MIG devices are served under (``nvidia.com`` with ``migNvidiaNames``)
         self.mig_prefix = mig_prefix or prefix
@@ -145,32 +144,11 @@ class PodSpecBook:
         spec = pod.get("spec") or {}
         uid = str(meta.get("uid", ""))
         containers = []
-        for container in spec.get("initContainers") or []:
-            wanted = container_requests(container, self.prefix)
-            if any(wanted.values()):
-                restartable = container.get("restartPolicy") == "Always"
-                containers.append(
-                    SpecContainer(
-                        str(container.get("name", "")),
-                        wanted,
-                        init=not restartable,
-                        exclusive=exclusive_requests(container, self.prefix, self.mig_prefix),
-                        tampers=tampering(container, env=True) or "",
-                        tampers_by_mounts=tampering(container, env=False) or "",
-                    )
-                )
-        for container in spec.get("containers") or []:
-            wanted = container_requests(container, self.prefix)
-            if any(wanted.values()):
-                containers.append(
-                    SpecContainer(
-                        str(container.get("name", "")),
-                        wanted,
-                        exclusive=exclusive_requests(container, self.prefix, self.mig_prefix),
-                        tampers=tampering(container, env=True) or "",
-                        tampers_by_mounts=tampering(container, env=False) or "",
-                    )
-                )
+        for init, listed in ((True, spec.get("initContainers")), (False, spec.get("containers"))):
+            for container in listed or []:
+                wanted = container_requests(container, self.prefix)
+                if any(wanted.values()):
+                    containers.append(self._container(container, wanted, init=init))
         phase = str((pod.get("status") or {}).get("phase", "Pending"))
         if not uid or not containers or phase in TERMINAL_PHASES:
             return uid, None
@@ -184,6 +162,19 @@ class PodSpecBook:
         )
         plan = tuple(sorted(decode_plan(text).items()))
         return uid, _Entry(namespace, name, phase, tuple(containers), deleting, plan)
+
+    def _container(
+        self, container: Mapping[str, Any], wanted: dict[Resource, int], *, init: bool
+    ) -> SpecContainer:
+        """A GPU container as kept (an init container not a sidecar runs alone)."""
+        return SpecContainer(
+            str(container.get("name", "")),
+            wanted,
+            init=init and container.get("restartPolicy") != "Always",
+            exclusive=exclusive_requests(container, self.prefix, self.mig_prefix),
+            tampers=tampering(container, env=True) or "",
+            tampers_by_mounts=tampering(container, env=False) or "",
+        )
 
     def update(self, pod: Mapping[str, Any]) -> None:
         """Record (or replace) a pod as the API server shows it."""
@@ -382,38 +373,6 @@ class PodSpecBook:
             return None
         return candidates[0][0]
 
-    def asking_tampering(
-        self,
-        resource: Resource,
-        size: int,
-        records: Snapshot | None,
-        last_holder: Holder | None = None,
-    ) -> tuple[Holder, str] | None:
-        """A container that may be the one now asking ``size`` units of ``resource`` and
-        whose own spec sets what carries its limits (reserved env names, envFrom without
-        a safe prefix, a volume over the interposer: ``share/reserved.py``), with why;
-        None when no candidate does or the book cannot tell which container asks.
-
-        Any candidate suffices (fail safe): with the admission policy in force such a
-        pod never reaches the node, so this only speaks where the policy is off."""
-        for holder, _plan in self._asking(resource, size, records, last_holder):
-            for entry in self._entries_of(holder):
-                for container in entry.containers:
-                    if container.name != holder.container:
-                        continue
-                    reason = container.tampers if self.check_env else container.tampers_by_mounts
-                    if reason:
-                        return holder, reason
-        return None
-
-    def _entries_of(self, holder: Holder) -> list[_Entry]:
-        with self._lock:
-            return [
-                e
-                for e in self._pods.values()
-                if (e.namespace, e.name) == (holder.namespace, holder.pod)
-            ]
-
     def _asking(
         self,
         resource: Resource,
@@ -463,6 +422,32 @@ class PodSpecBook:
                 holder = Holder(entry.namespace, entry.name, first.name)
                 found.append((holder, _plan_from(entry.containers)))
         return found
+
+
+def asking_tampering(
+    book: PodSpecBook,
+    resource: Resource,
+    size: int,
+    records: Snapshot | None,
+    last_holder: Holder | None = None,
+) -> tuple[Holder, str] | None:
+    """A container that may be the one now asking ``size`` units of ``resource`` and
+    whose own spec sets what carries its limits (reserved env names, envFrom without a
+    safe prefix, a volume over the interposer: ``share/reserved.py``; mounts only when
+    ``book.check_env`` is off), with why; None when no candidate does or the book cannot
+    tell which container asks.
+
+    Any candidate suffices (fail safe): with the admission policy in force such a pod
+    never reaches the node, so this only speaks where the policy is off."""
+    for holder, _plan in book._asking(resource, size, records, last_holder):
+        for _uid, entry in book.named(holder.namespace, holder.pod):
+            for container in entry.containers:
+                if container.name != holder.container:
+                    continue
+                reason = container.tampers if book.check_env else container.tampers_by_mounts
+                if reason:
+                    return holder, reason
+    return None
 
 
 def only_uid_of(book: PodSpecBook, namespace: str, name: str) -> str | None:

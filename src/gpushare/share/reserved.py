@@ -35,24 +35,33 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from gpushare.share.answers import CONTAINER_LIBRARY, LD_SO_PRELOAD, LOCK_DIR
+from gpushare.share.answers import (
+    CONTAINER_LIBRARY,
+    CORE_LIMIT,
+    LD_SO_PRELOAD,
+    LOCK_DIR,
+    MEMORY_LIMIT_EVERY_INDEX,
+    PRELOAD,
+    SHARED_CACHE,
+    VISIBLE_DEVICES,
+)
 
 #: Names reserved exactly.
 RESERVED_NAMES: tuple[str, ...] = (
     "ACTIVE_OOM_KILLER",
-    "CUDA_DEVICE_MEMORY_SHARED_CACHE",
+    SHARED_CACHE,
     "CUDA_DISABLE_CONTROL",
     "CUDA_REDIRECT",
     "CUDA_TASK_PRIORITY",
     "GPU_CORE_UTILIZATION_POLICY",
-    "LD_PRELOAD",
-    "NVIDIA_VISIBLE_DEVICES",
+    PRELOAD,
+    VISIBLE_DEVICES,
 )
 #: Every name starting with one of these is reserved (``CUDA_DEVICE_MEMORY_LIMIT`` is
 #: HAMi-core's fallback for every index, ``CUDA_DEVICE_MEMORY_LIMIT_<i>`` per index).
 RESERVED_PREFIXES: tuple[str, ...] = (
-    "CUDA_DEVICE_MEMORY_LIMIT",
-    "CUDA_DEVICE_SM_LIMIT",
+    MEMORY_LIMIT_EVERY_INDEX,
+    CORE_LIMIT,
     "CUDA_MPS_",
     "NVIDIA_GPU_MEMORY_",
 )

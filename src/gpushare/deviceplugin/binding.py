@@ -31,6 +31,7 @@ from typing import Protocol
 import structlog
 
 from gpushare.gpu.health import HealthBoard
+from gpushare.host.grantspecs import GrantSpecs, grant_name
 from gpushare.host.library import prepare_cache_dir
 from gpushare.kube.podspecs import PodSpecBook, asking_tampering
 from gpushare.share import answers
@@ -133,6 +134,27 @@ def other_free_in(
     return other_free, unlisted
 
 
+def _sealed(
+    grant: answers.Grant,
+    listing: DeviceListing | None,
+    specs: GrantSpecs | None,
+    resource: Resource,
+    device_ids: Sequence[str],
+) -> Answer:
+    """The grant's edits as the kubelet's answer: as they are, or, under a CDI strategy,
+    riding on the grant's own CDI spec (``host/grantspecs.py``) no pod spec can change."""
+    edits = answers.container_edits(grant, listing)
+    if specs is None or listing is None or not listing.uses_cdi:
+        return edits
+    try:
+        cdi_name = specs.write(grant_name(resource.value, device_ids), edits)
+    except OSError as exc:
+        raise BindingError(
+            Refusal.INTERNAL, f"cannot write the grant's CDI spec in {specs.directory}: {exc}"
+        ) from None
+    return answers.sealed(edits, cdi_name, listing)
+
+
 def _refuse_tampering(
     specs: PodSpecBook,
     resource: Resource,
@@ -172,14 +194,15 @@ class Binder:
         on_allocated: Callable[[Resource, str, Sequence[str]], None] | None = None,
         records_wait: float = RECORDS_WAIT,
         listing: DeviceListing | None = None,
+        grant_specs: GrantSpecs | None = None,
     ) -> None:
         self.inventory = inventory
         self.usage = usage
         self.health = health
         self.policy = Policy.parse(policy)
         self.enforcement = enforcement
-        #: How answers name the card (the device-list strategy); None: the envvar alone.
-        self.listing = listing
+        self.listing = listing  # how answers name the card; None: the envvar alone
+        self.grant_specs = grant_specs  # under a CDI strategy: the edits ride on these
         self.host_lib_dir = host_lib_dir
         self.records = records
         self.specs = specs
@@ -396,8 +419,7 @@ class Binder:
             if asker is not None:
                 message = core_without_memory(asker, self.specs.prefix)
                 raise BindingError(Refusal.PRECONDITION, message)
-        if decision.partner is None and self.specs is not None:
-            # A container of its own (its partner, if any, was checked with it)
+        if decision.partner is None and self.specs is not None:  # its partner was checked
             _refuse_tampering(self.specs, resource, len(device_ids), snapshot, decision, seen)
         with self._lock:
             partner = decision.partner
@@ -428,7 +450,6 @@ class Binder:
                 raise BindingError(
                     Refusal.INTERNAL, f"cannot create the container's cache directory: {exc}"
                 ) from None
-        self.usage.record_allocation(resource, uuid, numbers)
         units = len(numbers)
         grant = answers.share(
             uuid,
@@ -439,7 +460,8 @@ class Binder:
             cores=units if resource is Resource.CORE else None,
             cache_dir=cache_dir,
         )
-        answer = answers.container_edits(grant, self.listing)
+        answer = _sealed(grant, self.listing, self.grant_specs, resource, device_ids)
+        self.usage.record_allocation(resource, uuid, numbers)
         if self._on_allocated is not None:
             self._on_allocated(resource, uuid, device_ids)
         with self._lock:

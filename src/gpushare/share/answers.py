@@ -328,3 +328,33 @@ def with_device_list(
     if CDI_ANNOTATIONS in listing.strategies and devices:
         annotations[listing.annotation_key(devices[0])] = ",".join(names)
     return replace(answer, envs=envs, annotations=annotations, cdi_devices=cdi)
+
+
+# --------------------------------------------------------------------------- sealed grants
+
+
+def sealed(edits: Answer, grant_cdi_name: str, listing: DeviceListing) -> Answer:
+    """The kubelet's answer for ``edits`` that ride on the daemon's own CDI device
+    ``grant_cdi_name`` (``<vendor>/<class>=<name>``; the spec is written by
+    ``host/grantspecs.py``): no environment and no mounts of its own, the card's CDI
+    names with ours last (the runtime applies the devices in turn: ours replaces any
+    variable an earlier one set), and the device nodes as they were.
+
+    The runtime applies CDI edits after the container's own env and mounts from the
+    pod spec and replaces what they set (env by name, a mount by its container path),
+    so nothing a tenant writes in its pod spec can change these limits (issue 32)."""
+    if not listing.uses_cdi:
+        raise ValueError("sealing needs a CDI device-list strategy")
+    cdi = [*edits.cdi_devices, grant_cdi_name] if CDI_CRI in listing.strategies else []
+    annotations = {k: v for k, v in edits.annotations.items() if k != ANNOTATION_NO_ENFORCEMENT}
+    if CDI_ANNOTATIONS in listing.strategies:
+        for key, names in edits.annotations.items():
+            if key.startswith(CDI_ANNOTATION_PREFIX):
+                annotations[key] = f"{names},{grant_cdi_name}"
+    if ANNOTATION_NO_ENFORCEMENT in edits.annotations:
+        annotations[ANNOTATION_NO_ENFORCEMENT] = edits.annotations[ANNOTATION_NO_ENFORCEMENT]
+    return Answer(
+        annotations=annotations,
+        cdi_devices=cdi,
+        device_specs=list(edits.device_specs),
+    )

@@ -365,4 +365,4 @@ def test_under_cdi_the_daemon_refuses_only_mounts_over_the_interposer(node: Node
         node.kubelet.admit("mounts", "main", {node.memory: 4})
     _failed(node, mounts)
     _tampering_pod(node, "env-only", env=ISSUE_ENV)
-    assert node.kubelet.admit("env-only", "main", {node.memory: 4}).card()
+    assert node.kubelet.admit("env-only", "main", {node.memory: 4}).devices[node.memory]

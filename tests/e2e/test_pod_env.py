@@ -44,8 +44,11 @@ def _tenant(name: str) -> dict[str, Any]:
 
 def test_envvar_the_daemon_refuses_the_pod_where_the_policy_is_off(cluster: Cluster) -> None:
     binding = f"/apis/{POLICY}/validatingadmissionpolicybindings/gpushare-reserved-settings"
-    saved = cluster.api.get(binding).json()
-    saved["metadata"] = {"name": saved["metadata"]["name"], "labels": saved["metadata"].get("labels", {})}
+    saved = cluster.api.get(binding)
+    saved["metadata"] = {
+        "name": saved["metadata"]["name"],
+        "labels": saved["metadata"].get("labels", {}),
+    }
     assert cluster.api.delete(binding).status_code == 200
     try:
         wait_for(
@@ -63,7 +66,9 @@ def test_envvar_the_daemon_refuses_the_pod_where_the_policy_is_off(cluster: Clus
         }
     finally:
         cluster.delete_pod("default", "tamper-envvar")
-        cluster.api.apply_all([saved | {"apiVersion": POLICY, "kind": "ValidatingAdmissionPolicyBinding"}])
+        cluster.api.apply_all(
+            [saved | {"apiVersion": POLICY, "kind": "ValidatingAdmissionPolicyBinding"}]
+        )
         cluster.wait_policies_in_force()
 
 

@@ -32,7 +32,7 @@ lint: $(VENV)/.installed-test
 	$(BIN)/lint-imports --no-cache
 
 verify-pairing: $(VENV)/.installed-test  ## every admission sequence of up to 5 containers, 3 regimes
-	$(BIN)/pytest -q -m slow tests/test_pairing.py
+	$(BIN)/pytest -q -m slow tests/scenarios/test_pairing.py
 
 bench: $(VENV)/.installed-test  ## measure latency, start time and footprint
 	$(BIN)/python -m gpushare.bench --write docs/benchmarks.md

@@ -6,7 +6,7 @@ keeps the later value: before the fix, a pod whose spec set
 ``cdi-annotations``, each Allocate writes one CDI spec per grant
 (``host/grantspecs.py``) carrying the edits, and the answer only names it; the runtime
 applies CDI edits after the pod's env and mounts and they replace them
-(``tests/cdi_runtime.py`` does what the CDI library does). Real gRPC, the kubelet
+(``tests/kit/cdi_runtime.py`` does what the CDI library does). Real gRPC, the kubelet
 stand-in, the specs on disk.
 """
 
@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cdi_runtime import final
 from conftest import TESLA_P4, Node, cards, gpu_uuid
-from procs import poll
-from test_gc import reads_after
+from kit.cdi_runtime import final
+from kit.procs import poll
 
+from gpushare.daemon import Daemon
 from gpushare.host.grantspecs import GrantSpecs, grant_name
 from gpushare.share.answers import CONTAINER_LIBRARY
 
@@ -33,6 +33,14 @@ ISSUE_ENV = [
     ("LD_PRELOAD", ""),
     ("CUDA_DISABLE_CONTROL", "true"),
 ]
+
+
+def reads_after(daemon: Daemon, count: int, timeout: float = 3.0) -> bool:
+    """Wait for ``count`` more successful PodResources reads (each may collect)."""
+    assert daemon.core.refresher is not None
+    refresher = daemon.core.refresher
+    target = refresher.reads + count
+    return poll(lambda: refresher.reads >= target, timeout)
 
 
 def _own(node: Node) -> Path:

@@ -132,6 +132,7 @@ class DevicePluginFrontDoor:
             on_allocated=core.shared_allocated,
             listing=self.listing,
             restart=core.restart,
+            grant_specs=core.collector.grant_specs,
         )
         self.kubelet_dir = Path(settings.kubelet_dir)
         self.servers: list[PluginServer] = []

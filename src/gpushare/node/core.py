@@ -27,6 +27,7 @@ from gpushare.gpu import mig
 from gpushare.gpu.gpus import Gpu
 from gpushare.gpu.health import HealthBoard, HealthMonitor, HealthPolicy
 from gpushare.host.gc import GarbageCollector
+from gpushare.host.grantspecs import GrantSpecs
 from gpushare.host.library import cache_root
 from gpushare.host.tombstones import Reaper
 from gpushare.host.unitguard import UnitSizeChanged, guard_unit_size
@@ -232,6 +233,7 @@ def build_core(
         {resource.name_with(settings.resource_prefix): resource for resource in Resource},
         exclusive=[name for name, _r, _b in whole] + card_facts.exclusive_resource_names(),
     )
+    listing = device_listing(settings, found.gpus, found.mig_plan, found.dra_mig_cards)
     library = enforcement.library
     reaper = Reaper(cache_root(Path(settings.host_lib_dir))) if library is not None else None
     collector = GarbageCollector(
@@ -241,6 +243,11 @@ def build_core(
         size_limit_bytes=settings.cache_dir_limit_mib << 20,
         lock_dir=library is not None,
         on_pass=reaper.retry if reaper is not None else None,
+        grant_specs=GrantSpecs(
+            Path(settings.dra_cdi_dir), settings.resource_prefix, settings.gc_grace_seconds
+        )
+        if listing.uses_cdi
+        else None,
     )
     monitor = HealthMonitor(
         found.backend,
@@ -253,16 +260,14 @@ def build_core(
         mig_of={**found.mig_plan.mig_of(), **dra_mig_of},
         mig_board=mig_health,
     )
-    refresher = UsageRefresher(
-        pod_resources.list, usage, settings.pod_resources_interval_seconds
-    )
+    refresher = UsageRefresher(pod_resources.list, usage, settings.pod_resources_interval_seconds)
     core = NodeCore(
         settings,
         found,
         modes,
         inventory,
         enforcement,
-        device_listing(settings, found.gpus, found.mig_plan, found.dra_mig_cards),
+        listing,
         health,
         mig_health,
         availability,
@@ -280,11 +285,18 @@ def build_core(
     mig_prefix = mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix)
     if specs is not None:  # the fast suite hands in a book without a node name
         specs.mig_prefix = mig_prefix  # MIG resources a container must not mix with units
+        specs.check_env = not core.listing.uses_cdi  # CDI edits replace the pod's env
     core.specs = specs
     if whole:
         core.exclusion = Exclusion(health, availability, usage, whole, core.exclusive_ledger)
     if settings.node_name:
-        _link_to_api(core, specs or PodSpecBook(settings.resource_prefix, mig_prefix))
+        _link_to_api(
+            core,
+            specs
+            or PodSpecBook(
+                settings.resource_prefix, mig_prefix, check_env=not core.listing.uses_cdi
+            ),
+        )
     return core
 
 
@@ -402,4 +414,3 @@ def late_parts(core: NodeCore) -> list[Part]:
         parts.append(Task("api-link", core.api_link.start, core.api_link.stop))
     parts.append(Task("usage-refresher", core.refresher.start, core.refresher.stop))
     return parts
-

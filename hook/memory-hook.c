@@ -343,6 +343,8 @@ static void set_limit(const char *nvml_lib, const char *uuid, const char *ns,
     if (r) fail("nvmlDeviceSetMemoryLimits_v1 on %s for %s: %s (%d)", uuid, ns, WHY(r), r);
     nvmlGetMemoryLimits_v1_t back = {ns, 0, 0, 0};
     r = get(device, &back);
+    if (r == 3) /* NOT_SUPPORTED: no limit there */
+        fail("the limit on %s for %s reads back nothing after it was set", uuid, ns);
     if (r) fail("nvmlDeviceGetMemoryLimits_v1 on %s for %s: %s (%d)", uuid, ns, WHY(r), r);
     if (back.hardLimit != bytes || back.softLimit != 0)
         fail("the limit on %s for %s reads back soft %llu hard %llu, not soft 0 hard %llu", uuid,

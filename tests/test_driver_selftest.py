@@ -138,7 +138,7 @@ def test_a_pinned_driver_on_a_card_that_fails_its_self_test_stops_the_start(
     tmp_path: Path,
 ) -> None:
     backend = SimulatedBackend(node_file(tmp_path, a="unsupported"))
-    with pytest.raises(NodeConfigurationError, match="self-test failed: .*Not Supported"):
+    with pytest.raises(NodeConfigurationError, match=r"self-test failed: .*Not Supported"):
         decide(tmp_path, backend, cgroup_v2(tmp_path), memory_enforcement="driver",
                device_list_strategy="cdi-cri")  # fmt: skip
 

@@ -1,24 +1,31 @@
-"""The enforcement port: one Grant of both limits answers what the device plugin's two
-per-resource answers give once the kubelet has merged them (the first value wins)."""
+"""The answer port (``share/answers.container_edits``): one grant, one set of edits.
+
+A share of both limits answers what the device plugin's two per-resource answers give
+once the kubelet has merged them (the first value wins); whole devices get the raw
+devices or, with enforcement, 100 % limits; the listing names them; hooks are carried
+to the CDI spec unchanged."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gpushare.host.cdi import claim_device, spec_json
+from gpushare.share import answers
 from gpushare.share.answers import (
     CDI_CRI,
     CONTAINER_CACHE_DIR,
+    CONTAINER_LIBRARY,
     DeviceListing,
     Enforcement,
-    Grant,
-    build_answer,
-    enforcement_answer,
+    GrantedDevice,
+    Hook,
+    container_edits,
     with_device_list,
 )
-from gpushare.share.devices import Resource
 
 UUID = "GPU-00000000-0000-4000-8000-000000000000"
 ENFORCEMENTS = st.sampled_from(
@@ -30,12 +37,12 @@ ENFORCEMENTS = st.sampled_from(
 )
 
 
-def merged(*answers: dict[str, str]) -> dict[str, str]:
-    envs: dict[str, str] = {}
-    for answer in answers:
-        for key, value in answer.items():
-            envs.setdefault(key, value)
-    return envs
+def merged(*envs: dict[str, str]) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for env in envs:
+        for key, value in env.items():
+            found.setdefault(key, value)
+    return found
 
 
 @given(
@@ -48,35 +55,90 @@ def test_one_grant_answers_what_the_two_allocates_merge_to(
     memory: int, cores: int, unit: int, enforcement: Enforcement
 ) -> None:
     cache = Path("/h/cache/c1")
-    first = build_answer(
-        Resource.MEMORY,
-        UUID,
-        memory,
-        memory_unit_mib=unit,
-        enforcement=enforcement,
-        cache_dir=cache,
+    first = container_edits(
+        answers.share(UUID, enforcement=enforcement, memory_mib=memory * unit, cache_dir=cache)
     )
-    second = build_answer(Resource.CORE, UUID, cores, memory_unit_mib=unit, enforcement=enforcement)
-    both = enforcement_answer(
-        Grant(UUID, memory_mib=memory * unit, cores=cores), enforcement=enforcement, cache_dir=cache
+    second = container_edits(answers.share(UUID, enforcement=enforcement, cores=cores))
+    both = container_edits(
+        answers.share(
+            UUID, enforcement=enforcement, memory_mib=memory * unit, cores=cores, cache_dir=cache
+        )
     )
     assert both.envs == merged(first.envs, second.envs)
     assert {m.container_path: m for m in both.mounts} == {
         m.container_path: m for m in [*second.mounts, *first.mounts]
     }
+    # what both answers set is identical (the kubelet only logs a differing second value)
+    for key in first.envs.keys() & second.envs.keys():
+        assert first.envs[key] == second.envs[key]
     assert both.envs.get("CUDA_DEVICE_MEMORY_LIMIT_0") == f"{memory * unit}m"
     assert both.envs.get("CUDA_DEVICE_SM_LIMIT") == str(cores)
+    assert "CUDA_DEVICE_MEMORY_LIMIT_0" not in second.envs
+    assert "CUDA_DEVICE_SM_LIMIT" not in first.envs
     if enforcement.library is not None:
         assert any(m.container_path == CONTAINER_CACHE_DIR for m in both.mounts)
+    else:
+        assert both.mounts == [] and answers.ANNOTATION_NO_ENFORCEMENT in both.annotations
 
 
 def test_the_port_names_the_card_as_the_listing_says() -> None:
     enforcement = Enforcement(Path("/h/libvgpu.so.1"), None, True)
     listing = DeviceListing(strategies=frozenset({CDI_CRI}))
-    plain = enforcement_answer(Grant(UUID, cores=30), enforcement=enforcement)
-    named = enforcement_answer(
-        Grant(UUID, cores=30), enforcement=enforcement, listing=listing, cdi_id="0"
+    plain = container_edits(answers.share(UUID, enforcement=enforcement, cores=30))
+    named = container_edits(
+        answers.share(UUID, enforcement=enforcement, cores=30, cdi_id="0"), listing
     )
     assert named == with_device_list(plain, [UUID], listing, ["0"])
     assert named.cdi_devices == ["nvidia.com/gpu=0"]
     assert named.envs["NVIDIA_VISIBLE_DEVICES"] == "void"
+
+
+@given(
+    sizes=st.lists(st.integers(1, 200_000), min_size=1, max_size=8),
+    enforcement=st.one_of(st.none(), ENFORCEMENTS),
+)
+def test_whole_devices_are_raw_or_held_to_their_whole_size(
+    sizes: list[int], enforcement: Enforcement | None
+) -> None:
+    devices = [GrantedDevice(f"GPU-{i}", memory_mib=mib) for i, mib in enumerate(sizes)]
+    edits = container_edits(answers.whole(devices, enforcement=enforcement))
+    assert edits.envs["NVIDIA_VISIBLE_DEVICES"] == ",".join(d.id for d in devices)
+    assert edits.annotations == {} and edits.hooks == []
+    if enforcement is None or enforcement.library is None:
+        assert edits.envs == {"NVIDIA_VISIBLE_DEVICES": ",".join(d.id for d in devices)}
+        assert edits.mounts == []
+        return
+    assert edits.envs["CUDA_DEVICE_SM_LIMIT"] == "100"
+    for i, mib in enumerate(sizes):
+        assert edits.envs[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] == f"{mib}m"
+    assert f"CUDA_DEVICE_MEMORY_LIMIT_{len(sizes)}" not in edits.envs
+    assert edits.mounts[0].container_path == CONTAINER_LIBRARY
+    assert CONTAINER_CACHE_DIR not in {m.container_path for m in edits.mounts}
+
+
+def test_device_nodes_are_passed_once_in_order() -> None:
+    devices = [
+        GrantedDevice("MIG-a", nodes=("/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap1")),
+        GrantedDevice("MIG-b", nodes=("/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap2")),
+    ]
+    edits = container_edits(answers.whole(devices))
+    assert [d.host_path for d in edits.device_specs] == [
+        "/dev/nvidia0",
+        "/dev/nvidia-caps/nvidia-cap1",
+        "/dev/nvidia-caps/nvidia-cap2",
+    ]
+    assert all(
+        d.container_path == d.host_path and d.permissions == "rw" for d in edits.device_specs
+    )
+
+
+def test_hooks_reach_the_claims_cdi_spec_and_none_add_nothing() -> None:
+    enforcement = Enforcement(Path("/h/libvgpu.so.1"), None, True)
+    edits = container_edits(answers.share(UUID, enforcement=enforcement, memory_mib=1024))
+    plain = spec_json("x.io/claim", [claim_device("c", edits)])
+    assert "hooks" not in plain["devices"][0]["containerEdits"]  # type: ignore[index]
+    hook = Hook("createRuntime", "/usr/bin/check", ("check", "--card", UUID))
+    hooked = spec_json("x.io/claim", [claim_device("c", replace(edits, hooks=[hook]))])
+    assert hooked["devices"][0]["containerEdits"]["hooks"] == [  # type: ignore[index]
+        {"hookName": "createRuntime", "path": "/usr/bin/check", "args": list(hook.args)}
+    ]

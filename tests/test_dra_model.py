@@ -30,7 +30,7 @@ from gpushare.dra.model import (
     slices_json,
 )
 from gpushare.gpu.gpus import Gpu, MigDevice
-from gpushare.share.answers import Enforcement, Grant, enforcement_answer
+from gpushare.share.answers import Enforcement, container_edits, share
 
 ENFORCING = Enforcement(
     library=Path("/var/lib/gpushare/libvgpu.so.abc"), preload_file=None, use_ld_preload_env=True
@@ -58,9 +58,14 @@ def limits(consumed: dict[str, Fraction], gpu: Gpu, unit: int) -> dict[str, str]
     text = {
         k: f"{v.numerator}" if v.denominator == 1 else f"{float(v)}" for k, v in consumed.items()
     }
-    share = share_of(text, gpu.memory_mib, unit)
-    grant = Grant(gpu.uuid, memory_mib=share.memory_units * unit, cores=share.cores or None)
-    return enforcement_answer(grant, enforcement=ENFORCING).envs
+    granted = share_of(text, gpu.memory_mib, unit)
+    grant = share(
+        gpu.uuid,
+        enforcement=ENFORCING,
+        memory_mib=granted.memory_units * unit,
+        cores=granted.cores or None,
+    )
+    return container_edits(grant).envs
 
 
 def test_quantities() -> None:

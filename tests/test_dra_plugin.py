@@ -17,8 +17,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
+from gpushare._proto.drahealth.v1alpha1 import api_pb2 as health_pb2
+from gpushare._proto.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
+from gpushare.base.kubeletgrpc import UNARY_WORKERS
 from gpushare.config import Settings
 from gpushare.dra.part import DraPart, build_dra_part
 from gpushare.gpu.gpus import Gpu
@@ -470,3 +474,33 @@ def test_a_mig_device_missing_from_the_health_board_is_a_build_error(dra: DraNod
     dra.gpus[1] = replace(parent, mig_enabled=True, mig_devices=(mig,))
     with pytest.raises(ValueError, match="MIG-bbbb"):
         dra.build()  # its health would read "unhealthy" forever
+
+
+def test_health_streams_hold_no_worker_and_prepare_is_still_answered(dra: DraNode) -> None:
+    """Far more health streams than the kit's unary workers (the thread-pool server this
+    replaced ran each stream on one of 8 workers): all of them are served, a claim is
+    still prepared, and a health change reaches every stream."""
+    dra.start()
+    channel = grpc.insecure_channel(f"unix://{dra.kubelet_root / 'plugins' / DRIVER / 'dra.sock'}")
+    stub = health_grpc.DRAResourceHealthStub(channel)
+    streams = [
+        # a deadline: a stream that is never served fails the test instead of hanging it
+        stub.NodeWatchResources(health_pb2.NodeWatchResourcesRequest(), timeout=120)
+        for _ in range(3 * UNARY_WORKERS + 10)
+    ]
+    try:
+        for stream in streams:  # every stream is open and has its first list
+            assert len(next(stream).devices) == 2
+        ref = dra.claim("busy", {"request": "r", "device": "gpu-0"})
+        (answer,) = dra.kubelet.prepare([ref]).values()
+        assert answer.error == ""
+        dra.board.set("GPU-00000001", False, "XID 79")
+        for stream in streams:
+            update = next(stream).devices
+            assert {d.device.device_name for d in update if d.health == health_pb2.UNHEALTHY} == {
+                "gpu-1"
+            }
+    finally:
+        for stream in streams:
+            stream.cancel()
+        channel.close()

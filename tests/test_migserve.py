@@ -10,8 +10,8 @@ from mig_layouts import A100_UUID, mig_uuid, reference_a100
 
 from gpushare.deviceplugin.migserve import (
     MissingCapability,
-    answer_builder,
     device_specs,
+    mig_answer,
     parse_mig_minors,
     read_device_specs,
     resources,
@@ -68,13 +68,12 @@ def test_parse_mig_minors_keeps_only_name_number_lines() -> None:
 def test_device_specs_name_the_parent_and_both_capabilities(tmp_path: Path) -> None:
     device = reference_plan(tmp_path).exclusive["mig-1g.5gb"][0]
     specs = device_specs(device, 0, parse_mig_minors(MIG_MINORS), ["/dev/nvidiactl"])
-    assert [s.host_path for s in specs] == [
+    assert specs == (
         "/dev/nvidia0",
         "/dev/nvidia-caps/nvidia-cap84",
         "/dev/nvidia-caps/nvidia-cap85",
         "/dev/nvidiactl",
-    ]
-    assert all(s.container_path == s.host_path and s.permissions == "rw" for s in specs)
+    )
     with pytest.raises(MissingCapability, match="gpu1/gi9/access or gpu1/gi9/ci0/access"):
         device_specs(device, 1, parse_mig_minors(MIG_MINORS))
 
@@ -87,26 +86,28 @@ def test_read_device_specs_from_files(tmp_path: Path) -> None:
     (dev / "nvidia-uvm").write_text("")
     specs = read_device_specs(reference_plan(tmp_path), minors, dev)
     assert set(specs) == {mig_uuid(0), mig_uuid(1), mig_uuid(2)}  # gi 10's CI is missing
-    assert specs[mig_uuid(0)][-1].host_path == "/dev/nvidia-uvm"
+    assert specs[mig_uuid(0)][-1] == "/dev/nvidia-uvm"
     assert read_device_specs(reference_plan(tmp_path), tmp_path / "none", dev) == {}
 
 
 def test_answer_names_the_mig_devices_and_adds_their_nodes_once(tmp_path: Path) -> None:
     ones = dict(resources(reference_plan(tmp_path), "gpushare.io"))["gpushare.io/mig-1g.5gb"]
     devices = list(ones.devices.values())
-    shared = DeviceSpec("/dev/nvidiactl", "/dev/nvidiactl")
     specs = {
-        mig_uuid(2): [DeviceSpec("/dev/nvidia0", "/dev/nvidia0"), shared],
-        mig_uuid(3): [DeviceSpec("/dev/nvidia0", "/dev/nvidia0"), shared],
+        mig_uuid(2): ["/dev/nvidia0", "/dev/nvidiactl"],
+        mig_uuid(3): ["/dev/nvidia0", "/dev/nvidiactl"],
     }
     listing = DeviceListing(strategies=frozenset({ENVVAR, CDI_CRI}))
-    answer = answer_builder(listing, specs=specs)(devices)
+    answer = mig_answer(listing, specs=specs)(devices)
     assert answer.envs == {"NVIDIA_VISIBLE_DEVICES": f"{mig_uuid(2)},{mig_uuid(3)}"}
     assert answer.cdi_devices == [f"nvidia.com/gpu={mig_uuid(2)}", f"nvidia.com/gpu={mig_uuid(3)}"]
-    assert answer.device_specs == [specs[mig_uuid(2)][0], shared]
+    assert answer.device_specs == [
+        DeviceSpec("/dev/nvidia0", "/dev/nvidia0", "rw"),
+        DeviceSpec("/dev/nvidiactl", "/dev/nvidiactl", "rw"),
+    ]
     assert answer.mounts == []
     cdi_only = DeviceListing(strategies=frozenset({CDI_CRI}))
-    by_index = answer_builder(with_mig_names(cdi_only, reference_plan(tmp_path), True))
+    by_index = mig_answer(with_mig_names(cdi_only, reference_plan(tmp_path), True))
     indexed = by_index(devices[:1])
     assert with_mig_names(cdi_only, reference_plan(tmp_path), False) == cdi_only
     assert indexed.cdi_devices == ["nvidia.com/gpu=0:2"] and indexed.device_specs == []
@@ -134,5 +135,5 @@ def test_old_style_mig_uuids_of_the_reference_document_are_device_ids(tmp_path: 
     two = served["x.io/mig-2g.10gb"]
     assert list(two.devices) == [f"MIG-{A100_UUID}/3/0"]
     listing = DeviceListing(strategies=frozenset({ENVVAR, CDI_CRI}))
-    answer = answer_builder(listing)(list(two.devices.values()))
+    answer = mig_answer(listing)(list(two.devices.values()))
     assert answer.envs["NVIDIA_VISIBLE_DEVICES"] == f"MIG-{A100_UUID}/3/0"

@@ -17,7 +17,7 @@ from structlog.testing import capture_logs
 
 from gpushare.base.startup import BadKubeletDir, BadLibrary, StartupError
 from gpushare.daemon import Daemon
-from gpushare.deviceplugin.kubelet import MISSING_LOG_SECONDS, KubeletLink
+from gpushare.deviceplugin.registration import MISSING_LOG_SECONDS, KubeletLink
 from gpushare.host.elf import NotASharedObject, check_shared_object, stand_in
 
 OTHER_MACHINE = "aarch64" if platform.machine() in ("x86_64", "amd64") else "x86_64"

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_exclusion import card_of
 
 from gpushare.daemon import Daemon
-from gpushare.deviceplugin.kubelet import UNWATCHED_GRACE
+from gpushare.deviceplugin.registration import UNWATCHED_GRACE
 from gpushare.gpu.gpus import Gpu, GpuError, GpuEvent, SimulatedBackend
 from gpushare.share.devices import Resource
 

@@ -14,7 +14,7 @@ from conftest import TESLA_P4, Node, cards, gpu_uuid
 from procs import poll
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from gpushare.deviceplugin.plugin import UNARY_WORKERS
+from gpushare.base.kubeletgrpc import UNARY_WORKERS
 
 #: Far more streams than unary workers (the sync server had 8 workers per socket).
 EXTRA_STREAMS = 3 * UNARY_WORKERS + 10

@@ -99,7 +99,7 @@ class Daemon:
         if CardMode.DRA in core.modes.values():  # the second front door, beside the first
             from gpushare.dra.part import dra_part_for  # only where a card is in card mode dra
 
-            dra = dra_part_for(core)
+            dra = dra_part_for(core, self.metrics.observe if self.metrics else None)
             if dra is not None:
                 self._launch(dra)
         for part in late_parts(core):
@@ -160,7 +160,7 @@ class Daemon:
         """Stop every part started, in the reverse order, then close the GPUs."""
         self.stopping.set()
         if self.core is not None:
-            for board in (self.core.health, self.core.offer, self.core.mig_health):
+            for board in (self.core.health, self.core.availability, self.core.mig_health):
                 board.wake()  # waiters (streams included) see ``stopping`` at once
         self.running.stop_all()
         self.discovery.close()

@@ -33,7 +33,8 @@ import structlog
 from gpushare.gpu.health import HealthBoard
 from gpushare.host.library import prepare_cache_dir
 from gpushare.kube.podspecs import PodSpecBook
-from gpushare.share.answers import Answer, Enforcement, build_answer
+from gpushare.share import answers
+from gpushare.share.answers import Answer, DeviceListing, Enforcement
 from gpushare.share.devices import InvalidDeviceIds, Inventory, Resource, format_device_id
 from gpushare.share.pairing import Binding, Decision, Facts, Pairing, decide
 from gpushare.share.placement import (
@@ -88,7 +89,7 @@ def core_without_memory(holder: Holder, prefix: str) -> str:
     )
 
 
-class Records(Protocol):
+class PodResourceRecords(Protocol):
     """The kubelet's PodResources records (``podresources.PodResourcesClient``)."""
 
     last: Snapshot | None
@@ -141,17 +142,20 @@ class Binder:
         policy: Policy | str,
         enforcement: Enforcement,
         host_lib_dir: Path,
-        records: Records | None = None,
+        records: PodResourceRecords | None = None,
         specs: PodSpecBook | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_allocated: Callable[[Resource, str, Sequence[str]], None] | None = None,
         records_wait: float = RECORDS_WAIT,
+        listing: DeviceListing | None = None,
     ) -> None:
         self.inventory = inventory
         self.usage = usage
         self.health = health
         self.policy = Policy.parse(policy)
         self.enforcement = enforcement
+        #: How answers name the card (the device-list strategy); None: the envvar alone.
+        self.listing = listing
         self.host_lib_dir = host_lib_dir
         self.records = records
         self.specs = specs
@@ -398,14 +402,17 @@ class Binder:
                     Refusal.INTERNAL, f"cannot create the container's cache directory: {exc}"
                 ) from None
         self.usage.record_allocation(resource, uuid, numbers)
-        answer = build_answer(
-            resource,
+        units = len(numbers)
+        grant = answers.share(
             uuid,
-            len(numbers),
-            memory_unit_mib=self.inventory.memory_unit_mib,
             enforcement=self.enforcement,
+            memory_mib=units * self.inventory.memory_unit_mib
+            if resource is Resource.MEMORY
+            else None,
+            cores=units if resource is Resource.CORE else None,
             cache_dir=cache_dir,
         )
+        answer = answers.container_edits(grant, self.listing)
         if self._on_allocated is not None:
             self._on_allocated(resource, uuid, device_ids)
         with self._lock:

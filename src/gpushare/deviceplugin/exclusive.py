@@ -21,17 +21,13 @@ import grpc
 import structlog
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2
+from gpushare.base.kubeletgrpc import CallHook
 from gpushare.deviceplugin.binding import BindingError, Refusal
 from gpushare.deviceplugin.plugin import HEALTHY, UNHEALTHY, ListingServicer, answer_to_proto
 from gpushare.gpu.gputype import CardChoice
 from gpushare.gpu.health import HealthBoard
-from gpushare.share.answers import (
-    Answer,
-    DeviceListing,
-    Enforcement,
-    build_exclusive_answer,
-    with_device_list,
-)
+from gpushare.share import answers
+from gpushare.share.answers import Answer, DeviceListing, Enforcement, GrantedDevice
 from gpushare.share.devices import InvalidDeviceIds
 from gpushare.share.whole import (
     ExclusiveDevice,
@@ -44,8 +40,8 @@ log = structlog.get_logger(__name__)
 
 #: (available, must include, size) -> the devices to offer, best first.
 Preference = Callable[[Sequence[ExclusiveDevice], Sequence[ExclusiveDevice], int], list[str]]
-#: The devices of one container, in order -> its Allocate answer.
-AnswerBuilder = Callable[[Sequence[ExclusiveDevice]], Answer]
+#: The devices of one container, in order -> its Allocate answer (from the answer port).
+AnswerFor = Callable[[Sequence[ExclusiveDevice]], Answer]
 
 
 def in_order(
@@ -57,24 +53,24 @@ def in_order(
     return chosen[:size]
 
 
-def answer_builder(
-    listing: DeviceListing,
-    *,
-    enforcement: Enforcement | None = None,
-    cdi_by_index: bool = False,
-) -> AnswerBuilder:
-    """The answer of an exclusive resource: its devices named by ``listing``; with
-    ``enforcement``, the interposer with 100 % limits (see :func:`build_exclusive_answer`)."""
+def granted(device: ExclusiveDevice, nodes: Sequence[str] = ()) -> GrantedDevice:
+    """One exclusive device as the answer port's input (named by its ID: the listing
+    maps it to its CDI index name where the node asks for that)."""
+    return GrantedDevice(device.id, memory_mib=device.memory_mib, nodes=tuple(nodes))
 
-    def build(devices: Sequence[ExclusiveDevice]) -> Answer:
-        ids = [d.id for d in devices]
-        answer = build_exclusive_answer(
-            ids, enforcement=enforcement, memory_mib=[d.memory_mib for d in devices]
-        )
-        cdi_ids = [d.cdi_id or d.id for d in devices] if cdi_by_index else None
-        return with_device_list(answer, ids, listing, cdi_ids)
 
-    return build
+def whole_card_answer(
+    listing: DeviceListing, *, enforcement: Enforcement | None = None
+) -> AnswerFor:
+    """Whole cards' answer: the cards named by ``listing``; with ``enforcement``
+    (``exclusiveEnforcement``) the interposer with 100 % limits (see
+    :func:`gpushare.share.answers.container_edits`)."""
+
+    def answer(devices: Sequence[ExclusiveDevice]) -> Answer:
+        grant = answers.whole([granted(d) for d in devices], enforcement=enforcement)
+        return answers.container_edits(grant, listing)
+
+    return answer
 
 
 # --------------------------------------------------------------------------- the server
@@ -96,25 +92,23 @@ class ExclusiveServicer(ListingServicer):
         board: HealthBoard,
         stopping: threading.Event,
         *,
-        answer: AnswerBuilder,
+        answer: AnswerFor,
         prefer: Preference = in_order,
         on_allocated: Callable[[str, Sequence[ExclusiveDevice]], None] | None = None,
-        observe: Callable[[str, str, str, float], None] | None = None,
+        observe: CallHook | None = None,
         choice: Callable[[int], CardChoice | None] | None = None,
         guard: Callable[[], str | None] | None = None,
     ) -> None:
-        super().__init__(resource.name, board, stopping)
+        super().__init__(resource.name, board, stopping, full_name=full_name, observe=observe)
         #: Why this Allocate must be refused although its devices are free (a container
         #: mixing shared units with these devices), or None.
         self.guard = guard
         #: The asking pod's card choice (use-gputype annotations), if it can be told.
         self.choice = choice
         self.resource = resource
-        self.full_name = full_name
         self.answer = answer
         self.prefer = prefer
         self.on_allocated = on_allocated
-        self.observe = observe
 
     def build_device_list(self) -> api_pb2.ListAndWatchResponse:
         devices = []
@@ -130,10 +124,6 @@ class ExclusiveServicer(ListingServicer):
                 )
             )
         return api_pb2.ListAndWatchResponse(devices=devices)
-
-    def observed(self, method: str, result: str, seconds: float) -> None:
-        if self.observe is not None:
-            self.observe(self.full_name, method, result, seconds)
 
     def _resolve(self, device_ids: Iterable[str]) -> list[ExclusiveDevice]:
         try:

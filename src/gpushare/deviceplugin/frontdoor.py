@@ -3,7 +3,7 @@
 One :class:`DevicePluginFrontDoor` is one part of the daemon. It builds a server per
 resource (the two shared ones, whole cards, each MIG profile) over the core's boards and
 ledgers, the :class:`~gpushare.deviceplugin.binding.Binder` that binds a container's
-units to one card, and the :class:`~gpushare.deviceplugin.kubelet.KubeletLink` that
+units to one card, and the :class:`~gpushare.deviceplugin.registration.KubeletLink` that
 registers them; start serves and registers, stop unregisters first (streams that end
 then must not re-register) and then stops the servers.
 """
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import structlog
 
+from gpushare.base.kubeletgrpc import CallHook
 from gpushare.base.startup import (
     BadKubeletDir,
     ConfigurationTooLarge,
@@ -26,15 +27,14 @@ from gpushare.base.startup import (
 )
 from gpushare.deviceplugin import migserve
 from gpushare.deviceplugin.binding import RECORDS_WAIT, Binder, mixed_kinds
-from gpushare.deviceplugin.exclusive import ExclusiveServicer, Preference, answer_builder
-from gpushare.deviceplugin.kubelet import KubeletLink
+from gpushare.deviceplugin.exclusive import ExclusiveServicer, Preference, whole_card_answer
 from gpushare.deviceplugin.plugin import (
     DevicePluginServicer,
     ListingServicer,
-    Observer,
     PluginServer,
     device_list_message,
 )
+from gpushare.deviceplugin.registration import KubeletLink
 from gpushare.gpu import mig
 from gpushare.gpu.gpus import GpuBackend, GpuError
 from gpushare.gpu.gputype import CardChoice
@@ -95,7 +95,7 @@ class DevicePluginFrontDoor:
     name = "device-plugin"
 
     def __init__(
-        self, core: NodeCore, stopping: threading.Event, observe: Observer | None = None
+        self, core: NodeCore, stopping: threading.Event, observe: CallHook | None = None
     ) -> None:
         settings = core.settings
         check_message_sizes(core.inventory)
@@ -111,17 +111,19 @@ class DevicePluginFrontDoor:
         self.binder = Binder(
             core.inventory,
             core.usage,
-            core.offer,
+            core.availability,
             policy=settings.placement,
             enforcement=core.enforcement,
             host_lib_dir=Path(settings.host_lib_dir),
             records=core.pod_resources,
             specs=core.specs,
             on_allocated=core.shared_allocated,
+            listing=self.listing,
         )
         self.kubelet_dir = Path(settings.kubelet_dir)
         self.servers: list[PluginServer] = []
-        self._named = [*self._shared_servers(observe), *self._whole_servers(), *self._mig_servers()]
+        self.observe = observe
+        self._named = [*self._shared_servers(), *self._whole_servers(), *self._mig_servers()]
         #: Built when the servers serve: its directory watch holds descriptors, which a
         #: front door that never starts (a start-up that fails before it) must not.
         self.link: KubeletLink | None = None
@@ -134,18 +136,18 @@ class DevicePluginFrontDoor:
         self.servers.append(server)
         return server, name
 
-    def _shared_servers(self, observe: Observer | None) -> list[tuple[PluginServer, str]]:
+    def _shared_servers(self) -> list[tuple[PluginServer, str]]:
         prefix = self.core.settings.resource_prefix
         return [
             self._serve(
                 DevicePluginServicer(
                     resource,
                     self.binder,
-                    self.core.offer,
+                    self.core.availability,
                     self.stopping,
-                    observe=observe,
-                    listing=self.listing,
+                    observe=self.observe,
                     choice=lambda r, n: self._choice(r.name_with(prefix), n),
+                    full_name=resource.name_with(prefix),
                 ),
                 resource.socket_name,
                 resource.name_with(prefix),
@@ -163,9 +165,10 @@ class DevicePluginFrontDoor:
                 name,
                 board,
                 self.stopping,
-                answer=answer_builder(self.listing, enforcement=enforcement),
+                answer=whole_card_answer(self.listing, enforcement=enforcement),
                 prefer=self._preference(devices, core.found.backend),
                 on_allocated=core.whole_allocated,
+                observe=self.observe,
                 choice=lambda n, name=name: self._choice(name, n),  # type: ignore[misc]
                 guard=lambda name=name: self._mixed_guard(name),  # type: ignore[misc]
             )
@@ -185,8 +188,9 @@ class DevicePluginFrontDoor:
                 name,
                 self.core.mig_health,
                 self.stopping,
-                answer=migserve.answer_builder(self.listing, specs=specs),
+                answer=migserve.mig_answer(self.listing, specs=specs),
                 on_allocated=self.core.whole_allocated,  # annotated and published as whole cards
+                observe=self.observe,
                 guard=lambda name=name: self._mixed_guard(name),  # type: ignore[misc]
             )
             named.append(self._serve(servicer, migserve.socket_name(devices), name))

@@ -12,15 +12,15 @@ its GPU instance and compute instance, N read from ``/proc/driver/nvidia-caps/mi
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import structlog
 
-from gpushare.deviceplugin.exclusive import AnswerBuilder
+from gpushare.deviceplugin.exclusive import AnswerFor, granted
 from gpushare.gpu.gpus import Gpu, MigDevice
 from gpushare.gpu.mig import MigPlan
-from gpushare.share.answers import Answer, DeviceListing, DeviceSpec, with_device_list
+from gpushare.share import answers
+from gpushare.share.answers import Answer, DeviceListing
 from gpushare.share.whole import ExclusiveDevice, ExclusiveResource
 
 log = structlog.get_logger(__name__)
@@ -76,7 +76,7 @@ def device_specs(
     parent_minor: int,
     minors: Mapping[str, int],
     control_nodes: Iterable[str] = (),
-) -> list[DeviceSpec]:
+) -> tuple[str, ...]:
     """The device nodes of one MIG device (host and container paths alike)."""
     gi_key = f"gpu{parent_minor}/gi{device.gpu_instance}/access"
     ci_key = f"gpu{parent_minor}/gi{device.gpu_instance}/ci{device.compute_instance}/access"
@@ -85,18 +85,17 @@ def device_specs(
         raise MissingCapability(
             f"MIG device {device.uuid}: no {' or '.join(missing)} in {MIG_MINORS}"
         )
-    paths = [
+    return (
         f"/dev/nvidia{parent_minor}",
         f"{CAP_DEVICE_DIR}/nvidia-cap{minors[gi_key]}",
         f"{CAP_DEVICE_DIR}/nvidia-cap{minors[ci_key]}",
         *control_nodes,
-    ]
-    return [DeviceSpec(path, path, "rw") for path in paths]
+    )
 
 
 def read_device_specs(
     plan: MigPlan, minors_file: Path = Path(MIG_MINORS), dev: Path = Path("/dev")
-) -> dict[str, list[DeviceSpec]]:
+) -> dict[str, tuple[str, ...]]:
     """MIG UUID -> its device nodes, read once at start (a MIG layout change needs a
     restart anyway). A MIG device whose capabilities are not listed is logged and gets
     no device nodes (the container runtime may still add them)."""
@@ -124,23 +123,18 @@ def socket_name(resource: ExclusiveResource) -> str:
     return f"gpushare-{name}.sock"
 
 
-def answer_builder(
+def mig_answer(
     listing: DeviceListing,
     *,
-    specs: Mapping[str, Sequence[DeviceSpec]] | None = None,
-) -> AnswerBuilder:
+    specs: Mapping[str, Sequence[str]] | None = None,
+) -> AnswerFor:
     """The Allocate answer of a MIG resource: the MIG devices named as ``listing`` says,
-    with their device nodes when ``specs`` (MIG UUID -> nodes) is given. No interposer:
-    a MIG device is a hardware partition (see docs/modes.md, MIG)."""
+    with their device nodes when ``specs`` (MIG UUID -> node paths) is given. No
+    interposer: a MIG device is a hardware partition (see docs/modes.md, MIG)."""
 
-    def build(devices: Sequence[ExclusiveDevice]) -> Answer:
-        ids = [d.id for d in devices]
-        answer = with_device_list(Answer(), ids, listing)
-        if specs is None:
-            return answer
-        nodes: list[DeviceSpec] = []
-        for device in devices:
-            nodes.extend(s for s in specs.get(device.id, ()) if s not in nodes)
-        return replace(answer, device_specs=nodes)
+    def answer(devices: Sequence[ExclusiveDevice]) -> Answer:
+        nodes = specs or {}
+        grant = answers.whole([granted(d, nodes.get(d.id, ())) for d in devices])
+        return answers.container_edits(grant, listing)
 
-    return build
+    return answer

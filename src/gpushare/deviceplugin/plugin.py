@@ -7,13 +7,11 @@ The servicer only translates: it checks the shape of a request, asks the
 :class:`~gpushare.deviceplugin.binding.Binder`, and turns the result or the refusal into the
 kubelet's messages or a gRPC status. A request can fail; the server never does.
 
-Every server of the process runs on one asyncio event loop (``grpc.aio``), in one
-thread: grpcio's sync server keeps a thread per server polling its completion queue
-ten times a second, and runs each ListAndWatch stream on a worker of its pool, so that
-a few extra streams took every worker and Allocate waited for a deadline. Here a
-stream is a coroutine on the loop, waiting for a health change without a thread, and
-the unary calls (plain functions: the binder does blocking work) run on a small pool
-of :data:`UNARY_WORKERS` threads that no stream can occupy.
+Every server runs on the kubelet doors' one gRPC kit (:mod:`gpushare.base.kubeletgrpc`):
+one asyncio event loop for every server of the process, a ListAndWatch stream a
+coroutine on it holding no thread, the unary calls (plain functions: the binder does
+blocking work) on a small pool of threads no stream can occupy, one socket helper,
+and every call timed into the one :data:`~gpushare.base.kubeletgrpc.CallHook`.
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent import futures
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,10 +28,11 @@ import grpc
 import structlog
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from gpushare.base.kubeletgrpc import CallHook, KubeletServer, ServerLoop, observed
 from gpushare.deviceplugin.binding import Binder, BindingError, Refusal
 from gpushare.gpu.gputype import CardChoice
 from gpushare.gpu.health import HealthBoard
-from gpushare.share.answers import Answer, DeviceListing, with_device_list
+from gpushare.share.answers import Answer
 from gpushare.share.devices import Inventory, Resource, format_device_id
 
 log = structlog.get_logger(__name__)
@@ -54,12 +52,6 @@ _STATUS = {
 #: A ListAndWatch stream is woken by every health change and by its own end; this is
 #: only a safety net for a wake-up that went missing.
 STREAM_CHECK_SECONDS = 30.0
-
-#: Threads for the unary calls of every server (the kubelet admits one container at a time).
-UNARY_WORKERS = 4
-
-#: Called after each RPC: (resource, method, result, seconds).
-Observer = Callable[[Resource, str, str, float], None]
 
 
 def answer_to_proto(answer: Answer) -> api_pb2.ContainerAllocateResponse:
@@ -106,8 +98,19 @@ class ListingServicer(api_pb2_grpc.DevicePluginServicer):
     reads, and turning a refusal into a gRPC status. Subclasses build the list and
     answer GetPreferredAllocation and Allocate."""
 
-    def __init__(self, label: str, board: HealthBoard, stopping: threading.Event) -> None:
+    def __init__(
+        self,
+        label: str,
+        board: HealthBoard,
+        stopping: threading.Event,
+        *,
+        full_name: str | None = None,
+        observe: CallHook | None = None,
+    ) -> None:
         self.label = label  # the resource name without prefix, for logs
+        self.full_name = full_name or label  # the resource name the kubelet knows
+        #: Called after every request (metrics: ``Metrics.observe``).
+        self.observe = observe
         self.board = board
         self.stopping = stopping
         self._cache: tuple[int, api_pb2.ListAndWatchResponse] | None = None
@@ -188,9 +191,6 @@ class ListingServicer(api_pb2_grpc.DevicePluginServicer):
     ) -> api_pb2.PreStartContainerResponse:
         return api_pb2.PreStartContainerResponse()
 
-    def observed(self, method: str, result: str, seconds: float) -> None:
-        """Called after every request (metrics); nothing by default."""
-
     def _serve(
         self,
         method: str,
@@ -198,20 +198,19 @@ class ListingServicer(api_pb2_grpc.DevicePluginServicer):
         context: grpc.ServicerContext,
         handle: Callable[[], Reply],
     ) -> Reply:
-        started = time.perf_counter()
-        result = "ok"
-        try:
-            return handle()
-        except BindingError as exc:
-            result = exc.kind.name.lower()
-            log.warning("request_refused", resource=self.label, method=method, reason=exc.message)
-            context.abort(_STATUS[exc.kind], exc.message)
-        except Exception as exc:  # never let a request take the server down
-            result = "error"
-            log.exception("request_failed", resource=self.label, method=method)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
-        finally:
-            self.observed(method, result, time.perf_counter() - started)
+        with observed(self.observe, self.full_name, method) as outcome:
+            try:
+                return handle()
+            except BindingError as exc:
+                outcome.result = exc.kind.name.lower()
+                log.warning(
+                    "request_refused", resource=self.label, method=method, reason=exc.message
+                )
+                context.abort(_STATUS[exc.kind], exc.message)
+            except Exception as exc:  # never let a request take the server down
+                outcome.result = "error"
+                log.exception("request_failed", resource=self.label, method=method)
+                context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
         return None  # unreachable: abort raises
 
 
@@ -224,16 +223,14 @@ class DevicePluginServicer(ListingServicer):
         binder: Binder,
         health: HealthBoard,
         stopping: threading.Event,
-        observe: Observer | None = None,
-        listing: DeviceListing | None = None,
+        observe: CallHook | None = None,
         choice: Callable[[Resource, int], CardChoice | None] | None = None,
+        full_name: str | None = None,
     ) -> None:
-        super().__init__(resource.value, health, stopping)
+        super().__init__(resource.value, health, stopping, full_name=full_name, observe=observe)
         self.resource = resource
         self.binder = binder
         self.health = health
-        self.observe = observe
-        self.listing = listing
         #: The asking pod's card choice (use-gputype annotations), if it can be told.
         self.choice = choice
 
@@ -255,10 +252,6 @@ class DevicePluginServicer(ListingServicer):
 
     def build_device_list(self) -> api_pb2.ListAndWatchResponse:
         return device_list_message(self.binder.inventory, self.resource, self.health.is_healthy)
-
-    def observed(self, method: str, result: str, seconds: float) -> None:
-        if self.observe is not None:
-            self.observe(self.resource, method, result, seconds)
 
     def GetPreferredAllocation(
         self, request: api_pb2.PreferredAllocationRequest, context: grpc.ServicerContext
@@ -291,85 +284,38 @@ class DevicePluginServicer(ListingServicer):
                 except BindingError:
                     self.binder.refused()  # the pod is rejected: it pairs with nothing
                     raise
-                uuid, answer = self.binder.allocate(self.resource, container.devices_ids)
-                if self.listing is not None:
-                    answer = with_device_list(answer, [uuid], self.listing)
+                _uuid, answer = self.binder.allocate(self.resource, container.devices_ids)
                 responses.append(answer_to_proto(answer))
             return api_pb2.AllocateResponse(container_responses=responses)
 
         return self._serve("Allocate", request, context, handle)
 
 
-class ServerLoop:
-    """The one event loop thread all plugin servers of the process run on, and the pool
-    their unary calls run in. Started on first use; idle, it sleeps in ``epoll``."""
-
-    _shared: ServerLoop | None = None
-    _shared_lock = threading.Lock()
-
-    def __init__(self, workers: int = UNARY_WORKERS) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc")
-        self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-loop", daemon=True)
-        self._thread.start()
-
-    @classmethod
-    def shared(cls) -> ServerLoop:
-        with cls._shared_lock:
-            if cls._shared is None:
-                cls._shared = cls()
-            return cls._shared
-
-    def run(self, coroutine: Awaitable[Any], timeout: float | None = 30.0) -> Any:
-        """Run ``coroutine`` on the loop from another thread; its result."""
-
-        async def wrapper() -> Any:
-            return await coroutine
-
-        return asyncio.run_coroutine_threadsafe(wrapper(), self.loop).result(timeout)
-
-
 class PluginServer:
-    """A gRPC server for one resource, bound to ``<kubelet dir>/<socket name>``."""
+    """A gRPC server for one resource, bound to ``<kubelet dir>/<socket name>`` (on the
+    kit's shared loop: see :mod:`gpushare.base.kubeletgrpc`)."""
 
     def __init__(
         self, servicer: ListingServicer, socket_path: Path, loop: ServerLoop | None = None
     ) -> None:
         self.servicer = servicer
         self.socket_path = socket_path
-        self.loop = loop or ServerLoop.shared()
-        self._server: Any = None
-        self._inode: int | None = None
+        self._server = KubeletServer(
+            [lambda server: api_pb2_grpc.add_DevicePluginServicer_to_server(servicer, server)],
+            [socket_path],
+            loop,
+        )
 
     def start(self) -> None:
-        self.socket_path.unlink(missing_ok=True)
-        self._server = self.loop.run(self._start())
-        self._inode = self.socket_path.stat().st_ino
+        self._server.start()
         log.info("plugin_serving", resource=self.servicer.label, socket=str(self.socket_path))
-
-    async def _start(self) -> Any:
-        server = grpc.aio.server(
-            migration_thread_pool=self.loop.pool,
-            options=[("grpc.max_receive_message_length", 64 << 20)],
-        )
-        api_pb2_grpc.add_DevicePluginServicer_to_server(self.servicer, server)
-        server.add_insecure_port(f"unix://{self.socket_path}")
-        await server.start()
-        return server
 
     def socket_intact(self) -> bool:
         """False when our socket file was removed or replaced (a kubelet restart does this)."""
-        try:
-            return self.socket_path.stat().st_ino == self._inode
-        except OSError:
-            return False
+        return self._server.intact()
 
     def stop(self, grace: float = 0.5) -> None:
-        if self._server is not None:
-            server, self._server = self._server, None
-            self.loop.run(server.stop(grace), timeout=grace + 10)
-        if self.socket_intact():
-            self.socket_path.unlink(missing_ok=True)
+        self._server.stop(grace)
 
     def restart(self) -> None:
         self.stop(grace=0)

@@ -3,15 +3,14 @@
 The kubelet sends only a claim's namespace, name and UID. For each claim this reads
 the claim from the API server, refuses it unless it is allocated and has that UID,
 takes the results of this driver on this node's pool, and for each one builds the
-container's answer with the device plugin's own functions
-(:func:`~gpushare.share.answers.enforcement_answer`, the one enforcement port, for a
-share of a card: HAMi-core's
+container's edits with the answer port every door calls
+(:func:`~gpushare.share.answers.container_edits`: for a share of a card HAMi-core's
 limits from the rounded ``consumedCapacity``, the preload, the lock directory and a
-fresh cache directory; :func:`~gpushare.share.answers.build_exclusive_answer` for a
-MIG device), then writes one CDI spec per claim holding one CDI device per result and
-answers the CDI names. Each claim is recorded in the checkpoint once all of it is made,
-under the node lock; a claim already prepared is answered from the checkpoint, and
-unpreparing one that is not there succeeds.
+fresh cache directory; for a MIG device the raw device), then writes one CDI spec per
+claim holding one CDI device per result and answers the CDI names. Each claim is
+recorded in the checkpoint once all of it is made, under the node lock; a claim
+already prepared is answered from the checkpoint, and unpreparing one that is not
+there succeeds.
 
 Nothing the caller sends is trusted: the namespace and name must be DNS names (they
 become a URL), the UID must be the claim's, and a result naming a device that is not
@@ -39,7 +38,7 @@ from gpushare.dra.checkpoint import (
 from gpushare.dra.held import HeldClaims
 from gpushare.dra.model import API_VERSION, Offered, ShareError, share_of, unhealthy_reason
 from gpushare.gpu.health import HealthBoard
-from gpushare.host.cdi import CdiDevice, CdiMount, remove_spec, spec_file_name, write_spec
+from gpushare.host.cdi import CdiDevice, claim_device, remove_spec, spec_file_name, write_spec
 from gpushare.host.library import (
     CLAIM_KEY_PREFIX,
     cache_root,
@@ -48,15 +47,8 @@ from gpushare.host.library import (
     release_cache_dir,
 )
 from gpushare.kube.kubeclient import ApiClient, ApiStatusError
-from gpushare.share.answers import (
-    Answer,
-    DeviceListing,
-    Enforcement,
-    Grant,
-    build_exclusive_answer,
-    enforcement_answer,
-    with_device_list,
-)
+from gpushare.share import answers
+from gpushare.share.answers import Answer, DeviceListing, Enforcement, GrantedDevice
 
 log = structlog.get_logger(__name__)
 
@@ -257,22 +249,14 @@ class ClaimPreparer:
         for request, device, result in plan:
             answer, memory_mib, cores = self._answer(claim, request, device, result)
             cdi_name = f"{claim.uid}-{_NOT_CDI.sub('_', request)}-{device.name}"
-            cdi_devices.append(
-                CdiDevice(
-                    cdi_name,
-                    env=tuple(sorted(answer.envs.items())),
-                    mounts=tuple(
-                        CdiMount(m.container_path, m.host_path, m.read_only) for m in answer.mounts
-                    ),
-                )
-            )
+            cdi_devices.append(claim_device(cdi_name, answer))
             ids = [f"{self.cdi_kind}={cdi_name}", *answer.cdi_devices]
             prepared.append(_held_device(request, self.pool, device, ids, memory_mib, cores))
             shares.append(
                 {
                     "device": device.name,
-                    "memory": answer.envs.get("CUDA_DEVICE_MEMORY_LIMIT_0", ""),
-                    "cores": answer.envs.get("CUDA_DEVICE_SM_LIMIT", ""),
+                    "memory": answer.envs.get(answers.MEMORY_LIMIT, ""),
+                    "cores": answer.envs.get(answers.CORE_LIMIT, ""),
                 }
             )
         if cdi_devices:
@@ -295,8 +279,8 @@ class ClaimPreparer:
     ) -> tuple[Answer, int, int]:
         """The answer, the memory it holds to (MiB) and its cores (0: no core limit)."""
         if not device.shared:
-            answer = build_exclusive_answer([device.uuid])
-            return with_device_list(answer, [device.uuid], self.listing), device.memory_mib, 0
+            grant = answers.whole([GrantedDevice(device.uuid, memory_mib=device.memory_mib)])
+            return answers.container_edits(grant, self.listing), device.memory_mib, 0
         try:
             share = share_of(result.get("consumedCapacity"), device.card_memory_mib, self.unit_mib)
         except ShareError as exc:
@@ -306,14 +290,14 @@ class ClaimPreparer:
             cache_dir = prepare_claim_cache_dir(
                 self.host_lib_dir, claim_cache_key(claim.uid, request, device.name)
             )
-        grant = Grant(
+        grant = answers.share(
             device.uuid,
+            enforcement=self.enforcement,
             memory_mib=share.memory_units * self.unit_mib,
             cores=share.cores or None,  # no cores asked: unthrottled, as memory-only
+            cache_dir=cache_dir,
         )
-        answer = enforcement_answer(
-            grant, enforcement=self.enforcement, cache_dir=cache_dir, listing=self.listing
-        )
+        answer = answers.container_edits(grant, self.listing)
         return answer, share.memory_units * self.unit_mib, share.cores
 
     # ------------------------------------------------------------------ unprepare

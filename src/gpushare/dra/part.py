@@ -23,6 +23,7 @@ from pathlib import Path
 
 import structlog
 
+from gpushare.base.kubeletgrpc import CallHook
 from gpushare.base.startup import NodeConfigurationError
 from gpushare.config import Settings
 from gpushare.dra.claims import ClaimPreparer
@@ -173,6 +174,7 @@ def build_dra_part(
     *,
     driver_version: str | None = None,
     pcie_roots: Mapping[str, str] | None = None,
+    observe: CallHook | None = None,
 ) -> DraPart:
     """The DRA part for ``gpus`` (the cards in ``dra`` card mode; one in MIG mode is
     published as its MIG devices). ``board`` must hold every card of ``gpus`` by UUID,
@@ -223,11 +225,12 @@ def build_dra_part(
         preparer=preparer,
         devices=lambda: [(d.name, health_keys(d)) for d in devices],
         board=board,
+        observe=observe,
     )
     return DraPart(devices, publisher, server, preparer, [g.uuid for g in gpus])
 
 
-def dra_part_for(core: NodeCore) -> DraPart | None:
+def dra_part_for(core: NodeCore, observe: CallHook | None = None) -> DraPart | None:
     """The DRA front door of this node's core: ``None`` when no card is in card mode
     ``dra``; :class:`NodeConfigurationError` when the driver cannot work here (no node
     name, no API server)."""
@@ -248,6 +251,7 @@ def dra_part_for(core: NodeCore) -> DraPart | None:
             connect_api(),
             settings.node_name,
             Path(settings.dra_kubelet_root),
+            observe=observe,
         )
     except (ValueError, ApiConfigMissing) as exc:
         raise NodeConfigurationError(f"card mode dra: {exc}") from None

@@ -9,18 +9,19 @@ sides know, and opens one ``DRAResourceHealth.NodeWatchResources`` stream.
 
 The servicers only translate between the kubelet's messages and
 :class:`~gpushare.dra.claims.ClaimPreparer`: one failing claim is an ``error`` in its own
-entry, never a failed call.
+entry, never a failed call. They run on the kubelet doors' one gRPC kit
+(:mod:`gpushare.base.kubeletgrpc`), as the device plugin's do: the health stream is a
+coroutine on the shared loop holding no thread, prepare and unprepare run on the kit's
+pool, every call is timed into the one :data:`~gpushare.base.kubeletgrpc.CallHook`
+(resource: the driver's name; a call with a failed claim counts as ``error``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import stat
+import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent import futures
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -36,6 +37,7 @@ from gpushare._proto.drahealth.v1alpha1 import api_pb2 as health_pb2
 from gpushare._proto.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from gpushare._proto.pluginregistration.v1 import api_pb2 as reg_pb2
 from gpushare._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
+from gpushare.base.kubeletgrpc import CallHook, KubeletServer, observed
 from gpushare.dra.claims import ClaimPreparer, ClaimRef
 from gpushare.gpu.health import HealthBoard
 
@@ -48,7 +50,6 @@ SUPPORTED_SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResource
 #: marks a device Unknown when it hears nothing of it for HEALTH_TIMEOUT_SECONDS).
 HEALTH_RESEND_SECONDS = 30.0
 HEALTH_TIMEOUT_SECONDS = 120
-WORKERS = 8
 
 
 def registration_socket(kubelet_root: Path, driver: str) -> Path:
@@ -66,40 +67,42 @@ def _claims(request: Any) -> list[ClaimRef]:
 class _DraServicer:
     """NodePrepareResources and NodeUnprepareResources for one API version's messages."""
 
-    def __init__(self, preparer: ClaimPreparer, pb2: ModuleType, observe: Observer) -> None:
+    def __init__(
+        self, preparer: ClaimPreparer, pb2: ModuleType, driver: str, observe: CallHook | None
+    ) -> None:
         self.preparer = preparer
         self.pb2 = pb2
+        self.driver = driver
         self.observe = observe
 
     def NodePrepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
-        began = time.perf_counter()
-        outcomes = self.preparer.prepare(_claims(request))
-        response = self.pb2.NodePrepareResourcesResponse()
-        for uid, outcome in outcomes.items():
-            entry = response.claims[uid]
-            if outcome.error:
-                entry.error = outcome.error
-                continue
-            for device in outcome.devices:
-                entry.devices.add(
-                    request_names=[device.request] if device.request else [],
-                    pool_name=device.pool,
-                    device_name=device.device,
-                    cdi_device_ids=device.cdi_ids,
-                )
-        failed = any(o.error for o in outcomes.values())
-        self.observe("prepare", "error" if failed else "ok", time.perf_counter() - began)
-        return response
+        with observed(self.observe, self.driver, "NodePrepareResources") as outcome:
+            outcomes = self.preparer.prepare(_claims(request))
+            response = self.pb2.NodePrepareResourcesResponse()
+            for uid, prepared in outcomes.items():
+                entry = response.claims[uid]
+                if prepared.error:
+                    entry.error = prepared.error
+                    outcome.result = "error"
+                    continue
+                for device in prepared.devices:
+                    entry.devices.add(
+                        request_names=[device.request] if device.request else [],
+                        pool_name=device.pool,
+                        device_name=device.device,
+                        cdi_device_ids=device.cdi_ids,
+                    )
+            return response
 
     def NodeUnprepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
-        began = time.perf_counter()
-        errors = self.preparer.unprepare(_claims(request))
-        response = self.pb2.NodeUnprepareResourcesResponse()
-        for uid, error in errors.items():
-            response.claims[uid].error = error
-        failed = any(errors.values())
-        self.observe("unprepare", "error" if failed else "ok", time.perf_counter() - began)
-        return response
+        with observed(self.observe, self.driver, "NodeUnprepareResources") as outcome:
+            errors = self.preparer.unprepare(_claims(request))
+            response = self.pb2.NodeUnprepareResourcesResponse()
+            for uid, error in errors.items():
+                response.claims[uid].error = error
+            if any(errors.values()):
+                outcome.result = "error"
+            return response
 
 
 class _V1(_DraServicer, v1_grpc.DRAPluginServicer):
@@ -132,7 +135,6 @@ class _Registration(reg_grpc.RegistrationServicer):
 #: (device name, its health keys: the card's UUID, and a MIG device's own) of every
 #: device published, for the health stream.
 DeviceCards = Callable[[], Sequence[tuple[str, Sequence[str]]]]
-Observer = Callable[[str, str, float], None]
 
 
 class _Health(health_grpc.DRAResourceHealthServicer):
@@ -158,45 +160,39 @@ class _Health(health_grpc.DRAResourceHealthServicer):
             )
         return response
 
-    def NodeWatchResources(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        seen = self.board.version
-        # A kubelet that goes away ends the wait at once (the stream holds a worker thread).
-        context.add_callback(self.board.wake)
+    async def NodeWatchResources(
+        self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Any]:
+        """A coroutine on the kit's loop: it holds no thread while it waits. The full
+        list goes out at once, after every health change and every
+        :data:`HEALTH_RESEND_SECONDS` without one; a cancelled stream (the kubelet went
+        away, the server stops) ends at its await."""
+        loop = asyncio.get_running_loop()
+        changed = asyncio.Event()
 
-        def done() -> bool:
-            return self.stopping.is_set() or not context.is_active()
+        def wake() -> None:
+            loop.call_soon_threadsafe(changed.set)
 
-        yield self.snapshot()
-        while not done():
-            version = self.board.wait_for_change(seen, HEALTH_RESEND_SECONDS, give_up=done)
-            if self.stopping.is_set() or not context.is_active():
-                return
-            seen = version
-            yield self.snapshot()
-
-
-def _identity(path: Path) -> tuple[int, int] | None:
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return None
-    return info.st_dev, info.st_ino
-
-
-def _clear_socket(path: Path) -> None:
-    """Remove a socket left by an earlier run; anything else there is an error (never
-    a file or link to follow)."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(info.st_mode):
-        raise OSError(f"{path} exists and is not a socket")
-    path.unlink()
+        forget = self.board.listen(wake)  # every change, and the board's wake at stop
+        try:
+            seen: int | None = None
+            while not self.stopping.is_set():
+                changed.clear()
+                if self.board.version != seen:
+                    seen = self.board.version
+                    yield self.snapshot()
+                    continue
+                try:
+                    await asyncio.wait_for(changed.wait(), HEALTH_RESEND_SECONDS)
+                except TimeoutError:
+                    seen = None  # nothing changed: the full list again
+        finally:
+            forget()
 
 
 class DraServer:
-    """One gRPC server listening on the service socket and the registration socket."""
+    """One gRPC server (the kit's :class:`~gpushare.base.kubeletgrpc.KubeletServer`)
+    listening on the service socket and the registration socket."""
 
     def __init__(
         self,
@@ -207,7 +203,7 @@ class DraServer:
         preparer: ClaimPreparer,
         devices: DeviceCards,
         board: HealthBoard,
-        observe: Observer = lambda method, result, seconds: None,
+        observe: CallHook | None = None,
     ) -> None:
         self.driver = driver
         self.registration_path = registration_socket(kubelet_root, driver)
@@ -215,14 +211,23 @@ class DraServer:
         self.stopping = threading.Event()
         self.registered: bool | None = None  # None: the kubelet has not reported yet
         self.registration_error = ""
-        self._server: grpc.Server | None = None
-        self._made: dict[Path, tuple[int, int] | None] = {}
         self._board = board
-        self._servicers = (
-            _V1(preparer, v1, observe),
-            _V1beta1(preparer, v1beta1, observe),
-            _Registration(driver, self.service_path, self._on_status),
-            _Health(pool, devices, board, self.stopping),
+        v1_servicer = _V1(preparer, v1, driver, observe)
+        v1beta1_servicer = _V1beta1(preparer, v1beta1, driver, observe)
+        registration = _Registration(driver, self.service_path, self._on_status)
+        health = _Health(pool, devices, board, self.stopping)
+        # The service socket is published first: the kubelet calls GetInfo as soon as it
+        # sees the registration socket, and the service second.
+        self._server = KubeletServer(
+            [
+                lambda server: v1_grpc.add_DRAPluginServicer_to_server(v1_servicer, server),
+                lambda server: v1beta1_grpc.add_DRAPluginServicer_to_server(
+                    v1beta1_servicer, server
+                ),
+                lambda server: reg_grpc.add_RegistrationServicer_to_server(registration, server),
+                lambda server: health_grpc.add_DRAResourceHealthServicer_to_server(health, server),
+            ],
+            [self.service_path, self.registration_path],
         )
 
     def _on_status(self, registered: bool, error: str) -> None:
@@ -233,34 +238,7 @@ class DraServer:
             log.error("dra_registration_refused", driver=self.driver, error=error)
 
     def start(self) -> None:
-        for path in (self.service_path, self.registration_path):
-            path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS))
-        v1_servicer, v1beta1_servicer, registration, health = self._servicers
-        v1_grpc.add_DRAPluginServicer_to_server(v1_servicer, server)
-        v1beta1_grpc.add_DRAPluginServicer_to_server(v1beta1_servicer, server)
-        reg_grpc.add_RegistrationServicer_to_server(registration, server)
-        health_grpc.add_DRAResourceHealthServicer_to_server(health, server)
-        # Both sockets are bound under hidden names of this instance (the plugin watcher
-        # skips dot files) and renamed into place once the server answers: the kubelet
-        # calls GetInfo as soon as it sees the registration socket, and gRPC, which
-        # unlinks its socket paths when it shuts down, then unlinks only names that no
-        # longer exist, never the sockets of a newer instance (a rolling update).
-        tag = f"{os.getpid()}-{id(self):x}"
-        hidden = {
-            p: p.with_name(f".{p.name}.{tag}") for p in (self.service_path, self.registration_path)
-        }
-        for temporary in hidden.values():
-            _clear_socket(temporary)
-            server.add_insecure_port(f"unix://{temporary}")
-        server.start()
-        for path, temporary in hidden.items():  # the service first: it is called second
-            os.chmod(temporary, 0o600)
-            os.rename(temporary, path)
-        self._server = server
-        # What this instance made: stop() removes these files only, never the sockets of a
-        # newer instance that took the paths over (a rolling update).
-        self._made = {p: _identity(p) for p in (self.registration_path, self.service_path)}
+        self._server.start()
         log.info(
             "dra_serving",
             driver=self.driver,
@@ -271,11 +249,4 @@ class DraServer:
     def stop(self) -> None:
         self.stopping.set()
         self._board.wake()
-        if self._server is not None:
-            self._server.stop(grace=1.0).wait()
-            self._server = None
-        for path, made in self._made.items():
-            if made is not None and _identity(path) == made:
-                with contextlib.suppress(OSError):
-                    _clear_socket(path)
-        self._made = {}
+        self._server.stop(grace=1.0)

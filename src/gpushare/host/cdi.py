@@ -31,6 +31,7 @@ import structlog
 import yaml
 
 from gpushare.base.atomicfile import replace_file
+from gpushare.share.answers import Answer, Hook
 
 log = structlog.get_logger(__name__)
 
@@ -162,6 +163,18 @@ class CdiDevice:
     name: str
     env: tuple[tuple[str, str], ...] = ()
     mounts: tuple[CdiMount, ...] = ()
+    hooks: tuple[Hook, ...] = ()
+
+
+def claim_device(name: str, edits: Answer) -> CdiDevice:
+    """The CDI device ``name`` carrying ``edits`` (from the answer port): its
+    environment (sorted), mounts and hooks; a translation, nothing added."""
+    return CdiDevice(
+        name,
+        env=tuple(sorted(edits.envs.items())),
+        mounts=tuple(CdiMount(m.container_path, m.host_path, m.read_only) for m in edits.mounts),
+        hooks=tuple(edits.hooks),
+    )
 
 
 def spec_file_name(kind: str, name: str) -> str:
@@ -190,6 +203,16 @@ def spec_json(kind: str, devices: Sequence[CdiDevice]) -> dict[str, object]:
                     "options": ["ro" if m.read_only else "rw", "nosuid", "nodev", "rbind"],
                 }
                 for m in device.mounts
+            ]
+        if device.hooks:
+            edits["hooks"] = [
+                {
+                    "hookName": h.hook_name,
+                    "path": h.path,
+                    **({"args": list(h.args)} if h.args else {}),
+                    **({"env": list(h.env)} if h.env else {}),
+                }
+                for h in device.hooks
             ]
         entries.append({"name": device.name, "containerEdits": edits})
     return {"cdiVersion": CDI_VERSION, "kind": kind, "devices": entries}

@@ -72,7 +72,7 @@ class NodeCore:
     listing: DeviceListing  # how every front door names cards and MIG devices
     health: HealthBoard  # the cards' own health
     mig_health: HealthBoard  # MIG cards and devices, by UUID (see health.expand)
-    offer: HealthBoard  # what the shared units are offered from
+    availability: HealthBoard  # whether each card's shared units can be offered now
     usage: UsageLedger
     whole: list[WholeResource]
     pod_resources: PodResourcesClient
@@ -184,9 +184,9 @@ def build_core(
         whole.append((resource.name_with(settings.resource_prefix), resource, board))
     # With whole cards, shared units are offered from the cards' health and from
     # whether a card is held whole (see exclusion.py).
-    offer = health
+    availability = health
     if whole:
-        offer = HealthBoard(inventory.cards, event="gpu_offer_changed", level="info")
+        availability = HealthBoard(inventory.cards, event="gpu_offer_changed", level="info")
     usage = UsageLedger(inventory)
     plan = found.mig_plan
     card_facts = CardFacts(  # holders, each card's own health, cards not shared
@@ -236,7 +236,7 @@ def build_core(
         device_listing(settings, found.gpus, found.mig_plan, found.dra_mig_cards),
         health,
         mig_health,
-        offer,
+        availability,
         usage,
         whole,
         pod_resources,
@@ -252,7 +252,7 @@ def build_core(
         specs.mig_prefix = mig_prefix  # MIG resources a container must not mix with units
     core.specs = specs
     if whole:
-        core.exclusion = Exclusion(health, offer, usage, whole, core.exclusive_ledger)
+        core.exclusion = Exclusion(health, availability, usage, whole, core.exclusive_ledger)
     if settings.node_name:
         _link_to_api(core, specs or PodSpecBook(settings.resource_prefix, mig_prefix))
     return core
@@ -270,7 +270,7 @@ def _link_to_api(core: NodeCore, specs: PodSpecBook) -> None:
         prefix,
         core.inventory,
         core.usage,
-        core.offer,
+        core.availability,
         specs,
         core.pod_resources.list,
         extra_labels=mig.labels(plan, prefix),

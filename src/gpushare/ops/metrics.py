@@ -261,6 +261,10 @@ class _CardCollector:
         yield core
 
 
+#: The calls that hand something out, counted in ``gpushare_allocations``.
+ALLOCATING = frozenset({"Allocate", "NodePrepareResources"})
+
+
 class Metrics:
     """One daemon's metrics, in its own registry."""
 
@@ -283,13 +287,14 @@ class Metrics:
         self._registered = registered
         self.allocations = Counter(
             "gpushare_allocations",
-            "Allocate calls answered, by resource and result (ok or the refusal)",
+            "Allocate and NodePrepareResources calls answered, by resource (the DRA "
+            "driver's name for a claim) and result (ok or the refusal)",
             ["resource", "result"],
             registry=self.registry,
         )
         self.latency = Histogram(
             "gpushare_request_duration_seconds",
-            "Time to answer a device-plugin request, by resource and method",
+            "Time to answer a kubelet call (device plugin or DRA), by resource and method",
             ["resource", "method"],
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
@@ -307,12 +312,13 @@ class Metrics:
             )
         )
 
-    def observe(self, resource: Resource, method: str, result: str, seconds: float) -> None:
-        """The servicers' hook, called after every request."""
-        name = self._names[resource]
-        self.latency.labels(name, method).observe(seconds)
-        if method == "Allocate":
-            self.allocations.labels(name, result).inc()
+    def observe(self, resource: str, method: str, result: str, seconds: float) -> None:
+        """The kubelet doors' hook (:data:`gpushare.base.kubeletgrpc.CallHook`), called
+        after every call of every door: each is timed, and each call that hands
+        something out (:data:`ALLOCATING`: Allocate, NodePrepareResources) counted."""
+        self.latency.labels(resource, method).observe(seconds)
+        if method in ALLOCATING:
+            self.allocations.labels(resource, result).inc()
 
     def _extra(self) -> list[Metric]:
         ready = self._ready() if self._ready is not None else True

@@ -1,8 +1,21 @@
-"""What a container is told: the envs and mounts of an Allocate answer. Pure.
+"""The answer port: the ONE place where a grant becomes container edits. Pure.
 
-A container that asks for both resources gets two answers, one per resource, which
-the kubelet merges (the first value of a key wins, a differing second value is only
-logged). So each answer sets only what belongs to its resource, and anything both
+A :class:`Grant` says what one container (or one claim's result) gets: which devices
+(cards or MIG devices, in the order the container sees them), whole or a share
+(memory, cores), and the card's :class:`Enforcement`. :func:`container_edits` turns it
+into :class:`Answer`, the edits the runtime applies: environment, mounts, device
+nodes (``device_specs``), the devices' names (``NVIDIA_VISIBLE_DEVICES`` and/or CDI
+names, as the node's :class:`DeviceListing` says) and OCI hooks (:class:`Hook`, none
+yet). Every front door calls it (shared units and whole cards in
+``deviceplugin/binding.py`` and ``deviceplugin/exclusive.py``, MIG devices in
+``deviceplugin/migserve.py``, DRA claims in ``dra/claims.py``); a door only chooses
+the grant and translates the edits to its wire format (``deviceplugin/plugin.py``'s
+``answer_to_proto``, ``host/cdi.py``'s ``claim_device``). ``tests/test_layout.py``
+checks that no other module builds edits.
+
+A container that asks for both shared resources gets two answers, one per resource,
+which the kubelet merges (the first value of a key wins, a differing second value is
+only logged). So each answer sets only what belongs to its resource, and anything both
 answers set is identical:
 
 * both: ``NVIDIA_VISIBLE_DEVICES`` (the same card, by construction), ``LD_PRELOAD``,
@@ -12,20 +25,21 @@ answers set is identical:
 * core only: ``CUDA_DEVICE_SM_LIMIT``.
 
 A variable that is not set means "no limit" to libvgpu: memory without core runs
-unthrottled, core without memory may use the whole card's memory.
+unthrottled, core without memory may use the whole card's memory. A DRA claim grants
+both limits at once and gets in one answer what the kubelet merges from the device
+plugin's two.
 
-:func:`enforcement_answer` is the one port every front door calls: a :class:`Grant`
-(this card, these limits) in, the answer out. A DRA claim grants both limits at once
-and gets in one answer what the kubelet merges from the device plugin's two.
+Whole devices get the raw devices, or, with the card's enforcement
+(``exclusiveEnforcement``), the interposer with 100 % limits:
+``CUDA_DEVICE_MEMORY_LIMIT_<i>`` = the whole memory of device ``i``,
+``CUDA_DEVICE_SM_LIMIT=100``, so a site keeps the same accounting everywhere.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-from gpushare.share.devices import Resource
 
 CONTAINER_LIBRARY = "/usr/local/vgpu/libvgpu.so"
 CONTAINER_CACHE_DIR = "/usr/local/vgpu/cache"
@@ -34,6 +48,18 @@ LOCK_DIR = "/tmp/vgpulock"
 LD_SO_PRELOAD = "/etc/ld.so.preload"
 
 ANNOTATION_NO_ENFORCEMENT = "gpushare.io/enforcement"
+
+#: The environment the edits set (read back by logs and tests; only this module sets them).
+VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+MEMORY_LIMIT = "CUDA_DEVICE_MEMORY_LIMIT_0"  # of the first (a share's only) device
+CORE_LIMIT = "CUDA_DEVICE_SM_LIMIT"
+SHARED_CACHE = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
+PRELOAD = "LD_PRELOAD"
+
+
+def memory_limit_env(index: int) -> str:
+    """``CUDA_DEVICE_MEMORY_LIMIT_<index>``: the memory limit of device ``index``."""
+    return f"CUDA_DEVICE_MEMORY_LIMIT_{index}"
 
 
 @dataclass(frozen=True)
@@ -53,14 +79,29 @@ class DeviceSpec:
 
 
 @dataclass(frozen=True)
+class Hook:
+    """An OCI hook for the container (a CDI ``containerEdits.hooks`` entry):
+    ``hook_name`` is the OCI hook point (``createRuntime``, ``createContainer``, ...)."""
+
+    hook_name: str
+    path: str
+    args: tuple[str, ...] = ()
+    env: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Answer:
-    """One ContainerAllocateResponse, as plain data."""
+    """The container edits of one grant (one ContainerAllocateResponse, or one CDI
+    device of a claim), as plain data."""
 
     envs: dict[str, str] = field(default_factory=dict)
     mounts: list[Mount] = field(default_factory=list)
     annotations: dict[str, str] = field(default_factory=dict)
     cdi_devices: list[str] = field(default_factory=list)  # fully qualified CDI names
     device_specs: list[DeviceSpec] = field(default_factory=list)
+    #: OCI hooks; none today. The device-plugin API has no field for them: a door that
+    #: carries them does so through CDI (``host/cdi.py``).
+    hooks: list[Hook] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -79,110 +120,126 @@ def lock_mount(enforcement: Enforcement) -> Mount:
     return Mount(LOCK_DIR, str(enforcement.lock_dir or LOCK_DIR), read_only=False)
 
 
+# --------------------------------------------------------------------------- grants
+
+
+@dataclass(frozen=True)
+class GrantedDevice:
+    """One device of a grant: a card (its UUID) or a MIG device (``MIG-...``)."""
+
+    id: str
+    memory_mib: int = 0  # the device's whole memory: a whole grant's limit under enforcement
+    #: its CDI device part where that is not ``id`` (the ``index`` name strategy); None: ``id``
+    cdi_id: str | None = None
+    #: device nodes the container needs (host and container paths alike; MIG capabilities)
+    nodes: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class Grant:
-    """What one container (or one claim) gets of one card: the enforcement port's input.
+    """What one container (or one claim's result) gets: the port's input.
 
-    ``memory_mib`` and ``cores`` are the limits to enforce; ``None`` leaves that limit
-    out of this answer (a device-plugin Allocate carries one resource at a time, the
-    kubelet merges the two answers; a DRA claim carries both at once)."""
+    ``whole``: the devices go whole to the container; ``enforcement`` None then hands
+    the raw devices (MIG, or whole cards without ``exclusiveEnforcement``). A share
+    (``whole`` False) is of one card: ``memory_mib`` and ``cores`` are the limits to
+    enforce, ``None`` leaves that limit out of this answer (a device-plugin Allocate
+    carries one resource at a time, the kubelet merges the two answers; a DRA claim
+    carries both at once); ``cache_dir`` is the container's (or claim's) host cache
+    directory, mounted with a memory limit. Build one with :func:`share` or
+    :func:`whole`."""
 
-    uuid: str
+    devices: tuple[GrantedDevice, ...]
+    whole: bool = False
     memory_mib: int | None = None
     cores: int | None = None
+    enforcement: Enforcement | None = None
+    cache_dir: Path | None = None
+
+    @property
+    def ids(self) -> list[str]:
+        return [d.id for d in self.devices]
 
 
-def enforcement_answer(
-    grant: Grant,
+def share(
+    uuid: str,
     *,
     enforcement: Enforcement,
+    memory_mib: int | None = None,
+    cores: int | None = None,
     cache_dir: Path | None = None,
-    listing: DeviceListing | None = None,
     cdi_id: str | None = None,
-) -> Answer:
-    """The one port from "this container gets these limits on this card" to what the
-    runtime applies: HAMi-core's environment (``CUDA_DEVICE_MEMORY_LIMIT_0``,
-    ``CUDA_DEVICE_SM_LIMIT``), the interposer and its preload, the lock directory, the
-    container's cache directory (``cache_dir``, with a memory limit) and, with
-    ``listing``, the card named as the device-list strategy says (``cdi_id``: its CDI
-    device part where that is not the UUID). Pure; every front door calls it."""
-    envs = {"NVIDIA_VISIBLE_DEVICES": grant.uuid}
+) -> Grant:
+    """A share of card ``uuid``: these limits, enforced as ``enforcement`` says."""
+    return Grant(
+        (GrantedDevice(uuid, cdi_id=cdi_id),),
+        memory_mib=memory_mib,
+        cores=cores,
+        enforcement=enforcement,
+        cache_dir=cache_dir,
+    )
+
+
+def whole(devices: Iterable[GrantedDevice], *, enforcement: Enforcement | None = None) -> Grant:
+    """``devices`` whole, in the order the container sees them; with ``enforcement``
+    the interposer with 100 % limits."""
+    return Grant(tuple(devices), whole=True, enforcement=enforcement)
+
+
+def container_edits(grant: Grant, listing: DeviceListing | None = None) -> Answer:
+    """The edits of ``grant``: the port every front door calls.
+
+    With ``listing`` the devices are named as the device-list strategy says (the
+    ``NVIDIA_VISIBLE_DEVICES`` list and/or CDI names); without it they are named by
+    ``NVIDIA_VISIBLE_DEVICES`` alone."""
+    ids = grant.ids
+    envs = {VISIBLE_DEVICES: ",".join(ids)}
     mounts: list[Mount] = []
     annotations: dict[str, str] = {}
-    if grant.memory_mib is not None:
-        envs["CUDA_DEVICE_MEMORY_LIMIT_0"] = f"{grant.memory_mib}m"
-    if grant.cores is not None:
-        envs["CUDA_DEVICE_SM_LIMIT"] = str(grant.cores)
-    if enforcement.library is None:
-        annotations[ANNOTATION_NO_ENFORCEMENT] = (
-            "disabled: gpushare runs with --no-enforcement, limits are advisory"
-        )
+    enforcement = grant.enforcement
+    if grant.whole:
+        if enforcement is not None and enforcement.library is not None:
+            mounts = _interposer(envs, enforcement)
+            for i, device in enumerate(grant.devices):
+                envs[memory_limit_env(i)] = f"{device.memory_mib}m"
+            envs[CORE_LIMIT] = "100"
     else:
-        mounts.append(Mount(CONTAINER_LIBRARY, str(enforcement.library), read_only=True))
-        mounts.append(lock_mount(enforcement))
-        if enforcement.use_ld_preload_env:
-            envs["LD_PRELOAD"] = CONTAINER_LIBRARY
-        if enforcement.preload_file is not None:
-            mounts.append(Mount(LD_SO_PRELOAD, str(enforcement.preload_file), read_only=True))
-        if grant.memory_mib is not None and cache_dir is not None:
-            envs["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = CONTAINER_CACHE_FILE
-            mounts.append(Mount(CONTAINER_CACHE_DIR, str(cache_dir), read_only=False))
-    answer = Answer(envs, mounts, annotations)
+        if len(grant.devices) != 1 or enforcement is None:
+            raise ValueError("a share is of exactly one card, with its enforcement")
+        if grant.memory_mib is not None:
+            envs[MEMORY_LIMIT] = f"{grant.memory_mib}m"
+        if grant.cores is not None:
+            envs[CORE_LIMIT] = str(grant.cores)
+        if enforcement.library is None:
+            annotations[ANNOTATION_NO_ENFORCEMENT] = (
+                "disabled: gpushare runs with --no-enforcement, limits are advisory"
+            )
+        else:
+            mounts = _interposer(envs, enforcement)
+            if grant.memory_mib is not None and grant.cache_dir is not None:
+                envs[SHARED_CACHE] = CONTAINER_CACHE_FILE
+                mounts.append(Mount(CONTAINER_CACHE_DIR, str(grant.cache_dir), read_only=False))
+    nodes: list[str] = []
+    for device in grant.devices:
+        nodes.extend(n for n in device.nodes if n not in nodes)
+    answer = Answer(envs, mounts, annotations, device_specs=[DeviceSpec(n, n) for n in nodes])
     if listing is None:
         return answer
-    return with_device_list(answer, [grant.uuid], listing, [cdi_id] if cdi_id else None)
+    cdi_ids = [d.cdi_id or d.id for d in grant.devices]
+    return with_device_list(answer, ids, listing, cdi_ids if cdi_ids != ids else None)
 
 
-def build_answer(
-    resource: Resource,
-    uuid: str,
-    units: int,
-    *,
-    memory_unit_mib: int,
-    enforcement: Enforcement,
-    cache_dir: Path | None = None,
-) -> Answer:
-    """A device-plugin Allocate's answer: ``units`` of one ``resource`` on card ``uuid``."""
-    if resource is Resource.MEMORY:
-        grant = Grant(uuid, memory_mib=units * memory_unit_mib)
-    else:
-        grant = Grant(uuid, cores=units)
-    return enforcement_answer(grant, enforcement=enforcement, cache_dir=cache_dir)
-
-
-# --------------------------------------------------------------------------- exclusive
-
-
-def build_exclusive_answer(
-    device_ids: Sequence[str],
-    *,
-    enforcement: Enforcement | None = None,
-    memory_mib: Sequence[int] = (),
-) -> Answer:
-    """The answer handing a container whole devices (cards or MIG instances).
-
-    ``device_ids`` are in the order the container sees them (index ``i`` below).
-    Without ``enforcement`` the container gets the raw devices: no interposer, no
-    limits. With it (``exclusiveEnforcement``) the library is loaded as for shared
-    units with 100 % limits: ``CUDA_DEVICE_MEMORY_LIMIT_<i>`` = the whole memory of
-    device ``i`` (``memory_mib[i]``), ``CUDA_DEVICE_SM_LIMIT=100``, so a site keeps
-    the same accounting everywhere.
-    """
-    envs = {"NVIDIA_VISIBLE_DEVICES": ",".join(device_ids)}
-    if enforcement is None or enforcement.library is None:
-        return Answer(envs)
+def _interposer(envs: dict[str, str], enforcement: Enforcement) -> list[Mount]:
+    """The interposer's mounts (library, lock directory, preload file), its
+    ``LD_PRELOAD`` added to ``envs``."""
     mounts = [
         Mount(CONTAINER_LIBRARY, str(enforcement.library), read_only=True),
         lock_mount(enforcement),
     ]
     if enforcement.use_ld_preload_env:
-        envs["LD_PRELOAD"] = CONTAINER_LIBRARY
+        envs[PRELOAD] = CONTAINER_LIBRARY
     if enforcement.preload_file is not None:
         mounts.append(Mount(LD_SO_PRELOAD, str(enforcement.preload_file), read_only=True))
-    for i, mib in enumerate(memory_mib):
-        envs[f"CUDA_DEVICE_MEMORY_LIMIT_{i}"] = f"{mib}m"
-    envs["CUDA_DEVICE_SM_LIMIT"] = "100"
-    return Answer(envs, mounts)
+    return mounts
 
 
 # --------------------------------------------------------------------------- device lists
@@ -243,9 +300,9 @@ def with_device_list(
     annotations = dict(answer.annotations)
     names = [listing.cdi_name(d) for d in (devices if cdi_devices is None else cdi_devices)]
     if ENVVAR in listing.strategies:
-        envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(devices)
+        envs[VISIBLE_DEVICES] = ",".join(devices)
     else:
-        envs["NVIDIA_VISIBLE_DEVICES"] = NO_DEVICES
+        envs[VISIBLE_DEVICES] = NO_DEVICES
     cdi = names if CDI_CRI in listing.strategies else []
     if CDI_ANNOTATIONS in listing.strategies and devices:
         annotations[listing.annotation_key(devices[0])] = ",".join(names)

@@ -174,7 +174,7 @@ def _parse_instances(
 #: Keys a simulated node file may hold (top level, and per GPU entry). Anything else is
 #: refused: a typo such as ``xids: 79`` would otherwise silently inject nothing.
 SIMULATED_NODE_KEYS = frozenset(
-    {"gpus", "topology", "cuda_driver_version", "driver_version", "nvml_store"}
+    {"gpus", "topology", "cuda_driver_version", "driver_version", "nvml_store", "nvml_library"}
 )
 SIMULATED_GPU_KEYS = frozenset(
     {
@@ -320,6 +320,13 @@ class SimulatedBackend:
         """The file's ``driver_version: "615.20.01"``, if any (the NVIDIA driver)."""
         version = self._node_section("driver_version")
         return str(version) if version is not None else None
+
+    def hook_extras(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """What the memory hook is given on this simulated node: the stand-in NVML
+        (``nvml_library`` of the node file, relative to it) and its store (env)."""
+        library = self._node_section("nvml_library")
+        args = ("--nvml-lib", str(self.path.parent / library)) if library else ()
+        return args, (f"GPUSHARE_NVML_STORE={self.limit_store.path}",)
 
     def set_memory_limits(self, uuid: str, namespace: str, soft: int, hard: int) -> None:
         self.limit_store.set_memory_limits(uuid, namespace, soft, hard)

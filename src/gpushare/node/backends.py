@@ -35,6 +35,11 @@ from gpushare.share.cardmodes import CardMode
 
 log = structlog.get_logger(__name__)
 
+#: Whether the device plugin's answers can carry the memory hook: only once they name a
+#: CDI spec of their own per grant (the kubelet's Allocate API has no field for hooks).
+#: Until then a device-plugin card is never ``driver`` (its reason: no CDI); DRA claims
+#: always have their own spec.
+DEVICE_PLUGIN_HOOKS = False
 #: The limit the self-test sets (and reads back) on its scratch cgroup.
 PROBE_BYTES = 64 << 20
 #: The v1 controllers' directories, one of which a cgroup v1 root holds.

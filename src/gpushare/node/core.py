@@ -32,13 +32,15 @@ from gpushare.host.tombstones import Reaper
 from gpushare.host.unitguard import UnitSizeChanged, guard_unit_size
 from gpushare.kube.labels import LabelFacts
 from gpushare.kube.podspecs import PodSpecBook
+from gpushare.node.backends import DEVICE_PLUGIN_HOOKS, card_traits, decide_backends
 from gpushare.node.cardfacts import CardFacts
 from gpushare.node.discovery import Discovered
-from gpushare.node.enforcement import device_listing, prepare_enforcement
+from gpushare.node.enforcement import device_listing, prepare_enforcement, with_backends
 from gpushare.node.podresources import PodResourcesClient
 from gpushare.node.refresh import UsageRefresher
 from gpushare.node.releases import watch_releases
 from gpushare.share.answers import DeviceListing, Enforcement
+from gpushare.share.backends import Choice
 from gpushare.share.cardmodes import CardMode, card_modes, parse_card_modes
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.exclusion import Exclusion
@@ -86,6 +88,8 @@ class NodeCore:
     specs: PodSpecBook | None = None
     choices: ChoiceBook | None = None
     api_link: ApiLink | None = None
+    #: each card's enforcement backends and why (node/backends.py), by UUID
+    backends: dict[str, Choice] = field(default_factory=dict)
 
     @property
     def no_gpus(self) -> bool:
@@ -157,9 +161,7 @@ def _modes_and_inventory(
     return modes, inventory
 
 
-def build_core(
-    settings: Settings, found: Discovered, specs: PodSpecBook | None = None
-) -> NodeCore:
+def build_core(settings: Settings, found: Discovered, specs: PodSpecBook | None = None) -> NodeCore:
     """Build the core (nothing started); :class:`StartupError` when it cannot work."""
     modes, inventory = _modes_and_inventory(settings, found)
     if not found.gpus and not found.mig_plan.mig_devices and not found.dra_mig_cards:
@@ -169,6 +171,15 @@ def build_core(
             "served; serving empty device lists, /readyz answers 503",
         )
     enforcement = prepare_enforcement(settings)
+    listing = device_listing(settings, found.gpus, found.mig_plan, found.dra_mig_cards)
+    traits = card_traits(
+        found.gpus,
+        [*found.mig_plan.mig_cards, *found.dra_mig_cards],
+        modes,
+        uses_cdi=DEVICE_PLUGIN_HOOKS and listing.uses_cdi,
+    )
+    backends = decide_backends(settings, found.backend, traits)
+    enforcement = with_backends(enforcement, settings, backends, found.backend)
     # The cards' own health; a card in MIG mode given to DRA brings its MIG devices too
     # (the DRA driver publishes each, and an XID naming its GPU instance is its alone).
     dra_mig_of = {card.uuid: card.mig_devices for card in found.dra_mig_cards}
@@ -224,16 +235,14 @@ def build_core(
         mig_of={**found.mig_plan.mig_of(), **dra_mig_of},
         mig_board=mig_health,
     )
-    refresher = UsageRefresher(
-        pod_resources.list, usage, settings.pod_resources_interval_seconds
-    )
+    refresher = UsageRefresher(pod_resources.list, usage, settings.pod_resources_interval_seconds)
     core = NodeCore(
         settings,
         found,
         modes,
         inventory,
         enforcement,
-        device_listing(settings, found.gpus, found.mig_plan, found.dra_mig_cards),
+        listing,
         health,
         mig_health,
         availability,
@@ -245,6 +254,7 @@ def build_core(
         monitor,
         card_facts,
         reaper=reaper,
+        backends=backends,
     )
     refresher.after_read = core.after_read
     mig_prefix = mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix)
@@ -370,4 +380,3 @@ def late_parts(core: NodeCore) -> list[Part]:
         parts.append(Task("api-link", core.api_link.start, core.api_link.stop))
     parts.append(Task("usage-refresher", core.refresher.start, core.refresher.stop))
     return parts
-

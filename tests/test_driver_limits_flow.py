@@ -118,6 +118,12 @@ def test_a_claim_on_a_driver_card_gets_its_limit_on_its_own_cgroup(
     assert store.limits() == {}  # the self-test cleared its limit
     assert poll(lambda: "dra" not in node.daemon.readiness()[1], 10)  # type: ignore[union-attr]
 
+    # published for claims to select (CEL: device.attributes[...].memoryEnforcement)
+    found = api.get("ResourceSlice", f"{NODE}-{DRIVER}-0", api_version="resource.k8s.io/v1")
+    (device,) = (found or {})["spec"]["devices"]
+    assert device["attributes"]["memoryEnforcement"] == {"string": "driver"}
+    assert device["attributes"]["computeEnforcement"] == {"string": "interposer"}
+
     spec_a = prepare(node, api, "a", "2Gi")
     spec_b = prepare(node, api, "b", "1Gi")
     (edits,) = [d["containerEdits"] for d in spec_a["devices"]]

@@ -19,6 +19,7 @@ from gpushare.base.startup import NodeConfigurationError
 from gpushare.config import Settings
 from gpushare.gpu.gpus import Gpu
 from gpushare.gpu.memlimits import UNLIMITED, MemoryLimitDriver, MemoryLimitError
+from gpushare.kube.nodestate import MAX_REASON, CardEnforcement
 from gpushare.share.backends import (
     COMPUTE_PINS,
     MEMORY_PINS,
@@ -169,4 +170,16 @@ def _has_limits(driver: object) -> bool:
     return all(
         callable(getattr(driver, name, None))
         for name in ("driver_version", "set_memory_limits", "get_memory_limits")
+    )
+
+
+def shown_enforcement(choices: Mapping[str, Choice]) -> tuple[CardEnforcement, ...]:
+    """The choices as the Node annotation, the labels, inspect and the metrics show
+    them (``migSharing`` slices are shown by the MIG devices' own entries: left out)."""
+    return tuple(
+        CardEnforcement(
+            c.uuid, c.index, c.memory.value, c.compute.value, c.memory_reason[:MAX_REASON]
+        )
+        for c in sorted(choices.values(), key=lambda c: (c.index, c.uuid))
+        if not c.uuid.startswith("MIG-")
     )

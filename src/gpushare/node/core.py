@@ -32,7 +32,12 @@ from gpushare.host.tombstones import Reaper
 from gpushare.host.unitguard import UnitSizeChanged, guard_unit_size
 from gpushare.kube.labels import LabelFacts
 from gpushare.kube.podspecs import PodSpecBook
-from gpushare.node.backends import DEVICE_PLUGIN_HOOKS, card_traits, decide_backends
+from gpushare.node.backends import (
+    DEVICE_PLUGIN_HOOKS,
+    card_traits,
+    decide_backends,
+    shown_enforcement,
+)
 from gpushare.node.cardfacts import CardFacts
 from gpushare.node.discovery import Discovered
 from gpushare.node.enforcement import device_listing, prepare_enforcement, with_backends
@@ -257,6 +262,7 @@ def build_core(settings: Settings, found: Discovered, specs: PodSpecBook | None 
         backends=backends,
     )
     refresher.after_read = core.after_read
+    card_facts.enforcement = shown_enforcement(backends)
     mig_prefix = mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix)
     if specs is not None:  # the fast suite hands in a book without a node name
         specs.mig_prefix = mig_prefix  # MIG resources a container must not mix with units
@@ -297,6 +303,7 @@ def _link_to_api(core: NodeCore, specs: PodSpecBook) -> None:
         gpus=core.physical_cards(),
         cuda_driver=driver() if driver is not None else None,
         nvidia_product=settings.nvidia_product_label,
+        enforcement=core.card_facts.enforcement,
     )
     core.specs, core.choices, core.api_link = specs, choices, link
 

@@ -121,3 +121,24 @@ def test_inspect_shows_which_backend_holds_each_card() -> None:
         "compute": "interposer",
         "why": "auto: driver r615+",
     }
+
+
+def test_the_driver_claim_example_selects_what_the_slices_publish() -> None:
+    import yaml
+
+    from gpushare.config import Settings
+    from gpushare.dra.model import MEMORY_ENFORCEMENT
+
+    path = ROOT / "daemonset" / "examples" / "dra-driver-claim.yaml"
+    template, pod = yaml.safe_load_all(path.read_text())
+    (request,) = template["spec"]["spec"]["devices"]["requests"]
+    (selector,) = request["exactly"]["selectors"]
+    driver = Settings().dra_driver
+    assert selector["cel"]["expression"] == (
+        f'device.attributes["{driver}"].{MEMORY_ENFORCEMENT} == "driver"'
+    )
+    assert request["exactly"]["deviceClassName"] == "gpushare.io"
+    assert pod["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] == "gpu-4gi-driver"
+    assert "```yaml\napiVersion: resource.k8s.io/v1\nkind: ResourceClaimTemplate" in (
+        ROOT / "docs" / "dra.md"
+    ).read_text()

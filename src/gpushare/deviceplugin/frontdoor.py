@@ -119,6 +119,7 @@ class DevicePluginFrontDoor:
             specs=core.specs,
             on_allocated=core.shared_allocated,
             listing=self.listing,
+            grant_specs=core.collector.grant_specs,
         )
         self.kubelet_dir = Path(settings.kubelet_dir)
         self.servers: list[PluginServer] = []

@@ -36,11 +36,12 @@ from gpushare.share.cardmodes import CardMode
 
 log = structlog.get_logger(__name__)
 
-#: Whether the device plugin's answers can carry the memory hook: only once they name a
-#: CDI spec of their own per grant (the kubelet's Allocate API has no field for hooks).
-#: Until then a device-plugin card is never ``driver`` (its reason: no CDI); DRA claims
-#: always have their own spec.
-DEVICE_PLUGIN_HOOKS = False
+#: Whether the device plugin's answers can carry the memory hook: they do under a CDI
+#: device-list strategy, where each grant's edits go into a CDI spec of its own
+#: (``host/grantspecs.py``; the kubelet's Allocate API has no field for hooks). Without
+#: CDI a device-plugin card is never ``driver`` (its reason: no CDI); DRA claims always
+#: have their own spec.
+DEVICE_PLUGIN_HOOKS = True
 #: The limit the self-test sets (and reads back) on its scratch cgroup.
 PROBE_BYTES = 64 << 20
 #: The v1 controllers' directories, one of which a cgroup v1 root holds.

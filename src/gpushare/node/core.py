@@ -27,6 +27,7 @@ from gpushare.gpu.gpus import Gpu
 from gpushare.gpu.gputype import ChoiceBook
 from gpushare.gpu.health import HealthBoard, HealthMonitor, HealthPolicy
 from gpushare.host.gc import GarbageCollector
+from gpushare.host.grantspecs import GrantSpecs
 from gpushare.host.library import cache_root
 from gpushare.host.tombstones import Reaper
 from gpushare.host.unitguard import UnitSizeChanged, guard_unit_size
@@ -219,6 +220,7 @@ def build_core(settings: Settings, found: Discovered, specs: PodSpecBook | None 
         {resource.name_with(settings.resource_prefix): resource for resource in Resource},
         exclusive=[name for name, _r, _b in whole] + card_facts.exclusive_resource_names(),
     )
+    listing = device_listing(settings, found.gpus, found.mig_plan, found.dra_mig_cards)
     library = enforcement.library
     reaper = Reaper(cache_root(Path(settings.host_lib_dir))) if library is not None else None
     collector = GarbageCollector(
@@ -228,6 +230,11 @@ def build_core(settings: Settings, found: Discovered, specs: PodSpecBook | None 
         size_limit_bytes=settings.cache_dir_limit_mib << 20,
         lock_dir=library is not None,
         on_pass=reaper.retry if reaper is not None else None,
+        grant_specs=GrantSpecs(
+            Path(settings.dra_cdi_dir), settings.resource_prefix, settings.gc_grace_seconds
+        )
+        if listing.uses_cdi
+        else None,
     )
     monitor = HealthMonitor(
         found.backend,
@@ -266,11 +273,18 @@ def build_core(settings: Settings, found: Discovered, specs: PodSpecBook | None 
     mig_prefix = mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix)
     if specs is not None:  # the fast suite hands in a book without a node name
         specs.mig_prefix = mig_prefix  # MIG resources a container must not mix with units
+        specs.check_env = not core.listing.uses_cdi  # CDI edits replace the pod's env
     core.specs = specs
     if whole:
         core.exclusion = Exclusion(health, availability, usage, whole, core.exclusive_ledger)
     if settings.node_name:
-        _link_to_api(core, specs or PodSpecBook(settings.resource_prefix, mig_prefix))
+        _link_to_api(
+            core,
+            specs
+            or PodSpecBook(
+                settings.resource_prefix, mig_prefix, check_env=not core.listing.uses_cdi
+            ),
+        )
     return core
 
 

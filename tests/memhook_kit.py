@@ -15,7 +15,7 @@ from gpushare.gpu.memlimits import LimitStore
 
 ROOT = Path(__file__).resolve().parent.parent
 HOOK_SOURCE = ROOT / "hook" / "memory-hook.c"
-NVML_SOURCE = ROOT / "tests" / "standin" / "libnvml_standin.c"
+NVML_SOURCE = ROOT / "tests" / "kit" / "standin" / "libnvml_standin.c"
 UUID = "GPU-11111111-2222-3333-4444-555555555555"
 HAVE_GCC = shutil.which("gcc") is not None
 

@@ -1,7 +1,7 @@
 """The driver memory hook (hook/memory-hook.c), run as a container runtime runs a
 createRuntime hook: the OCI state on stdin, the card and the limit in its arguments,
 against a stand-in cgroup v2 tree, a stand-in /proc and the stand-in NVML whose limits
-the Python simulation reads (tests/standin/libnvml_standin.c, gpu/memlimits.py).
+the Python simulation reads (tests/kit/standin/libnvml_standin.c, gpu/memlimits.py).
 
 Everything it is given is hostile until checked: a gone pid, a cgroup outside the root
 (``..``), a symlink anywhere on the path, the root cgroup, an oversized or malformed

@@ -1,6 +1,6 @@
 """The enforcement probe under the ``driver`` memory backend, without a GPU: the memory
 hook (built by gcc) sets a container's limit through the stand-in NVML into the simulated
-driver's store, and the stand-in CUDA driver (tests/standin/libcuda_standin.c) checks
+driver's store, and the stand-in CUDA driver (tests/kit/standin/libcuda_standin.c) checks
 every allocation of the processes of that cgroup against it. The probe, told the grant
 (``--memory-backend driver --limit-mib``), must find the limit held; where the hook set
 nothing it must say that the limit is not enforced."""
@@ -18,7 +18,7 @@ from memhook_kit import HAVE_GCC, UUID, HookWorld, build, oci_state
 from gpushare.gpu import probe
 
 ROOT = Path(__file__).resolve().parent.parent
-CUDA_SOURCE = ROOT / "tests" / "standin" / "libcuda_standin.c"
+CUDA_SOURCE = ROOT / "tests" / "kit" / "standin" / "libcuda_standin.c"
 LIMIT_MIB = 1024
 CARD_BYTES = 8 * LIMIT_MIB << 20
 

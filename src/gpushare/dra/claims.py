@@ -53,7 +53,7 @@ from gpushare.host.library import (
     prepare_claim_cache_dir,
     release_cache_dir,
 )
-from gpushare.kube.kubeclient import ApiClient, ApiStatusError
+from gpushare.kube.stdlibclient import ApiClient, ApiStatusError
 from gpushare.share import answers
 from gpushare.share.answers import Answer, DeviceListing, Enforcement, GrantedDevice
 

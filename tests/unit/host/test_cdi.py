@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import yaml
-from cdi_runtime import final
 from conftest import TESLA_P4, Node, cards, gpu_uuid
+from kit.cdi_runtime import final
 from structlog.testing import capture_logs
 
 from gpushare.config import ConfigError, load_settings
@@ -59,7 +59,7 @@ def test_cdi_cri_names_the_card_and_keeps_the_limits_and_the_interposer(node: No
     admitted = node.kubelet.admit("a", "main", {node.memory: 2, node.core: 30})
     name = f"nvidia.com/gpu={gpu_uuid(0)}"
     # the card's name, then the grant's own CDI device, which carries the limits and the
-    # interposer (test_grant_specs.py): the pod's env cannot shadow them
+    # interposer (doors/deviceplugin/test_cdi_grant_specs.py): the pod's env cannot shadow them
     memory, core = cdi_names(admitted, node.memory), cdi_names(admitted, node.core)
     assert memory[0] == core[0] == name
     assert memory[1].startswith("gpushare.io/grant=vcuda-memory-")

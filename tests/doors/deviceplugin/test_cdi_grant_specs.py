@@ -6,7 +6,7 @@ keeps the later value: before the fix, a pod whose spec set
 ``cdi-annotations``, each Allocate writes one CDI spec per grant
 (``host/grantspecs.py``) carrying the edits, and the answer only names it; the runtime
 applies CDI edits after the pod's env and mounts and they replace them
-(``tests/cdi_runtime.py`` does what the CDI library does). Real gRPC, the kubelet
+(``tests/kit/cdi_runtime.py`` does what the CDI library does). Real gRPC, the kubelet
 stand-in, the specs on disk.
 """
 
@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cdi_runtime import final
 from conftest import TESLA_P4, Node, cards, gpu_uuid
+from kit.cdi_runtime import final
+from kit.procs import poll
 
+from gpushare.daemon import Daemon
 from gpushare.host.grantspecs import GrantSpecs, grant_name
 from gpushare.share.answers import CONTAINER_LIBRARY
 
@@ -31,6 +33,14 @@ ISSUE_ENV = [
     ("LD_PRELOAD", ""),
     ("CUDA_DISABLE_CONTROL", "true"),
 ]
+
+
+def reads_after(daemon: Daemon, count: int, timeout: float = 3.0) -> bool:
+    """Wait for ``count`` more successful PodResources reads (each may collect)."""
+    assert daemon.core.refresher is not None
+    refresher = daemon.core.refresher
+    target = refresher.reads + count
+    return poll(lambda: refresher.reads >= target, timeout)
 
 
 def _own(node: Node) -> Path:
@@ -114,3 +124,35 @@ def test_ended_grants_lose_their_spec_after_the_grace_period_and_held_ones_keep_
     assert specs.collect(live, now + 19) == [ended.split("=")[1]]
     assert specs.names_on_disk() == live
     assert foreign.exists()  # never another producer's spec
+
+
+def test_the_daemon_removes_a_released_grants_spec_and_keeps_the_held_ones(node: Node) -> None:
+    """The collector that buries cache directories removes grant specs too, from the same
+    PodResources reads: a released container's specs go after the grace period, a held
+    container's stay however long."""
+    grace = 0.3
+    daemon = node.start(
+        cards(TESLA_P4, 1),
+        device_list_strategy="cdi-cri",
+        gc_grace_seconds=grace,
+        pod_resources_interval_seconds=0.05,
+    )
+    a = node.kubelet.admit("a", "main", {node.memory: 2, node.core: 10})
+    b = node.kubelet.admit("b", "main", {node.memory: 3})
+
+    def spec_files(admitted: Any) -> set[Path]:
+        names = [n.name for r in admitted.responses.values() for n in r.cdi_devices]
+        return {
+            _own(node) / f"{node.settings.resource_prefix}-grant_{n.split('=')[1]}.json"
+            for n in names
+            if "/grant=" in n
+        }
+
+    assert len(spec_files(a)) == 2 and all(p.exists() for p in spec_files(a) | spec_files(b))
+    assert reads_after(daemon, 4)
+    node.kubelet.release("a")
+    released = time.monotonic()
+    assert poll(lambda: not any(p.exists() for p in spec_files(a)), 5.0)
+    assert time.monotonic() - released >= grace
+    assert reads_after(daemon, 3)
+    assert all(p.exists() for p in spec_files(b))

@@ -15,13 +15,14 @@ from typing import Any
 import pytest
 import yaml
 from conftest import TESLA_P4, Node, cards
+from gpushare.sim.kubeletdouble import AdmissionError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_deploy_manifests import chart_objects
 from test_policies import CREATE_POD, POLICIES, Policy
 
+from gpushare.kube.podslim import slim
 from gpushare.share import reserved
-from gpushare.sim.kubelet import AdmissionError
 
 ROOT = POLICIES.parent.parent
 
@@ -365,4 +366,31 @@ def test_under_cdi_the_daemon_refuses_only_mounts_over_the_interposer(node: Node
         node.kubelet.admit("mounts", "main", {node.memory: 4})
     _failed(node, mounts)
     _tampering_pod(node, "env-only", env=ISSUE_ENV)
-    assert node.kubelet.admit("env-only", "main", {node.memory: 4}).card()
+    assert node.kubelet.admit("env-only", "main", {node.memory: 4}).devices[node.memory]
+
+
+@settings(max_examples=150, deadline=None)
+@given(_containers())
+def test_what_the_pod_watch_keeps_gives_the_daemon_the_same_verdict(
+    container: dict[str, Any],
+) -> None:
+    """The daemon's pod watch keeps a slim copy of each pod (kube/podslim.py): for a GPU
+    container it keeps what makes the check speak, so the verdict is the full pod's (the
+    e2e run found the watch dropped env and mounts: the daemon admitted the issue's pod)."""
+    container = {**container, "resources": {"limits": {"gpushare.io/vcuda-memory": "4"}}}
+    pod = {
+        "metadata": {"uid": "u", "namespace": "default", "name": "p"},
+        "spec": {"containers": [container]},
+        "status": {"phase": "Pending"},
+    }
+    kept = slim(pod, "gpushare.io")
+    assert kept is not None
+    (slimmed,) = kept["spec"]["containers"]
+    for env in (True, False):
+        assert bool(reserved.tampering(slimmed, env=env)) == bool(
+            reserved.tampering(container, env=env)
+        )
+    many = {**container, "env": [{"name": "LD_PRELOAD", "value": "x" * 1000}] * 10_000}
+    kept = slim({**pod, "spec": {"containers": [many]}}, "gpushare.io")
+    assert kept is not None
+    assert len(str(kept)) < 4_000 + 2 * len(str(container.get("volumeMounts", "")))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gpushare.gpu.memlimits import LimitStore
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HOOK_SOURCE = ROOT / "hook" / "memory-hook.c"
 NVML_SOURCE = ROOT / "tests" / "kit" / "standin" / "libnvml_standin.c"
 UUID = "GPU-11111111-2222-3333-4444-555555555555"

@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from memhook_kit import HAVE_GCC, UUID, HookWorld, build, oci_state
+from kit.memhook import HAVE_GCC, UUID, HookWorld, build, oci_state
 
 from gpushare.gpu import probe
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 CUDA_SOURCE = ROOT / "tests" / "kit" / "standin" / "libcuda_standin.c"
 LIMIT_MIB = 1024
 CARD_BYTES = 8 * LIMIT_MIB << 20

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from memhook_kit import HAVE_GCC, UUID, HookWorld, build, oci_state, tree
+from kit.memhook import HAVE_GCC, UUID, HookWorld, build, oci_state, tree
 
 from gpushare.gpu.memlimits import Limits
 

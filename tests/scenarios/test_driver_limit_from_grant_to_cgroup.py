@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 import yaml
 from conftest import NODE, TESLA_P4, Node, cards, gpu_uuid
-from memhook_kit import HAVE_GCC, build, oci_state
-from procs import poll
+from kit.memhook import HAVE_GCC, build, oci_state
+from kit.procs import poll
 
 from gpushare.base.startup import NodeConfigurationError
 from gpushare.gpu.memlimits import Limits, LimitStore
 from gpushare.share.backends import MemoryBackend
-from gpushare.sim.apiserver import KubeApiDouble
-from gpushare.sim.drakubelet import DraKubelet, allocated_claim
+from gpushare.sim.apidouble import KubeApiDouble
+from gpushare.sim.drakubeletdouble import DraKubelet, allocated_claim
 
 pytestmark = pytest.mark.skipif(not HAVE_GCC, reason="needs gcc")
 DRIVER = "gpu.gpushare.io"

@@ -19,7 +19,7 @@ from gpushare.kube import nodestate
 from gpushare.kube.labels import enforcement_labels
 from gpushare.kube.nodestate import CardEnforcement, NodeGpuState
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 A = CardEnforcement("GPU-a", 0, "driver", "interposer", "auto: driver r615+")
 B = CardEnforcement("GPU-b", 1, "interposer", "interposer", "auto: not driver: no CDI")
 C = CardEnforcement("GPU-c", 2, "hardware", "hardware", "MIG device")

@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import yaml
 from conftest import TESLA_P4, Node, cards
-from gpushare.sim.kubeletdouble import AdmissionError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_deploy_manifests import chart_objects
@@ -23,6 +22,7 @@ from test_policies import CREATE_POD, POLICIES, Policy
 
 from gpushare.kube.podslim import slim
 from gpushare.share import reserved
+from gpushare.sim.kubeletdouble import AdmissionError
 
 ROOT = POLICIES.parent.parent
 

@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gpushare.sim.apidouble import KubeApiDouble
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_dra_plugin import DraNode
+
+from gpushare.sim.apidouble import KubeApiDouble
 
 MIB = 1 << 20
 

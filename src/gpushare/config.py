@@ -20,6 +20,14 @@ from typing import Any
 import yaml
 
 from gpushare.base.cli import Parser, add_version, one_line
+from gpushare.share.backends import (
+    COMPUTE_PINS,
+    COMPUTE_PINS_PATTERN,
+    MEMORY_PINS,
+    MEMORY_PINS_PATTERN,
+    PINS_INTERPOSER,
+    parse_pins,
+)
 from gpushare.share.cardmodes import CARD_MODES_PATTERN, EXCLUSIVE_ENTRY, parse_card_modes
 
 ENV_PREFIX = "GPUSHARE_"
@@ -171,6 +179,38 @@ class Settings:
     )
     no_enforcement: bool = _opt(
         False, "run without the interposer library: limits are passed as env only (not enforced)"
+    )
+    # Enforcement backends (docs/choosing.md) ---------------------------------------------
+    memory_enforcement: str = _opt(
+        "auto",
+        "what holds each card's memory limits: auto (the strongest the card can have), "
+        "driver (NVIDIA r615+ per-cgroup limits), interposer (HAMi-core) or hardware (MIG, "
+        "whole cards); node-wide and/or <card index or UUID>=<backend>, comma-separated",
+        pattern=MEMORY_PINS_PATTERN,
+        shape="auto, driver, interposer or hardware, node-wide and/or <card>=<backend>, "
+        "comma-separated",
+    )
+    compute_enforcement: str = _opt(
+        "auto",
+        "what holds each card's compute limits: auto, mps (not available yet), interposer, "
+        "hardware or none; node-wide and/or <card index or UUID>=<backend>, comma-separated",
+        pattern=COMPUTE_PINS_PATTERN,
+        shape="auto, mps, interposer, hardware or none, node-wide and/or <card>=<backend>, "
+        "comma-separated",
+    )
+    memory_hook: str = _opt(
+        "/opt/gpushare/lib/gpushare-memory-hook",
+        "the driver memory-limit hook program (an OCI createRuntime hook) to install on the "
+        "host beside the interposer, for cards whose memory backend is driver",
+        pattern=ABSOLUTE_PATH,
+        shape="an absolute path",
+    )
+    cgroup_root: str = _opt(
+        "/sys/fs/cgroup",
+        "the host's cgroup v2 mount as the daemon sees it (the driver self-test's scratch "
+        "cgroup is made here)",
+        pattern=ABSOLUTE_PATH,
+        shape="an absolute path",
     )
     fail_on_init_error: bool = _opt(
         False,
@@ -404,6 +444,22 @@ RULES: tuple[Rule, ...] = (
         "cdi_spec_dirs",
         "a cdi-* device_list_strategy needs a CDI spec directory (where the names are checked)",
     ),
+    Rule(
+        (
+            ("no_enforcement", When((True,))),
+            ("memory_enforcement", When(finds=PINS_INTERPOSER)),
+        ),
+        "memory_enforcement",
+        "pins the interposer, which no_enforcement turns off",
+    ),
+    Rule(
+        (
+            ("no_enforcement", When((True,))),
+            ("compute_enforcement", When(finds=PINS_INTERPOSER)),
+        ),
+        "compute_enforcement",
+        "pins the interposer, which no_enforcement turns off",
+    ),
 )
 
 
@@ -520,6 +576,11 @@ def _validate(settings: Settings, origins: Mapping[str, str]) -> None:
         parse_card_modes(settings.card_modes)
     except ValueError as exc:  # the pattern held: a card named twice
         fail("card_modes", str(exc))
+    for name, words in (("memory_enforcement", MEMORY_PINS), ("compute_enforcement", COMPUTE_PINS)):
+        try:
+            parse_pins(getattr(settings, name), words, yaml_key(name))
+        except ValueError as exc:  # the pattern held: something given twice
+            fail(name, str(exc))
     for rule in RULES:
         if rule.broken(settings):
             fail(rule.blame, rule.why)

@@ -81,6 +81,29 @@ TEXT_SAMPLES: dict[str, list[Any]] = {
     ],
     "cdi_kind": ["nvidia.com/gpu", "example.com/dev_1", "nvidia.com", "Nvidia.com/gpu", "/gpu"],
     "cdi_spec_dirs": ["/etc/cdi", "/etc/cdi, /var/run/cdi,", "", "etc/cdi", "/a b", "/x\n"],
+    "memory_enforcement": [
+        "auto",
+        "Driver",
+        " interposer , 0 = driver , GPU-1a=hardware,",
+        "0=auto",
+        "",
+        "mps",
+        "driver,interposer",
+        "0=driver,0=interposer",
+        "0=driver=x",
+        "a b=driver",
+        "driver\n",
+    ],
+    "compute_enforcement": [
+        "auto",
+        "none,0=interposer",
+        "0=mps",
+        "hardware",
+        "driver",
+        "1=none,1=none",
+    ],
+    "memory_hook": ["/opt/gpushare/lib/gpushare-memory-hook", "hook", ""],
+    "cgroup_root": ["/sys/fs/cgroup", "sys/fs/cgroup", ""],
 }
 
 #: Values of the options a rule matches with a pattern: some that match, some that do not.
@@ -88,6 +111,8 @@ RULE_SAMPLES: dict[str, list[Any]] = {
     "card_modes": ["0=exclusive", "GPU-1=Exclusive , 1=shared", "0=shared", ""],
     "device_list_strategy": ["cdi-cri", "envvar, cdi-annotations", "envvar"],
     "cdi_spec_dirs": ["", " , ", "/etc/cdi"],
+    "memory_enforcement": ["interposer", "auto,0=Interposer", "driver", "0=hardware"],
+    "compute_enforcement": ["1=interposer , none", "INTERPOSER", "auto"],
 }
 
 #: Options whose test value must come with another to be acceptable on its own.
@@ -216,6 +241,20 @@ def test_the_values_the_issue_names_are_refused_by_both(
     path.write_text(yaml.safe_dump(config))
     with pytest.raises(ConfigError, match=says):
         load_settings([f"--config={path}"], {})
+
+
+@pytest.mark.parametrize(
+    "option, value, says",
+    [
+        ("memoryEnforcement", "driver, interposer", "gives the node a backend twice"),
+        ("computeEnforcement", "0=none,0 =mps", "gives card 0 a backend twice"),
+    ],
+)
+def test_a_backend_given_twice_is_refused_by_the_template(
+    option: str, value: str, says: str
+) -> None:
+    with pytest.raises(helm_python.HelmError, match=says):
+        chart_objects({"config": {option: value}})
 
 
 def test_a_card_named_twice_is_refused_by_the_template_with_one_line() -> None:

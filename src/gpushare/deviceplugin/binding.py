@@ -453,7 +453,7 @@ class Binder:
             )
             raise BindingError(Refusal.PRECONDITION, refusal)
         cache_dir = None
-        if resource is Resource.MEMORY and self.enforcement.library is not None:
+        if resource is Resource.MEMORY and self.enforcement.interposer_counts_memory(uuid):
             try:
                 cache_dir = prepare_cache_dir(self.host_lib_dir, list(device_ids))
             except OSError as exc:

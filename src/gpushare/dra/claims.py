@@ -390,7 +390,7 @@ class ClaimPreparer:
         keys = [
             claim_cache_key(claim.uid, request, device.name)
             for request, device, _ in plan
-            if device.shared and self.enforcement.library is not None
+            if device.shared and self.enforcement.interposer_counts_memory(device.uuid)
         ]
 
         cdi_devices: list[CdiDevice] = []
@@ -408,7 +408,8 @@ class ClaimPreparer:
             shares.append(
                 {
                     "device": device.name,
-                    "memory": answer.envs.get(answers.MEMORY_LIMIT, ""),
+                    "memory": answer.envs.get(answers.MEMORY_LIMIT, "")
+                    or (f"{memory_mib}m (driver)" if answer.hooks else ""),
                     "cores": answer.envs.get(answers.CORE_LIMIT, ""),
                 }
             )
@@ -446,7 +447,7 @@ class ClaimPreparer:
         except ShareError as exc:
             raise ClaimRefused(f"claim {claim.describe()}, device {device.name}: {exc}") from None
         cache_dir = None
-        if self.enforcement.library is not None:
+        if self.enforcement.interposer_counts_memory(device.uuid):
             key = claim_cache_key(claim.uid, request, device.name)
             kept = cache_root(self.host_lib_dir) / key
             if key in keep and kept.is_dir() and not kept.is_symlink():

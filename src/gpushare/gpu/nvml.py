@@ -27,6 +27,7 @@ from gpushare.gpu.gpus import (
     MigDevice,
     drifted,
 )
+from gpushare.gpu.memlimits import Limits, MemoryLimitError, nvml_get, nvml_set
 from gpushare.gpu.migprofile import (
     COMPUTE_INSTANCE_PROFILES,
     GPU_INSTANCE_PROFILES,
@@ -311,6 +312,25 @@ class NvmlBackend:
         except self._nvml.NVMLError:
             return None
         return version // 1000, version % 1000 // 10
+
+    # The driver's per-cgroup memory limits (r615+): gpu/memlimits.py -----------------
+    def driver_version(self) -> str | None:
+        try:
+            return text(self._nvml.nvmlSystemGetDriverVersion())
+        except self._nvml.NVMLError:
+            return None
+
+    def _handle_by_uuid(self, uuid: str) -> Any:
+        try:
+            return self._nvml.nvmlDeviceGetHandleByUUID(uuid.encode())
+        except self._nvml.NVMLError as exc:
+            raise MemoryLimitError(f"no GPU {uuid}: {exc}") from None
+
+    def set_memory_limits(self, uuid: str, namespace: str, soft: int, hard: int) -> None:
+        nvml_set(self._nvml, self._handle_by_uuid(uuid), namespace, soft, hard)
+
+    def get_memory_limits(self, uuid: str, namespace: str) -> Limits | None:
+        return nvml_get(self._nvml, self._handle_by_uuid(uuid), namespace)
 
     def close(self) -> None:
         with contextlib.suppress(self._nvml.NVMLError):

@@ -17,6 +17,7 @@ import yaml
 
 from gpushare.base.dirwatch import DirWatch, StopEvent
 from gpushare.gpu.gpus import Gpu, GpuError, GpuEvent, MigDevice, drifted
+from gpushare.gpu.memlimits import SIM_MODES, Limits, LimitStore
 from gpushare.gpu.migprofile import ProfileError, parse_profile
 from gpushare.gpu.topology import Topology, from_description
 
@@ -88,7 +89,9 @@ def _parse_instances(
 
 #: Keys a simulated node file may hold (top level, and per GPU entry). Anything else is
 #: refused: a typo such as ``xids: 79`` would otherwise silently inject nothing.
-SIMULATED_NODE_KEYS = frozenset({"gpus", "topology", "cuda_driver_version"})
+SIMULATED_NODE_KEYS = frozenset(
+    {"gpus", "topology", "cuda_driver_version", "driver_version", "nvml_store", "nvml_library"}
+)
 SIMULATED_GPU_KEYS = frozenset(
     {
         "uuid",
@@ -103,6 +106,7 @@ SIMULATED_GPU_KEYS = frozenset(
         "instances",
         "pci_bus_id",
         "compute_capability",
+        "memory_limits",
     }
 )
 
@@ -156,6 +160,9 @@ def _parse_simulated_node(path: Path) -> list[_SimulatedCard]:
             raise GpuError(f"{where}: key 'xid' must be an integer, got {xid!r}")
         index = int(entry.get("index", position))
         instances, instance_xids = _parse_instances(entry, where, uuid, seen)
+        limits_mode = entry.get("memory_limits", "ok")
+        if limits_mode not in SIM_MODES:
+            raise GpuError(f"{where}: key 'memory_limits' must be one of {', '.join(SIM_MODES)}")
         capability = entry.get("compute_capability")
         if capability is not None:
             major, dot, minor = str(capability).partition(".")
@@ -198,6 +205,53 @@ class SimulatedBackend:
     def __post_init__(self) -> None:
         self.path = Path(self.path)
         self._load()
+        self._publish_limits()
+
+    # The driver's per-cgroup memory limits, simulated (gpu/memlimits.py) -------------
+    def _publish_limits(self) -> None:
+        """The store shared with the C stand-in NVML: the cards (with their
+        ``memory_limits``: ok, broken, unsupported) and the driver version; only for a
+        node file that names a driver version (nothing is written beside the others)."""
+        if self.driver_version() is None:
+            return
+        modes = {}
+        try:
+            data = yaml.safe_load(self.path.read_text())
+        except (OSError, yaml.YAMLError):
+            data = None
+        for entry in data.get("gpus", []) if isinstance(data, dict) else []:
+            if isinstance(entry, dict) and isinstance(entry.get("uuid"), str):
+                modes[entry["uuid"]] = str(entry.get("memory_limits", "ok"))
+        try:
+            self.limit_store.publish(self.driver_version() or "", modes)
+        except OSError as exc:
+            raise GpuError(f"cannot write the simulated NVML store: {exc}") from None
+
+    @property
+    def limit_store(self) -> LimitStore:
+        """``nvml_store`` of the node file (relative to it), default ``<file>.nvml``."""
+        where = self._node_section("nvml_store")
+        if isinstance(where, str) and where:
+            return LimitStore(self.path.parent / where)
+        return LimitStore(self.path.with_name(self.path.name + ".nvml"))
+
+    def driver_version(self) -> str | None:
+        """The file's ``driver_version: "615.20.01"``, if any (the NVIDIA driver)."""
+        version = self._node_section("driver_version")
+        return str(version) if version is not None else None
+
+    def hook_extras(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """What the memory hook is given on this simulated node: the stand-in NVML
+        (``nvml_library`` of the node file, relative to it) and its store (env)."""
+        library = self._node_section("nvml_library")
+        args = ("--nvml-lib", str(self.path.parent / library)) if library else ()
+        return args, (f"GPUSHARE_NVML_STORE={self.limit_store.path}",)
+
+    def set_memory_limits(self, uuid: str, namespace: str, soft: int, hard: int) -> None:
+        self.limit_store.set_memory_limits(uuid, namespace, soft, hard)
+
+    def get_memory_limits(self, uuid: str, namespace: str) -> Limits | None:
+        return self.limit_store.get_memory_limits(uuid, namespace)
 
     def _file_stamp(self) -> tuple[int, int]:
         try:

@@ -33,6 +33,7 @@ from gpushare.share.answers import CONTAINER_LIBRARY
 log = structlog.get_logger(__name__)
 
 LIBRARY_NAME = "libvgpu.so"
+HOOK_NAME = "gpushare-memory-hook"
 CACHE_ROOT_NAME = "containers"
 LOCK_DIR_NAME = "vgpulock"
 PRIVATE_MODE = 0o700
@@ -66,21 +67,45 @@ def _atomic_write(target: Path, write: Callable[[BinaryIO], object]) -> None:
 
 def install_library(source: Path, host_dir: Path) -> Path:
     """Copy ``source`` to ``host_dir/libvgpu.so.<hash>`` unless that file is already there."""
+    return _install_versioned(
+        source,
+        host_dir,
+        LIBRARY_NAME,
+        f"cannot read the interposer library {source}",
+        "set --library, or run with --no-enforcement",
+        "the interposer",
+    )
+
+
+def install_hook(source: Path, host_dir: Path) -> Path:
+    """Copy the driver memory hook ``source`` to ``host_dir/gpushare-memory-hook.<hash>``
+    (0755, never overwritten: a CDI spec names the version it was written with) unless
+    that file is already there. The runtime runs it on the host (docs/security.md)."""
+    return _install_versioned(
+        source,
+        host_dir,
+        HOOK_NAME,
+        f"cannot read the driver memory hook {source}",
+        "set --memory-hook, or pin memoryEnforcement to interposer",
+        "the driver memory hook",
+    )
+
+
+def _install_versioned(
+    source: Path, host_dir: Path, name: str, unreadable: str, hint: str, what: str
+) -> Path:
     try:
         digest = _digest(source)
     except OSError as exc:
-        raise LibraryError(
-            f"cannot read the interposer library {source}: {exc.strerror}; "
-            "set --library, or run with --no-enforcement"
-        ) from None
-    target = host_dir / f"{LIBRARY_NAME}.{digest}"
+        raise LibraryError(f"{unreadable}: {exc.strerror}; {hint}") from None
+    target = host_dir / f"{name}.{digest}"
     try:
         host_dir.mkdir(parents=True, exist_ok=True)
         if not target.exists() or _digest(target) != digest:
             with source.open("rb") as src:
                 _atomic_write(target, lambda out: shutil.copyfileobj(src, out))
     except OSError as exc:
-        raise LibraryError(f"cannot install the interposer into {host_dir}: {exc}") from None
+        raise LibraryError(f"cannot install {what} into {host_dir}: {exc}") from None
     return target
 
 

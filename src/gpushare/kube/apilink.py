@@ -278,6 +278,7 @@ class ApiLink:
             cards=cards,
             whole=tuple(nodestate.listed_claims(card) for card in extras.whole),
             kubelet_restarted=self.restart.restarted_at() if self.restart is not None else "",
+            enforcement=extras.enforcement,
         )
 
     def labels(self) -> dict[str, str]:

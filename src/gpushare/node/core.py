@@ -33,13 +33,20 @@ from gpushare.host.tombstones import Reaper
 from gpushare.host.unitguard import UnitSizeChanged, guard_unit_size
 from gpushare.kube.labels import LabelFacts
 from gpushare.kube.podspecs import PodSpecBook
+from gpushare.node.backends import (
+    DEVICE_PLUGIN_HOOKS,
+    card_traits,
+    decide_backends,
+    shown_enforcement,
+)
 from gpushare.node.cardfacts import CardFacts
 from gpushare.node.discovery import Discovered
-from gpushare.node.enforcement import device_listing, prepare_enforcement
+from gpushare.node.enforcement import device_listing, prepare_enforcement, with_backends
 from gpushare.node.podresources import PodResourcesClient
 from gpushare.node.refresh import UsageRefresher
 from gpushare.node.releases import watch_releases
 from gpushare.share.answers import DeviceListing, Enforcement
+from gpushare.share.backends import Choice
 from gpushare.share.cardmodes import CardMode, card_modes, parse_card_modes
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.exclusion import Exclusion
@@ -91,6 +98,8 @@ class NodeCore:
     specs: PodSpecBook | None = None
     choices: ChoiceBook | None = None
     api_link: ApiLink | None = None
+    #: each card's enforcement backends and why (node/backends.py), by UUID
+    backends: dict[str, Choice] = field(default_factory=dict)
 
     @property
     def no_gpus(self) -> bool:
@@ -199,6 +208,15 @@ def build_core(
             "served; serving empty device lists, /readyz answers 503",
         )
     enforcement = prepare_enforcement(settings)
+    listing = device_listing(settings, found.gpus, found.mig_plan, found.dra_mig_cards)
+    traits = card_traits(
+        found.gpus,
+        [*found.mig_plan.mig_cards, *found.dra_mig_cards],
+        modes,
+        uses_cdi=DEVICE_PLUGIN_HOOKS and listing.uses_cdi,
+    )
+    backends = decide_backends(settings, found.backend, traits)
+    enforcement = with_backends(enforcement, settings, backends, found.backend)
     # The cards' own health; a card in MIG mode given to DRA brings its MIG devices too
     # (the DRA driver publishes each, and an XID naming its GPU instance is its alone).
     dra_mig_of = {card.uuid: card.mig_devices for card in found.dra_mig_cards}
@@ -279,9 +297,11 @@ def build_core(
         monitor,
         card_facts,
         reaper=reaper,
+        backends=backends,
     )
     refresher.after_read = core.after_read
     refresher.read_listeners.append(core.records_read_after_restart)
+    card_facts.enforcement = shown_enforcement(backends)
     mig_prefix = mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix)
     if specs is not None:  # the fast suite hands in a book without a node name
         specs.mig_prefix = mig_prefix  # MIG resources a container must not mix with units
@@ -331,6 +351,7 @@ def _link_to_api(core: NodeCore, specs: PodSpecBook) -> None:
         gpus=core.physical_cards(),
         cuda_driver=driver() if driver is not None else None,
         nvidia_product=settings.nvidia_product_label,
+        enforcement=core.card_facts.enforcement,
     )
     core.specs, core.choices, core.api_link = specs, choices, link
 

@@ -3,7 +3,7 @@ the preload file, the lock directory, and how answers name their cards."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,10 +18,12 @@ from gpushare.host.library import (
     LibraryError,
     ensure_cache_root,
     ensure_lock_dir,
+    install_hook,
     install_library,
     install_preload_file,
 )
-from gpushare.share.answers import DeviceListing, Enforcement
+from gpushare.share.answers import DeviceListing, DriverHook, Enforcement
+from gpushare.share.backends import Choice, ComputeBackend, MemoryBackend
 
 log = structlog.get_logger(__name__)
 
@@ -69,6 +71,45 @@ def prepare_enforcement(settings: Settings) -> Enforcement:
     )
 
 
+def with_backends(
+    enforcement: Enforcement, settings: Settings, choices: Mapping[str, Choice], gpus: object
+) -> Enforcement:
+    """``enforcement`` with each card's backends (:mod:`gpushare.node.backends`) and, where
+    a card's memory is the driver's, the memory hook installed on the host. ``gpus``: the
+    GPU backend (a simulated one adds the stand-in NVML to the hook's arguments)."""
+    memory = {
+        uuid: c.memory.value
+        for uuid, c in choices.items()
+        if c.memory is not MemoryBackend.INTERPOSER
+    }
+    compute = {
+        uuid: c.compute.value
+        for uuid, c in choices.items()
+        if c.compute is not ComputeBackend.INTERPOSER
+    }
+    hook = None
+    if MemoryBackend.DRIVER.value in memory.values():
+        hook = install_driver_hook(settings, gpus)
+    return replace(enforcement, memory=memory, compute=compute, driver_hook=hook)
+
+
+def install_driver_hook(settings: Settings, gpus: object) -> DriverHook:
+    """Install the hook program beside the interposer; on a simulated node its calls name
+    the stand-in NVML and the stand-in cgroup root (``hook_extras`` of the backend)."""
+    try:
+        path = install_hook(Path(settings.memory_hook), Path(settings.host_lib_dir))
+    except LibraryError as exc:
+        raise StartupError(str(exc)) from None
+    log.info("memory_hook_installed", path=str(path))
+    args: tuple[str, ...] = ()
+    env: tuple[str, ...] = ()
+    extras = getattr(gpus, "hook_extras", None)
+    if settings.simulate and extras is not None:
+        more_args, env = extras()
+        args = (*more_args, "--cgroup-root", settings.cgroup_root)
+    return DriverHook(str(path), args, env)
+
+
 def device_listing(
     settings: Settings,
     gpus: Sequence[Gpu],
@@ -102,4 +143,3 @@ def with_mig_names(
     devices += [d for card in dra_mig_cards for d in card.mig_devices]
     names = {d.uuid: f"{cards[d.parent_uuid].index}:{d.index}" for d in devices}
     return replace(listing, cdi_ids={**listing.cdi_ids, **names})
-

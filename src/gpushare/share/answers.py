@@ -108,14 +108,61 @@ class Answer:
 
 
 @dataclass(frozen=True)
+class DriverHook:
+    """The driver memory hook as the answers name it: the program installed on the host
+    (``host/library.py``), and what every call of it adds after the card and the limit
+    (the simulation's ``--nvml-lib``, a ``--cgroup-root`` other than the default) and its
+    environment (the daemon's, never the tenant's: the simulated NVML's store)."""
+
+    path: str
+    args: tuple[str, ...] = ()
+    env: tuple[str, ...] = ()
+
+
+#: The OCI hook point of the driver memory hook: after the container's cgroup exists and
+#: holds its init process, before the user's program is executed.
+CREATE_RUNTIME = "createRuntime"
+
+
+@dataclass(frozen=True)
 class Enforcement:
-    """How limits reach the interposer; ``library`` is None when running without it."""
+    """How limits reach the container: HAMi-core's interposer (``library`` None when
+    running without it) and, per card, the backend of its memory and compute limits
+    (``share/backends.py``; a card not named has the interposer's)."""
 
     library: Path | None  # the versioned host file, e.g. /usr/local/vgpu/libvgpu.so.1a2b3c4d5e6f
     preload_file: Path | None  # host file listing CONTAINER_LIBRARY, for /etc/ld.so.preload
     use_ld_preload_env: bool
     # host directory mounted at LOCK_DIR (library.ensure_lock_dir); None: the host's LOCK_DIR
     lock_dir: Path | None = None
+    #: card UUID -> its memory backend where that is not ``interposer`` (``driver``, ...)
+    memory: Mapping[str, str] = field(default_factory=dict)
+    #: card UUID -> its compute backend where that is not ``interposer`` (``none``, ...)
+    compute: Mapping[str, str] = field(default_factory=dict)
+    #: the hook that sets a ``driver`` card's limit; needed when a card is ``driver``
+    driver_hook: DriverHook | None = None
+
+    def by_driver(self, uuid: str) -> bool:
+        """The card's memory limits are the driver's (set by :attr:`driver_hook`)."""
+        return self.memory.get(uuid) == "driver"
+
+    def interposer_counts_memory(self, uuid: str) -> bool:
+        """HAMi-core counts this card's memory (it needs a cache directory per grant)."""
+        return self.library is not None and not self.by_driver(uuid)
+
+    def compute_by_interposer(self, uuid: str) -> bool:
+        return self.compute.get(uuid, "interposer") == "interposer"
+
+
+def driver_hook(enforcement: Enforcement, uuid: str, memory_mib: int) -> Hook:
+    """The createRuntime hook that sets card ``uuid``'s hard limit to ``memory_mib`` on
+    the container's own cgroup: card and limit in the ARGUMENTS (a tenant writes its
+    pod's env, never a hook's arguments)."""
+    hook = enforcement.driver_hook
+    if hook is None:
+        raise ValueError(f"card {uuid} is enforced by the driver, but no hook is installed")
+    args = (Path(hook.path).name, "--gpu", uuid, "--limit-mib", str(memory_mib), *hook.args)
+    return Hook(CREATE_RUNTIME, hook.path, args, hook.env)
 
 
 def lock_mount(enforcement: Enforcement) -> Mount:
@@ -211,6 +258,7 @@ def container_edits(grant: Grant, listing: DeviceListing | None = None) -> Answe
     envs = {VISIBLE_DEVICES: ",".join(grant.companions or ids)}
     mounts: list[Mount] = []
     annotations: dict[str, str] = {}
+    hooks: list[Hook] = []
     enforcement = grant.enforcement
     if grant.whole:
         if enforcement is not None and enforcement.library is not None:
@@ -221,25 +269,34 @@ def container_edits(grant: Grant, listing: DeviceListing | None = None) -> Answe
     else:
         if len(grant.devices) != 1 or enforcement is None:
             raise ValueError("a share is of exactly one card, with its enforcement")
+        uuid = grant.devices[0].id
+        by_driver = enforcement.by_driver(uuid)
+        compute_capped = enforcement.compute_by_interposer(uuid)
         if grant.memory_mib is not None:
-            envs[MEMORY_LIMIT] = f"{grant.memory_mib}m"
-            if grant.every_index:
-                envs[MEMORY_LIMIT_EVERY_INDEX] = f"{grant.memory_mib}m"
-        if grant.cores is not None:
+            if by_driver:  # the driver's limit, set by the hook: nothing for libvgpu
+                hooks.append(driver_hook(enforcement, uuid, grant.memory_mib))
+            else:
+                envs[MEMORY_LIMIT] = f"{grant.memory_mib}m"
+                if grant.every_index:
+                    envs[MEMORY_LIMIT_EVERY_INDEX] = f"{grant.memory_mib}m"
+        if grant.cores is not None and (compute_capped or enforcement.library is None):
             envs[CORE_LIMIT] = str(grant.cores)
         if enforcement.library is None:
-            annotations[ANNOTATION_NO_ENFORCEMENT] = (
-                "disabled: gpushare runs with --no-enforcement, limits are advisory"
-            )
-        else:
+            if not by_driver:
+                annotations[ANNOTATION_NO_ENFORCEMENT] = (
+                    "disabled: gpushare runs with --no-enforcement, limits are advisory"
+                )
+        elif not by_driver or compute_capped:  # the interposer holds some limit here
             mounts = _interposer(envs, enforcement)
-            if grant.memory_mib is not None and grant.cache_dir is not None:
+            if grant.memory_mib is not None and grant.cache_dir is not None and not by_driver:
                 envs[SHARED_CACHE] = CONTAINER_CACHE_FILE
                 mounts.append(Mount(CONTAINER_CACHE_DIR, str(grant.cache_dir), read_only=False))
     nodes: list[str] = []
     for device in grant.devices:
         nodes.extend(n for n in device.nodes if n not in nodes)
-    answer = Answer(envs, mounts, annotations, device_specs=[DeviceSpec(n, n) for n in nodes])
+    answer = Answer(
+        envs, mounts, annotations, device_specs=[DeviceSpec(n, n) for n in nodes], hooks=hooks
+    )
     if listing is None:
         return answer
     cdi_ids = [d.cdi_id or d.id for d in grant.devices]

@@ -50,6 +50,11 @@ def test_node_annotation_and_labels_describe_every_card(node: Node, api: KubeApi
         "gpushare.io/gpu.product": "Tesla-P4",
         "gpushare.io/gpu.count": "2",
         "gpushare.io/gpu.memory": "7611",
+        # which backend holds each card's limits (docs/choosing.md#enforcement-backends)
+        "gpushare.io/memory-enforcement": "interposer",
+        "gpushare.io/memory-enforcement.interposer": "2",
+        "gpushare.io/compute-enforcement": "interposer",
+        "gpushare.io/compute-enforcement.interposer": "2",
     }
 
 
@@ -153,7 +158,12 @@ def test_annotation_is_valid_json_with_the_documented_keys(node: Node, api: Kube
     node.start(cards(TESLA_P4, 1), node_name=NODE)
     eventually(lambda: node_annotation(api))
     raw = json.loads(api.get("Node", NODE)["metadata"]["annotations"]["gpushare.io/gpus"])
-    assert set(raw) == {"version", "generation", "updated", "memoryUnitMiB", "gpus"}
+    assert set(raw) == {"version", "generation", "updated", "memoryUnitMiB", "gpus", "enforcement"}
+    assert raw["enforcement"] == [
+        {"uuid": gpu_uuid(0), "index": 0, "memory": "interposer", "compute": "interposer",
+         "why": raw["enforcement"][0]["why"]}
+    ]  # fmt: skip
+    assert "not driver" in raw["enforcement"][0]["why"]
     assert set(raw["gpus"][0]) == {
         "uuid",
         "index",

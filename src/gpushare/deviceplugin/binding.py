@@ -220,13 +220,11 @@ class Binder:
         self._on_allocated = on_allocated
         self._lock = threading.Lock()
         self.pairing = Pairing()
-        # The decision taken in GetPreferredAllocation, reused by the Allocate after it
-        # (keyed by resource; valid while the last binding is still the one it saw).
+        # GetPreferredAllocation's decision per resource, for the next Allocate (same binding)
         self._decided: dict[Resource, tuple[Binding | None, Decision, Snapshot | None]] = {}
         self._units = UnitIndex(inventory)
         self._unlisted: set[str] = set()  # the cards last found to have unlisted holders
 
-    # -- shared helpers -----------------------------------------------------------
     def _group(self, resource: Resource, device_ids: Sequence[str]) -> dict[str, list[int]]:
         try:
             return self._units.group(resource, device_ids)
@@ -234,9 +232,8 @@ class Binder:
             raise BindingError(Refusal.INVALID, str(exc)) from None
 
     def _read_records(self, resource: Resource, arrival: float) -> tuple[Snapshot | None, str]:
-        """The kubelet's records as of after ``arrival``, when a decision will use them:
-        the pairing rule (a recent binding of the other resource) or, with pod specs,
-        the placement hint. Blocking I/O: never called under the lock."""
+        """The kubelet's records as of after ``arrival``, when the pairing rule or (with pod
+        specs) the placement hint will use them. Blocking I/O: never under the lock."""
         with self._lock:
             pairing = self.pairing.wants_records(resource, arrival)
         if not pairing and self.specs is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from kit.memhook import HAVE_GCC, UUID, HookWorld, build, oci_state
 
-from gpushare.gpu import probe
+from gpushare.probe import checks as probe
 
 ROOT = Path(__file__).resolve().parents[3]
 CUDA_SOURCE = ROOT / "tests" / "kit" / "standin" / "libcuda_standin.c"

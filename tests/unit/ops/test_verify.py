@@ -405,7 +405,8 @@ def _with_enforcement(api: KubeApiDouble, *backends: str) -> None:
     state = nodestate.NodeGpuState(1, "now", 256, (), enforcement=enforcement)
     key = nodestate.annotation_key("gpushare.io")
     api.add({"apiVersion": "v1", "kind": "Node", "metadata": {
-        "name": "gpu-1", "labels": {}, "annotations": {key: nodestate.encode(state)}}})  # fmt: skip
+        "name": "gpu-1", "labels": {nodestate.label_key("gpushare.io", "count"): "1"},
+        "annotations": {key: nodestate.encode(state)}}})  # fmt: skip
 
 
 def test_the_offered_backends_come_from_the_nodes_annotation(api: KubeApiDouble) -> None:

@@ -32,6 +32,7 @@ import structlog
 
 from gpushare.gpu.health import HealthBoard
 from gpushare.host.library import prepare_cache_dir
+from gpushare.host.mps import MpsError, MpsGrants
 from gpushare.kube.podspecs import PodSpecBook
 from gpushare.share import answers
 from gpushare.share.answers import Answer, DeviceListing, Enforcement
@@ -77,6 +78,32 @@ def mixed_kinds(holder: Holder) -> str:
         "shared units (vcuda-memory/vcuda-core) together with whole cards or MIG devices; "
         "the answers would name different GPUs: split it into two containers"
     )
+
+
+def mps_namespace(
+    mps: MpsGrants,
+    enforcement: Enforcement,
+    resource: Resource,
+    uuid: str,
+    device_ids: list[str],
+    amount: int,
+    partner: Binding | None,
+) -> Path | None:
+    """On a card whose compute is MPS's: the container's namespace made and capped before
+    the answer leaves (fail closed: no cap, no answer). ``amount``: MiB of a memory
+    answer, cores of a core answer. The pipe directory for a memory answer, else None."""
+    other = partner.device_ids if partner is not None else None
+    try:
+        if resource is Resource.MEMORY:
+            return mps.memory(
+                device_ids, amount, pinned=enforcement.memory_soft(uuid), partner_cores=other
+            )
+        mps.cores(device_ids, amount, partner_memory=other)
+        return None
+    except (MpsError, OSError) as exc:
+        raise BindingError(
+            Refusal.INTERNAL, f"cannot cap the container's MPS namespace: {exc}"
+        ) from None
 
 
 def core_without_memory(holder: Holder, prefix: str) -> str:
@@ -148,6 +175,7 @@ class Binder:
         on_allocated: Callable[[Resource, str, Sequence[str]], None] | None = None,
         records_wait: float = RECORDS_WAIT,
         listing: DeviceListing | None = None,
+        mps: MpsGrants | None = None,
     ) -> None:
         self.inventory = inventory
         self.usage = usage
@@ -162,6 +190,8 @@ class Binder:
         self.records_wait = records_wait
         self._clock = clock
         self._on_allocated = on_allocated
+        #: each container's MPS namespace on cards whose compute is MPS's (host/mps.py)
+        self.mps = mps
         self._lock = threading.Lock()
         self.pairing = Pairing()
         # The decision taken in GetPreferredAllocation, reused by the Allocate after it
@@ -401,8 +431,19 @@ class Binder:
                 raise BindingError(
                     Refusal.INTERNAL, f"cannot create the container's cache directory: {exc}"
                 ) from None
-        self.usage.record_allocation(resource, uuid, numbers)
         units = len(numbers)
+        mps_pipe = None
+        if self.mps is not None and self.enforcement.by_mps(uuid):
+            mps_pipe = mps_namespace(
+                self.mps,
+                self.enforcement,
+                resource,
+                uuid,
+                list(device_ids),
+                units * self.inventory.memory_unit_mib if resource is Resource.MEMORY else units,
+                partner,
+            )
+        self.usage.record_allocation(resource, uuid, numbers)
         grant = answers.share(
             uuid,
             enforcement=self.enforcement,
@@ -411,6 +452,7 @@ class Binder:
             else None,
             cores=units if resource is Resource.CORE else None,
             cache_dir=cache_dir,
+            mps_pipe=mps_pipe,
         )
         answer = answers.container_edits(grant, self.listing)
         if self._on_allocated is not None:

@@ -159,7 +159,9 @@ def _from_facts(last: Binding, resource: Resource, size: int, facts: Facts) -> D
         )
     held = facts.records.devices.get(holder, {})
     if sorted(held.get(last.resource, ())) != sorted(last.device_ids):
-        return Decision(last, Basis.FALLBACK, holder, "the records disagree with the last binding")
+        return Decision(
+            last, Basis.FALLBACK, holder, "the records disagree with the last binding"
+        )
     if held.get(resource):
         return Decision(None, Basis.COMPLETE, holder)
     wanted = facts.specs(holder) if facts.specs is not None else None
@@ -172,3 +174,4 @@ def _from_facts(last: Binding, resource: Resource, size: int, facts: Facts) -> D
     if wanted[resource] != size:
         return Decision(last, Basis.FALLBACK, holder, "a pod spec that matches the request")
     return Decision(last, Basis.PARTNER, holder)
+

@@ -197,7 +197,7 @@ class Settings:
     )
     compute_enforcement: str = _opt(
         "auto",
-        "what holds each card's compute limits: auto, mps (not available yet), interposer, "
+        "what holds each card's compute limits: auto, mps (needs mps_control), interposer, "
         "hardware or none; node-wide and/or <card index or UUID>=<backend>, comma-separated",
         pattern=COMPUTE_PINS_PATTERN,
         shape="auto, mps, interposer, hardware or none, node-wide and/or <card>=<backend>, "

@@ -119,6 +119,7 @@ class DevicePluginFrontDoor:
             specs=core.specs,
             on_allocated=core.shared_allocated,
             listing=self.listing,
+            mps=core.mps,
         )
         self.kubelet_dir = Path(settings.kubelet_dir)
         self.servers: list[PluginServer] = []

@@ -418,6 +418,9 @@ class MpsGrants:
         if partner_cores is not None:
             with self._lock:
                 percent = self._pending.pop(tuple(sorted(partner_cores)), 100)
+        name = cache_key(device_ids)
+        if name in self.control.caps():  # an earlier holder's: its pipes go with its dir
+            self.control.forget(name)
         pipe = prepare_cache_dir(self.host_dir, device_ids)
         self.control.cap(cache_key(device_ids), Cap(pipe, percent, memory_mib if pinned else None))
         return pipe
@@ -439,3 +442,11 @@ class MpsGrants:
             self._pending[tuple(sorted(device_ids))] = percent
             while len(self._pending) > PENDING_LIMIT:
                 self._pending.pop(next(iter(self._pending)))
+
+    def collect(self) -> list[str]:
+        """Forget the namespaces whose pipe directory the garbage collector removed (their
+        containers are gone); the names forgotten."""
+        gone = [name for name, cap in self.control.caps().items() if not cap.pipe.is_dir()]
+        for name in gone:
+            self.control.forget(name)
+        return gone

@@ -1,0 +1,103 @@
+"""MPS compute shares end to end: the daemon on a simulated node with the MPS control
+daemon's stand-in on its configured path, the stand-in kubelet admitting containers over
+real sockets. Each container's namespace is made and capped at its cores BEFORE its
+answer leaves (so before it can make a CUDA call), only its own pipe directory is
+mounted, no interposer is loaded; without namespaces the control daemon's pipe and the
+client caps are given; the control daemon is stopped with the daemon."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import H200, Node, cards, gpu_uuid
+from mps_kit import install_standin, pid_alive, standin_state
+
+from gpushare.host.mps import mps_dirs
+from gpushare.share.answers import (
+    CONTAINER_MPS_PIPE,
+    MPS_PINNED_MEMORY,
+    MPS_PIPE,
+    MPS_THREADS,
+)
+
+
+def start_mps(node: Node, **overrides: object) -> Path:
+    exe = install_standin(node.root / "bin")
+    node.with_pod_specs()
+    node.start(cards(H200, 2), mps_control=str(exe), **overrides)
+    return mps_dirs(Path(node.settings.host_lib_dir))[0]
+
+
+@pytest.mark.parametrize("order", ["memory-first", "core-first"])
+def test_each_container_gets_its_own_capped_namespace(
+    node: Node, monkeypatch: pytest.MonkeyPatch, order: str
+) -> None:
+    monkeypatch.setenv("STANDIN_MPS_V3", "1")
+    control_pipe = start_mps(node)
+    assert node.daemon is not None and "mps-control" in node.daemon.parts
+    core = node.daemon.core
+    assert core is not None
+    assert {c.compute.value for c in core.backends.values()} == {"mps"}
+    assert {c.memory.value for c in core.backends.values()} == {"soft"}
+    resources = [node.memory, node.core]
+    if order == "core-first":
+        resources.reverse()
+    admitted = {}
+    for name, (mem, cores) in {"a": (40, 30), "b": (8, 70)}.items():
+        node.pod(name, {node.memory: mem, node.core: cores})
+        admitted[name] = node.kubelet.admit(
+            name, "main", {node.memory: mem, node.core: cores}, order=resources
+        )
+    namespaces = standin_state(control_pipe)["namespaces"]
+    assert len(namespaces) == 2
+    pipes = set()
+    for name, (mem, cores) in {"a": (40, 30), "b": (8, 70)}.items():
+        got = admitted[name]
+        assert got.envs[MPS_PIPE] == CONTAINER_MPS_PIPE
+        assert got.envs[MPS_THREADS] == str(cores)
+        assert got.envs[MPS_PINNED_MEMORY] == f"0={mem * 256}M"
+        assert "LD_PRELOAD" not in got.envs and "CUDA_DEVICE_SM_LIMIT" not in got.envs
+        assert list(got.mounts) == [CONTAINER_MPS_PIPE]  # only its own pipe directory
+        pipe = got.mounts[CONTAINER_MPS_PIPE].host_path
+        assert Path(pipe).is_dir() and Path(pipe) != control_pipe
+        pipes.add(pipe)
+        (ns,) = [n for n in namespaces.values() if n["pipe"] == pipe]
+        assert ns == {"pipe": pipe, "percent": cores, "mib": mem * 256}
+        assert not got.conflicts
+    assert len(pipes) == 2
+
+
+def test_without_namespaces_the_control_pipe_and_client_caps(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("STANDIN_MPS_V3", raising=False)
+    control_pipe = start_mps(node)
+    node.pod("a", {node.memory: 4, node.core: 25})
+    got = node.kubelet.admit("a", "main", {node.memory: 4, node.core: 25})
+    assert got.mounts[CONTAINER_MPS_PIPE].host_path == str(control_pipe)
+    assert got.envs[MPS_THREADS] == "25" and got.envs[MPS_PINNED_MEMORY] == "0=1024M"
+    assert standin_state(control_pipe)["namespaces"] == {}
+
+
+def test_a_pin_to_mps_without_a_control_daemon_refuses_the_start(node: Node) -> None:
+    from gpushare.base.startup import StartupError
+
+    with pytest.raises(StartupError, match="no MPS control daemon"):
+        node.start(cards(H200, 1), compute_enforcement="mps")
+
+
+def test_only_pinned_cards_use_mps_and_the_daemon_stops_it(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STANDIN_MPS_V3", "1")
+    control_pipe = start_mps(node, compute_enforcement="interposer,1=mps")
+    assert node.daemon is not None and node.daemon.core is not None
+    backends = node.daemon.core.backends
+    assert backends[gpu_uuid(0)].compute.value == "interposer"
+    assert backends[gpu_uuid(1)].compute.value == "mps"
+    pid = standin_state(control_pipe)["pid"]
+    assert pid_alive(pid)
+    node.daemon.stop()
+    node.daemon = None
+    assert not pid_alive(pid)

@@ -42,7 +42,13 @@ from gpushare.node.refresh import UsageRefresher
 from gpushare.node.releases import watch_releases
 from gpushare.share.answers import DeviceListing, Enforcement
 from gpushare.share.backends import Choice, ComputeBackend
-from gpushare.share.cardmodes import CardMode, card_modes, parse_card_modes
+from gpushare.share.cardmodes import (
+    CardMode,
+    card_modes,
+    parse_card_modes,
+    replicas_for,
+    timeslice_cards,
+)
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.exclusion import Exclusion
 from gpushare.share.records import Snapshot
@@ -50,7 +56,9 @@ from gpushare.share.usage import UsageLedger
 from gpushare.share.whole import (
     ExclusiveDevice,
     ExclusiveLedger,
+    TIME_SLICED_RESOURCE,
     ExclusiveResource,
+    time_sliced,
     whole_cards,
 )
 
@@ -199,6 +207,12 @@ def build_core(settings: Settings, found: Discovered, specs: PodSpecBook | None 
         resource = whole_cards(g for g in found.gpus if modes[g.uuid].exclusive)
         board = HealthBoard(resource.devices, event="gpu_offer_changed", level="info")
         whole.append((resource.name_with(settings.resource_prefix), resource, board))
+    sliced = timeslice_cards([g for g in found.gpus if not g.parent_uuid], modes)
+    if sliced:  # time-sliced replicas: exclusive devices of their own resource
+        counts = {g.uuid: replicas_for(g, settings.time_slice_replicas) for g in sliced}
+        resource = time_sliced(sliced, counts)
+        board = HealthBoard(resource.devices, event="gpu_offer_changed", level="info")
+        whole.append((resource.name_with(settings.resource_prefix), resource, board))
     # With whole cards, shared units are offered from the cards' health and from
     # whether a card is held whole (see exclusion.py).
     availability = health
@@ -214,6 +228,8 @@ def build_core(settings: Settings, found: Discovered, specs: PodSpecBook | None 
         mig_health,
         lambda: pod_resources.last,
         mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix),
+        replicas={d.id: d.parent for _n, r, _b in whole if r.name == TIME_SLICED_RESOURCE
+                  for d in r.devices.values()},
     )
     pod_resources = PodResourcesClient(
         Path(settings.pod_resources_socket),

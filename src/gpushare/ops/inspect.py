@@ -384,6 +384,10 @@ def render_table(view: ClusterView, details: bool = False, wide: bool = False) -
 def _whole_rows(card: nodestate.WholeCardState, wide: bool) -> list[list[str]]:
     """A card not offered as shared units, and its MIG devices under it."""
     kind = "MIG" if card.mig else "whole"
+    health = whole_health(card.healthy, card.held_by)
+    if card.mode == nodestate.TIMESLICE_MODE:
+        kind = f"time-sliced x{card.replicas}"
+        health = f"{card.replicas_held}/{card.replicas} replicas; {health}"
     rows = [
         [
             str(card.index),
@@ -392,7 +396,7 @@ def _whole_rows(card: nodestate.WholeCardState, wide: bool) -> list[list[str]]:
             "",
             "-",
             "-",
-            printable(whole_health(card.healthy, card.held_by), 200),
+            printable(health, 300),
             *([printable(card.uuid)] if wide else []),
         ]
     ]
@@ -550,6 +554,12 @@ def view_data(view: ClusterView) -> dict[str, Any]:
                             for d in w.mig
                         ],
                         **(_dra_data(w, unit) if is_dra(w) else {}),
+                        **(
+                            {"mode": w.mode, "replicas": w.replicas,
+                             "replicas_held": w.replicas_held}
+                            if w.mode == nodestate.TIMESLICE_MODE
+                            else {}
+                        ),  # fmt: skip
                     }
                     for w in node.whole
                 ],

@@ -80,30 +80,43 @@ def mixed_kinds(holder: Holder) -> str:
     )
 
 
-def mps_namespace(
-    mps: MpsGrants,
-    enforcement: Enforcement,
+def grant_dirs(
+    binder: Binder,
     resource: Resource,
     uuid: str,
     device_ids: list[str],
-    amount: int,
+    units: int,
     partner: Binding | None,
-) -> Path | None:
-    """On a card whose compute is MPS's: the container's namespace made and capped before
-    the answer leaves (fail closed: no cap, no answer). ``amount``: MiB of a memory
-    answer, cores of a core answer. The pipe directory for a memory answer, else None."""
+) -> tuple[Path | None, Path | None]:
+    """The host directories of one answer, made before it leaves: the interposer's cache
+    directory (memory units it counts) and, on a card whose compute is MPS's, the
+    container's namespace made and capped (fail closed: no cap, no answer), its pipe
+    directory for a memory answer."""
+    enforcement, memory = binder.enforcement, resource is Resource.MEMORY
+    cache_dir = mps_pipe = None
+    if memory and enforcement.interposer_counts_memory(uuid):
+        try:
+            cache_dir = prepare_cache_dir(binder.host_lib_dir, device_ids)
+        except OSError as exc:
+            raise BindingError(
+                Refusal.INTERNAL, f"cannot create the container's cache directory: {exc}"
+            ) from None
+    mps = binder.mps
+    if mps is None or not enforcement.by_mps(uuid):
+        return cache_dir, None
     other = partner.device_ids if partner is not None else None
     try:
-        if resource is Resource.MEMORY:
-            return mps.memory(
-                device_ids, amount, pinned=enforcement.memory_soft(uuid), partner_cores=other
-            )
-        mps.cores(device_ids, amount, partner_memory=other)
-        return None
+        if memory:
+            mib = units * binder.inventory.memory_unit_mib
+            pinned = enforcement.memory_soft(uuid)
+            mps_pipe = mps.memory(device_ids, mib, pinned=pinned, partner_cores=other)
+        else:
+            mps.cores(device_ids, units, partner_memory=other)
     except (MpsError, OSError) as exc:
         raise BindingError(
             Refusal.INTERNAL, f"cannot cap the container's MPS namespace: {exc}"
         ) from None
+    return cache_dir, mps_pipe
 
 
 def core_without_memory(holder: Holder, prefix: str) -> str:
@@ -423,26 +436,8 @@ class Binder:
                 lacking=decision.lacking,
             )
             raise BindingError(Refusal.PRECONDITION, refusal)
-        cache_dir = None
-        if resource is Resource.MEMORY and self.enforcement.interposer_counts_memory(uuid):
-            try:
-                cache_dir = prepare_cache_dir(self.host_lib_dir, list(device_ids))
-            except OSError as exc:
-                raise BindingError(
-                    Refusal.INTERNAL, f"cannot create the container's cache directory: {exc}"
-                ) from None
         units = len(numbers)
-        mps_pipe = None
-        if self.mps is not None and self.enforcement.by_mps(uuid):
-            mps_pipe = mps_namespace(
-                self.mps,
-                self.enforcement,
-                resource,
-                uuid,
-                list(device_ids),
-                units * self.inventory.memory_unit_mib if resource is Resource.MEMORY else units,
-                partner,
-            )
+        cache_dir, mps_pipe = grant_dirs(self, resource, uuid, list(device_ids), units, partner)
         self.usage.record_allocation(resource, uuid, numbers)
         grant = answers.share(
             uuid,

@@ -58,7 +58,10 @@ def test_each_container_gets_its_own_capped_namespace(
         assert got.envs[MPS_THREADS] == str(cores)
         assert got.envs[MPS_PINNED_MEMORY] == f"0={mem * 256}M"
         assert "LD_PRELOAD" not in got.envs and "CUDA_DEVICE_SM_LIMIT" not in got.envs
-        assert list(got.mounts) == [CONTAINER_MPS_PIPE]  # only its own pipe directory
+        # only its own pipe directory, and the shared memory MPS passes work through
+        assert sorted(got.mounts) == sorted([CONTAINER_MPS_PIPE, "/dev/shm"])
+        shm = got.mounts["/dev/shm"].host_path
+        assert shm == str(Path(node.settings.host_lib_dir) / "mps" / "shm")
         pipe = got.mounts[CONTAINER_MPS_PIPE].host_path
         assert Path(pipe).is_dir() and Path(pipe) != control_pipe
         pipes.add(pipe)
@@ -101,3 +104,22 @@ def test_only_pinned_cards_use_mps_and_the_daemon_stops_it(
     node.daemon.stop()
     node.daemon = None
     assert not pid_alive(pid)
+
+
+def test_the_chart_shares_dev_shm_with_mps_clients_only_when_mps_is_on() -> None:
+    from test_deploy_manifests import chart_objects, chart_values, one
+
+    def daemon_pod(values: dict[str, object]) -> dict[str, object]:
+        spec: dict[str, object] = one(chart_objects(values), "DaemonSet")["spec"]["template"]["spec"]
+        return spec
+
+    off = daemon_pod(chart_values())
+    assert "mps-shm" not in str(off)
+    values = chart_values()
+    values["config"]["mpsControl"] = "/usr/bin/nvidia-cuda-mps-control"  # type: ignore[index]
+    on = daemon_pod(values)
+    (container,) = [c for c in on["containers"] if c["name"] == "gpushare"]  # type: ignore[attr-defined]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["mps-shm"] == "/dev/shm"
+    volumes = {v["name"]: v for v in on["volumes"]}  # type: ignore[attr-defined]
+    assert volumes["mps-shm"]["hostPath"]["path"] == "/usr/local/vgpu/mps/shm"

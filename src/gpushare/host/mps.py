@@ -82,6 +82,12 @@ def mps_dirs(host_dir: Path) -> tuple[Path, Path]:
     return root / "pipe", root / "log"
 
 
+def mps_shm_dir(host_dir: Path) -> Path:
+    """The host directory the servers and every client share as ``/dev/shm`` (MPS passes
+    work through shared memory: the DaemonSet mounts it at its own ``/dev/shm``)."""
+    return host_dir / MPS_DIR_NAME / "shm"
+
+
 def probe(executable: Path, env: Mapping[str, str] | None = None) -> Capabilities:
     """What ``executable`` offers, from its own help (``-h``; ``-p 3 -h`` for v3)."""
 
@@ -157,6 +163,9 @@ class MpsControl:
         will not start."""
         self.pipe_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        shm = self.pipe_dir.parent / "shm"
+        shm.mkdir(exist_ok=True)
+        os.chmod(shm, 0o1777)  # as /dev/shm: every client uid writes its segments
         os.chmod(self.pipe_dir, 0o755)  # clients of every uid reach the pipes
         os.chmod(self.log_dir, 0o700)
         self.capabilities = probe(self.executable, self.env())

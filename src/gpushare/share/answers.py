@@ -60,6 +60,7 @@ MPS_PIPE = "CUDA_MPS_PIPE_DIRECTORY"
 MPS_THREADS = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 MPS_PINNED_MEMORY = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 CONTAINER_MPS_PIPE = "/tmp/nvidia-mps"
+CONTAINER_SHM = "/dev/shm"
 
 
 def memory_limit_env(index: int) -> str:
@@ -146,6 +147,8 @@ class Enforcement:
     #: the MPS control daemon's own pipe directory (host), for cards whose compute is
     #: ``mps`` on a node without namespaces (every client shares it)
     mps_pipe: Path | None = None
+    #: the host directory MPS servers and clients share as ``/dev/shm``
+    mps_shm: Path | None = None
 
     def by_mps(self, uuid: str) -> bool:
         """The card's compute caps are MPS's (``share/backends.py``)."""
@@ -341,6 +344,8 @@ def _mps_edits(
             raise ValueError(f"card {uuid} is shared through MPS, but no pipe directory is set")
         envs[MPS_PIPE] = CONTAINER_MPS_PIPE
         mounts.append(Mount(CONTAINER_MPS_PIPE, str(pipe), read_only=False))
+        if enforcement.mps_shm is not None:
+            mounts.append(Mount(CONTAINER_SHM, str(enforcement.mps_shm), read_only=False))
         if enforcement.by_driver(uuid):
             hooks.append(driver_hook(enforcement, uuid, grant.memory_mib))
         else:

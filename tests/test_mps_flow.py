@@ -7,7 +7,9 @@ client caps are given; the control daemon is stopped with the daemon."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import H200, Node, cards, gpu_uuid
@@ -123,3 +125,50 @@ def test_the_chart_shares_dev_shm_with_mps_clients_only_when_mps_is_on() -> None
     assert mounts["mps-shm"] == "/dev/shm"
     volumes = {v["name"]: v for v in on["volumes"]}  # type: ignore[attr-defined]
     assert volumes["mps-shm"]["hostPath"]["path"] == "/usr/local/vgpu/mps/shm"
+
+
+def test_a_dra_claim_on_an_mps_card_gets_its_own_capped_namespace(
+    node: Node, api: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from conftest import NODE, TESLA_P4
+    from procs import poll
+
+    from gpushare.sim.drakubelet import DraKubelet, allocated_claim
+
+    monkeypatch.setenv("STANDIN_MPS_V3", "1")
+    exe = install_standin(node.root / "bin")
+    node.start(
+        cards(TESLA_P4, 2),
+        card_modes="0=dra",
+        node_name=NODE,
+        dra_kubelet_root=str(node.root / "kubelet"),
+        dra_cdi_dir=str(node.root / "cdi"),
+        mps_control=str(exe),
+        compute_enforcement="0=mps",
+    )
+    assert node.daemon is not None
+    assert poll(lambda: "dra" not in node.daemon.readiness()[1], 10)  # type: ignore[union-attr]
+    result = {
+        "request": "r",
+        "device": "gpu-0",
+        "consumedCapacity": {"memory": "1Gi", "cores": "40"},
+    }
+    uid = api.add(allocated_claim("default", "a", "gpu.gpushare.io", NODE, [result]))[
+        "metadata"
+    ]["uid"]
+    kubelet = DraKubelet(node.root / "kubelet")
+    try:
+        assert kubelet.register() == "v1.DRAPlugin"
+        prepared = kubelet.prepare([("default", "a", uid)])
+    finally:
+        kubelet.close()
+    assert prepared[uid].error == "", prepared[uid].error
+    spec = json.loads((node.root / "cdi" / f"gpu.gpushare.io-claim_{uid}.json").read_text())
+    (edits,) = [d["containerEdits"] for d in spec["devices"]]
+    env = dict(e.split("=", 1) for e in edits["env"])
+    assert env[MPS_PIPE] == CONTAINER_MPS_PIPE and env[MPS_THREADS] == "40"
+    assert "LD_PRELOAD" not in env
+    pipe = [m["hostPath"] for m in edits["mounts"] if m["containerPath"] == CONTAINER_MPS_PIPE]
+    control_pipe = mps_dirs(Path(node.settings.host_lib_dir))[0]
+    (ns,) = standin_state(control_pipe)["namespaces"].values()
+    assert pipe == [ns["pipe"]] and ns["percent"] == 40 and ns["mib"] == 1024

@@ -32,6 +32,7 @@ from gpushare.dra.server import DraServer
 from gpushare.dra.slices import SlicePublisher
 from gpushare.gpu.gpus import Gpu
 from gpushare.gpu.health import HealthBoard
+from gpushare.host.mps import MpsGrants
 from gpushare.kube.kubeclient import ApiClient
 from gpushare.kube.nodestate import MAX_REQUEST, DraClaimState
 from gpushare.node.core import NodeCore
@@ -175,6 +176,7 @@ def build_dra_part(
     driver_version: str | None = None,
     pcie_roots: Mapping[str, str] | None = None,
     observe: CallHook | None = None,
+    mps: MpsGrants | None = None,
 ) -> DraPart:
     """The DRA part for ``gpus`` (the cards in ``dra`` card mode; one in MIG mode is
     published as its MIG devices). ``board`` must hold every card of ``gpus`` by UUID,
@@ -208,6 +210,7 @@ def build_dra_part(
         host_lib_dir=host_lib_dir,
         cdi_dir=Path(settings.dra_cdi_dir),
         state_dir=state_dir,
+        mps=mps,
     )
     publisher = SlicePublisher(
         api=api,
@@ -252,6 +255,7 @@ def dra_part_for(core: NodeCore, observe: CallHook | None = None) -> DraPart | N
             settings.node_name,
             Path(settings.dra_kubelet_root),
             observe=observe,
+            mps=core.mps,
         )
     except (ValueError, ApiConfigMissing) as exc:
         raise NodeConfigurationError(f"card mode dra: {exc}") from None

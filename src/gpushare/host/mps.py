@@ -452,6 +452,14 @@ class MpsGrants:
             while len(self._pending) > PENDING_LIMIT:
                 self._pending.pop(next(iter(self._pending)))
 
+    def claim(self, key: str, pipe: Path, memory_mib: int, cores: int, *, pinned: bool) -> None:
+        """A DRA claim's share: its namespace (named after its cache key), capped at
+        ``cores`` (0: not throttled) and, where ``pinned``, ``memory_mib``; made at prepare,
+        before any container of the claim exists."""
+        if self.namespaces:
+            percent = min(cores, 100) if cores > 0 else 100
+            self.control.cap(key, Cap(pipe, percent, memory_mib if pinned else None))
+
     def collect(self) -> list[str]:
         """Forget the namespaces whose pipe directory the garbage collector removed (their
         containers are gone); the names forgotten."""

@@ -22,6 +22,10 @@ ARG INTERPOSER=published
 ARG HAMI_CORE_COMMIT=8f3a89c67b037d8fdfe6c4cd4d8c4f0cd6504811
 ARG CUDA_HEADERS_VERSION=12.9.79
 ARG VERSION=0.0.0
+# The driver memory hook is built against glibc 2.17 (manylinux2014) so that it runs on
+# every host it is installed on (it runs on the HOST, by the container runtime).
+ARG MANYLINUX_TAG=2026.10.03-1
+ARG TARGETARCH=amd64
 
 FROM projecthami/hami:${HAMI_VERSION} AS hami
 
@@ -62,6 +66,18 @@ RUN set -eu; mkdir /hami-core; tar -xzf /hami-core.tar.gz -C /hami-core --strip-
 
 FROM interposer-${INTERPOSER} AS interposer
 
+# The driver memory hook (hook/memory-hook.c): an OCI createRuntime hook the daemon
+# installs on the host beside libvgpu.so for cards whose memory backend is `driver`
+# (docs/choosing.md). Plain C, libc and dlopen only; checked to print its usage.
+FROM quay.io/pypa/manylinux2014_x86_64:${MANYLINUX_TAG} AS hook-builder-amd64
+FROM quay.io/pypa/manylinux2014_aarch64:${MANYLINUX_TAG} AS hook-builder-arm64
+FROM hook-builder-${TARGETARCH} AS memory-hook
+COPY hook/memory-hook.c /src/memory-hook.c
+RUN set -eu; mkdir -p /out; \
+    gcc -O2 -std=c11 -Wall -Wextra -Werror -o /out/gpushare-memory-hook /src/memory-hook.c -ldl; \
+    if /out/gpushare-memory-hook 2>/tmp/usage; then exit 1; fi; grep -q '^usage:' /tmp/usage; \
+    chmod 0755 /out/gpushare-memory-hook
+
 # Build as an unprivileged user, into a virtual environment copied whole to the final
 # image. Dependencies come as binary wheels; the slim image has no compiler, so a
 # dependency that would need one fails here rather than growing the image.
@@ -92,6 +108,8 @@ COPY --from=build /opt/venv /opt/venv
 # The daemon's default --library path (src/gpushare/config.py).
 COPY --from=interposer /out/libvgpu.version /opt/gpushare/lib/libvgpu.version
 COPY --from=interposer /out/libvgpu.so /opt/gpushare/lib/libvgpu.so
+# The daemon's default --memory-hook path (src/gpushare/config.py).
+COPY --from=memory-hook /out/gpushare-memory-hook /opt/gpushare/lib/gpushare-memory-hook
 ENV PATH=/opt/venv/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 # Runs as root: the kubelet's sockets are root-owned. The DaemonSet drops every capability.
 CMD ["gpushare-device-plugin", "--log-format=json"]

@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 PROTOS := $(shell find proto -name '*.proto')
 comma  := ,
 
-.PHONY: demo test lint bench simulate churn image image-local version manifests clean verify-pairing e2e e2e-build kubectl-plugin
+.PHONY: gpu-proof demo test lint bench simulate churn image image-local version manifests clean verify-pairing e2e e2e-build kubectl-plugin
 
 demo: $(VENV)/.installed  ## run the daemon on a simulated node with a simulated kubelet
 	$(BIN)/gpushare-demo
@@ -33,6 +33,12 @@ lint: $(VENV)/.installed-test
 
 verify-pairing: $(VENV)/.installed-test  ## every admission sequence of up to 5 containers, 3 regimes
 	$(BIN)/pytest -q -m slow tests/test_pairing.py
+
+# On a GPU machine (root): the driver version, memory, MIG mode, cgroup type and
+# dmem.capacity, then the enforcement probe under every memory backend the machine
+# supports (interposer; driver on r615+ with cgroup v2). DRY=1: the facts and the plan only.
+gpu-proof: $(VENV)/.installed  ## prove the enforcement backends on this GPU machine
+	PYTHON=$(BIN)/python scripts/gpu-proof.sh $(if $(DRY),--dry-run)
 
 bench: $(VENV)/.installed-test  ## measure latency, start time and footprint
 	$(BIN)/python -m gpushare.bench --write docs/benchmarks.md

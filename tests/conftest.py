@@ -62,6 +62,7 @@ class Node:
             simulate=str(self.gpus_file),
             library=str(self.library),
             host_lib_dir=str(root / "vgpu"),
+            dra_cdi_dir=str(root / "cdi-own"),  # the daemon's own CDI specs (grants, claims)
             metrics_port=0,
         )
         self.kubelet = SimulatedKubelet(

@@ -32,6 +32,8 @@ ROWS = [
 ]
 #: Measured only where make e2e has built the control plane's binaries.
 REAL_API_ROW = "DRA NodePrepareResources, one share, real kube-apiserver"
+#: The last row: what the driver memory hook adds to a container's creation.
+HOOK_ROW = "driver memory hook per container created"
 
 
 def test_quick_bench_prints_one_table_with_every_row(tmp_path: Path) -> None:
@@ -47,7 +49,7 @@ def test_quick_bench_prints_one_table_with_every_row(tmp_path: Path) -> None:
     table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     assert table[0].startswith("| figure | measured | target |")
     body = table[1:]
-    rows = ROWS + ([REAL_API_ROW] if controlplane.available() else [])
+    rows = ROWS + ([REAL_API_ROW] if controlplane.available() else []) + [HOOK_ROW]
     assert len(body) == len(rows)
     for row, name in zip(body, rows, strict=True):
         assert name in row, (name, row)

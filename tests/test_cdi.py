@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
+from cdi_runtime import final
 from conftest import TESLA_P4, Node, cards, gpu_uuid
 from structlog.testing import capture_logs
 
@@ -57,13 +58,18 @@ def test_cdi_cri_names_the_card_and_keeps_the_limits_and_the_interposer(node: No
     start(node, "cdi-cri", count=1)
     admitted = node.kubelet.admit("a", "main", {node.memory: 2, node.core: 30})
     name = f"nvidia.com/gpu={gpu_uuid(0)}"
-    assert cdi_names(admitted, node.memory) == [name]
-    assert cdi_names(admitted, node.core) == [name]
-    assert admitted.envs["NVIDIA_VISIBLE_DEVICES"] == "void"  # an image's "all" exposes nothing
-    assert admitted.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "512m"
-    assert admitted.envs["CUDA_DEVICE_SM_LIMIT"] == "30"
-    assert CONTAINER_LIBRARY in admitted.mounts
-    assert admitted.conflicts == []
+    # the card's name, then the grant's own CDI device, which carries the limits and the
+    # interposer (test_grant_specs.py): the pod's env cannot shadow them
+    memory, core = cdi_names(admitted, node.memory), cdi_names(admitted, node.core)
+    assert memory[0] == core[0] == name
+    assert memory[1].startswith("gpushare.io/grant=vcuda-memory-")
+    assert core[1].startswith("gpushare.io/grant=vcuda-core-")
+    env, mounts = final([], [], [memory[1], core[1]], [Path(node.settings.dra_cdi_dir)])
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "void"  # an image's "all" exposes nothing
+    assert env["CUDA_DEVICE_MEMORY_LIMIT_0"] == "512m"
+    assert env["CUDA_DEVICE_SM_LIMIT"] == "30"
+    assert CONTAINER_LIBRARY in dict(mounts)
+    assert admitted.envs == {} and admitted.conflicts == []
 
 
 def test_cdi_annotations_name_the_cards_in_one_annotation(node: Node) -> None:
@@ -94,7 +100,7 @@ def test_index_names_and_another_kind(node: Node) -> None:
     index = [gpu_uuid(0), gpu_uuid(1)].index(card)
     assert cdi_names(whole, gpu) == [f"example.com/accel={index}"]
     shared = node.kubelet.admit("b", "main", {node.memory: 1})
-    assert cdi_names(shared, node.memory) == [f"example.com/accel={1 - index}"]
+    assert cdi_names(shared, node.memory)[0] == f"example.com/accel={1 - index}"
 
 
 @pytest.mark.parametrize("strategy", ["", "envvar,volume-mounts", "cdi"])

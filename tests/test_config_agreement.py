@@ -105,7 +105,7 @@ TEXT_SAMPLES: dict[str, list[Any]] = {
     "memory_hook": ["/opt/gpushare/lib/gpushare-memory-hook", "hook", ""],
     "cgroup_root": ["/sys/fs/cgroup", "sys/fs/cgroup", ""],
     "mps_control": ["", "/usr/bin/nvidia-cuda-mps-control", "nvidia-cuda-mps-control", " /x"],
-    "time_slice_replicas": ["4", "4,0=8", " 0 = 64 , GPU-1=1", "0", "65", "4,8", "0=2,0=3", "x=1=2"],
+    "time_slice_replicas": ["4", "4,0=8", " 0 = 64 , GPU-1=1", "0", "65", "4,8", "0=2,0=3"],
 }
 
 #: Values of the options a rule matches with a pattern: some that match, some that do not.

@@ -35,8 +35,11 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return build(tmp_path_factory.mktemp("hook"))
 
 
-def start_r615(node: Node, built: tuple[Path, Path], **modes: str) -> LimitStore:
-    """Two cards, card 0 in DRA mode, on a simulated r615 node with cgroup v2."""
+def start_r615(
+    node: Node, built: tuple[Path, Path], strategy: str = "envvar", **modes: str
+) -> LimitStore:
+    """Two cards, card 0 in DRA mode, on a simulated r615 node with cgroup v2; card 1
+    under the device plugin (``driver`` too with a CDI ``strategy``)."""
     hook, nvml = built
     cgroup = node.root / "cgroup"
     cgroup.mkdir()
@@ -58,6 +61,7 @@ def start_r615(node: Node, built: tuple[Path, Path], **modes: str) -> LimitStore
         dra_cdi_dir=str(node.root / "cdi"),
         cgroup_root=str(cgroup),
         memory_hook=str(hook),
+        device_list_strategy=strategy,
     )
     return LimitStore(node.gpus_file.with_name("node.yaml.nvml"))
 
@@ -118,6 +122,12 @@ def test_a_claim_on_a_driver_card_gets_its_limit_on_its_own_cgroup(
     assert store.limits() == {}  # the self-test cleared its limit
     assert poll(lambda: "dra" not in node.daemon.readiness()[1], 10)  # type: ignore[union-attr]
 
+    # published for claims to select (CEL: device.attributes[...].memoryEnforcement)
+    found = api.get("ResourceSlice", f"{NODE}-{DRIVER}-0", api_version="resource.k8s.io/v1")
+    (device,) = (found or {})["spec"]["devices"]
+    assert device["attributes"]["memoryEnforcement"] == {"string": "driver"}
+    assert device["attributes"]["computeEnforcement"] == {"string": "interposer"}
+
     spec_a = prepare(node, api, "a", "2Gi")
     spec_b = prepare(node, api, "b", "1Gi")
     (edits,) = [d["containerEdits"] for d in spec_a["devices"]]
@@ -172,3 +182,33 @@ def test_pinned_driver_on_a_device_plugin_card_stops_the_start(
     with pytest.raises(NodeConfigurationError, match=r"card 1 .* to driver.*no CDI") as caught:
         start_r615(node, built)
     assert "\n" not in str(caught.value)
+
+
+def test_a_device_plugin_grant_under_cdi_gets_its_limit_from_its_own_spec(
+    node: Node, api: KubeApiDouble, built: tuple[Path, Path]
+) -> None:
+    store = start_r615(node, built, strategy="cdi-cri")
+    assert node.daemon is not None
+    assert node.daemon.core.backends[gpu_uuid(1)].memory is MemoryBackend.DRIVER
+    admitted = node.kubelet.admit("tenant", "main", {node.memory: 6, node.core: 30})
+    names = [d.name for r in admitted.responses.values() for d in r.cdi_devices]
+    grants = [
+        n.split("=", 1)[1] for n in names if n.startswith(f"{node.settings.resource_prefix}/grant=")
+    ]
+    specs = [
+        json.loads(
+            (node.root / "cdi" / f"{node.settings.resource_prefix}-grant_{g}.json").read_text()
+        )
+        for g in dict.fromkeys(grants)
+    ]
+    hooks = [h for s in specs for d in s["devices"] for h in d["containerEdits"].get("hooks", [])]
+    (hook,) = hooks  # the memory grant's spec only
+    limit = 6 * node.settings.memory_unit_mib
+    assert hook["args"][1:5] == ["--gpu", gpu_uuid(1), "--limit-mib", str(limit)]
+    env = [e for s in specs for d in s["devices"] for e in d["containerEdits"].get("env", [])]
+    assert not any(e.startswith("CUDA_DEVICE_MEMORY_LIMIT") for e in env)
+    assert "CUDA_DEVICE_SM_LIMIT=30" in env  # compute stays with the interposer
+    cgroup = container(node, 201, "/kubepods/pod-t/main")
+    results = [r for s in specs for r in run_hooks(s, node.root / "proc", 201)]
+    assert [r.returncode for r in results] == [0], [r.stderr for r in results]
+    assert store.limits() == {(gpu_uuid(1), cgroup): Limits(0, limit << 20)}

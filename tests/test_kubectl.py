@@ -67,6 +67,8 @@ def test_the_shipped_objects_are_the_daemonset_its_rbac_and_its_policies() -> No
         "ValidatingAdmissionPolicyBinding",
         "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
     ]
     assert (KEY, VALUE) == ("gpushare.io/enabled", "true")
 
@@ -422,6 +424,8 @@ def test_uninstall_removes_the_mig_labels_and_nothing_else(
     labels = _labels(api, "gpu-a")
     assert not set(mig_labels) & set(labels)
     assert {k: labels.get(k) for k in others} == others
+
+
 @pytest.mark.parametrize(
     "argv", [["--help"], ["version"], ["--version"], ["inspect", "--help"], ["install", "-h"]]
 )

@@ -91,7 +91,9 @@ def test_every_label_from_the_first_card_and_the_driver() -> None:
         "gpushare.io/cuda.driver.major": "12",
         "gpushare.io/cuda.driver.minor": "4",
     }
-    assert set(node_labels("gpushare.io", facts)) == set(nodestate.label_keys("gpushare.io"))
+    shown = set(node_labels("gpushare.io", facts))
+    enforcement = {k for k in nodestate.label_keys("gpushare.io") if "enforcement" in k}
+    assert shown == set(nodestate.label_keys("gpushare.io")) - enforcement
 
 
 def test_nvidia_product_label_only_when_asked() -> None:
@@ -141,4 +143,11 @@ def test_the_daemon_labels_its_node_from_the_simulated_cards(
         "gpushare.io/cuda.driver.major": "12",
         "gpushare.io/cuda.driver.minor": "2",
         "nvidia.com/gpu.product": "Tesla-P4",
+        # one card shared (the interposer), one whole-only (hardware)
+        "gpushare.io/memory-enforcement": "mixed",
+        "gpushare.io/memory-enforcement.interposer": "1",
+        "gpushare.io/memory-enforcement.hardware": "1",
+        "gpushare.io/compute-enforcement": "mixed",
+        "gpushare.io/compute-enforcement.interposer": "1",
+        "gpushare.io/compute-enforcement.hardware": "1",
     }

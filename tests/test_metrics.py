@@ -74,7 +74,12 @@ def test_metrics_report_cards_allocations_and_latency(node: Node) -> None:
     index = {uuid: str(i) for i, uuid in enumerate((gpu_uuid(0), gpu_uuid(1)))}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if "gpu" in sample.labels and "pod" not in sample.labels:
+            if sample.name == "gpushare_enforcement_backend":  # per card and kind
+                assert (sample.labels["kind"], sample.labels["backend"]) in (
+                    ("memory", "interposer"),
+                    ("compute", "interposer"),
+                ) and sample.labels["index"] == index[sample.labels["gpu"]], sample
+            elif "gpu" in sample.labels and "pod" not in sample.labels:
                 uuid = sample.labels["gpu"]
                 assert sample.labels == {
                     "gpu": uuid,

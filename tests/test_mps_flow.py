@@ -112,7 +112,8 @@ def test_the_chart_shares_dev_shm_with_mps_clients_only_when_mps_is_on() -> None
     from test_deploy_manifests import chart_objects, chart_values, one
 
     def daemon_pod(values: dict[str, object]) -> dict[str, object]:
-        spec: dict[str, object] = one(chart_objects(values), "DaemonSet")["spec"]["template"]["spec"]
+        daemonset = one(chart_objects(values), "DaemonSet")
+        spec: dict[str, object] = daemonset["spec"]["template"]["spec"]
         return spec
 
     off = daemon_pod(chart_values())

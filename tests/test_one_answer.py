@@ -103,6 +103,9 @@ def test_a_share_is_the_same_edits_from_the_two_allocates_and_from_a_claim(
     )
     claim_env = cdi_env(edits)
     assert claim_env.pop("NVIDIA_VISIBLE_DEVICES") == gpu_uuid(0)
+    # a claim may show the container several cards: its limit is set for every index too
+    # (issue 32 item 2); a device-plugin container sees one card, index 0
+    assert claim_env.pop("CUDA_DEVICE_MEMORY_LIMIT") == f"{4 * node.settings.memory_unit_mib}m"
     plugin_env = dict(admitted.envs)
     assert plugin_env.pop("NVIDIA_VISIBLE_DEVICES") == gpu_uuid(1)
     assert claim_env == plugin_env

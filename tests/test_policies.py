@@ -521,7 +521,11 @@ def test_chart_policies_are_the_kustomize_ones_and_can_be_turned_off() -> None:
         for obj in _load(name):
             assert rendered[(obj["kind"], obj["metadata"]["name"])]["spec"] == obj["spec"]
     off = {
-        "policies": {"coreNeedsMemory": {"enabled": False}, "daemonNodeScope": {"enabled": False}}
+        "policies": {
+            "coreNeedsMemory": {"enabled": False},
+            "daemonNodeScope": {"enabled": False},
+            "reservedSettings": {"enabled": False},
+        }
     }
     assert not [o for o in chart_objects(off) if "AdmissionPolicy" in o["kind"]]
     prefixed = [
@@ -574,9 +578,11 @@ def test_the_default_install_applies_the_policies() -> None:
     kustomization = yaml.safe_load((ROOT / "daemonset" / "kustomization.yaml").read_text())
     assert "policies/core-needs-memory.yaml" in kustomization["resources"]
     assert "policies/daemon-node-scope.yaml" in kustomization["resources"]
+    assert "policies/reserved-settings.yaml" in kustomization["resources"]
     values = yaml.safe_load((ROOT / "charts" / "gpushare" / "values.yaml").read_text())
     assert values["policies"]["coreNeedsMemory"]["enabled"] is True
     assert values["policies"]["daemonNodeScope"]["enabled"] is True
+    assert values["policies"]["reservedSettings"]["enabled"] is True
 
 
 def test_the_chart_says_loudly_when_a_policy_is_off() -> None:

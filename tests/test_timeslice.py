@@ -78,7 +78,7 @@ def test_a_container_gets_the_card_with_no_limits_and_tenants_spread(node: Node)
 
 def test_two_replicas_for_one_container_are_refused(node: Node) -> None:
     start_sliced(node, cards(H200, 1), card_modes="0=timeslice")
-    with pytest.raises(AdmissionError, match="asks 2 .*gpu.shared; it gets 1"):
+    with pytest.raises(AdmissionError, match=r"asks 2 .*gpu\.shared; it gets 1"):
         node.kubelet.admit("greedy", "main", {shared_gpu(node): 2})
     assert node.kubelet.admit("fair", "main", {shared_gpu(node): 1}).card() == gpu_uuid(0)
 

@@ -294,3 +294,52 @@ def test_a_hostile_status_of_a_pod_that_never_finishes_is_printed_escaped(
     assert node.seen, "the stand-in never saw the pod"
     assert "did not finish within" in said[-2] and "\\x1b[2J\\x0aVERDICT: ok" in said[-2]
     assert all("\x1b" not in line and "\n" not in line for line in said)
+
+
+def _with_enforcement(api: KubeApiDouble, *backends: str) -> None:
+    from gpushare.kube import nodestate
+
+    enforcement = tuple(
+        nodestate.CardEnforcement(f"GPU-{i}", i, b, "interposer") for i, b in enumerate(backends)
+    )
+    state = nodestate.NodeGpuState(1, "now", 256, (), enforcement=enforcement)
+    key = nodestate.annotation_key("gpushare.io")
+    api.add({"apiVersion": "v1", "kind": "Node", "metadata": {
+        "name": "gpu-1", "labels": {}, "annotations": {key: nodestate.encode(state)}}})  # fmt: skip
+
+
+def test_the_offered_backends_come_from_the_nodes_annotation(api: KubeApiDouble) -> None:
+    assert verify.offered_backends({"metadata": {}}, "gpushare.io") == ["interposer"]
+    _with_enforcement(api, "driver", "interposer", "hardware")
+    node = Cluster().node("gpu-1")
+    assert node is not None
+    assert verify.offered_backends(node, "gpushare.io") == ["interposer", "driver"]
+
+
+def test_a_driver_card_is_verified_through_a_claim_that_requires_driver(
+    api: KubeApiDouble, cluster: Cluster
+) -> None:
+    _with_enforcement(api, "driver")
+    claims: list[dict[str, Any]] = []
+    original = cluster.create
+
+    def create(obj: Any) -> dict[str, Any]:
+        if obj["kind"] == "ResourceClaim":
+            claims.append(obj)
+        return original(obj)
+
+    cluster.create = create  # type: ignore[method-assign]
+    code, said, node = _run(api, cluster, "Succeeded", probe.render(GOOD))
+    assert code == 0 and said[0] == "memory backend driver:"
+    (claim,) = claims
+    (request,) = claim["spec"]["devices"]["requests"]
+    (selector,) = request["exactly"]["selectors"]
+    assert selector["cel"]["expression"] == (
+        'device.attributes["gpu.gpushare.io"].memoryEnforcement == "driver"'
+    )
+    assert request["exactly"]["capacity"]["requests"] == {"memory": "1024Mi"}
+    spec = node.seen["spec"]
+    assert "nodeName" not in spec and spec["nodeSelector"] == {"kubernetes.io/hostname": "gpu-1"}
+    (container,) = spec["containers"]
+    assert container["command"][-4:] == ["--memory-backend", "driver", "--limit-mib", "1024"]
+    assert [k for k in api.objects if "resourceclaims" in k.lower()] == []  # deleted after

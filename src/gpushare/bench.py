@@ -878,6 +878,27 @@ class DraCaller:
 # --------------------------------------------------------------------------- main
 
 
+def measure_memory_hook(plan: Plan, report: Report) -> None:
+    """The driver memory hook's cost to a container's creation (simulated NVML)."""
+    from gpushare.sim import hookbench
+
+    figure = "driver memory hook per container created, p50 / p99 (simulated NVML)"
+    target = f"p50 <= {hookbench.TARGET_P50_SECONDS * 1000:.0f} ms"
+    why_not = hookbench.available()
+    if why_not:
+        report.add(figure, f"not measured: {why_not}", target)
+        return
+    times = hookbench.measure(plan.latency_containers)
+    p50 = percentile(times.seconds, 50)
+    report.add(
+        figure,
+        f"{ms(p50)} / {ms(percentile(times.seconds, 99))} ({len(times.seconds)} containers"
+        f"{f', {times.failures} FAILED' if times.failures else ''})",
+        target,
+        ok=p50 <= hookbench.TARGET_P50_SECONDS and not times.failures,
+    )
+
+
 def machine() -> str:
     model = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
@@ -897,7 +918,8 @@ def machine() -> str:
 
 def run(plan: Plan, phases: Sequence[Callable[[Plan, Report], None]] | None = None) -> Report:
     report = Report()
-    for phase in phases or (measure_messages, measure_start, measure_daemon, measure_dra):
+    default = (measure_messages, measure_start, measure_daemon, measure_dra, measure_memory_hook)
+    for phase in phases or default:
         phase(plan, report)
     return report
 

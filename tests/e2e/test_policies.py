@@ -58,3 +58,34 @@ def test_zero_memory_with_cores_is_refused(cluster: Cluster) -> None:
     the policy compares quantities now, with the API server's own ``quantity()``."""
     code, message = create(cluster, "zero-memory", {"main": {MEMORY: 0, CORE: 10}})
     assert code == 422, message
+
+
+def test_a_pod_setting_reserved_env_or_mounting_over_the_interposer_is_refused(
+    cluster: Cluster,
+) -> None:
+    """Issue 32 item 1, envvar mode: the pod of the issue (four env lines that undid its limits)
+    and a volume over the lock directory are refused by the real API server's CEL; a safe
+    envFrom prefix and an emptyDir at /tmp are not."""
+    pod = pod_manifest("tamper", {MEMORY: 4})
+    pod["spec"]["containers"][0]["env"] = [
+        {"name": "CUDA_DEVICE_MEMORY_LIMIT_0", "value": "99999m"},
+        {"name": "CUDA_DEVICE_SM_LIMIT", "value": "100"},
+        {"name": "LD_PRELOAD", "value": ""},
+        {"name": "CUDA_DISABLE_CONTROL", "value": "true"},
+    ]
+    reply = cluster.api.create(pod, dry_run=True)
+    assert reply.status_code == 422, reply.text
+    assert "gpushare-reserved-settings" in reply.json()["message"]
+    assert "container(s) main set in env a variable gpushare reserves" in reply.json()["message"]
+    mounted = pod_manifest("mount-lock", {MEMORY: 4})
+    mounted["spec"]["volumes"] = [{"name": "v", "emptyDir": {}}]
+    mounted["spec"]["containers"][0]["volumeMounts"] = [{"name": "v", "mountPath": "/tmp/vgpulock"}]
+    reply = cluster.api.create(mounted, dry_run=True)
+    assert reply.status_code == 422, reply.text
+    assert "mount a volume at or below a path gpushare uses" in reply.json()["message"]
+    fine = pod_manifest("fine", {MEMORY: 4})
+    fine["spec"]["volumes"] = [{"name": "v", "emptyDir": {}}]
+    fine["spec"]["containers"][0]["volumeMounts"] = [{"name": "v", "mountPath": "/tmp"}]
+    fine["spec"]["containers"][0]["envFrom"] = [{"prefix": "APP_", "configMapRef": {"name": "c"}}]
+    reply = cluster.api.create(fine, dry_run=True)
+    assert reply.status_code == 201, reply.text

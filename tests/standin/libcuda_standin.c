@@ -5,8 +5,14 @@
  * shares its accounting). STANDIN_BYPASS_ASYNC=1 lets cuMemAllocAsync past the limit
  * (what some HAMi-core versions do); STANDIN_PER_PROCESS=1 counts each process alone.
  * Kernel launches sleep: 2 ms when throttled (CUDA_DEVICE_SM_LIMIT 1..99 and the policy
- * not "disable"), 0.2 ms otherwise. */
+ * not "disable"), 0.2 ms otherwise.
+ * The driver's per-cgroup limit (r615+): with STANDIN_DRIVER_STORE (the simulated NVML's
+ * store, src/gpushare/gpu/memlimits.py), STANDIN_GPU and STANDIN_CGROUP (the namespace
+ * this process's cgroup stands for), the limit is the hard limit the store holds for that
+ * card and cgroup (STANDIN_LIMIT, the card's memory, where it holds none), and every
+ * process of that cgroup is counted together, as the driver counts them. */
 #include <fcntl.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,11 +62,46 @@ static void give(uint64_t ptr) {
     }
 }
 
+static uint64_t fnv1a(const char *text) {
+    uint64_t h = 0xcbf29ce484222325ULL;
+    for (; *text; text++) { h ^= (unsigned char)*text; h *= 0x100000001b3ULL; }
+    return h;
+}
+
+/* The hard limit the simulated driver holds for this card and cgroup (0: none), and the
+ * cgroup's shared accounting file opened into fd. */
+static uint64_t driver_limit(const char *store, const char *gpu, const char *cgroup) {
+    char path[4096], text[4096];
+    unsigned long long soft = 0, hard = 0;
+    uint64_t h = fnv1a(cgroup);
+    snprintf(path, sizeof path, "%s/used.%s.%016llx", store, gpu, (unsigned long long)h);
+    fd = open(path, O_RDWR | O_CREAT, 0600);
+    snprintf(path, sizeof path, "%s/limits/%s.%016llx", store, gpu, (unsigned long long)h);
+    int in = open(path, O_RDONLY);
+    if (in < 0) return 0;
+    ssize_t n = read(in, text, sizeof text - 1);
+    close(in);
+    if (n <= 0) return 0;
+    text[n] = 0;
+    char *nl = strchr(text, '\n');
+    if (!nl) return 0;
+    *nl = 0;
+    if (strcmp(text, cgroup) != 0) return 0;
+    if (sscanf(nl + 1, "%llu %llu", &soft, &hard) != 2) return 0;
+    return hard;
+}
+
 CUresult cuInit(unsigned int flags) {
     const char *l = getenv("STANDIN_LIMIT");
     const char *cache = getenv("CUDA_DEVICE_MEMORY_SHARED_CACHE");
+    const char *store = getenv("STANDIN_DRIVER_STORE");
     limit = l ? strtoull(l, 0, 10) : 0;
-    if (cache) fd = open(cache, O_RDWR | O_CREAT, 0600);
+    if (store && getenv("STANDIN_GPU") && getenv("STANDIN_CGROUP")) {
+        uint64_t hard = driver_limit(store, getenv("STANDIN_GPU"), getenv("STANDIN_CGROUP"));
+        if (hard) limit = hard;
+    } else if (cache) {
+        fd = open(cache, O_RDWR | O_CREAT, 0600);
+    }
     (void)flags;
     return OK;
 }

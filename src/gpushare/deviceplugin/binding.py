@@ -31,9 +31,10 @@ from typing import Protocol
 import structlog
 
 from gpushare.gpu.health import HealthBoard
+from gpushare.host.grantspecs import GrantSpecs, grant_name
 from gpushare.host.library import prepare_cache_dir
 from gpushare.host.mps import MpsError, MpsGrants
-from gpushare.kube.podspecs import PodSpecBook
+from gpushare.kube.podspecs import PodSpecBook, asking_tampering
 from gpushare.share import answers
 from gpushare.share.answers import Answer, DeviceListing, Enforcement
 from gpushare.share.devices import InvalidDeviceIds, Inventory, Resource, format_device_id
@@ -49,6 +50,7 @@ from gpushare.share.placement import (
     preferred_units,
 )
 from gpushare.share.records import Snapshot
+from gpushare.share.reserved import refusal as reserved_refusal
 from gpushare.share.unitindex import UnitIndex
 from gpushare.share.usage import Holder, UsageLedger
 
@@ -172,6 +174,50 @@ def other_free_in(
     return other_free, unlisted
 
 
+def _sealed(
+    grant: answers.Grant,
+    listing: DeviceListing | None,
+    specs: GrantSpecs | None,
+    resource: Resource,
+    device_ids: Sequence[str],
+) -> Answer:
+    """The grant's edits as the kubelet's answer: as they are, or, under a CDI strategy,
+    riding on the grant's own CDI spec (``host/grantspecs.py``) no pod spec can change."""
+    edits = answers.container_edits(grant, listing)
+    if specs is None or listing is None or not listing.uses_cdi:
+        return edits
+    try:
+        cdi_name = specs.write(grant_name(resource.value, device_ids), edits)
+    except OSError as exc:
+        raise BindingError(
+            Refusal.INTERNAL, f"cannot write the grant's CDI spec in {specs.directory}: {exc}"
+        ) from None
+    return answers.sealed(edits, cdi_name, listing)
+
+
+def _refuse_tampering(
+    specs: PodSpecBook,
+    resource: Resource,
+    size: int,
+    snapshot: Snapshot | None,
+    decision: Decision,
+    seen: Binding | None,
+) -> None:
+    """Refuse the container now asking if its own spec sets what carries its limits
+    (``share/reserved.py``). The admission policy refuses such a pod; this is the second
+    line where the policy is off (docs/security.md)."""
+    holder = decision.holder
+    if holder is None and snapshot is not None and seen is not None:
+        holder = snapshot.holder_of(seen.resource, seen.device_ids[0])
+    tamperer = asking_tampering(specs, resource, size, snapshot, holder)
+    if tamperer is not None:
+        who, why = tamperer
+        log.warning("reserved_settings_refused", holder=str(who), reason=why)
+        raise BindingError(
+            Refusal.PRECONDITION, reserved_refusal(f"{who.pod}/{who.container}", why)
+        )
+
+
 class Binder:
     def __init__(
         self,
@@ -188,6 +234,7 @@ class Binder:
         on_allocated: Callable[[Resource, str, Sequence[str]], None] | None = None,
         records_wait: float = RECORDS_WAIT,
         listing: DeviceListing | None = None,
+        grant_specs: GrantSpecs | None = None,
         mps: MpsGrants | None = None,
     ) -> None:
         self.inventory = inventory
@@ -195,8 +242,8 @@ class Binder:
         self.health = health
         self.policy = Policy.parse(policy)
         self.enforcement = enforcement
-        #: How answers name the card (the device-list strategy); None: the envvar alone.
-        self.listing = listing
+        self.listing = listing  # how answers name the card; None: the envvar alone
+        self.grant_specs = grant_specs  # under a CDI strategy: the edits ride on these
         self.host_lib_dir = host_lib_dir
         self.records = records
         self.specs = specs
@@ -415,6 +462,8 @@ class Binder:
             if asker is not None:
                 message = core_without_memory(asker, self.specs.prefix)
                 raise BindingError(Refusal.PRECONDITION, message)
+        if decision.partner is None and self.specs is not None:  # its partner was checked
+            _refuse_tampering(self.specs, resource, len(device_ids), snapshot, decision, seen)
         with self._lock:
             partner = decision.partner
             if partner is not None and partner.card != uuid:
@@ -438,7 +487,6 @@ class Binder:
             raise BindingError(Refusal.PRECONDITION, refusal)
         units = len(numbers)
         cache_dir, mps_pipe = grant_dirs(self, resource, uuid, list(device_ids), units, partner)
-        self.usage.record_allocation(resource, uuid, numbers)
         grant = answers.share(
             uuid,
             enforcement=self.enforcement,
@@ -449,7 +497,8 @@ class Binder:
             cache_dir=cache_dir,
             mps_pipe=mps_pipe,
         )
-        answer = answers.container_edits(grant, self.listing)
+        answer = _sealed(grant, self.listing, self.grant_specs, resource, device_ids)
+        self.usage.record_allocation(resource, uuid, numbers)
         if self._on_allocated is not None:
             self._on_allocated(resource, uuid, device_ids)
         with self._lock:

@@ -1,11 +1,12 @@
 """The device-plugin front door: the kubelet's v1beta1 API over the node's shared core.
 
 One :class:`DevicePluginFrontDoor` is one part of the daemon. It builds a server per
-resource (the two shared ones, whole cards, time-sliced replicas, each MIG profile) over the core's boards and
-ledgers, the :class:`~gpushare.deviceplugin.binding.Binder` that binds a container's
-units to one card, and the :class:`~gpushare.deviceplugin.registration.KubeletLink` that
-registers them; start serves and registers, stop unregisters first (streams that end
-then must not re-register) and then stops the servers.
+resource (the two shared ones, whole cards, time-sliced replicas, each MIG profile) over
+the core's boards and ledgers, the :class:`~gpushare.deviceplugin.binding.Binder` that
+binds a container's units to one card, and the
+:class:`~gpushare.deviceplugin.registration.KubeletLink` that registers them; start
+serves and registers, stop unregisters first (streams that end then must not
+re-register) and then stops the servers.
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ class DevicePluginFrontDoor:
             specs=core.specs,
             on_allocated=core.shared_allocated,
             listing=self.listing,
+            grant_specs=core.collector.grant_specs,
             mps=core.mps,
         )
         self.kubelet_dir = Path(settings.kubelet_dir)

@@ -36,7 +36,14 @@ from gpushare.dra.checkpoint import (
     PreparedDevice,
 )
 from gpushare.dra.held import HeldClaims
-from gpushare.dra.model import API_VERSION, Offered, ShareError, share_of, unhealthy_reason
+from gpushare.dra.model import (
+    API_VERSION,
+    FULL_CORES,
+    Offered,
+    ShareError,
+    share_of,
+    unhealthy_reason,
+)
 from gpushare.gpu.health import HealthBoard
 from gpushare.host.cdi import CdiDevice, claim_device, remove_spec, spec_file_name, write_spec
 from gpushare.host.library import (
@@ -76,6 +83,15 @@ class Outcome:
     error: str = ""
 
 
+@dataclass(frozen=True)
+class ClaimLimits:
+    """The limits every share of one claim enforces (:func:`claim_limits`)."""
+
+    memory_mib: int | None = None
+    cores: int | None = None
+    cards: tuple[str, ...] = ()  # the claim's cards in the node's order, when several
+
+
 class ClaimRefused(Exception):
     """This claim cannot be prepared; the message is the one line the kubelet shows."""
 
@@ -106,6 +122,40 @@ def needs_dir(enforcement: Enforcement, mps: MpsGrants | None, uuid: str) -> boo
     if enforcement.interposer_counts_memory(uuid):
         return True
     return mps is not None and enforcement.by_mps(uuid) and mps.namespaces
+
+
+def claim_limits(
+    claim: ClaimRef, plan: Sequence[tuple[str, Offered, Mapping[str, Any]]], unit_mib: int
+) -> ClaimLimits:
+    """What every share of the claim enforces (issue 32 item 2). HAMi-core limits a card
+    by the index it has inside the container, and a result cannot know it: the container
+    may see the claim's other cards, or only some of them (a container can name one
+    request), or another claim's. So each result's CDI device carries the same limits,
+    set for every index (``CUDA_DEVICE_MEMORY_LIMIT`` beside ``_0``): the smallest memory
+    share of the claim and its smallest core share, and names all of the claim's cards.
+    A claim of equal shares (``count: N``) is enforced exactly; unequal shares are all
+    held to the smallest, never more than granted."""
+    memory: list[int] = []
+    cores: list[int] = []
+    cards: list[tuple[int, str]] = []
+    for _request, device, result in plan:
+        if not device.shared:
+            continue
+        try:
+            found = share_of(result.get("consumedCapacity"), device.card_memory_mib, unit_mib)
+        except ShareError as exc:
+            raise ClaimRefused(f"claim {claim.describe()}, device {device.name}: {exc}") from None
+        memory.append(found.memory_units * unit_mib)
+        cores.append(found.cores or FULL_CORES)  # 0: no core limit asked
+        cards.append((device.card_index, device.uuid))
+    if not memory:
+        return ClaimLimits()
+    core_cap = min(cores)
+    return ClaimLimits(
+        min(memory),
+        core_cap if core_cap < FULL_CORES else None,
+        tuple(dict.fromkeys(uuid for _i, uuid in sorted(cards))) if len(set(cards)) > 1 else (),
+    )
 
 
 class ClaimPreparer:
@@ -257,8 +307,9 @@ class ClaimPreparer:
         cdi_devices: list[CdiDevice] = []
         prepared: list[PreparedDevice] = []
         shares = []
+        limits = claim_limits(claim, plan, self.unit_mib)
         for request, device, result in plan:
-            answer, memory_mib, cores = self._answer(claim, request, device, result)
+            answer, memory_mib, cores = self._answer(claim, request, device, result, limits)
             cdi_name = f"{claim.uid}-{_NOT_CDI.sub('_', request)}-{device.name}"
             cdi_devices.append(claim_device(cdi_name, answer))
             ids = [f"{self.cdi_kind}={cdi_name}", *answer.cdi_devices]
@@ -287,9 +338,15 @@ class ClaimPreparer:
         return prepared, True
 
     def _answer(
-        self, claim: ClaimRef, request: str, device: Offered, result: Mapping[str, Any]
+        self,
+        claim: ClaimRef,
+        request: str,
+        device: Offered,
+        result: Mapping[str, Any],
+        limits: ClaimLimits,
     ) -> tuple[Answer, int, int]:
-        """The answer, the memory it holds to (MiB) and its cores (0: no core limit)."""
+        """The answer, the memory it holds to (MiB) and its cores (0: no core limit);
+        the answer enforces the claim's ``limits``."""
         if not device.shared:
             grant = answers.whole([GrantedDevice(device.uuid, memory_mib=device.memory_mib)])
             return answers.container_edits(grant, self.listing), device.memory_mib, 0
@@ -299,22 +356,24 @@ class ClaimPreparer:
             raise ClaimRefused(f"claim {claim.describe()}, device {device.name}: {exc}") from None
         cache_dir = mps_pipe = None
         key = claim_cache_key(claim.uid, request, device.name)
-        memory_mib = share.memory_units * self.unit_mib
+        memory_mib = limits.memory_mib or share.memory_units * self.unit_mib
         if self.enforcement.interposer_counts_memory(device.uuid):
             cache_dir = prepare_claim_cache_dir(self.host_lib_dir, key)
         elif needs_dir(self.enforcement, self.mps, device.uuid) and self.mps is not None:
             mps_pipe = prepare_claim_cache_dir(self.host_lib_dir, key)
             soft = self.enforcement.memory_soft(device.uuid)
             try:
-                self.mps.claim(key, mps_pipe, memory_mib, share.cores, pinned=soft)
+                self.mps.claim(key, mps_pipe, memory_mib, limits.cores or 0, pinned=soft)
             except MpsError as exc:
                 raise ClaimRefused(f"claim {claim.describe()}: MPS namespace: {exc}") from None
         grant = answers.share(
             device.uuid,
             enforcement=self.enforcement,
-            memory_mib=memory_mib,
-            cores=share.cores or None,  # no cores asked: unthrottled, as memory-only
+            memory_mib=limits.memory_mib,
+            cores=limits.cores,  # None: no cores asked, unthrottled as memory-only
             cache_dir=cache_dir,
+            every_index=True,
+            companions=limits.cards,
             mps_pipe=mps_pipe,
         )
         answer = answers.container_edits(grant, self.listing)

@@ -181,6 +181,10 @@ def semver(text: str) -> str | None:
     return ".".join(numbers)
 
 
+#: The device attributes naming the backends that hold a device's limits.
+MEMORY_ENFORCEMENT, COMPUTE_ENFORCEMENT = "memoryEnforcement", "computeEnforcement"
+
+
 def _card_attributes(
     gpu: Gpu, driver_version: str | None, pcie_root: str | None
 ) -> dict[str, dict[str, Any]]:
@@ -208,14 +212,24 @@ def offered_devices(
     *,
     driver_version: str | None = None,
     pcie_roots: Mapping[str, str] | None = None,
+    enforcement: Mapping[str, tuple[str, str]] | None = None,
 ) -> list[Offered]:
     """This node's devices, in card-index order (the allocator tries them first-fit in
     slice order); a card in MIG mode stands for its MIG devices; a card smaller than
-    one unit is left out."""
+    one unit is left out. ``enforcement``: card UUID -> its (memory, compute) backends,
+    published as ``memoryEnforcement`` and ``computeEnforcement`` (a claim's selector
+    can require ``driver``); MIG devices are ``hardware``."""
     roots = pcie_roots or {}
     offered: list[Offered] = []
     for gpu in sorted(gpus, key=lambda g: g.index):
         base = _card_attributes(gpu, driver_version, roots.get(gpu.uuid))
+        if enforcement is not None:
+            memory, compute = (
+                ("hardware", "hardware") if gpu.mig_enabled else enforcement.get(gpu.uuid, ("", ""))
+            )
+            if memory:
+                base[MEMORY_ENFORCEMENT] = {"string": memory}
+                base[COMPUTE_ENFORCEMENT] = {"string": compute}
         if gpu.mig_enabled:
             for mig in sorted(gpu.mig_devices, key=lambda m: (m.gpu_instance, m.compute_instance)):
                 attributes = {

@@ -189,8 +189,17 @@ def build_dra_part(
         if pcie_roots is not None
         else {g.uuid: r for g in gpus if (r := pcie_root(g.pci_bus_id)) is not None}
     )
+    default = "interposer" if enforcement.library is not None else "none"
+    backends = {
+        g.uuid: (enforcement.memory.get(g.uuid, default), enforcement.compute.get(g.uuid, default))
+        for g in gpus
+    }
     devices = offered_devices(
-        gpus, settings.memory_unit_mib, driver_version=driver_version, pcie_roots=roots
+        gpus,
+        settings.memory_unit_mib,
+        driver_version=driver_version,
+        pcie_roots=roots,
+        enforcement=backends,
     )
     missing = sorted({k for d in devices for k in health_keys(d)} - set(board.cards()))
     if missing:

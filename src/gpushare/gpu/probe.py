@@ -279,14 +279,25 @@ def _nvml_total() -> int:
 
 
 def run(
-    env: Mapping[str, str], library: str = "libcuda.so.1", spin_seconds: float = SPIN_SECONDS
+    env: Mapping[str, str],
+    library: str = "libcuda.so.1",
+    spin_seconds: float = SPIN_SECONDS,
+    memory_backend: str = "interposer",
+    limit_mib: int | None = None,
 ) -> list[Check]:
-    """Every check, in this process (and the two child processes it starts)."""
+    """Every check, in this process (and the two child processes it starts). Under the
+    ``driver`` memory backend nothing in the container names the limit (the driver holds
+    it on the container's cgroup): ``limit_mib`` is the grant to hold it to, and no
+    interposer is expected."""
     from gpushare.gpu.cuda import Driver
 
     maps = _read("/proc/self/maps")
     checks = seen_checks(env, maps, _read("/etc/ld.so.preload"))
-    limit = parse_size(env.get("CUDA_DEVICE_MEMORY_LIMIT_0", ""))
+    if memory_backend == "driver":
+        checks = [checks[0]]  # the driver, not an interposer, holds the memory limit
+        limit = limit_mib << 20 if limit_mib else None
+    else:
+        limit = parse_size(env.get("CUDA_DEVICE_MEMORY_LIMIT_0", ""))
     driver = Driver(library)
     context = _context(driver)
     if limit:
@@ -452,6 +463,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=SPIN_SECONDS,
         help="length of each compute run (default: %(default)s)",
     )
+    parser.add_argument(
+        "--memory-backend",
+        choices=("interposer", "driver"),
+        default="interposer",
+        help="what holds the memory limit: the interposer (read from the environment) "
+        "or the driver (give --limit-mib)",
+    )
+    parser.add_argument("--limit-mib", type=int, help="the memory limit under the driver")
     args = parser.parse_args(argv)
     from gpushare.gpu.cuda import CudaError, Driver
 
@@ -470,7 +489,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             _context(driver)
             print(spin_throughput(driver, args.spin_seconds), flush=True)
             return 0
-        checks = run(os.environ, args.library, args.spin_seconds)
+        checks = run(
+            os.environ, args.library, args.spin_seconds, args.memory_backend, args.limit_mib
+        )
     except (OSError, CudaError) as exc:
         print(f"probe: cannot run: {exc}", file=sys.stderr)
         return 2

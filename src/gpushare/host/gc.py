@@ -48,6 +48,7 @@ import structlog
 
 from gpushare.host.cachefs import bound
 from gpushare.host.diskuse import Usage, measure
+from gpushare.host.grantspecs import GrantSpecs, grant_name
 from gpushare.host.library import (
     CACHE_LOCK,
     LIBRARY_NAME,
@@ -73,6 +74,7 @@ class Collected:
 
     records: list[str] = field(default_factory=list)
     libraries: list[str] = field(default_factory=list)
+    specs: list[str] = field(default_factory=list)  # per-grant CDI specs
 
 
 def live_keys(snapshot: Snapshot) -> set[str]:
@@ -81,6 +83,16 @@ def live_keys(snapshot: Snapshot) -> set[str]:
         cache_key(by_resource[Resource.MEMORY])
         for by_resource in snapshot.devices.values()
         if by_resource.get(Resource.MEMORY)
+    }
+
+
+def live_grants(snapshot: Snapshot) -> set[str]:
+    """The per-grant CDI spec names (``host/grantspecs.py``) of every holding listed."""
+    return {
+        grant_name(resource.value, ids)
+        for by_resource in snapshot.devices.values()
+        for resource, ids in by_resource.items()
+        if ids
     }
 
 
@@ -116,8 +128,11 @@ class GarbageCollector:
         size_limit_bytes: int | None = None,
         lock_dir: bool = False,
         on_pass: Callable[[], object] | None = None,
+        grant_specs: GrantSpecs | None = None,
     ) -> None:
         self.host_dir = host_dir
+        #: the device plugin's per-grant CDI specs (under a CDI strategy), collected too
+        self.grant_specs = grant_specs
         self.root = cache_root(host_dir)
         self.size_limit_bytes = size_limit_bytes
         self._check_lock_dir = lock_dir
@@ -185,6 +200,8 @@ class GarbageCollector:
             else:
                 self._waiting_from[key] = waiting_from
         self._collect_libraries(snapshot, collected)
+        if self.grant_specs is not None:
+            collected.specs = self.grant_specs.collect(live_grants(snapshot), now)
         self._measure(keys - set(collected.records), snapshot)
         if self._check_lock_dir:
             ensure_lock_dir(self.host_dir)

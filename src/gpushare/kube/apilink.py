@@ -272,6 +272,7 @@ class ApiLink:
             memory_unit_mib=self.inventory.memory_unit_mib,
             cards=cards,
             whole=tuple(nodestate.listed_claims(card) for card in extras.whole),
+            enforcement=extras.enforcement,
         )
 
     def labels(self) -> dict[str, str]:

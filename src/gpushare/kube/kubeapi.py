@@ -46,6 +46,11 @@ KINDS: dict[tuple[str, str], tuple[str, bool]] = {
         False,
     ),
     ("v1", "Pod"): ("/api/v1/namespaces/{namespace}/pods", True),
+    # kubectl gpushare verify under the driver memory backend
+    ("resource.k8s.io/v1", "ResourceClaim"): (
+        "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims",
+        True,
+    ),
 }
 
 

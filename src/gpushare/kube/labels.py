@@ -61,6 +61,29 @@ class LabelFacts:
     gpus: Sequence[Gpu] = field(default_factory=tuple)
     cuda_driver: tuple[int, int] | None = None
     nvidia_product: bool = False
+    #: each card's enforcement backends (node/backends.py)
+    enforcement: Sequence[nodestate.CardEnforcement] = field(default_factory=tuple)
+
+
+def enforcement_labels(
+    prefix: str, enforcement: Sequence[nodestate.CardEnforcement]
+) -> dict[str, str]:
+    """``<prefix>/memory-enforcement``: the backend every card has, or ``mixed``;
+    ``<prefix>/memory-enforcement.<backend>``: how many cards have it (select nodes with
+    at least one ``driver`` card by the key's existence). Compute alike."""
+    labels: dict[str, str] = {}
+    memory_name, compute_name = nodestate.ENFORCEMENT_LABEL_NAMES
+    for name, values in (
+        (memory_name, [e.memory for e in enforcement]),
+        (compute_name, [e.compute for e in enforcement]),
+    ):
+        if not values:
+            continue
+        kinds = sorted(set(values))
+        labels[f"{prefix}/{name}"] = kinds[0] if len(kinds) == 1 else "mixed"
+        for kind in kinds:
+            labels[f"{prefix}/{name}.{label_value(kind)}"] = str(values.count(kind))
+    return labels
 
 
 def node_labels(prefix: str, facts: LabelFacts) -> dict[str, str]:
@@ -85,4 +108,4 @@ def node_labels(prefix: str, facts: LabelFacts) -> dict[str, str]:
         labels[f"{prefix}/{minor_key}"] = str(facts.cuda_driver[1])
     if facts.nvidia_product:
         labels[NVIDIA_PRODUCT_LABEL] = product
-    return labels
+    return labels | enforcement_labels(prefix, facts.enforcement)

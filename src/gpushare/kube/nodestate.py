@@ -258,14 +258,31 @@ class Hold:
         return f"{self.namespace}/{self.pod}/{self.container}"
 
 
+#: The most cards whose enforcement is read, and the longest backend name and reason.
+MAX_ENFORCED_CARDS, MAX_BACKEND, MAX_REASON = 256, 16, 200
+
+
+@dataclass(frozen=True)
+class CardEnforcement:
+    """Which backend holds a card's memory and compute limits (share/backends.py), and
+    why its memory backend is what it is (e.g. why not ``driver``)."""
+
+    uuid: str
+    index: int
+    memory: str  # driver | interposer | hardware | none
+    compute: str  # mps | interposer | hardware | none
+    why: str = ""
+
+
 @dataclass(frozen=True)
 class CardExtras:
     """What the node knows beyond the shared units: who holds what whole, each card's
-    own health, and the cards not offered as shared units."""
+    own health, the cards not offered as shared units, and each card's enforcement."""
 
     holds: tuple[Hold, ...] = ()
     hardware_healthy: dict[str, bool] | None = None
     whole: tuple[WholeCardState, ...] = ()
+    enforcement: tuple[CardEnforcement, ...] = ()
 
     def held_by(self, device: str) -> str:
         """``namespace/pod/container`` holding ``device`` (a card or MIG UUID), or ""."""
@@ -279,6 +296,11 @@ class NodeGpuState:
     memory_unit_mib: int
     cards: tuple[CardState, ...]
     whole: tuple[WholeCardState, ...] = ()
+    #: each card's enforcement backends (absent from an older daemon's annotation)
+    enforcement: tuple[CardEnforcement, ...] = ()
+
+    def enforcement_of(self, uuid: str) -> CardEnforcement | None:
+        return next((e for e in self.enforcement if e.uuid == uuid), None)
 
 
 def annotation_key(prefix: str) -> str:
@@ -338,6 +360,11 @@ def decode_plan(text: object) -> dict[str, str]:
 LABEL_NAMES = ("product", "count", "memory", "family", "compute.major", "compute.minor")
 #: ...and ``<prefix>/cuda.driver.major|minor`` (see labels.py).
 DRIVER_LABEL_NAMES = ("cuda.driver.major", "cuda.driver.minor")
+#: ...and ``<prefix>/memory-enforcement`` (the node's one backend, or ``mixed``) with
+#: ``<prefix>/memory-enforcement.<backend>`` (how many cards have it); compute alike.
+ENFORCEMENT_LABEL_NAMES = ("memory-enforcement", "compute-enforcement")
+MEMORY_BACKENDS = ("driver", "interposer", "soft", "hardware", "none")
+COMPUTE_BACKENDS = ("mps", "interposer", "hardware", "none")
 
 
 def label_key(prefix: str, what: str) -> str:
@@ -347,9 +374,14 @@ def label_key(prefix: str, what: str) -> str:
 
 def label_keys(prefix: str) -> list[str]:
     """Every node label the daemon may write under ``prefix``."""
-    return [label_key(prefix, n) for n in LABEL_NAMES] + [
-        f"{prefix}/{n}" for n in DRIVER_LABEL_NAMES
-    ]
+    memory, compute = ENFORCEMENT_LABEL_NAMES
+    return (
+        [label_key(prefix, n) for n in LABEL_NAMES]
+        + [f"{prefix}/{n}" for n in DRIVER_LABEL_NAMES]
+        + [f"{prefix}/{memory}", f"{prefix}/{compute}"]
+        + [f"{prefix}/{memory}.{b}" for b in MEMORY_BACKENDS]
+        + [f"{prefix}/{compute}.{b}" for b in COMPUTE_BACKENDS]
+    )
 
 
 def _card_json(card: CardState) -> dict[str, Any]:
@@ -395,6 +427,11 @@ def encode(state: NodeGpuState) -> str:
             "memoryUnitMiB": state.memory_unit_mib,
             "gpus": [_card_json(card) for card in state.cards],
             **({"wholeGpus": [_whole_json(card) for card in state.whole]} if state.whole else {}),
+            **(
+                {"enforcement": [asdict(e) for e in state.enforcement]}
+                if state.enforcement
+                else {}
+            ),
         },
         separators=(",", ":"),
     )
@@ -519,6 +556,28 @@ def _decode_whole(entry: Any, where: str) -> WholeCardState:
     )
 
 
+def _enforcement(data: dict[str, Any]) -> tuple[CardEnforcement, ...]:
+    """The optional per-card enforcement list, bounded; absent (an older daemon): ()."""
+    entries = _optional(data, "enforcement", list, "annotation", [])
+    if len(entries) > MAX_ENFORCED_CARDS:
+        raise ValueError(f"'enforcement' lists more than {MAX_ENFORCED_CARDS} cards")
+    found = []
+    for position, entry in enumerate(entries):
+        where = f"enforcement[{position}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where} must be an object")
+        found.append(
+            CardEnforcement(
+                uuid=_name(entry, "uuid", MAX_DEVICE + 33, where),
+                index=_field(entry, "index", int, where),
+                memory=_name(entry, "memory", MAX_BACKEND, where),
+                compute=_name(entry, "compute", MAX_BACKEND, where),
+                why=_optional(entry, "why", str, where, "")[:MAX_REASON],
+            )
+        )
+    return tuple(found)
+
+
 def decode(text: str) -> NodeGpuState:
     """Parse the annotation; a ValueError says what is wrong with it."""
     try:
@@ -559,4 +618,5 @@ def decode(text: str) -> NodeGpuState:
         memory_unit_mib=_field(data, "memoryUnitMiB", int, "annotation"),
         cards=tuple(cards),
         whole=tuple(_decode_whole(e, f"wholeGpus[{i}]") for i, e in enumerate(whole)),
+        enforcement=_enforcement(data),
     )

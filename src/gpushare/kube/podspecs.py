@@ -27,6 +27,7 @@ from gpushare.kube.nodestate import decode_plan, plan_annotation_key
 from gpushare.share.devices import Resource
 from gpushare.share.placement import Need
 from gpushare.share.records import Snapshot
+from gpushare.share.reserved import tampering
 from gpushare.share.usage import Holder
 
 TERMINAL_PHASES = ("Succeeded", "Failed")
@@ -77,6 +78,10 @@ class SpecContainer:
     #: Whole-card or MIG resources it asks for besides its shared units (full names): a
     #: container that mixes the kinds is refused (the two would name different cards).
     exclusive: tuple[str, ...] = ()
+    #: Why its own spec may change its limits (``share/reserved.py``): through env or
+    #: mounts (the ``envvar`` strategy), through mounts alone (CDI); "" when it cannot.
+    tampers: str = ""
+    tampers_by_mounts: str = ""
 
     @property
     def need(self) -> Need:
@@ -120,8 +125,12 @@ def _plan_from(containers: Sequence[SpecContainer]) -> list[Need]:
 class PodSpecBook:
     """Thread-safe record of the GPU containers of pods on this node."""
 
-    def __init__(self, prefix: str, mig_prefix: str | None = None) -> None:
+    def __init__(
+        self, prefix: str, mig_prefix: str | None = None, *, check_env: bool = True
+    ) -> None:
         self.prefix = prefix
+        #: A container's env can override its answer's (``envvar``; CDI edits replace it)
+        self.check_env = check_env
         #: the prefix MIG devices are served under (``nvidia.com`` with ``migNvidiaNames``)
         self.mig_prefix = mig_prefix or prefix
         #: Called when no known pod can be the one asking; re-reads the pods, True if done.
@@ -135,28 +144,11 @@ class PodSpecBook:
         spec = pod.get("spec") or {}
         uid = str(meta.get("uid", ""))
         containers = []
-        for container in spec.get("initContainers") or []:
-            wanted = container_requests(container, self.prefix)
-            if any(wanted.values()):
-                restartable = container.get("restartPolicy") == "Always"
-                containers.append(
-                    SpecContainer(
-                        str(container.get("name", "")),
-                        wanted,
-                        init=not restartable,
-                        exclusive=exclusive_requests(container, self.prefix, self.mig_prefix),
-                    )
-                )
-        for container in spec.get("containers") or []:
-            wanted = container_requests(container, self.prefix)
-            if any(wanted.values()):
-                containers.append(
-                    SpecContainer(
-                        str(container.get("name", "")),
-                        wanted,
-                        exclusive=exclusive_requests(container, self.prefix, self.mig_prefix),
-                    )
-                )
+        for init, listed in ((True, spec.get("initContainers")), (False, spec.get("containers"))):
+            for container in listed or []:
+                wanted = container_requests(container, self.prefix)
+                if any(wanted.values()):
+                    containers.append(self._container(container, wanted, init=init))
         phase = str((pod.get("status") or {}).get("phase", "Pending"))
         if not uid or not containers or phase in TERMINAL_PHASES:
             return uid, None
@@ -170,6 +162,19 @@ class PodSpecBook:
         )
         plan = tuple(sorted(decode_plan(text).items()))
         return uid, _Entry(namespace, name, phase, tuple(containers), deleting, plan)
+
+    def _container(
+        self, container: Mapping[str, Any], wanted: dict[Resource, int], *, init: bool
+    ) -> SpecContainer:
+        """A GPU container as kept (an init container not a sidecar runs alone)."""
+        return SpecContainer(
+            str(container.get("name", "")),
+            wanted,
+            init=init and container.get("restartPolicy") != "Always",
+            exclusive=exclusive_requests(container, self.prefix, self.mig_prefix),
+            tampers=tampering(container, env=True) or "",
+            tampers_by_mounts=tampering(container, env=False) or "",
+        )
 
     def update(self, pod: Mapping[str, Any]) -> None:
         """Record (or replace) a pod as the API server shows it."""
@@ -417,6 +422,32 @@ class PodSpecBook:
                 holder = Holder(entry.namespace, entry.name, first.name)
                 found.append((holder, _plan_from(entry.containers)))
         return found
+
+
+def asking_tampering(
+    book: PodSpecBook,
+    resource: Resource,
+    size: int,
+    records: Snapshot | None,
+    last_holder: Holder | None = None,
+) -> tuple[Holder, str] | None:
+    """A container that may be the one now asking ``size`` units of ``resource`` and
+    whose own spec sets what carries its limits (reserved env names, envFrom without a
+    safe prefix, a volume over the interposer: ``share/reserved.py``; mounts only when
+    ``book.check_env`` is off), with why; None when no candidate does or the book cannot
+    tell which container asks.
+
+    Any candidate suffices (fail safe): with the admission policy in force such a pod
+    never reaches the node, so this only speaks where the policy is off."""
+    for holder, _plan in book._asking(resource, size, records, last_holder):
+        for _uid, entry in book.named(holder.namespace, holder.pod):
+            for container in entry.containers:
+                if container.name != holder.container:
+                    continue
+                reason = container.tampers if book.check_env else container.tampers_by_mounts
+                if reason:
+                    return holder, reason
+    return None
 
 
 def only_uid_of(book: PodSpecBook, namespace: str, name: str) -> str | None:

@@ -20,6 +20,7 @@ from gpushare.config import Settings
 from gpushare.gpu.gpus import Gpu
 from gpushare.gpu.memlimits import UNLIMITED, MemoryLimitDriver, MemoryLimitError
 from gpushare.host.mps import available as mps_available
+from gpushare.kube.nodestate import MAX_REASON, CardEnforcement
 from gpushare.share.backends import (
     COMPUTE_PINS,
     MEMORY_PINS,
@@ -36,11 +37,12 @@ from gpushare.share.cardmodes import CardMode
 
 log = structlog.get_logger(__name__)
 
-#: Whether the device plugin's answers can carry the memory hook: only once they name a
-#: CDI spec of their own per grant (the kubelet's Allocate API has no field for hooks).
-#: Until then a device-plugin card is never ``driver`` (its reason: no CDI); DRA claims
-#: always have their own spec.
-DEVICE_PLUGIN_HOOKS = False
+#: Whether the device plugin's answers can carry the memory hook: they do under a CDI
+#: device-list strategy, where each grant's edits go into a CDI spec of its own
+#: (``host/grantspecs.py``; the kubelet's Allocate API has no field for hooks). Without
+#: CDI a device-plugin card is never ``driver`` (its reason: no CDI); DRA claims always
+#: have their own spec.
+DEVICE_PLUGIN_HOOKS = True
 #: The limit the self-test sets (and reads back) on its scratch cgroup.
 PROBE_BYTES = 64 << 20
 #: The v1 controllers' directories, one of which a cgroup v1 root holds.
@@ -174,4 +176,16 @@ def _has_limits(driver: object) -> bool:
     return all(
         callable(getattr(driver, name, None))
         for name in ("driver_version", "set_memory_limits", "get_memory_limits")
+    )
+
+
+def shown_enforcement(choices: Mapping[str, Choice]) -> tuple[CardEnforcement, ...]:
+    """The choices as the Node annotation, the labels, inspect and the metrics show
+    them (``migSharing`` slices are shown by the MIG devices' own entries: left out)."""
+    return tuple(
+        CardEnforcement(
+            c.uuid, c.index, c.memory.value, c.compute.value, c.memory_reason[:MAX_REASON]
+        )
+        for c in sorted(choices.values(), key=lambda c: (c.index, c.uuid))
+        if not c.uuid.startswith("MIG-")
     )

@@ -20,6 +20,7 @@ from gpushare.gpu.gpus import Gpu
 from gpushare.gpu.health import HealthBoard
 from gpushare.gpu.mig import MigPlan
 from gpushare.kube.nodestate import (
+    CardEnforcement,
     CardExtras,
     DraClaimState,
     Hold,
@@ -70,6 +71,8 @@ class CardFacts:
         #: card UUID -> the memory (MiB) and cores the DRA driver publishes of it
         self.dra_cards: dict[str, tuple[int, int]] = {}
         self.dra_claims: Callable[[], Mapping[str, Sequence[DraClaimState]]] | None = None
+        #: each card's enforcement backends, decided at start (node/backends.py)
+        self.enforcement: tuple[CardEnforcement, ...] = ()
 
     def serve_dra(
         self,
@@ -148,4 +151,6 @@ class CardFacts:
                 card = with_dra_claims(card, tuple(dra.get(gpu.uuid, ())), published)
             whole.append(card)
         hardware = {uuid: self._healthy(uuid) for uuid in self.shared}
-        return CardExtras(holds=holds, hardware_healthy=hardware, whole=tuple(whole))
+        return CardExtras(
+            holds=holds, hardware_healthy=hardware, whole=tuple(whole), enforcement=self.enforcement
+        )

@@ -27,13 +27,19 @@ from gpushare.gpu.gpus import Gpu
 from gpushare.gpu.gputype import ChoiceBook
 from gpushare.gpu.health import HealthBoard, HealthMonitor, HealthPolicy
 from gpushare.host.gc import GarbageCollector
+from gpushare.host.grantspecs import GrantSpecs
 from gpushare.host.library import cache_root
 from gpushare.host.mps import MpsControl, MpsError, MpsGrants
 from gpushare.host.tombstones import Reaper
 from gpushare.host.unitguard import UnitSizeChanged, guard_unit_size
 from gpushare.kube.labels import LabelFacts
 from gpushare.kube.podspecs import PodSpecBook
-from gpushare.node.backends import DEVICE_PLUGIN_HOOKS, card_traits, decide_backends
+from gpushare.node.backends import (
+    DEVICE_PLUGIN_HOOKS,
+    card_traits,
+    decide_backends,
+    shown_enforcement,
+)
 from gpushare.node.cardfacts import CardFacts
 from gpushare.node.discovery import Discovered
 from gpushare.node.enforcement import device_listing, prepare_enforcement, with_backends
@@ -54,9 +60,9 @@ from gpushare.share.exclusion import Exclusion
 from gpushare.share.records import Snapshot
 from gpushare.share.usage import UsageLedger
 from gpushare.share.whole import (
+    TIME_SLICED_RESOURCE,
     ExclusiveDevice,
     ExclusiveLedger,
-    TIME_SLICED_RESOURCE,
     ExclusiveResource,
     time_sliced,
     whole_cards,
@@ -236,6 +242,7 @@ def build_core(settings: Settings, found: Discovered, specs: PodSpecBook | None 
         {resource.name_with(settings.resource_prefix): resource for resource in Resource},
         exclusive=[name for name, _r, _b in whole] + card_facts.exclusive_resource_names(),
     )
+    listing = device_listing(settings, found.gpus, found.mig_plan, found.dra_mig_cards)
     library = enforcement.library
     reaper = Reaper(cache_root(Path(settings.host_lib_dir))) if library is not None else None
     collector = GarbageCollector(
@@ -245,6 +252,11 @@ def build_core(settings: Settings, found: Discovered, specs: PodSpecBook | None 
         size_limit_bytes=settings.cache_dir_limit_mib << 20,
         lock_dir=library is not None,
         on_pass=reaper.retry if reaper is not None else None,
+        grant_specs=GrantSpecs(
+            Path(settings.dra_cdi_dir), settings.resource_prefix, settings.gc_grace_seconds
+        )
+        if listing.uses_cdi
+        else None,
     )
     monitor = HealthMonitor(
         found.backend,
@@ -279,17 +291,25 @@ def build_core(settings: Settings, found: Discovered, specs: PodSpecBook | None 
         backends=backends,
     )
     refresher.after_read = core.after_read
+    card_facts.enforcement = shown_enforcement(backends)
     if ComputeBackend.MPS in {c.compute for c in backends.values()}:
         control = MpsControl(Path(settings.mps_control), Path(settings.host_lib_dir))
         core.mps = MpsGrants(control, Path(settings.host_lib_dir))
     mig_prefix = mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix)
     if specs is not None:  # the fast suite hands in a book without a node name
         specs.mig_prefix = mig_prefix  # MIG resources a container must not mix with units
+        specs.check_env = not core.listing.uses_cdi  # CDI edits replace the pod's env
     core.specs = specs
     if whole:
         core.exclusion = Exclusion(health, availability, usage, whole, core.exclusive_ledger)
     if settings.node_name:
-        _link_to_api(core, specs or PodSpecBook(settings.resource_prefix, mig_prefix))
+        _link_to_api(
+            core,
+            specs
+            or PodSpecBook(
+                settings.resource_prefix, mig_prefix, check_env=not core.listing.uses_cdi
+            ),
+        )
     return core
 
 
@@ -322,6 +342,7 @@ def _link_to_api(core: NodeCore, specs: PodSpecBook) -> None:
         gpus=core.physical_cards(),
         cuda_driver=driver() if driver is not None else None,
         nvidia_product=settings.nvidia_product_label,
+        enforcement=core.card_facts.enforcement,
     )
     core.specs, core.choices, core.api_link = specs, choices, link
 

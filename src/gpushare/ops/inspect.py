@@ -24,7 +24,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import yaml
@@ -76,6 +76,8 @@ class NodeView:
     whole: tuple[nodestate.WholeCardState, ...] = ()
     #: the daemon never published on this opted-in node (``problem`` says so)
     unreported: bool = False
+    #: each card's enforcement backends (absent from an older daemon's annotation)
+    enforcement: tuple[nodestate.CardEnforcement, ...] = ()
 
     @property
     def card_count(self) -> int:
@@ -221,6 +223,7 @@ def build_view(
                     _claims_of(card, namespace)
                     for card in sorted(state.whole, key=lambda c: c.index)
                 ),
+                enforcement=state.enforcement,
             )
         )
     return ClusterView(tuple(sorted(views, key=lambda v: v.name)))
@@ -361,6 +364,7 @@ def render_table(view: ClusterView, details: bool = False, wide: bool = False) -
                         ]
                     )
         lines += ["  " + row for row in _align(rows)]
+        lines += enforcement_lines(node.enforcement, details)
         lines.append("")
     total = totals(view)
     reporting = (
@@ -379,6 +383,32 @@ def render_table(view: ClusterView, details: bool = False, wide: bool = False) -
         f"({_percent(total.core_units_used, total.core_units)})",
     ]
     return "\n".join(lines) + "\n"
+
+
+def enforcement_lines(
+    enforcement: Sequence[nodestate.CardEnforcement], details: bool
+) -> list[str]:
+    """``ENFORCED BY  memory: driver 0,1  interposer 2   compute: interposer 0,1,2``;
+    with ``details`` each card's reason for its memory backend."""
+    if not enforcement:
+        return []
+    parts = []
+    for kind in ("memory", "compute"):
+        by_backend: dict[str, list[str]] = {}
+        for card in enforcement:
+            by_backend.setdefault(getattr(card, kind), []).append(str(card.index))
+        listed = "  ".join(
+            f"{printable(b, 16)} {','.join(cards)}" for b, cards in sorted(by_backend.items())
+        )
+        parts.append(f"{kind}: {listed}")
+    lines = ["  ENFORCED BY  " + "   ".join(parts)]
+    if details:
+        lines += [
+            f"    GPU {card.index}: memory {printable(card.memory, 16)} "
+            f"({printable(card.why, 200)})"
+            for card in enforcement
+        ]
+    return lines
 
 
 def _whole_rows(card: nodestate.WholeCardState, wide: bool) -> list[list[str]]:
@@ -451,6 +481,11 @@ def _dra_rows(
     if card.claims_truncated:
         rows.append(["", f"  ({card.claim_count} claims, {len(card.claims)} listed)"])
     return rows
+
+
+def _replica_data(card: nodestate.WholeCardState) -> dict[str, Any]:
+    """The time-slicing figures of a card's JSON/YAML entry."""
+    return {"mode": card.mode, "replicas": card.replicas, "replicas_held": card.replicas_held}
 
 
 def _dra_data(card: nodestate.WholeCardState, unit_mib: int) -> dict[str, Any]:
@@ -534,6 +569,11 @@ def view_data(view: ClusterView) -> dict[str, Any]:
                 "updated": node.updated or None,
                 "problem": node.problem or None,
                 "card_count": node.card_count,
+                **(
+                    {"enforcement": [asdict(e) for e in node.enforcement]}
+                    if node.enforcement
+                    else {}
+                ),
                 "gpus": gpus,
                 "whole_gpus": [
                     {
@@ -554,12 +594,7 @@ def view_data(view: ClusterView) -> dict[str, Any]:
                             for d in w.mig
                         ],
                         **(_dra_data(w, unit) if is_dra(w) else {}),
-                        **(
-                            {"mode": w.mode, "replicas": w.replicas,
-                             "replicas_held": w.replicas_held}
-                            if w.mode == nodestate.TIMESLICE_MODE
-                            else {}
-                        ),  # fmt: skip
+                        **(_replica_data(w) if w.mode == nodestate.TIMESLICE_MODE else {}),
                     }
                     for w in node.whole
                 ],

@@ -110,6 +110,8 @@ def _verify(args: argparse.Namespace) -> int:
         runtime_class=args.runtime_class,
         timeout_seconds=args.timeout,
         keep=args.keep,
+        backends=tuple(args.backend or ()),
+        memory_unit_mib=args.memory_unit_mib,
     )
     return verify.run(Cluster(args.kubeconfig, args.context), request, _say)
 
@@ -191,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--timeout", type=bounded_float(1, 3600), default=300.0, metavar="SECONDS",
                        help="how long to wait for the probe (default: %(default).0f)")  # fmt: skip
     check.add_argument("--keep", action="store_true", help="leave the pod for inspection")
+    check.add_argument("--backend", action="append", choices=verify.VERIFIABLE,
+                       help="verify under this memory backend (repeatable; default: each one "
+                       "the node's cards have)")  # fmt: skip
+    check.add_argument("--memory-unit-mib", type=int, default=Settings().memory_unit_mib,
+                       metavar="MIB", help="the node's unit size, for a driver claim's memory "
+                       "(default: %(default)s)")  # fmt: skip
     uninstall = commands.add_parser(
         "uninstall",
         help="unlabel nodes; with none left, delete what install created",

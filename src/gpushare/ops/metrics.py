@@ -159,7 +159,21 @@ class _CardCollector:
         if extras is not None:
             yield from self._whole(extras)
             yield from self._dra(extras)
+            yield self._enforcement(extras)
         yield from self._extra()
+
+    def _enforcement(self, extras: CardExtras) -> Metric:
+        """Which backend holds each card's memory and compute limits (decided at start)."""
+        family = GaugeMetricFamily(
+            "gpushare_enforcement_backend",
+            "1 for the backend that holds each GPU's limits: kind memory (driver, "
+            "interposer, hardware, none) or compute (mps, interposer, hardware, none)",
+            labels=["gpu", "index", "node", "kind", "backend"],
+        )
+        for card in extras.enforcement:
+            for kind, backend in (("memory", card.memory), ("compute", card.compute)):
+                family.add_metric([card.uuid, str(card.index), self._node, kind, backend], 1)
+        return family
 
     def _dra(self, extras: CardExtras) -> Iterator[Metric]:
         """The cards served by the DRA driver: what its prepared claims hold."""

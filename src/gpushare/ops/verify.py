@@ -1,12 +1,17 @@
 """``kubectl gpushare verify --node NAME``: prove on a node that limits are enforced.
 
-It creates one short-lived pod on the node (``spec.nodeName``: no scheduler involved)
-asking for a small share (by default 4 memory units and 30 core units), running the
-gpushare image's enforcement probe (:mod:`gpushare.gpu.probe`) in the container the
-kubelet and the daemon set up, waits for it to finish, reads the probe's report from its
-log, deletes the pod and prints the verdict. Exit status: 0 every limit held, 1 one did
-not (the report says which), 3 the pod did not run or did not report (why is printed),
-2 no cluster or a usage error.
+Under each memory backend the node offers for shares (its Node annotation says which
+card has which, ``docs/choosing.md``; ``--backend`` picks one), it creates one
+short-lived pod running the gpushare image's enforcement probe
+(:mod:`gpushare.gpu.probe`) in the container the kubelet and the daemon set up:
+``interposer``: on the node (``spec.nodeName``: no scheduler involved) asking for a small
+share (by default 4 memory units and 30 core units); ``driver``: a ResourceClaim whose
+CEL selector requires ``memoryEnforcement == "driver"`` for the same memory, the pod
+pinned to the node by its hostname label (a claim needs the scheduler). It waits for
+the pod to finish, reads the probe's report from its log, deletes the pod (and the
+claim) and prints the verdict. Exit status (the worst over the backends): 0 every limit
+held, 1 one did not (the report says which), 3 the pod did not run or did not report
+(why is printed), 2 no cluster or a usage error.
 """
 
 from __future__ import annotations
@@ -40,6 +45,78 @@ class Request:
     runtime_class: str | None = None
     timeout_seconds: float = 300.0
     keep: bool = False
+    #: the memory backends to verify under; empty: each one the node offers for shares
+    backends: tuple[str, ...] = ()
+    memory_unit_mib: int = 256  # the node's unit (its annotation says; for driver claims)
+    dra_driver: str = "gpu.gpushare.io"
+    device_class: str = "gpushare.io"
+
+
+#: Exit codes from the best to the worst (no report is worse than a limit not held).
+SEVERITY = (0, EXIT_NOT_ENFORCED, EXIT_NO_REPORT)
+#: The memory backends verify can prove (hardware needs no probe of a share).
+VERIFIABLE = ("interposer", "driver")
+
+
+def offered_backends(node: Mapping[str, Any], prefix: str) -> list[str]:
+    """The memory backends the node's cards have for shares, as its annotation says; a
+    daemon that does not say (older) offers the interposer."""
+    from gpushare.kube import nodestate
+
+    text = ((node.get("metadata") or {}).get("annotations") or {}).get(
+        nodestate.annotation_key(prefix)
+    )
+    try:
+        state = nodestate.decode(str(text)) if text is not None else None
+    except ValueError:
+        state = None
+    if state is None or not state.enforcement:
+        return ["interposer"]
+    found = {e.memory for e in state.enforcement}
+    return [b for b in VERIFIABLE if b in found] or ["interposer"]
+
+
+def driver_claim(request: Request, name: str, memory_mib: int) -> dict[str, Any]:
+    """A ResourceClaim for ``memory_mib`` of a card whose memory the driver holds."""
+    expression = f'device.attributes["{request.dra_driver}"].memoryEnforcement == "driver"'
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {
+            "name": name,
+            "namespace": request.namespace,
+            "labels": {POD_LABEL[0]: POD_LABEL[1]},
+        },
+        "spec": {
+            "devices": {
+                "requests": [
+                    {
+                        "name": "gpu",
+                        "exactly": {
+                            "deviceClassName": request.device_class,
+                            "selectors": [{"cel": {"expression": expression}}],
+                            "capacity": {"requests": {"memory": f"{memory_mib}Mi"}},
+                        },
+                    }
+                ]
+            }
+        },
+    }
+
+
+def driver_pod(
+    request: Request, image: str, name: str, claim: str, memory_mib: int
+) -> dict[str, Any]:
+    """The probe's pod on a ``driver`` card: its claim, the limit it must find."""
+    pod = verify_pod(request, image, name)
+    spec = pod["spec"]
+    del spec["nodeName"]  # the scheduler allocates the claim
+    spec["nodeSelector"] = {"kubernetes.io/hostname": request.node}
+    spec["resourceClaims"] = [{"name": "gpu", "resourceClaimName": claim}]
+    (container,) = spec["containers"]
+    container["command"] += ["--memory-backend", "driver", "--limit-mib", str(memory_mib)]
+    container["resources"] = {"claims": [{"name": "gpu"}]}
+    return pod
 
 
 def installed_image(cluster: Cluster) -> str | None:
@@ -120,15 +197,43 @@ def run(
     if image is None:
         image = deploy.shipped_image(deploy.load_objects())
         say(deploy.unbuilt_image_warning(image))
-    if cluster.node(request.node) is None:
+    node = cluster.node(request.node)
+    if node is None:
         raise ApiError(f"no such node: {request.node}")
+    backends = list(request.backends) or offered_backends(node, request.prefix)
+    worst = 0
+    for backend in backends:
+        if len(backends) > 1 or backend != "interposer":
+            say(f"memory backend {backend}:")
+        code = _run_one(cluster, request, image, backend, say, poll_seconds, clock)
+        worst = max(worst, code, key=SEVERITY.index)
+    return worst
+
+
+def _run_one(
+    cluster: Cluster,
+    request: Request,
+    image: str,
+    backend: str,
+    say: Callable[[str], None],
+    poll_seconds: float,
+    clock: Callable[[], float],
+) -> int:
     name = f"gpushare-verify-{secrets.token_hex(3)}"
-    pod = verify_pod(request, image, name)
+    claim: dict[str, Any] | None = None
+    if backend == "driver":
+        memory_mib = request.memory_units * request.memory_unit_mib
+        claim = driver_claim(request, name, memory_mib)
+        cluster.create(claim)
+        pod = driver_pod(request, image, name, name, memory_mib)
+    else:
+        pod = verify_pod(request, image, name)
     created = cluster.create(pod)
     uid = str((created.get("metadata") or {}).get("uid") or "")
     say(
         f"created pod {request.namespace}/{name} on {request.node} ({image}; "
-        f"{request.memory_units} memory units, {request.core_units} core units)"
+        f"{request.memory_units} memory units, {request.core_units} core units"
+        f"{', a driver claim' if claim else ''})"
     )
     try:
         deadline = clock() + request.timeout_seconds
@@ -163,6 +268,8 @@ def run(
             say(f"kept pod {request.namespace}/{name} (--keep)")
         else:
             cluster.delete(pod)
+            if claim is not None:
+                cluster.delete(claim)
             say(f"deleted pod {request.namespace}/{name}")
 
 

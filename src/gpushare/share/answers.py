@@ -52,6 +52,9 @@ ANNOTATION_NO_ENFORCEMENT = "gpushare.io/enforcement"
 #: The environment the edits set (read back by logs and tests; only this module sets them).
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 MEMORY_LIMIT = "CUDA_DEVICE_MEMORY_LIMIT_0"  # of the first (a share's only) device
+#: HAMi-core's fallback: the limit of every index without its own ``_<i>`` (its
+#: ``do_init_device_memory_limits``); ``CUDA_DEVICE_SM_LIMIT`` is the same for cores.
+MEMORY_LIMIT_EVERY_INDEX = "CUDA_DEVICE_MEMORY_LIMIT"
 CORE_LIMIT = "CUDA_DEVICE_SM_LIMIT"
 SHARED_CACHE = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
 PRELOAD = "LD_PRELOAD"
@@ -223,6 +226,14 @@ class Grant:
     #: the container's own MPS namespace pipe directory (host), capped before it starts;
     #: None on a node without namespaces (the control daemon's shared one is mounted)
     mps_pipe: Path | None = None
+    #: A share whose container may see other cards beside this one (a DRA claim on
+    #: several cards): the memory limit is set for every index too (HAMi-core limits
+    #: by the index a card has inside the container, which one result cannot know), and
+    #: ``companions`` (the other cards, all of them in the node's order with this one)
+    #: are named in ``NVIDIA_VISIBLE_DEVICES`` so that whichever result's edits the
+    #: runtime applies last, every card stays visible and limited.
+    every_index: bool = False
+    companions: tuple[str, ...] = ()
 
     @property
     def ids(self) -> list[str]:
@@ -238,8 +249,11 @@ def share(
     cache_dir: Path | None = None,
     cdi_id: str | None = None,
     mps_pipe: Path | None = None,
+    every_index: bool = False,
+    companions: Sequence[str] = (),
 ) -> Grant:
-    """A share of card ``uuid``: these limits, enforced as ``enforcement`` says."""
+    """A share of card ``uuid``: these limits, enforced as ``enforcement`` says
+    (``every_index``, ``companions``: see :class:`Grant`)."""
     return Grant(
         (GrantedDevice(uuid, cdi_id=cdi_id),),
         memory_mib=memory_mib,
@@ -247,6 +261,8 @@ def share(
         enforcement=enforcement,
         cache_dir=cache_dir,
         mps_pipe=mps_pipe,
+        every_index=every_index,
+        companions=tuple(companions),
     )
 
 
@@ -263,7 +279,7 @@ def container_edits(grant: Grant, listing: DeviceListing | None = None) -> Answe
     ``NVIDIA_VISIBLE_DEVICES`` list and/or CDI names); without it they are named by
     ``NVIDIA_VISIBLE_DEVICES`` alone."""
     ids = grant.ids
-    envs = {VISIBLE_DEVICES: ",".join(ids)}
+    envs = {VISIBLE_DEVICES: ",".join(grant.companions or ids)}
     mounts: list[Mount] = []
     annotations: dict[str, str] = {}
     hooks: list[Hook] = []
@@ -287,6 +303,8 @@ def container_edits(grant: Grant, listing: DeviceListing | None = None) -> Answe
                 hooks.append(driver_hook(enforcement, uuid, grant.memory_mib))
             else:
                 envs[MEMORY_LIMIT] = f"{grant.memory_mib}m"
+                if grant.every_index:
+                    envs[MEMORY_LIMIT_EVERY_INDEX] = f"{grant.memory_mib}m"
         if grant.cores is not None and (compute_capped or enforcement.library is None):
             envs[CORE_LIMIT] = str(grant.cores)
         if enforcement.library is None:
@@ -321,7 +339,10 @@ def _finish(
     if listing is None:
         return answer
     cdi_ids = [d.cdi_id or d.id for d in grant.devices]
-    return with_device_list(answer, ids, listing, cdi_ids if cdi_ids != ids else None)
+    answer = with_device_list(answer, ids, listing, cdi_ids if cdi_ids != ids else None)
+    if grant.companions and ENVVAR in listing.strategies:
+        answer.envs[VISIBLE_DEVICES] = ",".join(grant.companions)
+    return answer
 
 
 def _mps_edits(
@@ -335,7 +356,7 @@ def _mps_edits(
     answer carries the client's thread cap, which a client can only lower (without
     namespaces it is all there is: ``soft``). Memory is the driver's hook where the card
     has it, otherwise MPS's pinned limit (``soft``: a client can drop it)."""
-    envs = {VISIBLE_DEVICES: uuid}
+    envs = {VISIBLE_DEVICES: ",".join(grant.companions or (uuid,))}
     mounts: list[Mount] = []
     hooks: list[Hook] = []
     if grant.memory_mib is not None:
@@ -434,3 +455,33 @@ def with_device_list(
     if CDI_ANNOTATIONS in listing.strategies and devices:
         annotations[listing.annotation_key(devices[0])] = ",".join(names)
     return replace(answer, envs=envs, annotations=annotations, cdi_devices=cdi)
+
+
+# --------------------------------------------------------------------------- sealed grants
+
+
+def sealed(edits: Answer, grant_cdi_name: str, listing: DeviceListing) -> Answer:
+    """The kubelet's answer for ``edits`` that ride on the daemon's own CDI device
+    ``grant_cdi_name`` (``<vendor>/<class>=<name>``; the spec is written by
+    ``host/grantspecs.py``): no environment and no mounts of its own, the card's CDI
+    names with ours last (the runtime applies the devices in turn: ours replaces any
+    variable an earlier one set), and the device nodes as they were.
+
+    The runtime applies CDI edits after the container's own env and mounts from the
+    pod spec and replaces what they set (env by name, a mount by its container path),
+    so nothing a tenant writes in its pod spec can change these limits (issue 32)."""
+    if not listing.uses_cdi:
+        raise ValueError("sealing needs a CDI device-list strategy")
+    cdi = [*edits.cdi_devices, grant_cdi_name] if CDI_CRI in listing.strategies else []
+    annotations = {k: v for k, v in edits.annotations.items() if k != ANNOTATION_NO_ENFORCEMENT}
+    if CDI_ANNOTATIONS in listing.strategies:
+        for key, names in edits.annotations.items():
+            if key.startswith(CDI_ANNOTATION_PREFIX):
+                annotations[key] = f"{names},{grant_cdi_name}"
+    if ANNOTATION_NO_ENFORCEMENT in edits.annotations:
+        annotations[ANNOTATION_NO_ENFORCEMENT] = edits.annotations[ANNOTATION_NO_ENFORCEMENT]
+    return Answer(
+        annotations=annotations,
+        cdi_devices=cdi,
+        device_specs=list(edits.device_specs),
+    )

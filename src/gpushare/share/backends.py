@@ -194,8 +194,8 @@ def driver_obstacle(node: NodeFacts, card: CardTraits) -> str | None:
         return "cgroup v1 (needs cgroup v2)" if node.cgroup == "v1" else "no cgroup v2 mounted"
     if not card.cdi:
         return (
-            "no CDI spec of its own per grant to carry the hook (serve the card with DRA: "
-            "cardModes <card>=dra)"
+            "no CDI (the hook rides in each grant's CDI spec: set deviceListStrategy "
+            "cdi-cri, or serve the card with DRA)"
         )
     return None
 

@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# make gpu-proof: on a GPU machine (root), print what decides which enforcement backends
+# the machine can prove (driver version, memory, MIG mode, cgroup type, dmem.capacity),
+# then run the enforcement probe (python -m gpushare.gpu.probe) under every memory
+# backend the machine supports:
+#   interposer  HAMi-core's libvgpu.so preloaded, the limit in CUDA_DEVICE_MEMORY_LIMIT_0
+#   driver      r615+ with cgroup v2: a scratch cgroup, the limit set by the memory hook
+#               (hook/memory-hook.c, the program the daemon installs) from an OCI state
+#               naming the probe's own process, the probe run in that cgroup
+#   mps         not in this version of gpushare (printed as such)
+# Options: --dry-run (print the facts that need no GPU and the plan, run nothing),
+# --library PATH (libvgpu.so; default build/gpu-proof/libvgpu.so), --hook PATH (default
+# build/gpu-proof/gpushare-memory-hook, built here with gcc if missing), --limit-mib N
+# (default 1024), --out DIR (default $OUT or ./gpu-proof-out: each probe's report).
+# Exit status: 0 every backend run held its limits, 1 one did not, 2 nothing could run.
+set -u
+DRY=0
+LIMIT=1024
+LIB=build/gpu-proof/libvgpu.so
+HOOK=build/gpu-proof/gpushare-memory-hook
+OUTDIR=${OUT:-./gpu-proof-out}
+PY=${PYTHON:-python3}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --library) LIB=$2; shift ;;
+    --hook) HOOK=$2; shift ;;
+    --limit-mib) LIMIT=$2; shift ;;
+    --out) OUTDIR=$2; shift ;;
+    *) echo "usage: $0 [--dry-run] [--library PATH] [--hook PATH] [--limit-mib N] [--out DIR]" >&2; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$OUTDIR"
+say() { echo "gpu-proof: $*"; }
+
+say "date $(date -u +%Y-%m-%dT%H:%M:%SZ), host $(uname -n), kernel $(uname -r)"
+CGROUP_FS=$(stat -fc %T /sys/fs/cgroup 2>/dev/null || echo none)
+say "cgroup file system at /sys/fs/cgroup: $CGROUP_FS"
+if [ -r /sys/fs/cgroup/dmem.capacity ]; then
+  say "dmem.capacity: $(tr '\n' ';' < /sys/fs/cgroup/dmem.capacity)"
+else
+  say "dmem.capacity: absent (the driver uses its misc backend, or has no memory limits)"
+fi
+DRIVER=""
+if command -v nvidia-smi >/dev/null 2>&1; then
+  DRIVER=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)
+  say "driver version: ${DRIVER:-unknown}"
+  nvidia-smi --query-gpu=index,uuid,name,memory.total,mig.mode.current --format=csv 2>/dev/null \
+    | sed 's/^/gpu-proof:   /'
+else
+  say "driver version: no nvidia-smi here"
+fi
+MAJOR=${DRIVER%%.*}
+UUID=$(nvidia-smi --query-gpu=uuid --format=csv,noheader 2>/dev/null | head -n 1)
+MIG=$(nvidia-smi --query-gpu=mig.mode.current --format=csv,noheader 2>/dev/null | head -n 1)
+
+PLAN="interposer"
+WHY_NOT_DRIVER=""
+if [ -z "$DRIVER" ]; then WHY_NOT_DRIVER="no driver"
+elif ! [ "$MAJOR" -ge 615 ] 2>/dev/null; then WHY_NOT_DRIVER="driver $DRIVER is older than r615"
+elif [ "$CGROUP_FS" != cgroup2fs ]; then WHY_NOT_DRIVER="no cgroup v2 at /sys/fs/cgroup"
+elif [ "$MIG" = Enabled ]; then WHY_NOT_DRIVER="MIG mode is on"
+else PLAN="$PLAN driver"; fi
+say "backends to prove: $PLAN${WHY_NOT_DRIVER:+ (not driver: $WHY_NOT_DRIVER)}; mps: not in this version"
+if [ "$DRY" = 1 ]; then
+  say "dry run: nothing run"
+  exit 0
+fi
+if [ -z "$UUID" ]; then say "no GPU: nothing to prove"; exit 2; fi
+
+status=0
+run_probe() {  # name, then the command; the report goes to $OUTDIR/<name>.txt
+  local name=$1; shift
+  say "--- $name"
+  "$@" > "$OUTDIR/$name.txt" 2>&1
+  local code=$?
+  cat "$OUTDIR/$name.txt"
+  say "$name: probe exit $code"
+  [ $code -eq 0 ] || status=1
+}
+
+if [ -r "$LIB" ]; then
+  run_probe interposer env NVIDIA_VISIBLE_DEVICES="$UUID" LD_PRELOAD="$LIB" \
+    CUDA_DEVICE_MEMORY_LIMIT_0="${LIMIT}m" CUDA_DEVICE_SM_LIMIT=30 \
+    CUDA_DEVICE_MEMORY_SHARED_CACHE="$OUTDIR/vgpu.cache" \
+    "$PY" -m gpushare.gpu.probe --library libcuda.so.1
+else
+  say "interposer: no $LIB (scripts/build-hami-core.sh builds it): not run"
+fi
+
+case " $PLAN " in *" driver "*)
+  if [ ! -x "$HOOK" ]; then
+    mkdir -p "$(dirname "$HOOK")"
+    gcc -O2 -Wall -Wextra -o "$HOOK" hook/memory-hook.c -ldl || { say "cannot build the hook"; exit 2; }
+  fi
+  CG=/sys/fs/cgroup/gpushare-proof-$$
+  mkdir "$CG" || { say "cannot make $CG"; exit 2; }
+  FIFO=$OUTDIR/go.$$; mkfifo "$FIFO"
+  # the probe's process enters the scratch cgroup, waits until the hook has set the limit
+  ( echo "$BASHPID" > "$CG/cgroup.procs"; read -r _ < "$FIFO"
+    exec env NVIDIA_VISIBLE_DEVICES="$UUID" "$PY" -m gpushare.gpu.probe \
+      --memory-backend driver --limit-mib "$LIMIT" ) > "$OUTDIR/driver.txt" 2>&1 &
+  PROBE=$!
+  sleep 0.2
+  say "--- driver (cgroup $CG, pid $PROBE)"
+  if echo "{\"ociVersion\":\"1.2.0\",\"id\":\"proof\",\"status\":\"creating\",\"pid\":$PROBE,\"bundle\":\"/\"}" \
+      | "$HOOK" --gpu "$UUID" --limit-mib "$LIMIT"; then
+    say "hook: limit set; nvidia-smi reads: $(nvidia-smi memory-limits --get -n "$CG" -i "$UUID" 2>&1 | tr '\n' ';')"
+    echo go > "$FIFO"; wait $PROBE; code=$?
+  else
+    say "hook: FAILED (above); the probe is not run"; kill $PROBE 2>/dev/null; code=1
+  fi
+  cat "$OUTDIR/driver.txt"; say "driver: probe exit $code"
+  [ $code -eq 0 ] || status=1
+  rm -f "$FIFO"; rmdir "$CG" 2>/dev/null
+  ;;
+esac
+say "done: exit $status"
+exit $status

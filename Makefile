@@ -32,7 +32,7 @@ lint: $(VENV)/.installed-test
 	$(BIN)/lint-imports --no-cache
 
 verify-pairing: $(VENV)/.installed-test  ## every admission sequence of up to 5 containers, 3 regimes
-	$(BIN)/pytest -q -m slow tests/test_pairing.py
+	$(BIN)/pytest -q -m slow tests/scenarios/test_pairing.py
 
 # On a GPU machine (root): the driver version, memory, MIG mode, cgroup type and
 # dmem.capacity, then the enforcement probe under every memory backend the machine

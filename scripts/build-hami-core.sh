@@ -5,7 +5,7 @@
 #   scripts/build-hami-core.sh SOURCE_DIR OUTPUT_FILE
 # CUDA_INCLUDE and NVML_INCLUDE name the header directories; by default they are found
 # in the python3 environment's nvidia.cuda_runtime and nvidia.nvml_dev packages.
-# Used by the Dockerfile (INTERPOSER=source) and by tests/test_interposer_check.py.
+# Used by the Dockerfile (INTERPOSER=source) and by tests/deploy/test_interposer_check.py.
 set -eu
 src="${1:?usage: build-hami-core.sh SOURCE_DIR OUTPUT_FILE}"
 out="${2:?usage: build-hami-core.sh SOURCE_DIR OUTPUT_FILE}"

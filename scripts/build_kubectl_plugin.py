@@ -8,7 +8,7 @@ the pure-Python part of PyYAML (it falls back to its pure-Python parser without 
 extension), and a stand-in for structlog: modules the plugin shares with the daemon
 create a logger at import, and the plugin never logs through it (it prints). Without
 the ``kubernetes`` package the plugin talks to the API server through the standard
-library (``gpushare.kube.kubeclient``: tokens and
+library (``gpushare.kube.stdlibclient``: tokens and
 client certificates). It runs on Python 3.9 and newer with nothing to install:
 ``chmod +x`` it and put it on the PATH as ``kubectl-gpushare``.
 """
@@ -63,7 +63,7 @@ def plugin_modules() -> list[str]:
     """The gpushare module files the plugin imports, relative to src/ (and the
     standard-library API client, imported when the ``kubernetes`` package is absent)."""
     probe = (
-        "import json, sys; import gpushare.ops.kubectl, gpushare.kube.kubeclient; "
+        "import json, sys; import gpushare.ops.kubectl, gpushare.kube.stdlibclient; "
         "print(json.dumps(sorted(m.__file__ for n, m in sys.modules.items() "
         "if n.split('.')[0] == 'gpushare' and getattr(m, '__file__', None))))"
     )

@@ -5,7 +5,7 @@
 # fine and enforces nothing: refuse it.
 #   scripts/check-interposer.sh path/to/libvgpu.so
 # Used by the image build (Dockerfile, both ways of obtaining the library) and by
-# tests/test_interposer_check.py. Needs nm (binutils). Exit 0: every hook is there.
+# tests/deploy/test_interposer_check.py. Needs nm (binutils). Exit 0: every hook is there.
 set -eu
 lib="${1:?usage: check-interposer.sh LIBRARY}"
 # memory: every way to allocate, and what reports the total; compute: kernel launches;

@@ -20,8 +20,8 @@ from gpushare.config import Settings
 from gpushare.daemon import Daemon
 from gpushare.host.elf import stand_in
 from gpushare.kube.podspecs import PodSpecBook
-from gpushare.sim.apiserver import KubeApiDouble
-from gpushare.sim.kubelet import SimulatedKubelet
+from gpushare.sim.apidouble import KubeApiDouble
+from gpushare.sim.kubeletdouble import SimulatedKubelet
 
 RTX_3090 = {"name": "NVIDIA GeForce RTX 3090", "memory_mib": 24259}
 TESLA_P4 = {"name": "Tesla P4", "memory_mib": 7611}

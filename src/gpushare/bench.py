@@ -2,7 +2,7 @@
 
 Every figure but the message sizes is taken from the real daemon process
 (``python -m gpushare.daemon``) run as the DaemonSet runs it: ``NODE_NAME`` set and its
-API link talking to the API-server double (``gpushare.sim.apiserver``, in a process of
+API link talking to the API-server double (``gpushare.sim.apidouble``, in a process of
 its own), metrics on, this node's pod specs watched. It serves a simulated node of H200
 cards and is driven over its unix sockets by the simulated kubelet in this process, the
 way the kubelet calls it: per container and resource, GetPreferredAllocation with every
@@ -49,7 +49,7 @@ from gpushare.gpu.gpus import Gpu
 from gpushare.host.elf import stand_in
 from gpushare.ops.mdsection import replace_section
 from gpushare.share.devices import Inventory, Resource
-from gpushare.sim.kubelet import AdmissionError, SimulatedKubelet
+from gpushare.sim.kubeletdouble import AdmissionError, SimulatedKubelet
 
 PREFIX = "gpushare.io"
 MEMORY = Resource.MEMORY.name_with(PREFIX)
@@ -179,7 +179,7 @@ class ApiServer:
 
     def __init__(self, root: Path) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpushare.sim.apiserver"],
+            [sys.executable, "-m", "gpushare.sim.apidouble"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
@@ -664,7 +664,7 @@ def measure_dra(plan: Plan, report: Report) -> None:
     """NodePrepareResources against one GET of the claim (docs/dra.md), against the
     API-server double (in its own process) and, where ``make e2e`` built them, a real
     kube-apiserver v1.36.3 (TLS, token authentication, RBAC, etcd)."""
-    from gpushare.kube.kubeclient import ApiClient, kubeconfig_endpoint
+    from gpushare.kube.stdlibclient import ApiClient, kubeconfig_endpoint
     from gpushare.sim import controlplane
 
     rounds = max(20, plan.latency_containers // 2)
@@ -736,7 +736,7 @@ def _dra_rounds(
     from gpushare.gpu.health import HealthBoard
     from gpushare.host.library import ensure_lock_dir, install_library
     from gpushare.share.answers import DeviceListing, Enforcement
-    from gpushare.sim.drakubelet import allocated_claim
+    from gpushare.sim.drakubeletdouble import allocated_claim
 
     # The part logs as the DaemonSet's daemon does: JSON lines, info and up, here to a file.
     log_file = (root / "dra.log").open("w")
@@ -819,7 +819,7 @@ class DraCaller:
 
     def __init__(self, kubelet_root: Path) -> None:
         from gpushare.sim import controlplane
-        from gpushare.sim.drakubelet import DraKubelet
+        from gpushare.sim.drakubeletdouble import DraKubelet
 
         self.kubelet = DraKubelet(kubelet_root)
         self._program = controlplane.BIN / "dracall"

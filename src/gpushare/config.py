@@ -317,7 +317,8 @@ class Settings:
     )
     dra_cdi_dir: str = _opt(
         "/var/run/cdi",
-        "directory the DRA driver writes its per-claim CDI specs into",
+        "directory the daemon writes its own CDI specs into: DRA claims, and device-plugin "
+        "grants under a cdi-* device_list_strategy",
         pattern=ABSOLUTE_PATH,
         shape="an absolute path",
     )

@@ -37,8 +37,8 @@ from gpushare.share.cardmodes import CardMode
 from gpushare.share.devices import Resource
 
 if TYPE_CHECKING:  # imported when used: the metrics server is optional
-    from gpushare.ops.metrics import Metrics
-    from gpushare.ops.nodemetrics import MetricsPart
+    from gpushare.ops.daemonmetrics import Metrics
+    from gpushare.ops.metricspart import MetricsPart
 
 log = structlog.get_logger(__name__)
 
@@ -82,7 +82,7 @@ class Daemon:
         began = time.perf_counter()
         settings = self.settings
         if settings.metrics_port:
-            from gpushare.ops.nodemetrics import MetricsPart  # prometheus_client, http.server
+            from gpushare.ops.metricspart import MetricsPart  # prometheus_client, http.server
 
             self.metrics_part = MetricsPart(settings, self.liveness, self.readiness)
             self._launch(self.metrics_part)
@@ -117,8 +117,8 @@ class Daemon:
         self.running.launch(part)
 
     def liveness(self) -> tuple[bool, str]:
-        """What /healthz answers (see :func:`gpushare.ops.metrics.liveness`)."""
-        from gpushare.ops.metrics import LinkState, liveness
+        """What /healthz answers (see :func:`gpushare.ops.daemonmetrics.liveness`)."""
+        from gpushare.ops.daemonmetrics import LinkState, liveness
 
         plugin = self.plugin
         if plugin is None and not self.stopping.is_set():

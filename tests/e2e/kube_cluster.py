@@ -422,7 +422,14 @@ class NodeAgent:
         return proc
 
     # ---- the CRI fake and the kubelet
+    @property
+    def cdi_dir(self) -> Path:
+        """The node's CDI spec directory: the CRI fake resolves names there; a daemon writes
+        its own specs there with ``--dra-cdi-dir``."""
+        return self.dir / "cdi"
+
     def _start_cri(self) -> None:
+        self.cdi_dir.mkdir(parents=True, exist_ok=True)
         self.cri = Proc(
             "crifake",
             [
@@ -434,6 +441,10 @@ class NodeAgent:
                 # the node's credentials: it reads its pods to let init containers finish
                 "--kubeconfig",
                 str(self.cluster.node_kubeconfig(self.name)),
+                # the node's CDI specs (the daemons write theirs there): the CDI names the
+                # kubelet passes are resolved and applied, their createRuntime hooks run
+                "--cdi-dirs",
+                str(self.cdi_dir),
             ],
             self.dir / "crifake.log",
         )

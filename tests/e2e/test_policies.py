@@ -74,14 +74,14 @@ def test_a_pod_setting_reserved_env_or_mounting_over_the_interposer_is_refused(
         {"name": "CUDA_DISABLE_CONTROL", "value": "true"},
     ]
     reply = cluster.api.create(pod, dry_run=True)
-    assert reply.status_code == 422, reply.text
+    assert reply.status_code == 403, reply.text  # reason Forbidden
     assert "gpushare-reserved-settings" in reply.json()["message"]
     assert "container(s) main set in env a variable gpushare reserves" in reply.json()["message"]
     mounted = pod_manifest("mount-lock", {MEMORY: 4})
     mounted["spec"]["volumes"] = [{"name": "v", "emptyDir": {}}]
     mounted["spec"]["containers"][0]["volumeMounts"] = [{"name": "v", "mountPath": "/tmp/vgpulock"}]
     reply = cluster.api.create(mounted, dry_run=True)
-    assert reply.status_code == 422, reply.text
+    assert reply.status_code == 403, reply.text  # reason Forbidden
     assert "mount a volume at or below a path gpushare uses" in reply.json()["message"]
     fine = pod_manifest("fine", {MEMORY: 4})
     fine["spec"]["volumes"] = [{"name": "v", "emptyDir": {}}]

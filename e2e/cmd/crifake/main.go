@@ -1,8 +1,13 @@
 // crifake serves Kubernetes' own CRI fake (k8s.io/cri-client/pkg/fake) on a unix socket for one
 // kubelet, and records what the kubelet asks the runtime to create: for every CreateContainer,
-// one JSON line with the pod, the container and the merged config the runtime would get (env,
-// mounts, devices, CDI devices, annotations). The e2e tests read that file instead of looking
-// inside a real container. Every call, CreateContainer included, is answered by the fake, with
+// one JSON line with the pod, the container and the config the runtime FINALLY applies: the CRI
+// env merged (a later duplicate wins), then the CDI devices the kubelet named, resolved from the
+// specs in --cdi-dirs and applied as the CDI library does (env replaced by name, mounts replaced
+// by container path), and the result of each createRuntime hook they carry, run with an OCI state
+// on stdin for a real process (cdi.go). "env" and "mounts" are that final config; "cri_env" and
+// "cri_mounts" what the kubelet sent. A CDI name no spec defines, or a failing hook, fails the
+// CreateContainer (as in a runtime) and is recorded with "error". The e2e tests read that file
+// instead of looking inside a real container. Every call, CreateContainer included, is answered by the fake, with
 // one addition: the fake's containers run until stopped, so an init container would never
 // finish and its pod never start; with --kubeconfig (the node's credentials) crifake reads the
 // pod of each created container and lets an init container (not a restartable sidecar) exit 0
@@ -17,6 +22,8 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -59,6 +66,17 @@ type record struct {
 	Devices      []device          `json:"devices"`
 	CDIDevices   []string          `json:"cdi_devices"`
 	Annotations  map[string]string `json:"annotations"`
+	// what the kubelet sent, before the runtime's merge and the CDI edits
+	CRIEnv    []envVar `json:"cri_env"`
+	CRIMounts []mount  `json:"cri_mounts"`
+	// the CDI devices applied (CRI field, then annotations), the spec files they came from
+	CDIApplied []string     `json:"cdi_applied"`
+	CDISpecs   []string     `json:"cdi_specs"`
+	Hooks      []hookResult `json:"hooks"`
+	// the container's process the hooks saw: its pid and cgroup v2 directory ("" without one)
+	Pid    int    `json:"pid"`
+	Cgroup string `json:"cgroup"`
+	Error  string `json:"error,omitempty"`
 }
 
 // recorder is the runtime service the kubelet talks to: the fake, with CreateContainer recorded.
@@ -69,6 +87,10 @@ type recorder struct {
 	client kubernetes.Interface // nil: no init container ever finishes
 	// containers that exit 0 as soon as they are started (init containers)
 	exitOnStart map[string]bool
+	cdiDirs     []string
+	cgroupRoot  string
+	bundles     string
+	workloads   map[string]*workload
 }
 
 // isInitContainer says whether the pod's spec lists the container as an init container that
@@ -135,12 +157,17 @@ func (r *recorder) CreateContainer(ctx context.Context, req *kubeapi.CreateConta
 		Devices:      []device{},
 		CDIDevices:   []string{},
 		Annotations:  cfg.GetAnnotations(),
+		CRIEnv:       []envVar{},
+		CRIMounts:    []mount{},
+		Hooks:        []hookResult{},
 	}
+	var env [][2]string
 	for _, kv := range cfg.GetEnvs() {
-		rec.Env[kv.GetKey()] = string(kv.GetValue())
+		env = append(env, [2]string{kv.GetKey(), string(kv.GetValue())})
+		rec.CRIEnv = append(rec.CRIEnv, envVar{kv.GetKey(), string(kv.GetValue())})
 	}
 	for _, m := range cfg.GetMounts() {
-		rec.Mounts = append(rec.Mounts, mount{m.GetContainerPath(), m.GetHostPath(), m.GetReadonly()})
+		rec.CRIMounts = append(rec.CRIMounts, mount{m.GetContainerPath(), m.GetHostPath(), m.GetReadonly()})
 	}
 	for _, d := range cfg.GetDevices() {
 		rec.Devices = append(rec.Devices, device{d.GetContainerPath(), d.GetHostPath(), d.GetPermissions()})
@@ -148,26 +175,86 @@ func (r *recorder) CreateContainer(ctx context.Context, req *kubeapi.CreateConta
 	for _, c := range cfg.GetCDIDevices() {
 		rec.CDIDevices = append(rec.CDIDevices, c.GetName())
 	}
+	rec.CDIApplied = cdiNames(rec.CDIDevices, cfg.GetAnnotations())
+	final := resolve(env, rec.CRIMounts, rec.CDIApplied, r.cdiDirs)
+	for _, kv := range final.Env {
+		rec.Env[kv.Name] = kv.Value
+	}
+	rec.Mounts = append(rec.Mounts, final.Mounts...)
+	rec.CDISpecs = final.Specs
+	var failure error
+	if len(final.Unresolved) > 0 {
+		failure = fmt.Errorf("unresolvable CDI devices %s", strings.Join(final.Unresolved, ", "))
+	}
+	var proc *workload
+	if failure == nil {
+		proc, failure = startWorkload(r.cgroupRoot, rec.ContainerID)
+	}
+	if proc != nil {
+		rec.Pid, rec.Cgroup = proc.cmd.Process.Pid, proc.cgroup
+		bundle := filepath.Join(r.bundles, rec.ContainerID)
+		_ = os.MkdirAll(bundle, 0o755)
+		rec.Hooks, failure = runHooks(final.Hooks, rec.ContainerID, bundle, rec.Pid)
+		if rec.Hooks == nil {
+			rec.Hooks = []hookResult{}
+		}
+	}
+	if failure != nil {
+		rec.Error = failure.Error()
+		if proc != nil {
+			proc.stop()
+		}
+		_, _ = r.RemoteRuntime.RemoveContainer(ctx, &kubeapi.RemoveContainerRequest{ContainerId: rec.ContainerID})
+	}
 	line, err := json.Marshal(rec)
 	if err != nil {
 		return nil, err
 	}
-	initContainer := r.isInitContainer(ctx, rec.Namespace, rec.Pod, rec.Container)
+	initContainer := failure == nil && r.isInitContainer(ctx, rec.Namespace, rec.Pod, rec.Container)
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if initContainer {
 		r.exitOnStart[rec.ContainerID] = true
 	}
+	if proc != nil && failure == nil {
+		r.workloads[rec.ContainerID] = proc
+	}
 	if _, err := r.out.Write(append(line, '\n')); err != nil {
 		return nil, fmt.Errorf("recording container: %w", err)
 	}
+	if failure != nil {
+		return nil, failure
+	}
 	return resp, nil
+}
+
+func (r *recorder) RemoveContainer(ctx context.Context, req *kubeapi.RemoveContainerRequest) (*kubeapi.RemoveContainerResponse, error) {
+	r.mu.Lock()
+	proc := r.workloads[req.GetContainerId()]
+	delete(r.workloads, req.GetContainerId())
+	r.mu.Unlock()
+	if proc != nil {
+		proc.stop()
+	}
+	return r.RemoteRuntime.RemoveContainer(ctx, req)
+}
+
+func (r *recorder) stopAll() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for id, proc := range r.workloads {
+		proc.stop()
+		delete(r.workloads, id)
+	}
 }
 
 func main() {
 	socket := flag.String("socket", "", "unix socket to serve the CRI on")
 	recordPath := flag.String("record", "", "file to append one JSON line per created container to")
 	kubeconfig := flag.String("kubeconfig", "", "credentials to read pods with (init containers then finish)")
+	cdiDirs := flag.String("cdi-dirs", "/etc/cdi,/var/run/cdi", "comma-separated CDI spec directories (later ones win)")
+	cgroupRoot := flag.String("cgroup-root", "/sys/fs/cgroup", "where containers' processes get a cgroup v2 directory (crifake/<id>); empty: none")
+	bundles := flag.String("bundles", "", "directory of the containers' bundle directories (default: beside --record)")
 	flag.Parse()
 	if *socket == "" || *recordPath == "" {
 		fmt.Fprintln(os.Stderr, "usage: crifake --socket PATH --record FILE")
@@ -192,7 +279,16 @@ func main() {
 	}}
 	// The fake's pulled images have size 0 unless told, and the kubelet refuses those.
 	rt.ImageService.SetFakeImageSize(1 << 20)
-	rec := &recorder{RemoteRuntime: rt, out: out, exitOnStart: map[string]bool{}}
+	rec := &recorder{RemoteRuntime: rt, out: out, exitOnStart: map[string]bool{},
+		cgroupRoot: *cgroupRoot, bundles: *bundles, workloads: map[string]*workload{}}
+	for _, d := range strings.Split(*cdiDirs, ",") {
+		if d = strings.TrimSpace(d); d != "" {
+			rec.cdiDirs = append(rec.cdiDirs, d)
+		}
+	}
+	if rec.bundles == "" {
+		rec.bundles = filepath.Join(filepath.Dir(*recordPath), "bundles")
+	}
 	if *kubeconfig != "" {
 		config, err := clientcmd.BuildConfigFromFlags("", *kubeconfig)
 		if err != nil {
@@ -209,6 +305,7 @@ func main() {
 	go func() {
 		<-sigs
 		srv.Stop()
+		rec.stopAll()
 	}()
 	fmt.Fprintf(os.Stderr, "crifake: serving %s, recording to %s\n", *socket, *recordPath)
 	if err := srv.Serve(lis); err != nil {

@@ -40,7 +40,7 @@ from gpushare.share.answers import Answer, DeviceListing, Enforcement
 from gpushare.share.devices import InvalidDeviceIds, Inventory, Resource, format_device_id
 from gpushare.share.pairing import Binding, Decision, Facts, Pairing, decide
 from gpushare.share.placement import (
-    CardView,
+    CandidateCard,
     Policy,
     Request,
     Room,
@@ -359,7 +359,7 @@ class Binder:
         else:  # the last offer of the other resource and every Allocate since
             other_free = self.usage.free_counts(resource.other)
         cards = [
-            CardView(
+            CandidateCard(
                 uuid=uuid,
                 index=card.gpu.index,
                 free_units=tuple(sorted(free.get(uuid, ()))),

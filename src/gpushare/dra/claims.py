@@ -54,7 +54,7 @@ from gpushare.host.library import (
     release_cache_dir,
 )
 from gpushare.host.mps import MpsError, MpsGrants
-from gpushare.kube.kubeclient import ApiClient, ApiStatusError
+from gpushare.kube.stdlibclient import ApiClient, ApiStatusError
 from gpushare.share import answers
 from gpushare.share.answers import Answer, DeviceListing, Enforcement, GrantedDevice
 

@@ -33,8 +33,8 @@ from gpushare.dra.slices import SlicePublisher
 from gpushare.gpu.gpus import Gpu
 from gpushare.gpu.health import HealthBoard
 from gpushare.host.mps import MpsGrants
-from gpushare.kube.kubeclient import ApiClient
 from gpushare.kube.nodestate import MAX_REQUEST, DraClaimState
+from gpushare.kube.stdlibclient import ApiClient
 from gpushare.node.core import NodeCore
 from gpushare.share.answers import DeviceListing, Enforcement
 from gpushare.share.cardmodes import dra_cards

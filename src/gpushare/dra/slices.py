@@ -37,7 +37,7 @@ from gpushare.dra.model import (
     unhealthy_reason,
 )
 from gpushare.gpu.health import HealthBoard
-from gpushare.kube.kubeclient import ApiClient, ApiStatusError
+from gpushare.kube.stdlibclient import ApiClient, ApiStatusError
 
 log = structlog.get_logger(__name__)
 

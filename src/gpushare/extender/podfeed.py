@@ -31,8 +31,8 @@ import structlog
 
 from gpushare.extender.fit import PodSpecError, pod_need
 from gpushare.extender.ledger import AdmissionLedger, PodFacts
-from gpushare.kube.kubeclient import ApiClient, Endpoint, Watch
 from gpushare.kube.nodestate import decode_plan, plan_annotation_key
+from gpushare.kube.stdlibclient import ApiClient, Endpoint, Watch
 from gpushare.kube.watching import open_watch, raise_if_error, run_until_stopped
 
 log = structlog.get_logger(__name__)

@@ -26,7 +26,7 @@ from gpushare.base.cli import Parser, add_version, bounded_float
 from gpushare.base.connguard import ConnectionGuard, GuardedFactory, Limits
 from gpushare.base.logs import configure_logging
 from gpushare.config import LOG_FORMATS, LOG_LEVELS
-from gpushare.extender.apiserver import (
+from gpushare.extender.bindingclient import (
     DEFAULT_CA_FILE,
     DEFAULT_TOKEN_FILE,
     BindError,
@@ -34,9 +34,9 @@ from gpushare.extender.apiserver import (
     in_cluster_url,
 )
 from gpushare.extender.body import BadRequest, parse_json
+from gpushare.extender.extendermetrics import ExtenderMetrics
 from gpushare.extender.fit import PLACEMENTS
 from gpushare.extender.ledger import AdmissionLedger
-from gpushare.extender.metrics import ExtenderMetrics
 from gpushare.extender.podfeed import PodFeed, endpoint_of
 from gpushare.extender.verbs import (
     VERDICTS_KEY,
@@ -48,7 +48,7 @@ from gpushare.extender.verbs import (
     prioritize_verb,
 )
 from gpushare.kube import nodestate
-from gpushare.kube.kubeclient import ApiClient
+from gpushare.kube.stdlibclient import ApiClient
 
 log = structlog.get_logger(__name__)
 

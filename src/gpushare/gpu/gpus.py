@@ -294,7 +294,10 @@ class SimulatedBackend:
     # The driver's per-cgroup memory limits, simulated (gpu/memlimits.py) -------------
     def _publish_limits(self) -> None:
         """The store shared with the C stand-in NVML: the cards (with their
-        ``memory_limits``: ok, broken, unsupported) and the driver version."""
+        ``memory_limits``: ok, broken, unsupported) and the driver version; only for a
+        node file that names a driver version (nothing is written beside the others)."""
+        if self.driver_version() is None:
+            return
         modes = {}
         try:
             data = yaml.safe_load(self.path.read_text())

@@ -10,7 +10,7 @@ limit answers NOT_SUPPORTED. Taken from nvml.h of CUDA 13.4 as quoted by public 
 
 :class:`LimitStore` is the simulated driver: a directory that the simulated backend
 (:class:`gpushare.gpu.gpus.SimulatedBackend`) and the C stand-in NVML the memory hook
-loads in the tests (``tests/standin/libnvml_standin.c``) share, so a limit the hook sets
+loads in the tests (``tests/kit/standin/libnvml_standin.c``) share, so a limit the hook sets
 is the one the daemon reads back.
 """
 

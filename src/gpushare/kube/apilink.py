@@ -14,7 +14,7 @@ With ``NODE_NAME`` set, :class:`ApiLink` runs one background thread that
   :class:`~gpushare.kube.podspecs.PodSpecBook` of this node's pods (the placement hints)
   current, and re-reads it on demand when a request matches no known pod.
 
-It talks to the API server through :mod:`gpushare.kube.kubeclient` (HTTP/JSON, standard
+It talks to the API server through :mod:`gpushare.kube.stdlibclient` (HTTP/JSON, standard
 library), never through the ``kubernetes`` package. API errors are logged and retried
 with backoff. Nothing here ever blocks Allocate, except the bounded, rate-limited
 on-demand pod list.
@@ -34,10 +34,10 @@ import structlog
 
 from gpushare.gpu.health import HealthBoard
 from gpushare.kube import nodestate
-from gpushare.kube.kubeclient import ApiClient, ApiStatusError, KubeConfigError, load_endpoint
 from gpushare.kube.labels import LabelFacts, node_labels
 from gpushare.kube.podspecs import PodSpecBook, only_uid_of
 from gpushare.kube.podwatch import PodWatch
+from gpushare.kube.stdlibclient import ApiClient, ApiStatusError, KubeConfigError, load_endpoint
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.records import Snapshot
 from gpushare.share.usage import Holder, UsageLedger

@@ -7,7 +7,10 @@ PodGC long after they end. The daemon reads only: the UID, namespace, name,
 (``gputype.NAMES`` under ``<prefix>/`` and ``nvidia.com/``) and the scheduler extender's
 plan (``<prefix>/plan``), values cut at :data:`MAX_ANNOTATION_CHARS`; the phase; and,
 per init and app container in spec order, its name, ``restartPolicy`` and the
-``<prefix>/`` quantities of its limits and requests. :func:`slim` keeps exactly that,
+``<prefix>/`` quantities of its limits and requests, and of a GPU container the settings
+that could change its limits (``share/reserved.py``: reserved ``env`` names without their
+values, unsafe ``envFrom`` prefixes, reserved mount paths; at most
+:data:`MAX_RESERVED` of each). :func:`slim` keeps exactly that,
 and drops a pod at once (None) when it is terminal or none of its containers asks for a
 ``<prefix>/`` resource, so the memory a pod costs the daemon is bounded whatever its
 object holds (docs/security.md).
@@ -22,14 +25,19 @@ from gpushare.base.quantity import whole_units
 from gpushare.gpu.gputype import NAMES, OTHER_PREFIX
 from gpushare.kube.nodestate import plan_annotation_key
 from gpushare.kube.podspecs import TERMINAL_PHASES
+from gpushare.share.reserved import env_reserved, path_reserved, prefix_can_form_reserved
 
 #: A card-choice annotation is a short comma list; a longer value is cut.
 MAX_ANNOTATION_CHARS = 4096
 #: Names and quantities are short in valid objects; anything longer is cut.
 MAX_FIELD_CHARS = 253
+PATH_MAX = 4096
 #: At most this many containers of a pod are kept (the API server allows no more
 #: than a few hundred in 1.5 MiB; a pod past this is not one the daemon serves).
 MAX_CONTAINERS = 256
+#: Of a GPU container's settings that could change its limits, this many of each are
+#: kept: enough to say why it is refused.
+MAX_RESERVED = 4
 
 
 def _text(value: Any, limit: int = MAX_FIELD_CHARS) -> str:
@@ -63,6 +71,35 @@ def _container(container: Any, prefix: str) -> dict[str, Any] | None:
         kept["restartPolicy"] = _text(container.get("restartPolicy"))
     if limits or requests:
         kept["resources"] = {"limits": limits, "requests": requests}
+        kept.update(_reserved_settings(container))
+    return kept
+
+
+def _entries(value: Any) -> list[Mapping[str, Any]]:
+    return [v for v in value if isinstance(v, Mapping)] if isinstance(value, list) else []
+
+
+def _reserved_settings(container: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``share/reserved.tampering`` reads, only the entries that make it speak."""
+    env = [
+        {"name": _text(e.get("name"))}
+        for e in _entries(container.get("env"))
+        if env_reserved(str(e.get("name", "")))
+    ][:MAX_RESERVED]
+    sources = [
+        {"prefix": _text(f.get("prefix") or "")}
+        for f in _entries(container.get("envFrom"))
+        if prefix_can_form_reserved(str(f.get("prefix") or ""))
+    ][:MAX_RESERVED]
+    mounts = [
+        {"mountPath": _text(m.get("mountPath"), PATH_MAX)}
+        for m in _entries(container.get("volumeMounts"))
+        if path_reserved(str(m.get("mountPath", ""))[:PATH_MAX])
+    ][:MAX_RESERVED]
+    kept: dict[str, Any] = {}
+    for key, found in (("env", env), ("envFrom", sources), ("volumeMounts", mounts)):
+        if found:
+            kept[key] = found
     return kept
 
 

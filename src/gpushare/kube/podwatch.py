@@ -23,9 +23,9 @@ from typing import Any
 
 import structlog
 
-from gpushare.kube.kubeclient import ApiClient, Watch
 from gpushare.kube.podslim import slim
 from gpushare.kube.podspecs import PodSpecBook
+from gpushare.kube.stdlibclient import ApiClient, Watch
 from gpushare.kube.watching import open_watch, raise_if_error, run_until_stopped
 
 log = structlog.get_logger(__name__)

@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from gpushare.kube.kubeclient import ApiClient, ApiStatusError, Watch
+from gpushare.kube.stdlibclient import ApiClient, ApiStatusError, Watch
 
 log = structlog.get_logger(__name__)
 

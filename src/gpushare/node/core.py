@@ -347,7 +347,7 @@ def _link_to_api(core: NodeCore, specs: PodSpecBook) -> None:
     core.specs, core.choices, core.api_link = specs, choices, link
 
 
-class Records:
+class PodResourcesPart:
     """The ``pod-resources`` part: at start, the kubelet's records are read once so that
     the first placement after a restart respects them, and the unit size is checked
     against them; at stop, the client is closed."""
@@ -436,7 +436,7 @@ def log_found(core: NodeCore) -> None:
 
 def core_parts(core: NodeCore) -> list[Part]:
     """The parts started before the front doors, in order."""
-    parts: list[Part] = [Records(core)]
+    parts: list[Part] = [PodResourcesPart(core)]
     if core.mps is not None:  # before the front doors: a cap needs the control daemon
         parts.append(MpsPart(core.mps.control))
     if core.reaper is not None:  # deletes buried cache directories (tombstones.py)

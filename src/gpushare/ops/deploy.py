@@ -22,7 +22,7 @@ from gpushare.base.compat import zip_strict
 from gpushare.config import Settings
 from gpushare.gpu import mig
 from gpushare.kube import nodestate
-from gpushare.kube.kubeapi import ApiError, Cluster, describe
+from gpushare.kube.kubectlapi import ApiError, Cluster, describe
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kubectl-gpushare"}
 #: Labels that NVIDIA's GPU feature discovery (or the GPU operator) puts on GPU nodes.

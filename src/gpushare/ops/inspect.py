@@ -33,7 +33,7 @@ from gpushare.base.cli import Parser
 from gpushare.config import Settings
 from gpushare.extender.fit import PodSpecError, container_need
 from gpushare.kube import nodestate
-from gpushare.kube.kubeapi import EXIT_NO_CLUSTER, ApiError, Cluster, NoCluster
+from gpushare.kube.kubectlapi import EXIT_NO_CLUSTER, ApiError, Cluster, NoCluster
 from gpushare.ops.printable import printable
 
 TERMINAL_PHASES = ("Succeeded", "Failed")
@@ -49,19 +49,19 @@ class ContainerOnCard:
 
 
 @dataclass(frozen=True)
-class CardView:
+class InspectedCard:
     card: nodestate.CardState
     containers: tuple[ContainerOnCard, ...]
     #: the pods' annotations claim more than the daemon counts on the card: not listed
     disputed: bool = False
 
 
-def _card_view(card: nodestate.CardState, claimed: Sequence[ContainerOnCard]) -> CardView:
+def _inspected_card(card: nodestate.CardState, claimed: Sequence[ContainerOnCard]) -> InspectedCard:
     memory = sum(c.memory_units for c in claimed)
     core = sum(c.core_units for c in claimed)
     if memory > card.memory_units_used or core > card.core_units_used:
-        return CardView(card, (), disputed=True)
-    return CardView(card, tuple(claimed))
+        return InspectedCard(card, (), disputed=True)
+    return InspectedCard(card, tuple(claimed))
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class NodeView:
     memory_unit_mib: int
     generation: int | None
     updated: str
-    cards: tuple[CardView, ...]
+    cards: tuple[InspectedCard, ...]
     problem: str = ""
     #: cards not offered as shared units (whole-only, MIG with its devices)
     whole: tuple[nodestate.WholeCardState, ...] = ()
@@ -209,7 +209,7 @@ def build_view(
             views.append(NodeView(name, 0, None, "", (), f"unreadable {key} annotation: {exc}"))
             continue
         cards = tuple(
-            _card_view(card, by_card.get((name, card.uuid), ()))
+            _inspected_card(card, by_card.get((name, card.uuid), ()))
             for card in sorted(state.cards, key=lambda c: c.index)
         )
         views.append(
@@ -323,7 +323,7 @@ def render_table(view: ClusterView, details: bool = False, wide: bool = False) -
         rows: list[list[str]] = [["GPU", "NAME", "MEMORY MiB", "", "UNITS", "CORES", "HEALTH"]]
         if wide:
             rows[0].append("UUID")
-        entries: list[tuple[int, int, CardView | nodestate.WholeCardState]] = [
+        entries: list[tuple[int, int, InspectedCard | nodestate.WholeCardState]] = [
             (c.card.index, 0, c) for c in node.cards
         ] + [(w.index, 1, w) for w in node.whole]
         for _index, _kind, entry in sorted(entries, key=lambda e: (e[0], e[1])):

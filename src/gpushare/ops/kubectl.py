@@ -25,7 +25,7 @@ import yaml
 from gpushare import __version__
 from gpushare.base.cli import Parser, add_version, bounded_float
 from gpushare.config import Settings
-from gpushare.kube.kubeapi import EXIT_NO_CLUSTER, ApiError, Cluster, NoCluster
+from gpushare.kube.kubectlapi import EXIT_NO_CLUSTER, ApiError, Cluster, NoCluster
 from gpushare.ops import deploy, inspect, verify
 
 PROG = "kubectl gpushare"

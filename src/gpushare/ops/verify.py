@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpushare.gpu.probe import REPORT_MARKER, Check, parse_report, verdict
-from gpushare.kube.kubeapi import ApiError, Cluster
+from gpushare.kube.kubectlapi import ApiError, Cluster
 from gpushare.ops import deploy
 from gpushare.ops.printable import printable
 

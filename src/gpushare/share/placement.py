@@ -181,7 +181,7 @@ def _greedy(rooms: Sequence[Room], needs: Sequence[Need], policy: Policy) -> tup
 
 
 @dataclass(frozen=True)
-class CardView:
+class CandidateCard:
     """One card as placement sees it at the moment of a request."""
 
     uuid: str
@@ -204,16 +204,16 @@ class Request:
     other_need: int | None = None
 
 
-def _other_free(card: CardView, resource: Resource) -> int:
+def _other_free(card: CandidateCard, resource: Resource) -> int:
     return card.core_free if resource is Resource.MEMORY else card.memory_free
 
 
-def _request_key(card: CardView, request: Request, policy: Policy) -> tuple[int, ...]:
+def _request_key(card: CandidateCard, request: Request, policy: Policy) -> tuple[int, ...]:
     uses_memory = request.resource is Resource.MEMORY or request.other_need != 0
     return policy_key(card.memory_free, card.core_free, card.index, uses_memory, policy)
 
 
-def eligible_cards(cards: Sequence[CardView], request: Request) -> list[CardView]:
+def eligible_cards(cards: Sequence[CandidateCard], request: Request) -> list[CandidateCard]:
     """Rule 1: healthy cards holding the request and all its must-include units."""
     if len(request.must_include) > 1:
         return []
@@ -231,8 +231,8 @@ def eligible_cards(cards: Sequence[CardView], request: Request) -> list[CardView
 
 
 def choose_card(
-    cards: Sequence[CardView], request: Request, policy: Policy | str
-) -> CardView | None:
+    cards: Sequence[CandidateCard], request: Request, policy: Policy | str
+) -> CandidateCard | None:
     """The card for this request by the rules above; None only when there are no cards."""
     policy = Policy.parse(policy)
     eligible = eligible_cards(cards, request)
@@ -254,7 +254,7 @@ def choose_card(
     )
 
 
-def preferred_units(card: CardView, request: Request) -> list[int]:
+def preferred_units(card: CandidateCard, request: Request) -> list[int]:
     """The unit numbers to offer on ``card``: must-include first, then the lowest free."""
     chosen = list(dict.fromkeys(request.must_include.get(card.uuid, ())))
     taken = set(chosen)

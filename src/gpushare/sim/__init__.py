@@ -1,1 +1,3 @@
-"""Simulations of the node around gpushare: a kubelet, a demo and a placement trace."""
+"""Simulations of the node around gpushare: stand-ins for the kubelet
+(:mod:`~gpushare.sim.kubeletdouble`, its DRA side :mod:`~gpushare.sim.drakubeletdouble`)
+and the API server (:mod:`~gpushare.sim.apidouble`), a demo and a placement trace."""

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from gpushare.sim.apiserver import KubeApiDouble
+from gpushare.sim.apidouble import KubeApiDouble
 
 ENTRY = {"name": "VARIABLE_00000", "value": "v" * 80}
 

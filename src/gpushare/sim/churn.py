@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from gpushare.extender.server import ExtenderSettings, build_app, start
-from gpushare.sim.apiserver import KubeApiDouble
-from gpushare.sim.kubelet import AdmissionError
+from gpushare.sim.apidouble import KubeApiDouble
+from gpushare.sim.kubeletdouble import AdmissionError
 from gpushare.sim.rig import DaemonNode
 
 NODE = "churn-node"
@@ -110,7 +110,7 @@ class Informer:
 
     def __init__(self, url: str) -> None:
         from gpushare.extender.podfeed import endpoint_of
-        from gpushare.kube.kubeclient import ApiClient
+        from gpushare.kube.stdlibclient import ApiClient
 
         self.client = ApiClient(endpoint_of(url, "", ""))
         self.events = 0

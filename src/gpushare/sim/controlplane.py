@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import yaml
 
-from gpushare.kube.kubeclient import ApiClient, ApiStatusError, kubeconfig_endpoint
+from gpushare.kube.stdlibclient import ApiClient, ApiStatusError, kubeconfig_endpoint
 
 BIN = Path(
     os.environ.get("GPUSHARE_E2E_BIN", str(Path(__file__).resolve().parents[3] / "e2e" / "bin"))

@@ -21,7 +21,7 @@ from gpushare.config import LOG_LEVELS, Settings
 from gpushare.daemon import Daemon
 from gpushare.host.elf import stand_in
 from gpushare.share.devices import Resource
-from gpushare.sim.kubelet import AdmissionError, Admitted, SimulatedKubelet
+from gpushare.sim.kubeletdouble import AdmissionError, Admitted, SimulatedKubelet
 
 THREE_TESLA_P4 = {
     "gpus": [

@@ -1,6 +1,6 @@
 """What the driver memory hook costs a container's creation: the hook
 (``hook/memory-hook.c``) run as a container runtime runs it, the OCI state on stdin,
-against the stand-in NVML (``tests/standin/libnvml_standin.c``) and its simulated
+against the stand-in NVML (``tests/kit/standin/libnvml_standin.c``) and its simulated
 driver's store, on a stand-in cgroup tree and /proc. Both are built with gcc from the
 checkout; where gcc or the sources are missing the figure is not measured (said so).
 The figure is process start, the state's parsing, the cgroup walk and the two NVML
@@ -20,7 +20,7 @@ from gpushare.gpu.memlimits import LimitStore
 
 ROOT = Path(__file__).resolve().parents[3]
 HOOK_SOURCE = ROOT / "hook" / "memory-hook.c"
-NVML_SOURCE = ROOT / "tests" / "standin" / "libnvml_standin.c"
+NVML_SOURCE = ROOT / "tests" / "kit" / "standin" / "libnvml_standin.c"
 UUID = "GPU-00000000-0000-4000-8000-000000000000"
 #: The most a container's creation may wait for the hook, p50 (issue 31).
 TARGET_P50_SECONDS = 0.020

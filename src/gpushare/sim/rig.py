@@ -22,7 +22,7 @@ from gpushare.daemon import Daemon
 from gpushare.extender.fit import CardRoom, PodNeed
 from gpushare.host.elf import stand_in
 from gpushare.kube.podspecs import PodSpecBook
-from gpushare.sim.kubelet import AdmissionError, ContainerSpec, SimulatedKubelet
+from gpushare.sim.kubeletdouble import AdmissionError, ContainerSpec, SimulatedKubelet
 
 #: A stand-in interposer file (an ELF header that loads nowhere): nothing is enforced
 #: in a simulation.

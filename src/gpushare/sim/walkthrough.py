@@ -39,8 +39,8 @@ from gpushare.daemon import Daemon
 from gpushare.host.elf import stand_in
 from gpushare.ops import kubectl
 from gpushare.ops.mdsection import replace_section
-from gpushare.sim.apiserver import KubeApiDouble
-from gpushare.sim.kubelet import SimulatedKubelet
+from gpushare.sim.apidouble import KubeApiDouble
+from gpushare.sim.kubeletdouble import SimulatedKubelet
 
 NODE = "gpu-node-1"
 IMAGE = "registry.example.com/gpushare:0.1.0"

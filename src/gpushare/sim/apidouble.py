@@ -1,0 +1,777 @@
+"""A test double of the Kubernetes API server at the HTTP boundary.
+
+Small and in-process: objects are stored by URL path, and the verbs the project's
+code uses are served (GET one, or a list with label/field selectors (``=``, ``!=``) in
+pages (``limit``/``continue``) streamed one item at a time; discovery documents of
+:data:`GROUPS`; POST, PATCH as
+JSON merge patch, strategic merge patch or server-side apply, DELETE, and the
+``pods/{name}/binding`` subresource), for the kinds in :data:`KINDS`. Server-side
+apply checks what the real server checks of a request (a fieldManager, a body naming
+the URL's object) and is a no-op, keeping the resourceVersion, when it changes
+nothing. Every request is recorded, and the next requests can be made to fail.
+
+Watches (``?watch=1``) are served as the real server does over HTTP/1.1: a chunked
+answer of one JSON event per line (ADDED, MODIFIED, DELETED; an object that starts or
+stops matching the watch's selectors comes as ADDED or DELETED; BOOKMARK every
+``bookmark_seconds`` when asked with ``allowWatchBookmarks``), from the given
+``resourceVersion`` on, ended after ``timeoutSeconds``. A resourceVersion older than the
+kept history (see :meth:`KubeApiDouble.compact`) answers an ERROR event with a 410
+Status, as etcd's compaction makes the real server do. Lives in the package so that
+``make bench`` can run the daemon against it.
+
+``resource.k8s.io/v1`` objects (ResourceSlices, ResourceClaims, DeviceClasses) are kept
+as written, like the 1.36 server does with its DRA gates on; PUT replaces an object (a
+stale ``metadata.resourceVersion`` is a 409), ``dryRun=All`` answers what would be
+stored without storing it, and DELETE of a collection removes what its selectors match.
+:attr:`KubeApiDouble.consumable_capacity` and :attr:`KubeApiDouble.device_taints` set to
+False make it drop, silently, what a server with those feature gates off drops
+(``allowMultipleAllocations`` and the capacities' ``requestPolicy``; device ``taints``).
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from copy import deepcopy
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import yaml
+
+KINDS = {
+    "nodes": "Node",
+    "pods": "Pod",
+    "namespaces": "Namespace",
+    "configmaps": "ConfigMap",
+    "serviceaccounts": "ServiceAccount",
+    "clusterroles": "ClusterRole",
+    "clusterrolebindings": "ClusterRoleBinding",
+    "daemonsets": "DaemonSet",
+    "resourceslices": "ResourceSlice",
+    "resourceclaims": "ResourceClaim",
+    "deviceclasses": "DeviceClass",
+    "networkpolicies": "NetworkPolicy",
+    "validatingadmissionpolicies": "ValidatingAdmissionPolicy",
+    "validatingadmissionpolicybindings": "ValidatingAdmissionPolicyBinding",
+}
+#: The group/versions whose discovery document the double serves (kinds by plural).
+GROUPS = {
+    "v1": ("nodes", "pods", "namespaces", "configmaps", "serviceaccounts"),
+    "rbac.authorization.k8s.io/v1": ("clusterroles", "clusterrolebindings"),
+    "apps/v1": ("daemonsets",),
+    "networking.k8s.io/v1": ("networkpolicies",),
+    "admissionregistration.k8s.io/v1": (
+        "validatingadmissionpolicies",
+        "validatingadmissionpolicybindings",
+    ),
+    "resource.k8s.io/v1": ("resourceslices", "resourceclaims", "deviceclasses"),
+}
+#: Stamps the server keeps on an object; an apply that changes nothing else is a no-op.
+_SERVER_FIELDS = ("resourceVersion", "uid", "managedFields", "creationTimestamp")
+
+
+@dataclass
+class Recorded:
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    content_type: str
+    body: Any
+    authorization: str = ""
+    client_cert: bool = False  # a TLS client certificate was presented
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch (also how this double treats strategic merge)."""
+    if not isinstance(patch, dict):
+        return deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+def _matches_labels(obj: dict[str, Any], selector: str) -> bool:
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    for term in filter(None, selector.split(",")):
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            if labels.get(key) == value:
+                return False
+        elif "=" in term:
+            key, value = term.split("=", 1)
+            if labels.get(key.rstrip("=")) != value:
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+def _matches_fields(obj: dict[str, Any], selector: str) -> bool:
+    for term in filter(None, selector.split(",")):
+        negated = "!=" in term
+        key, _, value = term.partition("!=" if negated else "=")
+        current: Any = obj
+        for part in key.split("."):
+            current = current.get(part) if isinstance(current, dict) else None
+        if (str(current or "") == value) is negated:
+            return False
+    return True
+
+
+def _is_collection(parts: list[str]) -> bool:
+    """``/api/v1/nodes`` or ``/apis/g/v/namespaces/ns/things``, not ``.../things/name``."""
+    rest = parts[3:] if parts[1] == "api" else parts[4:]
+    if len(rest) >= 3 and rest[0] == "namespaces":
+        rest = rest[2:]
+    return len(rest) == 1
+
+
+class ObjectStore:
+    """The double's objects: one version counter, every change an event (what watches
+    replay), and the helpers tests use to put objects in place without HTTP."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, dict[str, Any]] = {}  # collection path/name -> object
+        self.requests: list[Recorded] = []
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._version = 1
+        #: (resourceVersion, type, key, object, the object's previous copy or None)
+        self.events: list[tuple[int, str, str, dict[str, Any], dict[str, Any] | None]] = []
+        self._recorded: dict[str, dict[str, Any]] = {}  # key -> the copy last recorded
+        self._oldest = 1  # watches from before this version answer 410 Gone
+        self._stopping = False
+        self.bookmark_seconds = 60.0
+        #: Container logs by pod object key, served at ``pods/{name}/log`` as text.
+        self.logs: dict[str, str] = {}
+
+    def add(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Store an object (Node, Pod, ...) as if it had been created."""
+        kind = obj["kind"]
+        plural = next(p for p, k in KINDS.items() if k == kind)
+        meta = obj.setdefault("metadata", {})
+        base = "/api/v1" if "/" not in obj.get("apiVersion", "v1") else f"/apis/{obj['apiVersion']}"
+        namespace = meta.get("namespace")
+        collection = f"{base}/namespaces/{namespace}/{plural}" if namespace else f"{base}/{plural}"
+        with self._lock:
+            self._put(f"{collection}/{meta['name']}", obj)
+        return obj
+
+    @staticmethod
+    def _path(kind: str, name: str, namespace: str | None, api_version: str) -> str:
+        plural = next(p for p, k in KINDS.items() if k == kind)
+        base = "/api/v1" if "/" not in api_version else f"/apis/{api_version}"
+        if namespace:
+            return f"{base}/namespaces/{namespace}/{plural}/{name}"
+        return f"{base}/{plural}/{name}"
+
+    def get(
+        self, kind: str, name: str, namespace: str | None = None, api_version: str = "v1"
+    ) -> dict[str, Any] | None:
+        with self._lock:
+            return deepcopy(self.objects.get(self._path(kind, name, namespace, api_version)))
+
+    def delete(
+        self, kind: str, name: str, namespace: str | None = None, api_version: str = "v1"
+    ) -> None:
+        """Remove an object as a controller would (not recorded as a request)."""
+        with self._lock:
+            self._drop(self._path(kind, name, namespace, api_version))
+
+    def compact(self) -> None:
+        """Forget the change history, as etcd compaction does: older watches get 410."""
+        with self._lock:
+            self.events.clear()
+            self._oldest = self._version + 1
+
+    def calls(self, method: str, path_part: str = "") -> list[Recorded]:
+        with self._lock:
+            return [r for r in self.requests if r.method == method and path_part in r.path]
+
+    def _put(self, key: str, obj: dict[str, Any]) -> None:
+        """Store a new or changed object with a new resourceVersion (lock held)."""
+        kind = "MODIFIED" if key in self.objects else "ADDED"
+        self._stamp(obj)
+        self.objects[key] = obj
+        self._record(kind, key, obj)
+
+    def _drop(self, key: str) -> None:
+        obj = self.objects.pop(key)
+        self._version += 1
+        gone = deepcopy(obj)
+        gone.setdefault("metadata", {})["resourceVersion"] = str(self._version)
+        self._record("DELETED", key, gone)
+
+    def _record(self, kind: str, key: str, obj: dict[str, Any]) -> None:
+        copy = deepcopy(obj)
+        previous = self._recorded.pop(key, None) if kind == "DELETED" else self._recorded.get(key)
+        if kind != "DELETED":
+            self._recorded[key] = copy
+        self.events.append((self._version, kind, key, copy, previous))
+        self._changed.notify_all()
+
+    def _stamp(self, obj: dict[str, Any]) -> None:
+        self._version += 1
+        meta = obj.setdefault("metadata", {})
+        meta["resourceVersion"] = str(self._version)
+        meta.setdefault("uid", f"uid-{meta.get('name', '')}-{self._version}")
+
+    def _collections(self, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Objects whose key lies in the collection ``path`` (cluster-wide lists too)."""
+        parts = path.rstrip("/").split("/")
+        plural = parts[-1]
+        for key, obj in self.objects.items():
+            key_parts = key.split("/")
+            if key_parts[-2] != plural:
+                continue
+            if "namespaces" in parts and key.rsplit("/", 1)[0] != path.rstrip("/"):
+                continue
+            yield key, obj
+
+    def add_many(self, objs: Iterator[dict[str, Any]]) -> int:
+        """Store objects as if they had been there before any watch began: no events,
+        no copies (large objects may share parts), for measurements at scale."""
+        count = 0
+        with self._lock:
+            for obj in objs:
+                meta = obj["metadata"]
+                plural = next(p for p, k in KINDS.items() if k == obj["kind"])
+                namespace = meta.get("namespace")
+                base = f"/api/v1/namespaces/{namespace}" if namespace else "/api/v1"
+                self._version += 1
+                meta["resourceVersion"] = str(self._version)
+                meta.setdefault("uid", f"uid-{meta['name']}-{self._version}")
+                self.objects[f"{base}/{plural}/{meta['name']}"] = obj
+                count += 1
+            self._oldest = self._version + 1  # no history before them
+        return count
+
+    def _in_collection(self, key: str, path: str) -> bool:
+        parts = path.rstrip("/").split("/")
+        if key.split("/")[-2] != parts[-1]:
+            return False
+        return "namespaces" not in parts or key.rsplit("/", 1)[0] == path.rstrip("/")
+
+
+class CollectionReads(ObjectStore):
+    """The double's reads of a collection: lists (label and field selectors, pages with
+    ``limit``/``continue``, streamed one item at a time) and watches (events from a
+    resourceVersion, bookmarks, 410 Gone before the oldest kept)."""
+
+    def _list(
+        self, request: BaseHTTPRequestHandler, path: str, query: dict[str, list[str]]
+    ) -> None:
+        """A list, in pages when asked (``limit``, ``continue``), streamed one item at a
+        time: each item is serialised under the lock, written without it, so a list of
+        thousands of large objects never sits in this process as one answer."""
+        labels = (query.get("labelSelector") or [""])[0]
+        fields = (query.get("fieldSelector") or [""])[0]
+        try:
+            limit = int((query.get("limit") or ["0"])[0] or 0)
+            version, _, start = ((query.get("continue") or [""])[0] or ":0").partition(":")
+            offset = int(start)
+        except ValueError:
+            return self._reply(request, 400, self._status(400, "limit/continue is not valid"))
+        with self._lock:
+            version = version or str(self._version)
+            if int(version) < self._oldest - 1:
+                gone = self._status(410, "the continue token has expired") | {"reason": "Expired"}
+                return self._reply(request, 410, gone | {"code": 410})
+            keys = [
+                key
+                for key, o in self._collections(path)
+                if _matches_labels(o, labels) and _matches_fields(o, fields)
+            ]
+        page = keys[offset : offset + limit] if limit > 0 else keys[offset:]
+        more = limit > 0 and offset + limit < len(keys)
+        meta: dict[str, Any] = {"resourceVersion": version}
+        if more:
+            meta["continue"] = f"{version}:{offset + limit}"
+        kind = KINDS.get(path.rstrip("/").split("/")[-1], "Object") + "List"
+        head = {"kind": kind, "apiVersion": "v1", "metadata": meta}
+        request.send_response(200)
+        request.send_header("Content-Type", "application/json")
+        request.send_header("Transfer-Encoding", "chunked")
+        request.end_headers()
+
+        def send(data: bytes) -> None:
+            if data:
+                request.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+        try:
+            send(json.dumps(head).encode()[:-1] + b', "items": [')
+            first = True
+            for key in page:
+                with self._lock:
+                    obj = self.objects.get(key)
+                    data = json.dumps(obj).encode() if obj is not None else b""
+                if data:
+                    send(data if first else b"," + data)
+                    first = False
+                del data
+            send(b"]}")
+            request.wfile.write(b"0\r\n\r\n")
+            request.wfile.flush()
+        except OSError:
+            request.close_connection = True  # the client went away
+
+    def _watch(
+        self, request: BaseHTTPRequestHandler, path: str, query: dict[str, list[str]]
+    ) -> None:
+        labels = (query.get("labelSelector") or [""])[0]
+        fields = (query.get("fieldSelector") or [""])[0]
+        bookmarks = (query.get("allowWatchBookmarks") or [""])[0] == "true"
+        timeout = float((query.get("timeoutSeconds") or ["1800"])[0])
+        try:
+            since = int((query.get("resourceVersion") or ["0"])[0] or 0)
+        except ValueError:
+            return self._reply(request, 400, self._status(400, "resourceVersion is not a number"))
+        request.send_response(200)
+        request.send_header("Content-Type", "application/json")
+        request.send_header("Transfer-Encoding", "chunked")
+        request.end_headers()
+
+        def send(event: dict[str, Any]) -> None:
+            line = json.dumps(event).encode() + b"\n"
+            request.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+            request.wfile.flush()
+
+        deadline = time.monotonic() + timeout
+        next_bookmark = time.monotonic() + self.bookmark_seconds
+        try:
+            with self._lock:
+                if since and since < self._oldest - 1:
+                    gone = self._status(410, "too old resource version") | {"reason": "Expired"}
+                    pending: list[dict[str, Any]] = [{"type": "ERROR", "object": gone}]
+                    position = None
+                else:
+                    pending, position = [], since or self._version
+            while position is not None:
+                for event in pending:
+                    send(event)
+                with self._lock:
+                    now = time.monotonic()
+                    if self._stopping or now >= deadline:
+                        break
+                    fresh = [e for e in self.events if e[0] > position]
+                    if not fresh:
+                        wait = min(deadline, next_bookmark if bookmarks else deadline) - now
+                        self._changed.wait(max(0.0, wait))
+                        fresh = [e for e in self.events if e[0] > position]
+                    pending = []
+                    for version, kind, key, obj, previous in fresh:
+                        position = version
+                        if not self._in_collection(key, path):
+                            continue
+                        now_in = _matches_labels(obj, labels) and _matches_fields(obj, fields)
+                        was_in = previous is not None and (
+                            _matches_labels(previous, labels) and _matches_fields(previous, fields)
+                        )
+                        if kind == "MODIFIED" and now_in != was_in:
+                            # An object that enters or leaves a watch's selectors is
+                            # ADDED or DELETED there, as the real server sends it.
+                            kind = "ADDED" if now_in else "DELETED"
+                            now_in = True
+                        if now_in:
+                            pending.append({"type": kind, "object": deepcopy(obj)})
+                    if bookmarks and time.monotonic() >= next_bookmark:
+                        next_bookmark = time.monotonic() + self.bookmark_seconds
+                        pending.append(
+                            {
+                                "type": "BOOKMARK",
+                                "object": {"metadata": {"resourceVersion": str(self._version)}},
+                            }
+                        )
+                        position = self._version
+            for event in pending if position is None else []:
+                send(event)
+            request.wfile.write(b"0\r\n\r\n")
+            request.wfile.flush()
+        except OSError:
+            pass  # the client went away
+        request.close_connection = True
+
+    @staticmethod
+    def _status(code: int, message: str) -> dict[str, Any]:
+        reason = {404: "NotFound", 409: "AlreadyExists", 400: "BadRequest"}.get(
+            code, "InternalError"
+        )
+        return {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "status": "Failure",
+            "message": message,
+            "reason": reason,
+            "code": code,
+        }
+
+    @staticmethod
+    def _reply(request: BaseHTTPRequestHandler, status: int, answer: Any) -> None:
+        data = json.dumps(answer).encode()
+        request.send_response(status)
+        request.send_header("Content-Type", "application/json")
+        request.send_header("Content-Length", str(len(data)))
+        request.end_headers()
+        request.wfile.write(data)
+
+    def _log(self, request: BaseHTTPRequestHandler, pod_key: str) -> None:
+        with self._lock:
+            exists = pod_key in self.objects
+            text = self.logs.get(pod_key, "")
+        if not exists:
+            return self._reply(request, 404, self._status(404, "pod not found"))
+        data = text.encode()
+        request.send_response(200)
+        request.send_header("Content-Type", "text/plain")
+        request.send_header("Content-Length", str(len(data)))
+        request.end_headers()
+        request.wfile.write(data)
+
+
+class Faults:
+    """What a test makes the double do wrong: answer errors, or hang."""
+
+    def __init__(self) -> None:
+        self._failures: list[int] = []  # statuses the next requests answer
+        self._open = threading.Event()  # cleared while the server is held (hangs)
+        self._open.set()
+
+    def fail_next(self, count: int, status: int = 500) -> None:
+        self._failures.extend([status] * count)
+
+    def hold(self) -> None:
+        """Hang every request (a stuck API server) until :meth:`release`."""
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+
+class KubeApiDouble(CollectionReads, Faults):
+    """An API server over HTTP(S) for tests: the verbs, binding, apply, logs, discovery."""
+
+    def __init__(self) -> None:
+        CollectionReads.__init__(self)
+        Faults.__init__(self)
+        self._server: ThreadingHTTPServer | None = None
+        self._scheme = "http"
+        #: The group/versions served (drop one to play an older cluster).
+        self.groups = dict(GROUPS)
+        #: DRAConsumableCapacity / DRADeviceTaints of the server (False: dropped on write).
+        self.consumable_capacity = True
+        self.device_taints = True
+
+    # ------------------------------------------------------------------ control
+    def start(self, tls: ssl.SSLContext | None = None) -> str:
+        """Serve on 127.0.0.1 (HTTPS with the server context ``tls``); the base URL."""
+        double = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # kept-alive connections and chunked watches
+            # An answer goes out as two writes (headers, body): with Nagle's algorithm the
+            # body waits for the client's delayed ACK, 40 ms a request, as no real API
+            # server makes anyone wait.
+            disable_nagle_algorithm = True
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _serve(self) -> None:
+                double._handle(self)
+
+            do_GET = do_POST = do_PATCH = do_DELETE = do_PUT = _serve
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        if tls is not None:
+            self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
+        self._scheme = "https" if tls is not None else "http"
+        threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        ).start()
+        return self.url
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"{self._scheme}://127.0.0.1:{self._server.server_address[1]}"
+
+    def stop(self) -> None:
+        self._open.set()  # held requests end
+        with self._lock:
+            self._stopping = True
+            self._changed.notify_all()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+    def kubeconfig(
+        self,
+        path: Path,
+        cluster: dict[str, Any] | None = None,
+        user: dict[str, Any] | None = None,
+    ) -> Path:
+        """A kubeconfig for this double; ``cluster``/``user`` add to (or replace) the
+        defaults (the server URL, a bearer token)."""
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "double",
+                    "clusters": [
+                        {"name": "double", "cluster": {"server": self.url, **(cluster or {})}}
+                    ],
+                    "users": [
+                        {
+                            "name": "tester",
+                            "user": user if user is not None else {"token": "test-token"},
+                        }
+                    ],
+                    "contexts": [
+                        {"name": "double", "context": {"cluster": "double", "user": "tester"}}
+                    ],
+                }
+            )
+        )
+        return path
+
+
+    # ------------------------------------------------------------------ serving
+
+    def _handle(self, request: BaseHTTPRequestHandler) -> None:
+        self._open.wait()
+        parsed = urlparse(request.path)
+        length = int(request.headers.get("Content-Length") or 0)
+        raw = request.rfile.read(length) if length else b""
+        content_type = request.headers.get("Content-Type", "")
+        body: Any = None
+        if raw:
+            body = yaml.safe_load(raw) if "yaml" in content_type else json.loads(raw)
+        query = parse_qs(parsed.query)
+        with self._lock:
+            peer = getattr(request.connection, "getpeercert", lambda: None)()
+            self.requests.append(
+                Recorded(
+                    request.command,
+                    parsed.path,
+                    query,
+                    content_type,
+                    body,
+                    request.headers.get("Authorization", ""),
+                    bool(peer),
+                )
+            )
+            failure = self._failures.pop(0) if self._failures else None
+        if failure is not None:
+            return self._reply(request, failure, self._status(failure, "injected failure"))
+        if request.command == "GET" and (query.get("watch") or [""])[0] in ("1", "true"):
+            return self._watch(request, parsed.path, query)
+        if request.command == "GET" and parsed.path.rstrip("/").split("/")[-1] in KINDS:
+            return self._list(request, parsed.path, query)
+        version = parsed.path.rstrip("/").removeprefix("/apis/").removeprefix("/api/")
+        if request.command == "GET" and version in GROUPS:
+            if version not in self.groups:
+                return self._reply(request, 404, self._status(404, "the server could not find it"))
+            resources = [{"name": p, "kind": KINDS[p]} for p in self.groups[version]]
+            listing = {"kind": "APIResourceList", "groupVersion": version, "resources": resources}
+            return self._reply(request, 200, listing)
+        if request.command == "GET" and parsed.path.endswith("/log"):
+            return self._log(request, parsed.path.rstrip("/").rsplit("/", 1)[0])
+        with self._lock:
+            status, answer = self._dispatch(request.command, parsed.path, query, content_type, body)
+        self._reply(request, status, answer)
+
+    def _dispatch(
+        self, method: str, path: str, query: dict[str, list[str]], content_type: str, body: Any
+    ) -> tuple[int, Any]:
+        parts = path.rstrip("/").split("/")
+        is_collection = parts[-1] in KINDS or (
+            len(parts) >= 2 and parts[-2] == "namespaces" and False
+        )
+        dry_run = (query.get("dryRun") or [""])[0] == "All"
+        if method in ("POST", "PUT") and isinstance(body, dict):
+            body = self._drop_disabled(body)
+        if method == "DELETE" and is_collection:
+            labels = (query.get("labelSelector") or [""])[0]
+            fields = (query.get("fieldSelector") or [""])[0]
+            doomed = [
+                key
+                for key, o in self._collections(path)
+                if _matches_labels(o, labels) and _matches_fields(o, fields)
+            ]
+            for key in doomed:
+                self._drop(key)
+            return 200, self._status(200, "deleted") | {"status": "Success"}
+        if method == "POST" and is_collection:
+            name = body["metadata"]["name"]
+            key = f"{path.rstrip('/')}/{name}"
+            if key in self.objects:
+                return 409, self._status(409, f"{name} already exists")
+            if dry_run:
+                return 201, deepcopy(body)
+            self._put(key, body)
+            return 201, deepcopy(body)
+        key = path.rstrip("/")
+        current = self.objects.get(key)
+        if method == "PUT":
+            if current is None:
+                return 404, self._status(404, f"{parts[-1]} not found")
+            asked = (body.get("metadata") or {}).get("resourceVersion")
+            if asked and asked != current["metadata"].get("resourceVersion"):
+                return 409, self._status(409, "the object has been modified") | {
+                    "reason": "Conflict"
+                }
+            body.setdefault("metadata", {})["uid"] = current["metadata"].get("uid")
+            if dry_run:
+                return 200, deepcopy(body)
+            self._put(key, body)
+            return 200, deepcopy(body)
+        if method == "GET":
+            if current is None:
+                return 404, self._status(404, f"{parts[-1]} not found")
+            return 200, deepcopy(current)
+        if method == "DELETE":
+            if current is None:
+                return 404, self._status(404, f"{parts[-1]} not found")
+            self._drop(key)
+            return 200, self._status(200, "deleted") | {"status": "Success"}
+        if method == "POST" and parts[-1] == "binding":
+            return self._bind(key.rsplit("/", 1)[0], body)
+        if method == "PATCH" and "apply-patch" in content_type:
+            return self._apply(parts, key, current, query, body)
+        if method == "PATCH":
+            if current is None:
+                return 404, self._status(404, f"{parts[-1]} not found")
+            elif "json-patch" in content_type:
+                return 400, self._status(400, "json-patch is not supported by the double")
+            else:
+                merged = merge_patch(current, body)
+            self._put(key, merged)
+            return 200, deepcopy(merged)
+        return 400, self._status(400, f"{method} {path} is not supported by the double")
+
+    def _drop_disabled(self, body: dict[str, Any]) -> dict[str, Any]:
+        """What a server with the DRA gates off stores of a ResourceSlice: the gated
+        device fields are dropped without a word, as the real strategy's
+        dropDisabledFields does."""
+        if body.get("kind") != "ResourceSlice":
+            return body
+        body = deepcopy(body)
+        for device in (body.get("spec") or {}).get("devices") or []:
+            if not isinstance(device, dict):
+                continue
+            if not self.consumable_capacity:
+                device.pop("allowMultipleAllocations", None)
+                for entry in (device.get("capacity") or {}).values():
+                    if isinstance(entry, dict):
+                        entry.pop("requestPolicy", None)
+            if not self.device_taints:
+                device.pop("taints", None)
+        return body
+
+    def _bind(self, pod_key: str, body: Any) -> tuple[int, Any]:
+        """``pods/{name}/binding``: what the real server checks, then ``spec.nodeName``
+        and the Binding's annotations merged into the pod's. A UID in the Binding must
+        be the pod's (409 otherwise); a bound pod is 409."""
+        pod = self.objects.get(pod_key)
+        name = pod_key.rsplit("/", 1)[-1]
+        if pod is None:
+            return 404, self._status(404, f'pods "{name}" not found')
+        target = body.get("target") if isinstance(body, dict) else None
+        meta = body.get("metadata") if isinstance(body, dict) else None
+        if not isinstance(target, dict) or not target.get("name") or not isinstance(meta, dict):
+            return 400, self._status(400, "a Binding needs metadata and target.name")
+        uid = meta.get("uid")
+        if uid and uid != pod["metadata"]["uid"]:
+            return 409, self._status(
+                409,
+                f"Precondition failed: UID in precondition: {uid}, "
+                f"UID in object meta: {pod['metadata']['uid']}",
+            )
+        if (pod.get("spec") or {}).get("nodeName"):
+            return 409, self._status(
+                409, f'pod {name} is already assigned to node "{pod["spec"]["nodeName"]}"'
+            )
+        pod.setdefault("spec", {})["nodeName"] = target["name"]
+        annotations = meta.get("annotations")
+        if isinstance(annotations, dict) and annotations:  # merged, as the real server does
+            pod["metadata"].setdefault("annotations", {}).update(
+                {str(k): str(v) for k, v in annotations.items()}
+            )
+        self._put(pod_key, pod)  # a MODIFIED event for watches
+        return 201, {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}
+
+    def _apply(
+        self,
+        parts: list[str],
+        key: str,
+        current: dict[str, Any] | None,
+        query: dict[str, list[str]],
+        body: Any,
+    ) -> tuple[int, Any]:
+        """Server-side apply, as far as a double can: the checks the real server makes on
+        the request, create-or-merge, and no new resourceVersion when nothing changed."""
+        manager = (query.get("fieldManager") or [""])[0]
+        if not manager:
+            return 400, self._status(400, "PATCH: fieldManager is required for apply requests")
+        group_version = "/".join(parts[2:4]) if parts[1] == "apis" else parts[2]
+        plural = parts[-2]
+        meta = body.get("metadata") if isinstance(body, dict) else None
+        if (
+            not isinstance(meta, dict)
+            or body.get("apiVersion") != group_version
+            or body.get("kind") != KINDS.get(plural)
+            or meta.get("name") != parts[-1]
+        ):
+            return 400, self._status(400, "apply body does not match the URL")
+        namespace = parts[parts.index("namespaces") + 1] if "namespaces" in parts[:-2] else None
+        if meta.get("namespace", namespace) != namespace:
+            return 400, self._status(400, "the namespace of the body does not match the URL")
+        merged = merge_patch(current or {}, body)
+        merged_meta = merged.setdefault("metadata", {})
+        if namespace:
+            merged_meta["namespace"] = namespace
+        managers = [m for m in merged_meta.get("managedFields", []) if m["manager"] != manager]
+        merged_meta["managedFields"] = [*managers, {"manager": manager, "operation": "Apply"}]
+
+        def content(obj: dict[str, Any]) -> dict[str, Any]:
+            view = deepcopy(obj)
+            for name in _SERVER_FIELDS:
+                view.get("metadata", {}).pop(name, None)
+            return view
+
+        if current is not None and content(merged) == content(current):
+            return 200, deepcopy(current)
+        self._put(key, merged)
+        return (201 if current is None else 200), deepcopy(merged)
+
+    # ------------------------------------------------------------------ watches
+
+
+def main() -> None:
+    """``python -m gpushare.sim.apidouble``: serve the double on 127.0.0.1, print its URL,
+    and stop when standard input closes (``make bench`` runs it in its own process)."""
+    import sys
+
+    double = KubeApiDouble()
+    print(double.start(), flush=True)
+    sys.stdin.read()
+    double.stop()
+
+
+if __name__ == "__main__":
+    main()

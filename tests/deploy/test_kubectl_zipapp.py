@@ -1,0 +1,110 @@
+"""``kubectl gpushare`` as one file for Python 3.9+ with nothing to install.
+
+The test builds the zipapp (what ``make kubectl-plugin`` runs), then runs it with the
+oldest Python it can find from 3.9 up (this machine's own when there is none) against the
+API-server double: ``--help``, ``version`` and ``inspect``, with no site-packages (``-S``
+``-E``: nothing installed is reachable). Every module in the archive must also parse as
+Python 3.9, and the krew manifest names the archive by its sha256.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+from kit.kube_double import KubeApiDouble
+
+from gpushare.kube import nodestate
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import build_kubectl_plugin  # noqa: E402
+
+
+@functools.lru_cache(maxsize=1)
+def oldest_python() -> str:
+    """python3.9 (or the next oldest 3.x >= 3.9) if installed, else this interpreter."""
+    for minor in (9, 10, 11, 12, 13):
+        candidates = [
+            shutil.which(f"python3.{minor}"),
+            *sorted(Path.home().glob(f".pyenv/versions/3.{minor}.*/bin/python3.{minor}")),
+        ]
+        for found in candidates:
+            if (
+                found
+                and subprocess.run([str(found), "-c", "pass"], capture_output=True).returncode == 0
+            ):
+                return str(found)
+    return sys.executable
+
+
+@pytest.fixture(scope="module")
+def plugin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_kubectl_plugin.build(tmp_path_factory.mktemp("plugin") / "kubectl-gpushare")
+
+
+def run(
+    plugin: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [oldest_python(), "-S", "-E", str(plugin), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", **(env or {})},
+    )
+
+
+def test_every_module_in_the_archive_parses_as_python_3_9(plugin: Path) -> None:
+    with zipfile.ZipFile(plugin) as archive:
+        names = [n for n in archive.namelist() if n.endswith(".py")]
+        assert "gpushare/ops/kubectl.py" in names and "yaml/__init__.py" in names
+        assert not any(n.startswith(("kubernetes/", "grpc/", "pynvml")) for n in names)
+        for name in names:
+            ast.parse(archive.read(name), filename=name, feature_version=(3, 9))
+
+
+def test_help_and_version_run_with_nothing_installed(plugin: Path) -> None:
+    help_ = run(plugin, "--help")
+    assert help_.returncode == 0, help_.stderr
+    for command in ("inspect", "verify", "install", "uninstall", "version"):
+        assert command in help_.stdout
+    version = run(plugin, "version")
+    assert version.returncode == 0 and version.stdout.startswith("kubectl gpushare ")
+
+
+def test_inspect_against_the_api_server_double(
+    plugin: Path, api: KubeApiDouble, tmp_path: Path
+) -> None:
+    card = nodestate.CardState("GPU-1", 0, "Tesla P4", 7611, 29, 4, 100, 30, True)
+    state = nodestate.NodeGpuState(3, "2026-11-25T00:00:00Z", 256, (card,))
+    meta = {"name": "gpu-a", "annotations": {"gpushare.io/gpus": nodestate.encode(state)}}
+    api.add({"apiVersion": "v1", "kind": "Node", "metadata": meta})
+    config = api.kubeconfig(tmp_path / "kubeconfig")
+    result = run(plugin, "inspect", env={"KUBECONFIG": str(config)})
+    assert result.returncode == 0, result.stderr
+    assert "NODE gpu-a  (1 card, 256 MiB units, generation 3" in result.stdout
+    assert "1024/7424" in result.stdout
+    missing = run(plugin, "inspect", env={"KUBECONFIG": str(tmp_path / "absent")})
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_the_krew_manifest_names_the_archive_by_its_digest(plugin: Path) -> None:
+    archive, manifest = build_kubectl_plugin.krew_release(plugin, "https://example.org/rel/")
+    doc = yaml.safe_load(manifest.read_text())
+    assert doc["kind"] == "Plugin" and doc["metadata"]["name"] == "gpushare"
+    (platform,) = doc["spec"]["platforms"]
+    assert platform["uri"] == f"https://example.org/rel/{archive.name}"
+    assert platform["sha256"] == hashlib.sha256(archive.read_bytes()).hexdigest()
+    assert platform["bin"] == "kubectl-gpushare"
+    assert doc["spec"]["version"].startswith("v") and "$" not in manifest.read_text()
+    assert os.access(plugin, os.X_OK)

@@ -1,0 +1,100 @@
+"""The memory hook and the stand-in NVML built by gcc, and a world for them: a stand-in
+cgroup v2 tree, a stand-in /proc and the simulated driver's limit store. Shared by the
+hook's tests, the end-to-end tests from Allocate or prepare to the limit, and the bench."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpushare.gpu.memlimits import LimitStore
+
+ROOT = Path(__file__).resolve().parents[2]
+HOOK_SOURCE = ROOT / "hook" / "memory-hook.c"
+NVML_SOURCE = ROOT / "tests" / "kit" / "standin" / "libnvml_standin.c"
+UUID = "GPU-11111111-2222-3333-4444-555555555555"
+HAVE_GCC = shutil.which("gcc") is not None
+
+
+def build(out: Path) -> tuple[Path, Path]:
+    """(the hook program, the stand-in libnvidia-ml) built into ``out``."""
+    hook, nvml = out / "gpushare-memory-hook", out / "libnvidia-ml.so.1"
+    flags = ["-O2", "-Wall", "-Wextra", "-Werror"]
+    subprocess.run(["gcc", *flags, "-o", str(hook), str(HOOK_SOURCE), "-ldl"], check=True,
+                   timeout=120)  # fmt: skip
+    subprocess.run(["gcc", *flags, "-shared", "-fPIC", "-o", str(nvml), str(NVML_SOURCE)],
+                   check=True, timeout=120)  # fmt: skip
+    return hook, nvml
+
+
+@dataclass
+class HookWorld:
+    """A stand-in host for the hook: ``cgroup`` (a cgroup v2 root), ``proc`` and the
+    simulated driver's ``store``."""
+
+    base: Path
+    hook: Path
+    nvml: Path
+
+    def __post_init__(self) -> None:
+        self.cgroup = self.base / "cgroup"
+        self.proc = self.base / "proc"
+        self.store = LimitStore(self.base / "store")
+        self.cgroup.mkdir(parents=True, exist_ok=True)
+        (self.cgroup / "cgroup.controllers").write_text("cpu memory\n")
+        self.proc.mkdir(exist_ok=True)
+        self.store.publish("615.20.01", {UUID: "ok"})
+
+    def container(self, pid: int, path: str, make: bool = True, text: str | None = None) -> str:
+        """A process ``pid`` in cgroup ``path`` (made under the root with ``make``);
+        ``text``: the whole /proc/<pid>/cgroup instead. The namespace NVML is given."""
+        if make:
+            (self.cgroup / path.lstrip("/")).mkdir(parents=True, exist_ok=True)
+        (self.proc / str(pid)).mkdir(exist_ok=True)
+        (self.proc / str(pid) / "cgroup").write_text(text if text is not None else f"0::{path}\n")
+        return f"{self.cgroup}{path}"
+
+    def args(self, uuid: str = UUID, limit_mib: int | str = 512) -> list[str]:
+        return [
+            str(self.hook), "--gpu", uuid, "--limit-mib", str(limit_mib),
+            "--nvml-lib", str(self.nvml), "--cgroup-root", str(self.cgroup),
+            "--proc-root", str(self.proc),
+        ]  # fmt: skip
+
+    def run(
+        self, state: bytes | str | dict[str, object], args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        """The hook run as a runtime runs it: the OCI state on stdin."""
+        data = json.dumps(state) if isinstance(state, dict) else state
+        raw = data.encode() if isinstance(data, str) else data
+        result = subprocess.run(
+            args if args is not None else self.args(),
+            input=raw,
+            capture_output=True,
+            env={"GPUSHARE_NVML_STORE": str(self.store.path)} if env is None else env,
+            timeout=60,
+        )
+        return subprocess.CompletedProcess(
+            result.args, result.returncode, result.stdout.decode(), result.stderr.decode()
+        )
+
+
+def oci_state(pid: int, **extra: object) -> dict[str, object]:
+    return {"ociVersion": "1.2.0", "id": "c1", "status": "creating", "pid": pid,
+            "bundle": "/run/containerd/c1", **extra}  # fmt: skip
+
+
+def tree(base: Path) -> dict[str, tuple[int, int]]:
+    """Every path under ``base`` with its size and change time: what a run wrote."""
+    found = {}
+    for here, dirs, files in os.walk(base):
+        for name in dirs + files:
+            path = Path(here) / name
+            st = path.lstat()
+            found[str(path.relative_to(base))] = (st.st_size, st.st_mtime_ns)
+    return found

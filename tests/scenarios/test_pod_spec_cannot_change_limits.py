@@ -1,0 +1,396 @@
+"""A tenant's pod spec cannot change the limits its container gets (issue 32 item 1).
+
+One list (``share/reserved.py``), three readers: the admission policy
+``gpushare-reserved-settings`` (kustomize and chart), the daemon's own check at
+Allocate, and the CDI mode in which none of it is needed for env. Here: the policy's
+CEL is the one generated from the list, and the policy (run by a real CEL
+implementation, see test_policies.py) and the daemon's check give the same verdict on
+random containers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+from conftest import TESLA_P4, Node, cards
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_deploy_manifests import chart_objects
+from test_policies import CREATE_POD, POLICIES, Policy
+
+from gpushare.kube.podslim import slim
+from gpushare.share import reserved
+from gpushare.sim.kubeletdouble import AdmissionError
+
+ROOT = POLICIES.parent.parent
+
+#: The pod of the issue: 4 memory units, and four lines of env that undid them.
+ISSUE_ENV = [
+    {"name": "CUDA_DEVICE_MEMORY_LIMIT_0", "value": "99999m"},
+    {"name": "CUDA_DEVICE_SM_LIMIT", "value": "100"},
+    {"name": "LD_PRELOAD", "value": ""},
+    {"name": "CUDA_DISABLE_CONTROL", "value": "true"},
+]
+
+
+def _spec(name: str = "reserved-settings.yaml") -> dict[str, Any]:
+    policy, binding = yaml.safe_load_all((POLICIES / name).read_text())
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    return policy["spec"]  # type: ignore[no-any-return]
+
+
+RESERVED = Policy(_spec())
+
+
+def _gpu(name: str = "app", **extra: Any) -> dict[str, Any]:
+    return {"name": name, "resources": {"limits": {"gpushare.io/vcuda-memory": "4"}}, **extra}
+
+
+def _pod(*containers: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "p"},
+        "spec": {"containers": list(containers)},
+    }
+
+
+def _refused(policy: Policy, pod: dict[str, Any]) -> list[str]:
+    denials = policy.denials(CREATE_POD, pod)
+    assert denials is not None
+    return denials
+
+
+# -- one list ---------------------------------------------------------------------------------
+
+
+def _variable(spec: dict[str, Any], name: str) -> str:
+    (found,) = [v["expression"] for v in spec["variables"] if v["name"] == name]
+    return " ".join(str(found).split())
+
+
+@pytest.mark.parametrize(
+    ("variable", "generated"),
+    [
+        ("setsReserved", reserved.cel_env_reserved("e.name")),
+        ("envFromUnsafe", reserved.cel_prefix_unsafe("f.prefix")),
+        ("mountsReserved", reserved.cel_path_reserved("m.mountPath")),
+    ],
+)
+def test_the_policy_carries_the_cel_generated_from_the_one_list(
+    variable: str, generated: str
+) -> None:
+    assert generated in _variable(_spec(), variable)
+    shipped = yaml.safe_load_all(
+        (ROOT / "src/gpushare/manifests/policies/reserved-settings.yaml").read_text()
+    )
+    assert next(iter(shipped))["spec"] == _spec()
+
+
+def _chart_policy(values: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    for obj in chart_objects(values):
+        if obj["kind"] == "ValidatingAdmissionPolicy" and obj["metadata"]["name"].endswith(
+            "reserved-settings"
+        ):
+            return obj["spec"]  # type: ignore[no-any-return]
+    return None
+
+
+def test_the_chart_ships_the_same_policy_on_by_default_and_without_env_rules_under_cdi() -> None:
+    assert _chart_policy() == _spec()
+    kustomization = yaml.safe_load((ROOT / "daemonset" / "kustomization.yaml").read_text())
+    assert "policies/reserved-settings.yaml" in kustomization["resources"]
+    assert _chart_policy({"policies": {"reservedSettings": {"enabled": False}}}) is None
+    cdi = _chart_policy({"config": {"deviceListStrategy": "cdi-cri"}})
+    assert cdi is not None
+    names = {v["name"] for v in cdi["variables"]}
+    assert "setsReserved" not in names and "envFromUnsafe" not in names
+    assert "mountsReserved" in names
+    policy = Policy(cdi)
+    # under CDI the issue's pod is let through (the CDI edits replace its env) ...
+    assert _refused(policy, _pod(_gpu(env=ISSUE_ENV))) == []
+    # ... but not a volume over the interposer's cache
+    assert _refused(
+        policy, _pod(_gpu(volumeMounts=[{"name": "v", "mountPath": "/usr/local/vgpu/cache"}]))
+    )
+
+
+# -- verdicts -------------------------------------------------------------------------------
+
+
+def test_the_issue_pod_is_refused_naming_its_container() -> None:
+    (message,) = _refused(RESERVED, _pod(_gpu("trainer", env=ISSUE_ENV)))
+    assert message.startswith("container(s) trainer set in env a variable gpushare reserves")
+    assert reserved.tampering(_gpu(env=ISSUE_ENV)) == (
+        "sets CUDA_DEVICE_MEMORY_LIMIT_0, CUDA_DEVICE_SM_LIMIT, CUDA_DISABLE_CONTROL, "
+        "LD_PRELOAD in env"
+    )
+
+
+@pytest.mark.parametrize(
+    ("container", "refused"),
+    [
+        (_gpu(env=[{"name": "CUDA_VISIBLE_DEVICES", "value": "0"}]), False),
+        (_gpu(env=[{"name": "CUDA_DEVICE_MEMORY_LIMIT", "value": "9g"}]), True),
+        (_gpu(env=[{"name": "CUDA_DEVICE_SM_LIMIT_1", "value": "100"}]), True),
+        (_gpu(env=[{"name": "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "value": "0=9G"}]), True),
+        (_gpu(env=[{"name": "NVIDIA_GPU_MEMORY_LIMIT", "value": "99999"}]), True),
+        (_gpu(env=[{"name": "CUDA_REDIRECT", "value": "/tmp/x.so"}]), True),
+        (_gpu(envFrom=[{"configMapRef": {"name": "c"}}]), True),
+        (_gpu(envFrom=[{"configMapRef": {"name": "c"}, "prefix": "APP_"}]), False),
+        (_gpu(envFrom=[{"secretRef": {"name": "c"}, "prefix": "CUDA_"}]), True),
+        (_gpu(envFrom=[{"secretRef": {"name": "c"}, "prefix": "CUDA_MPS_X"}]), True),
+        (_gpu(envFrom=[{"secretRef": {"name": "c"}, "prefix": "LD_"}]), True),
+        (_gpu(envFrom=[{"secretRef": {"name": "c"}, "prefix": "LD_X"}]), False),
+        (_gpu(volumeMounts=[{"name": "v", "mountPath": "/tmp"}]), False),
+        (_gpu(volumeMounts=[{"name": "v", "mountPath": "/usr/local"}]), False),
+        (_gpu(volumeMounts=[{"name": "v", "mountPath": "/tmp/vgpulock"}]), True),
+        (_gpu(volumeMounts=[{"name": "v", "mountPath": "/tmp/vgpulock/x"}]), True),
+        (_gpu(volumeMounts=[{"name": "v", "mountPath": "/tmp/vgpulocks"}]), False),
+        (_gpu(volumeMounts=[{"name": "v", "mountPath": "/etc/ld.so.preload"}]), True),
+        (_gpu(volumeMounts=[{"name": "v", "mountPath": "/etc/ldXsoXpreload"}]), False),
+        (_gpu(volumeMounts=[{"name": "v", "mountPath": "/overrideEnv"}]), True),
+        (_gpu(volumeMounts=[{"name": "v", "mountPath": "/usr//local/vgpu"}]), True),
+        (_gpu(volumeMounts=[{"name": "v", "mountPath": "/usr/./local/vgpu/cache"}]), True),
+        (_gpu(volumeMounts=[{"name": "v", "mountPath": "/data/../usr/local/vgpu"}]), True),
+        # not a GPU container: not ours to judge
+        ({"name": "side", "env": ISSUE_ENV}, False),
+        # a DRA claim: its env is replaced by our CDI edits; its mounts are checked
+        ({"name": "c", "resources": {"claims": [{"name": "gpu"}]}, "env": ISSUE_ENV}, False),
+        (
+            {
+                "name": "c",
+                "resources": {"claims": [{"name": "gpu"}]},
+                "volumeMounts": [{"name": "v", "mountPath": "/usr/local/vgpu"}],
+            },
+            True,
+        ),
+        # whole cards and MIG devices too (NVIDIA_VISIBLE_DEVICES would widen them)
+        (
+            {
+                "name": "w",
+                "resources": {"limits": {"gpushare.io/gpu": "1"}},
+                "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}],
+            },
+            True,
+        ),
+    ],
+)
+def test_reserved_settings_examples(container: dict[str, Any], refused: bool) -> None:
+    assert bool(_refused(RESERVED, _pod(container))) is refused
+
+
+def _is_guarded(container: dict[str, Any]) -> tuple[bool, bool]:
+    """(asks a gpushare resource, uses a DRA claim)"""
+    resources = container.get("resources") or {}
+    gpu = any(
+        k in ("gpushare.io/vcuda-memory", "gpushare.io/vcuda-core", "gpushare.io/gpu")
+        or k.startswith("gpushare.io/mig-")
+        for k in resources.get("limits") or {}
+    )
+    return gpu, bool(resources.get("claims"))
+
+
+_NAMES = st.sampled_from(
+    [
+        *reserved.RESERVED_NAMES,
+        *(p + s for p in reserved.RESERVED_PREFIXES for s in ("", "0", "_1", "X")),
+        "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_MEMORY",
+        "LD_LIBRARY_PATH",
+        "LD_PRELOAD_X",
+        "NVIDIA_DRIVER_CAPABILITIES",
+        "PATH",
+    ]
+)
+_PREFIXES = st.one_of(
+    st.none(),
+    st.sampled_from(
+        ["", "APP_", "CUDA", "CUDA_", "CUDA_MPS_", "CUDA_MPS_X", "L", "LD_", "N", "X_"]
+    ),
+    st.text(alphabet="ACDEGLMNOPRSTUV_", max_size=12),
+)
+_PATHS = st.one_of(
+    st.sampled_from(
+        [
+            "/tmp",
+            "/tmp/vgpulock",
+            "/tmp/vgpulock/",
+            "/tmp/vgpulock2",
+            "/usr/local/vgpu/cache/vgpu.cache",
+            "/usr/local/vgpux",
+            "/etc",
+            "/etc/ld.so.preload",
+            "/overrideEnv",
+            "/overrideEnvX",
+            "/data",
+            "/a//b",
+            "/a/./b",
+            "/a/..",
+            "/a/...",
+        ]
+    ),
+    st.lists(
+        st.sampled_from(["usr", "local", "vgpu", "tmp", "etc", ".", "..", ""]), max_size=4
+    ).map(lambda parts: "/" + "/".join(parts)),
+)
+
+
+@st.composite
+def _containers(draw: st.DrawFn) -> dict[str, Any]:
+    container: dict[str, Any] = {"name": draw(st.sampled_from(["a", "b", "c"]))}
+    limits = draw(
+        st.sets(
+            st.sampled_from(
+                ["gpushare.io/vcuda-memory", "gpushare.io/gpu", "gpushare.io/mig-1g.5gb", "cpu"]
+            ),
+            max_size=2,
+        )
+    )
+    resources: dict[str, Any] = {}
+    if limits:
+        resources["limits"] = {k: "1" for k in limits}
+    if draw(st.booleans()):
+        resources["claims"] = [{"name": "gpu"}]
+    if resources:
+        container["resources"] = resources
+    if draw(st.booleans()):
+        container["env"] = [{"name": n, "value": "x"} for n in draw(st.lists(_NAMES, max_size=3))]
+    if draw(st.booleans()):
+        container["envFrom"] = [
+            {"configMapRef": {"name": "m"}} | ({} if p is None else {"prefix": p})
+            for p in draw(st.lists(_PREFIXES, min_size=1, max_size=2))
+        ]
+    if draw(st.booleans()):
+        container["volumeMounts"] = [
+            {"name": "v", "mountPath": p} for p in draw(st.lists(_PATHS, min_size=1, max_size=3))
+        ]
+    return container
+
+
+@settings(max_examples=150, deadline=None)
+@given(_containers())
+def test_the_policy_and_the_daemon_agree(container: dict[str, Any]) -> None:
+    gpu, claims = _is_guarded(container)
+    denials = _refused(RESERVED, _pod(container))
+    if gpu:
+        expected = reserved.tampering(container, env=True)
+    elif claims:
+        expected = reserved.tampering(container, env=False)
+    else:
+        expected = None
+    assert bool(denials) is (expected is not None), (denials, expected)
+    # the rules in plain words
+    if expected is None:
+        return
+    names = [e["name"] for e in container.get("env") or []]
+    prefixes = [f.get("prefix") for f in container.get("envFrom") or []]
+    paths = [m["mountPath"] for m in container.get("volumeMounts") or []]
+    assert (
+        (
+            gpu
+            and any(
+                n.startswith(reserved.RESERVED_PREFIXES) or n in reserved.RESERVED_NAMES
+                for n in names
+            )
+        )
+        or (gpu and any(not p or reserved.prefix_can_form_reserved(p) for p in prefixes))
+        or any(reserved.path_reserved(p) for p in paths)
+    )
+
+
+def test_a_prefix_is_unsafe_exactly_when_some_key_would_form_a_reserved_name() -> None:
+    """Every start of a reserved name or prefix is unsafe (the rest of the name is a
+    key a ConfigMap may hold); prefixes that no reserved name starts with are safe."""
+    for name in (*reserved.RESERVED_NAMES, *reserved.RESERVED_PREFIXES):
+        for cut in range(len(name) + 1):
+            prefix = name[:cut]
+            assert reserved.prefix_can_form_reserved(prefix)
+            assert reserved.env_reserved(
+                prefix + name[cut:] + ("X" if name in reserved.RESERVED_PREFIXES else "")
+            )
+    for prefix in ("APP_", "LD_X", "CUDA_X", "NVIDIA_X", "GPUX_", "X"):
+        assert not reserved.prefix_can_form_reserved(prefix)
+
+
+# -- the daemon's own check, where the policy is off -------------------------------------------
+
+
+def _tampering_pod(node: Node, name: str, **extra: Any) -> dict[str, Any]:
+    pod = node.pod(name, {node.memory: 4})
+    pod["spec"]["containers"][0].update(extra)
+    assert node.specs is not None
+    node.specs.update(pod)
+    return pod
+
+
+def _failed(node: Node, pod: dict[str, Any]) -> None:
+    """What the kubelet does with a pod whose admission was refused."""
+    assert node.specs is not None
+    node.specs.update(pod | {"status": {"phase": "Failed"}})
+
+
+def test_without_the_policy_the_daemon_refuses_the_issue_pod_and_serves_the_honest_one(
+    node: Node,
+) -> None:
+    """Before the fix the issue's pod was admitted with ``CUDA_DEVICE_MEMORY_LIMIT_0=1024m``
+    in its answer and ``99999m`` after it in its spec: the runtime kept the tenant's."""
+    node.with_pod_specs()
+    node.start(cards(TESLA_P4, 1))
+    greedy = _tampering_pod(node, "greedy", env=ISSUE_ENV)
+    with pytest.raises(AdmissionError) as refused:
+        node.kubelet.admit("greedy", "main", {node.memory: 4})
+    message = str(refused.value)
+    assert "container greedy/main sets CUDA_DEVICE_MEMORY_LIMIT_0" in message
+    assert "\n" not in message
+    assert not node.kubelet.admitted
+    _failed(node, greedy)
+    _tampering_pod(node, "honest", env=[{"name": "APP_MODE", "value": "x"}])
+    record = node.kubelet.admit("honest", "main", {node.memory: 4})
+    assert record.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "1024m"
+
+
+def test_under_cdi_the_daemon_refuses_only_mounts_over_the_interposer(node: Node) -> None:
+    node.with_pod_specs()
+    node.start(cards(TESLA_P4, 1), device_list_strategy="cdi-cri")
+    mounts = _tampering_pod(
+        node,
+        "mounts",
+        volumeMounts=[{"name": "v", "mountPath": "/usr/local/vgpu/cache/vgpu.cache"}],
+    )
+    with pytest.raises(AdmissionError, match="mounts a volume at /usr/local/vgpu/cache"):
+        node.kubelet.admit("mounts", "main", {node.memory: 4})
+    _failed(node, mounts)
+    _tampering_pod(node, "env-only", env=ISSUE_ENV)
+    assert node.kubelet.admit("env-only", "main", {node.memory: 4}).devices[node.memory]
+
+
+@settings(max_examples=150, deadline=None)
+@given(_containers())
+def test_what_the_pod_watch_keeps_gives_the_daemon_the_same_verdict(
+    container: dict[str, Any],
+) -> None:
+    """The daemon's pod watch keeps a slim copy of each pod (kube/podslim.py): for a GPU
+    container it keeps what makes the check speak, so the verdict is the full pod's (the
+    e2e run found the watch dropped env and mounts: the daemon admitted the issue's pod)."""
+    container = {**container, "resources": {"limits": {"gpushare.io/vcuda-memory": "4"}}}
+    pod = {
+        "metadata": {"uid": "u", "namespace": "default", "name": "p"},
+        "spec": {"containers": [container]},
+        "status": {"phase": "Pending"},
+    }
+    kept = slim(pod, "gpushare.io")
+    assert kept is not None
+    (slimmed,) = kept["spec"]["containers"]
+    for env in (True, False):
+        assert bool(reserved.tampering(slimmed, env=env)) == bool(
+            reserved.tampering(container, env=env)
+        )
+    many = {**container, "env": [{"name": "LD_PRELOAD", "value": "x" * 1000}] * 10_000}
+    kept = slim({**pod, "spec": {"containers": [many]}}, "gpushare.io")
+    assert kept is not None
+    assert len(str(kept)) < 4_000 + 2 * len(str(container.get("volumeMounts", "")))

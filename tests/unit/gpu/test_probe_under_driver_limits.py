@@ -1,0 +1,85 @@
+"""The enforcement probe under the ``driver`` memory backend, without a GPU: the memory
+hook (built by gcc) sets a container's limit through the stand-in NVML into the simulated
+driver's store, and the stand-in CUDA driver (tests/kit/standin/libcuda_standin.c) checks
+every allocation of the processes of that cgroup against it. The probe, told the grant
+(``--memory-backend driver --limit-mib``), must find the limit held; where the hook set
+nothing it must say that the limit is not enforced."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from kit.memhook import HAVE_GCC, UUID, HookWorld, build, oci_state
+
+from gpushare.gpu import probe
+
+ROOT = Path(__file__).resolve().parents[3]
+CUDA_SOURCE = ROOT / "tests" / "kit" / "standin" / "libcuda_standin.c"
+LIMIT_MIB = 1024
+CARD_BYTES = 8 * LIMIT_MIB << 20
+
+pytestmark = pytest.mark.skipif(not HAVE_GCC, reason="needs gcc")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    out = tmp_path_factory.mktemp("standins")
+    hook, nvml = build(out)
+    cuda = out / "libcuda.so.1"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(cuda), str(CUDA_SOURCE)], check=True,
+                   timeout=120)  # fmt: skip
+    return hook, nvml, cuda
+
+
+def run_probe(cuda: Path, world: HookWorld, namespace: str) -> tuple[int, list[probe.Check]]:
+    env = {
+        "PATH": os.environ["PATH"],
+        "PYTHONPATH": str(ROOT / "src"),
+        "NVIDIA_VISIBLE_DEVICES": UUID,
+        "STANDIN_LIMIT": str(CARD_BYTES),  # the card, where the driver holds no limit
+        "STANDIN_DRIVER_STORE": str(world.store.path),
+        "STANDIN_GPU": UUID,
+        "STANDIN_CGROUP": namespace,  # the cgroup the probe's processes are in
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "gpushare.gpu.probe", "--library", str(cuda),
+         "--memory-backend", "driver", "--limit-mib", str(LIMIT_MIB), "--spin-seconds", "0.2"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    checks = probe.parse_report(result.stdout)
+    assert checks is not None, result.stderr
+    return result.returncode, checks
+
+
+def test_the_limit_the_hook_set_holds_for_the_containers_processes(
+    built: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    hook, nvml, cuda = built
+    world = HookWorld(tmp_path, hook, nvml)
+    namespace = world.container(77, "/kubepods/pod-p/probe")
+    assert world.run(oci_state(77), args=world.args(limit_mib=LIMIT_MIB)).returncode == 0
+    code, checks = run_probe(cuda, world, namespace)
+    by_name = {c.name: c for c in checks}
+    assert code == 0, probe.verdict(checks)[1]
+    assert "interposer loaded" not in by_name  # the driver holds it, no interposer expected
+    assert by_name["cuMemGetInfo reports the limit"].ok
+    assert by_name["cuMemAlloc_v2 stops at the limit"].ok
+    assert by_name["cuMemAllocAsync cannot pass the limit"].ok
+    assert by_name["two processes share one limit"].ok
+
+
+def test_without_the_hooks_limit_the_probe_says_not_enforced(
+    built: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    hook, nvml, cuda = built
+    world = HookWorld(tmp_path, hook, nvml)
+    namespace = world.container(78, "/kubepods/pod-q/probe")  # no hook run
+    code, checks = run_probe(cuda, world, namespace)
+    assert code == 1
+    failed = probe.verdict(checks)[1]
+    assert "cuMemGetInfo reports the limit" in failed
+    assert "cuMemAlloc_v2 stops at the limit" in failed

@@ -1,0 +1,345 @@
+"""``kubectl gpushare verify`` and the enforcement probe, without a GPU.
+
+The probe's judgements are pure functions of its measurements (tested here on figures);
+its GPU part runs in tests/on_gpu/test_probe_real_gpu.py (``pytest -m gpu``). The subcommand runs
+against the API-server double, with a stand-in for the node that finishes the pod and
+writes a probe report into its log.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kit.kube_double import KubeApiDouble
+
+from gpushare.gpu import probe
+from gpushare.gpu.probe import Check
+from gpushare.kube.kubectlapi import Cluster
+from gpushare.ops import kubectl, verify
+
+MIB = 1 << 20
+LIMIT = 1024 * MIB
+
+
+def test_sizes_are_read_as_hami_core_reads_them() -> None:
+    assert probe.parse_size("1024m") == LIMIT
+    assert probe.parse_size("2g") == 2 << 30
+    assert probe.parse_size("4096") == 4096
+    assert probe.parse_size("x") is None and probe.parse_size("") is None
+
+
+def test_what_the_container_sees() -> None:
+    env = {"NVIDIA_VISIBLE_DEVICES": "GPU-1", "LD_PRELOAD": "/usr/local/vgpu/libvgpu.so"}
+    maps = "7f00-7f01 r-xp 0 08:01 1 /usr/local/vgpu/libvgpu.so\n"
+    visible, loaded = probe.seen_checks(env, maps, "")
+    assert visible.ok and loaded.ok and "LD_PRELOAD" in loaded.detail
+    _, named_only = probe.seen_checks(env, "", "")
+    assert named_only.ok is False and "NOT mapped" in named_only.detail
+    two, _ = probe.seen_checks({"NVIDIA_VISIBLE_DEVICES": "GPU-1,GPU-2"}, "", "")
+    assert two.ok is False
+    _, by_file = probe.seen_checks({}, maps, "/usr/local/vgpu/libvgpu.so\n")
+    assert by_file.ok and "/etc/ld.so.preload" in by_file.detail
+
+
+@pytest.mark.parametrize(
+    "allocated,stopped,ok",
+    [(LIMIT - 64 * MIB, True, True), (LIMIT, True, True), (LIMIT * 2, True, False),
+     (int(LIMIT * 1.5), False, False)],
+)  # fmt: skip
+def test_allocation_must_stop_at_the_limit(allocated: int, stopped: bool, ok: bool) -> None:
+    assert probe.judge_allocation("a", allocated, LIMIT, stopped).ok is ok
+
+
+def test_bypasses_totals_sharing_and_compute() -> None:
+    assert probe.judge_bypass("async", 2, LIMIT * 2, LIMIT, False).ok is True
+    granted = probe.judge_bypass("async", 0, LIMIT * 2, LIMIT, False)
+    assert granted.ok is False and "GRANTED" in granted.detail
+    assert probe.judge_bypass("create", 801, 0, LIMIT, True).ok is None
+    assert probe.judge_total("t", LIMIT, LIMIT).ok
+    assert not probe.judge_total("t", 8 * LIMIT, LIMIT).ok
+    assert probe.judge_shared("s", 600 * MIB, 400 * MIB, LIMIT).ok
+    assert not probe.judge_shared("s", 600 * MIB, 1000 * MIB, LIMIT).ok
+    assert probe.judge_compute(30.0, 100.0, 30).ok
+    assert probe.judge_compute(95.0, 100.0, 30).ok is False
+    assert probe.judge_compute(100.0, 100.0, 100).ok is None
+
+
+GOOD = [
+    Check("one card visible", True, "NVIDIA_VISIBLE_DEVICES=GPU-1"),
+    Check("cuMemAlloc_v2 stops at the limit", True, "stopped after 1000 MiB", "memory"),
+    Check("compute at the core limit", True, "throughput 31 %", "compute"),
+]
+BAD = [*GOOD[:2], Check("cuMemAllocAsync cannot pass the limit", False, "GRANTED", "memory")]
+
+
+def test_the_report_round_trips_through_the_log() -> None:
+    text = probe.render(BAD)
+    assert "VERDICT: NOT ENFORCED: cuMemAllocAsync cannot pass the limit" in text
+    assert probe.parse_report("noise\n" + text) == BAD
+    assert probe.parse_report("no report here") is None
+    assert probe.parse_report(probe.REPORT_MARKER + "[{]") is None
+
+
+# -- the subcommand against the API-server double ----------------------------------------
+
+
+@pytest.fixture
+def cluster(api: KubeApiDouble) -> Iterator[Cluster]:
+    api.add({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-1", "labels": {}}})
+    yield Cluster()
+
+
+class StandInNode:
+    """Finishes the verify pod with ``phase`` and writes ``log`` as its container's log."""
+
+    def __init__(self, api: KubeApiDouble, phase: str | None, log: str) -> None:
+        self.api, self.phase, self.log = api, phase, log
+        self.seen: dict[str, Any] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, obj in list(self.api.objects.items()):
+                if "/pods/gpushare-verify-" in key and not self.seen:
+                    self.seen = obj
+                    if self.phase is not None:
+                        self.api.logs[key] = self.log
+                        with self.api._lock:
+                            obj.setdefault("status", {})["phase"] = self.phase
+            self._stop.wait(0.02)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def _run(api: KubeApiDouble, cluster: Cluster, phase: str | None, log: str,
+         **request: Any) -> tuple[int, list[str], StandInNode]:  # fmt: skip
+    node = StandInNode(api, phase, log)
+    said: list[str] = []
+    try:
+        code = verify.run(
+            cluster, verify.Request(node="gpu-1", image="reg/gpushare:1", **request), said.append,
+            poll_seconds=0.02,
+        )  # fmt: skip
+    finally:
+        node.stop()
+    return code, said, node
+
+
+def _pods(api: KubeApiDouble) -> list[str]:
+    return [k for k in api.objects if "/pods/gpushare-verify-" in k]
+
+
+def test_an_enforcing_node_gets_verdict_enforced_and_the_pod_is_removed(
+    api: KubeApiDouble, cluster: Cluster
+) -> None:
+    code, said, node = _run(api, cluster, "Succeeded", "starting\n" + probe.render(GOOD))
+    assert code == 0
+    assert said[-2] == "VERDICT: enforced (every limit checked holds on this node)"
+    spec = node.seen["spec"]
+    assert spec["nodeName"] == "gpu-1" and spec["restartPolicy"] == "Never"
+    (container,) = spec["containers"]
+    assert container["image"] == "reg/gpushare:1"
+    assert container["command"] == ["python", "-m", "gpushare.gpu.probe"]
+    assert container["resources"]["limits"] == {
+        "gpushare.io/vcuda-memory": "4",
+        "gpushare.io/vcuda-core": "30",
+    }
+    assert _pods(api) == [] and said[-1].startswith("deleted pod default/gpushare-verify-")
+
+
+def test_a_limit_not_enforced_exits_1_and_says_which(api: KubeApiDouble, cluster: Cluster) -> None:
+    code, said, _ = _run(api, cluster, "Failed", probe.render(BAD))
+    assert code == verify.EXIT_NOT_ENFORCED
+    assert "  FAIL cuMemAllocAsync cannot pass the limit: GRANTED" in said
+    assert "VERDICT: NOT ENFORCED: cuMemAllocAsync cannot pass the limit" in said
+
+
+def test_a_pod_that_never_runs_or_never_reports_exits_3(
+    api: KubeApiDouble, cluster: Cluster
+) -> None:
+    code, said, _ = _run(api, cluster, None, "", timeout_seconds=0.3)
+    assert code == verify.EXIT_NO_REPORT and "did not finish within" in said[-2]
+    code, said, _ = _run(api, cluster, "Failed", "libcuda.so.1: cannot open shared object\n")
+    assert code == verify.EXIT_NO_REPORT and "cannot open shared object" in said[-2]
+    assert _pods(api) == []
+
+
+def test_keep_leaves_the_pod(api: KubeApiDouble, cluster: Cluster) -> None:
+    code, said, _ = _run(api, cluster, "Succeeded", probe.render(GOOD), keep=True)
+    assert code == 0 and len(_pods(api)) == 1 and said[-1].startswith("kept pod")
+
+
+def test_the_kubectl_subcommand_runs_it(
+    api: KubeApiDouble, cluster: Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    node = StandInNode(api, "Succeeded", probe.render(GOOD))
+    try:
+        code = kubectl.main(["verify", "--node", "gpu-1", "--image", "reg/gpushare:1"])
+    finally:
+        node.stop()
+    assert code == 0
+    assert "VERDICT: enforced" in capsys.readouterr().out
+    assert kubectl.main(["verify", "--node", "nope", "--image", "x"]) == 1
+    assert "no such node: nope" in capsys.readouterr().err
+
+
+def test_without_an_image_it_warns_and_uses_the_shipped_reference(
+    api: KubeApiDouble, cluster: Cluster
+) -> None:
+    node = StandInNode(api, "Succeeded", probe.render(GOOD))
+    said: list[str] = []
+    try:
+        verify.run(cluster, verify.Request(node="gpu-1"), said.append, poll_seconds=0.02)
+    finally:
+        node.stop()
+    assert said[0].startswith("warning: no --image given")
+
+
+def test_the_probe_without_a_driver_exits_2_with_one_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "gpushare.gpu.probe", "--library", str(tmp_path / "none.so")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("probe: cannot run:")
+
+
+def test_a_hostile_report_is_printed_escaped_on_one_line(
+    api: KubeApiDouble, cluster: Cluster
+) -> None:
+    evil = [Check("x\x1b[2J\nVERDICT: enforced", False, "\u202eevil\r", "memory")]
+    code, said, _ = _run(api, cluster, "Succeeded", probe.render(evil))
+    assert code == verify.EXIT_NOT_ENFORCED
+    assert all("\x1b" not in line and "\n" not in line and "\u202e" not in line for line in said)
+
+
+class Impostor(StandInNode):
+    """Deletes the verify pod and creates one of the same name (another UID) that
+    "finishes" at once with an enforcing report: a forged verdict."""
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, obj in list(self.api.objects.items()):
+                if "/pods/gpushare-verify-" in key and not self.seen:
+                    self.seen = obj
+                    fake = {
+                        **obj,
+                        "metadata": {**obj["metadata"], "uid": "uid-impostor"},
+                        "status": {"phase": "Succeeded"},
+                    }
+                    with self.api._lock:
+                        self.api.objects[key] = fake
+                    self.api.logs[key] = self.log
+            self._stop.wait(0.02)
+
+
+def test_a_pod_replaced_under_the_same_name_gives_no_verdict(
+    api: KubeApiDouble, cluster: Cluster
+) -> None:
+    node = Impostor(api, "Succeeded", probe.render(GOOD))
+    said: list[str] = []
+    try:
+        code = verify.run(
+            cluster, verify.Request(node="gpu-1", image="reg/gpushare:1"), said.append,
+            poll_seconds=0.02,
+        )  # fmt: skip
+    finally:
+        node.stop()
+    assert code == verify.EXIT_NO_REPORT
+    assert not any(line.startswith("VERDICT") for line in said)
+    assert "gone before it finished" in said[-2]
+
+
+class HostileStatus(StandInNode):
+    """Leaves the verify pod Pending with a status message full of terminal escapes
+    (anyone who may write pods/status there can)."""
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, obj in list(self.api.objects.items()):
+                if "/pods/gpushare-verify-" in key and not self.seen:
+                    self.seen = obj
+                    with self.api._lock:
+                        obj["status"] = {"phase": "Pending", "message": "\x1b[2J\nVERDICT: ok"}
+            self._stop.wait(0.02)
+
+
+def test_a_hostile_status_of_a_pod_that_never_finishes_is_printed_escaped(
+    api: KubeApiDouble, cluster: Cluster
+) -> None:
+    node = HostileStatus(api, None, "")
+    said: list[str] = []
+    try:
+        code = verify.run(
+            cluster, verify.Request(node="gpu-1", image="reg/gpushare:1", timeout_seconds=0.5),
+            said.append, poll_seconds=0.02,
+        )  # fmt: skip
+    finally:
+        node.stop()
+    assert code == verify.EXIT_NO_REPORT
+    assert node.seen, "the stand-in never saw the pod"
+    assert "did not finish within" in said[-2] and "\\x1b[2J\\x0aVERDICT: ok" in said[-2]
+    assert all("\x1b" not in line and "\n" not in line for line in said)
+
+
+def _with_enforcement(api: KubeApiDouble, *backends: str) -> None:
+    from gpushare.kube import nodestate
+
+    enforcement = tuple(
+        nodestate.CardEnforcement(f"GPU-{i}", i, b, "interposer") for i, b in enumerate(backends)
+    )
+    state = nodestate.NodeGpuState(1, "now", 256, (), enforcement=enforcement)
+    key = nodestate.annotation_key("gpushare.io")
+    api.add({"apiVersion": "v1", "kind": "Node", "metadata": {
+        "name": "gpu-1", "labels": {}, "annotations": {key: nodestate.encode(state)}}})  # fmt: skip
+
+
+def test_the_offered_backends_come_from_the_nodes_annotation(api: KubeApiDouble) -> None:
+    assert verify.offered_backends({"metadata": {}}, "gpushare.io") == ["interposer"]
+    _with_enforcement(api, "driver", "interposer", "hardware")
+    node = Cluster().node("gpu-1")
+    assert node is not None
+    assert verify.offered_backends(node, "gpushare.io") == ["interposer", "driver"]
+
+
+def test_a_driver_card_is_verified_through_a_claim_that_requires_driver(
+    api: KubeApiDouble, cluster: Cluster
+) -> None:
+    _with_enforcement(api, "driver")
+    claims: list[dict[str, Any]] = []
+    original = cluster.create
+
+    def create(obj: Any) -> dict[str, Any]:
+        if obj["kind"] == "ResourceClaim":
+            claims.append(obj)
+        return original(obj)
+
+    cluster.create = create  # type: ignore[method-assign]
+    code, said, node = _run(api, cluster, "Succeeded", probe.render(GOOD))
+    assert code == 0 and said[0] == "memory backend driver:"
+    (claim,) = claims
+    (request,) = claim["spec"]["devices"]["requests"]
+    (selector,) = request["exactly"]["selectors"]
+    assert selector["cel"]["expression"] == (
+        'device.attributes["gpu.gpushare.io"].memoryEnforcement == "driver"'
+    )
+    assert request["exactly"]["capacity"]["requests"] == {"memory": "1024Mi"}
+    spec = node.seen["spec"]
+    assert "nodeName" not in spec and spec["nodeSelector"] == {"kubernetes.io/hostname": "gpu-1"}
+    (container,) = spec["containers"]
+    assert container["command"][-4:] == ["--memory-backend", "driver", "--limit-mib", "1024"]
+    assert [k for k in api.objects if "resourceclaims" in k.lower()] == []  # deleted after

@@ -28,7 +28,13 @@ from gpushare.share.backends import (
     PINS_INTERPOSER,
     parse_pins,
 )
-from gpushare.share.cardmodes import CARD_MODES_PATTERN, EXCLUSIVE_ENTRY, parse_card_modes
+from gpushare.share.cardmodes import (
+    CARD_MODES_PATTERN,
+    EXCLUSIVE_ENTRY,
+    REPLICAS_PATTERN,
+    parse_card_modes,
+    parse_replicas,
+)
 
 ENV_PREFIX = "GPUSHARE_"
 
@@ -38,9 +44,7 @@ LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 CDI_NAME_STRATEGIES = ("uuid", "index")
 #: A CDI kind: ``<vendor>/<class>`` (CDI spec: vendor a domain-like name, class alphanumeric).
-CDI_KIND_PATTERN = (
-    r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?/[a-zA-Z0-9]([a-zA-Z0-9_.-]*[a-zA-Z0-9])?$"
-)
+CDI_KIND_PATTERN = r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?/[a-zA-Z0-9]([a-zA-Z0-9_.-]*[a-zA-Z0-9])?$"
 DEVICE_LIST_STRATEGIES = ("envvar", "cdi-cri", "cdi-annotations")
 MIG_STRATEGIES = ("none", "single", "mixed")
 
@@ -69,6 +73,7 @@ _STRATEGY = "(" + "|".join(DEVICE_LIST_STRATEGIES) + ")"
 DEVICE_LIST_PATTERN = rf"^ *{_STRATEGY}( *, *{_STRATEGY})* *$"
 #: An absolute path (the daemon runs in a container: a relative one means nothing there).
 ABSOLUTE_PATH = r"^/"
+OPTIONAL_ABSOLUTE_PATH = r"^(/.*)?$"
 #: ``cdiSpecDirs``: absolute paths (no blanks inside), comma-separated; empty entries skipped.
 PATH_LIST_PATTERN = r"^ *(/[^, ]*)?( *, *(/[^, ]*)?)* *$"
 #: Found in a ``deviceListStrategy`` that names a CDI strategy.
@@ -192,7 +197,7 @@ class Settings:
     )
     compute_enforcement: str = _opt(
         "auto",
-        "what holds each card's compute limits: auto, mps (not available yet), interposer, "
+        "what holds each card's compute limits: auto, mps (needs mps_control), interposer, "
         "hardware or none; node-wide and/or <card index or UUID>=<backend>, comma-separated",
         pattern=COMPUTE_PINS_PATTERN,
         shape="auto, mps, interposer, hardware or none, node-wide and/or <card>=<backend>, "
@@ -204,6 +209,13 @@ class Settings:
         "host beside the interposer, for cards whose memory backend is driver",
         pattern=ABSOLUTE_PATH,
         shape="an absolute path",
+    )
+    mps_control: str = _opt(
+        "",
+        "the MPS control daemon (nvidia-cuda-mps-control) the daemon supervises, as the "
+        "daemon sees it; empty: no MPS (the mps compute backend is not available)",
+        pattern=OPTIONAL_ABSOLUTE_PATH,
+        shape="an absolute path or empty",
     )
     cgroup_root: str = _opt(
         "/sys/fs/cgroup",
@@ -251,11 +263,19 @@ class Settings:
     )
     card_modes: str = _opt(
         "",
-        "fixed pools: <card index or UUID>=shared|exclusive|both|dra, comma-separated "
-        "(cards not named: both, i.e. whichever use comes first; dra: published for DRA "
-        "claims only, see docs/dra.md)",
+        "fixed pools: <card index or UUID>=shared|exclusive|both|dra|timeslice, "
+        "comma-separated (cards not named: both, i.e. whichever use comes first; dra: "
+        "published for DRA claims only, see docs/dra.md; timeslice: N replicas of "
+        "<prefix>/gpu.shared, no limits)",
         pattern=CARD_MODES_PATTERN,
-        shape="<card index or UUID>=shared|exclusive|both|dra, comma-separated",
+        shape="<card index or UUID>=shared|exclusive|both|dra|timeslice, comma-separated",
+    )
+    time_slice_replicas: str = _opt(
+        "4",
+        "replicas of <prefix>/gpu.shared a card in mode timeslice offers: node-wide N "
+        "and/or <card index or UUID>=N, comma-separated (1 to 64)",
+        pattern=REPLICAS_PATTERN,
+        shape="N and/or <card index or UUID>=N (1 to 64), comma-separated",
     )
     exclusive_enforcement: bool = _opt(
         False, "whole cards also get the interposer, with 100%% limits (same accounting)"
@@ -576,6 +596,10 @@ def _validate(settings: Settings, origins: Mapping[str, str]) -> None:
         parse_card_modes(settings.card_modes)
     except ValueError as exc:  # the pattern held: a card named twice
         fail("card_modes", str(exc))
+    try:
+        parse_replicas(settings.time_slice_replicas)
+    except ValueError as exc:  # the pattern held: a card named twice, or out of range
+        fail("time_slice_replicas", str(exc))
     for name, words in (("memory_enforcement", MEMORY_PINS), ("compute_enforcement", COMPUTE_PINS)):
         try:
             parse_pins(getattr(settings, name), words, yaml_key(name))

@@ -104,11 +104,13 @@ TEXT_SAMPLES: dict[str, list[Any]] = {
     ],
     "memory_hook": ["/opt/gpushare/lib/gpushare-memory-hook", "hook", ""],
     "cgroup_root": ["/sys/fs/cgroup", "sys/fs/cgroup", ""],
+    "mps_control": ["", "/usr/bin/nvidia-cuda-mps-control", "nvidia-cuda-mps-control", " /x"],
+    "time_slice_replicas": ["4", "4,0=8", " 0 = 64 , GPU-1=1", "0", "65", "4,8", "0=2,0=3"],
 }
 
 #: Values of the options a rule matches with a pattern: some that match, some that do not.
 RULE_SAMPLES: dict[str, list[Any]] = {
-    "card_modes": ["0=exclusive", "GPU-1=Exclusive , 1=shared", "0=shared", ""],
+    "card_modes": ["0=exclusive", "GPU-1=Exclusive , 1=shared", "0=shared", "0=timeslice", ""],
     "device_list_strategy": ["cdi-cri", "envvar, cdi-annotations", "envvar"],
     "cdi_spec_dirs": ["", " , ", "/etc/cdi"],
     "memory_enforcement": ["interposer", "auto,0=Interposer", "driver", "0=hardware"],

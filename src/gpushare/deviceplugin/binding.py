@@ -33,6 +33,7 @@ import structlog
 from gpushare.gpu.health import HealthBoard
 from gpushare.host.grantspecs import GrantSpecs, grant_name
 from gpushare.host.library import prepare_cache_dir
+from gpushare.host.mps import MpsError, MpsGrants
 from gpushare.kube.podspecs import PodSpecBook, asking_tampering
 from gpushare.share import answers
 from gpushare.share.answers import Answer, DeviceListing, Enforcement
@@ -80,6 +81,45 @@ def mixed_kinds(holder: Holder) -> str:
         "shared units (vcuda-memory/vcuda-core) together with whole cards or MIG devices; "
         "the answers would name different GPUs: split it into two containers"
     )
+
+
+def grant_dirs(
+    binder: Binder,
+    resource: Resource,
+    uuid: str,
+    device_ids: list[str],
+    units: int,
+    partner: Binding | None,
+) -> tuple[Path | None, Path | None]:
+    """The host directories of one answer, made before it leaves: the interposer's cache
+    directory (memory units it counts) and, on a card whose compute is MPS's, the
+    container's namespace made and capped (fail closed: no cap, no answer), its pipe
+    directory for a memory answer."""
+    enforcement, memory = binder.enforcement, resource is Resource.MEMORY
+    cache_dir = mps_pipe = None
+    if memory and enforcement.interposer_counts_memory(uuid):
+        try:
+            cache_dir = prepare_cache_dir(binder.host_lib_dir, device_ids)
+        except OSError as exc:
+            raise BindingError(
+                Refusal.INTERNAL, f"cannot create the container's cache directory: {exc}"
+            ) from None
+    mps = binder.mps
+    if mps is None or not enforcement.by_mps(uuid):
+        return cache_dir, None
+    other = partner.device_ids if partner is not None else None
+    try:
+        if memory:
+            mib = units * binder.inventory.memory_unit_mib
+            pinned = enforcement.memory_soft(uuid)
+            mps_pipe = mps.memory(device_ids, mib, pinned=pinned, partner_cores=other)
+        else:
+            mps.cores(device_ids, units, partner_memory=other)
+    except (MpsError, OSError) as exc:
+        raise BindingError(
+            Refusal.INTERNAL, f"cannot cap the container's MPS namespace: {exc}"
+        ) from None
+    return cache_dir, mps_pipe
 
 
 def core_without_memory(holder: Holder, prefix: str) -> str:
@@ -203,6 +243,7 @@ class Binder:
         listing: DeviceListing | None = None,
         restart: RestartHolders | None = None,
         grant_specs: GrantSpecs | None = None,
+        mps: MpsGrants | None = None,
     ) -> None:
         self.inventory = inventory
         self.restart = restart  # holders from before a kubelet restart (issue 32.14)
@@ -218,6 +259,8 @@ class Binder:
         self.records_wait = records_wait
         self._clock = clock
         self._on_allocated = on_allocated
+        #: each container's MPS namespace on cards whose compute is MPS's (host/mps.py)
+        self.mps = mps
         self._lock = threading.Lock()
         self.pairing = Pairing()
         # GetPreferredAllocation's decision per resource, for the next Allocate (same binding)
@@ -449,15 +492,8 @@ class Binder:
                 lacking=decision.lacking,
             )
             raise BindingError(Refusal.PRECONDITION, refusal)
-        cache_dir = None
-        if resource is Resource.MEMORY and self.enforcement.interposer_counts_memory(uuid):
-            try:
-                cache_dir = prepare_cache_dir(self.host_lib_dir, list(device_ids))
-            except OSError as exc:
-                raise BindingError(
-                    Refusal.INTERNAL, f"cannot create the container's cache directory: {exc}"
-                ) from None
         units = len(numbers)
+        cache_dir, mps_pipe = grant_dirs(self, resource, uuid, list(device_ids), units, partner)
         grant = answers.share(
             uuid,
             enforcement=self.enforcement,
@@ -466,6 +502,7 @@ class Binder:
             else None,
             cores=units if resource is Resource.CORE else None,
             cache_dir=cache_dir,
+            mps_pipe=mps_pipe,
         )
         answer = _sealed(grant, self.listing, self.grant_specs, resource, device_ids)
         self.usage.record_allocation(resource, uuid, numbers)

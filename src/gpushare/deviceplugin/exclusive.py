@@ -73,6 +73,18 @@ def whole_card_answer(
     return answer
 
 
+def time_sliced_answer(listing: DeviceListing) -> AnswerFor:
+    """A time-sliced replica's answer: its card, whole and raw, named by ``listing``; no
+    limits (``none``: NVIDIA's ``gpu.shared`` time-slicing)."""
+
+    def answer(devices: Sequence[ExclusiveDevice]) -> Answer:
+        cards = dict.fromkeys(d.parent for d in devices)  # in order, each card once
+        grant = answers.whole([GrantedDevice(uuid) for uuid in cards])
+        return answers.container_edits(grant, listing)
+
+    return answer
+
+
 # --------------------------------------------------------------------------- the server
 
 
@@ -98,8 +110,11 @@ class ExclusiveServicer(ListingServicer):
         observe: CallHook | None = None,
         choice: Callable[[int], CardChoice | None] | None = None,
         guard: Callable[[], str | None] | None = None,
+        most: int | None = None,
     ) -> None:
         super().__init__(resource.name, board, stopping, full_name=full_name, observe=observe)
+        #: The most devices one container may ask (time-sliced replicas: one), or None.
+        self.most = most
         #: Why this Allocate must be refused although its devices are free (a container
         #: mixing shared units with these devices), or None.
         self.guard = guard
@@ -182,6 +197,13 @@ class ExclusiveServicer(ListingServicer):
                 devices = self._resolve(container.devices_ids)
                 if not devices:
                     raise BindingError(Refusal.INVALID, "the request names no devices")
+                if self.most is not None and len(devices) > self.most:
+                    raise BindingError(
+                        Refusal.PRECONDITION,
+                        f"a container asks {len(devices)} {self.full_name}; it gets "
+                        f"{self.most} (the whole card, time-shared with the card's other "
+                        f"tenants): ask {self.most}",
+                    )
                 choice = self.choice(len(devices)) if self.choice is not None else None
                 for device in devices:
                     if choice is not None and not choice.allows(device.name, device.parent):

@@ -1,11 +1,12 @@
 """The device-plugin front door: the kubelet's v1beta1 API over the node's shared core.
 
 One :class:`DevicePluginFrontDoor` is one part of the daemon. It builds a server per
-resource (the two shared ones, whole cards, each MIG profile) over the core's boards and
-ledgers, the :class:`~gpushare.deviceplugin.binding.Binder` that binds a container's
-units to one card, and the :class:`~gpushare.deviceplugin.registration.KubeletLink` that
-registers them; start serves and registers, stop unregisters first (streams that end
-then must not re-register) and then stops the servers.
+resource (the two shared ones, whole cards, time-sliced replicas, each MIG profile) over
+the core's boards and ledgers, the :class:`~gpushare.deviceplugin.binding.Binder` that
+binds a container's units to one card, and the
+:class:`~gpushare.deviceplugin.registration.KubeletLink` that registers them; start
+serves and registers, stop unregisters first (streams that end then must not
+re-register) and then stops the servers.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ from gpushare.base.startup import (
 )
 from gpushare.deviceplugin import migserve
 from gpushare.deviceplugin.binding import RECORDS_WAIT, Binder, mixed_kinds
-from gpushare.deviceplugin.exclusive import ExclusiveServicer, Preference, whole_card_answer
+from gpushare.deviceplugin.exclusive import (
+    ExclusiveServicer,
+    Preference,
+    time_sliced_answer,
+    whole_card_answer,
+)
 from gpushare.deviceplugin.plugin import (
     DevicePluginServicer,
     ListingServicer,
@@ -43,7 +49,12 @@ from gpushare.node.core import NodeCore
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.gputype import CardChoice
 from gpushare.share.usage import Holder
-from gpushare.share.whole import ExclusiveDevice, ExclusiveResource
+from gpushare.share.whole import (
+    TIME_SLICED_RESOURCE,
+    ExclusiveDevice,
+    ExclusiveResource,
+    spread_replicas,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -133,6 +144,7 @@ class DevicePluginFrontDoor:
             listing=self.listing,
             restart=core.restart,
             grant_specs=core.collector.grant_specs,
+            mps=core.mps,
         )
         self.kubelet_dir = Path(settings.kubelet_dir)
         self.servers: list[PluginServer] = []
@@ -174,17 +186,23 @@ class DevicePluginFrontDoor:
         enforcement = core.enforcement if core.settings.exclusive_enforcement else None
         named = []
         for name, devices, board in core.whole:
+            sliced = devices.name == TIME_SLICED_RESOURCE
             servicer = ExclusiveServicer(
                 devices,
                 name,
                 board,
                 self.stopping,
-                answer=whole_card_answer(self.listing, enforcement=enforcement),
-                prefer=self._preference(devices, core.found.backend),
+                answer=time_sliced_answer(self.listing)
+                if sliced
+                else whole_card_answer(self.listing, enforcement=enforcement),
+                prefer=spread_replicas
+                if sliced
+                else self._preference(devices, core.found.backend),
                 on_allocated=core.whole_allocated,
                 observe=self.observe,
                 choice=lambda n, name=name: self._choice(name, n),  # type: ignore[misc]
                 guard=lambda name=name: self._mixed_guard(name),  # type: ignore[misc]
+                most=1 if sliced else None,
             )
             named.append(self._serve(servicer, devices.socket_name, name))
         return named

@@ -57,6 +57,7 @@ from gpushare.host.library import (
     prepare_claim_cache_dir,
     release_cache_dir,
 )
+from gpushare.host.mps import MpsError, MpsGrants
 from gpushare.kube.stdlibclient import ApiClient, ApiStatusError
 from gpushare.share import answers
 from gpushare.share.answers import Answer, DeviceListing, Enforcement, GrantedDevice
@@ -193,6 +194,14 @@ def _results(
     return ours
 
 
+def needs_dir(enforcement: Enforcement, mps: MpsGrants | None, uuid: str) -> bool:
+    """A share of card ``uuid`` gets a directory of its own: HAMi-core's cache, or its
+    own MPS namespace's pipes (a card whose compute is MPS's, on a driver with them)."""
+    if enforcement.interposer_counts_memory(uuid):
+        return True
+    return mps is not None and enforcement.by_mps(uuid) and mps.namespaces
+
+
 def claim_limits(
     claim: ClaimRef, plan: Sequence[tuple[str, Offered, Mapping[str, Any]]], unit_mib: int
 ) -> ClaimLimits:
@@ -245,6 +254,7 @@ class ClaimPreparer:
         cdi_dir: Path,
         state_dir: Path,
         api_timeout: float = 5.0,
+        mps: MpsGrants | None = None,
     ) -> None:
         self.api = api
         self.driver = driver
@@ -268,6 +278,7 @@ class ClaimPreparer:
             device_names=lambda: list(self.devices()),
         )
         self.api_timeout = api_timeout
+        self.mps = mps  # each claim's MPS namespace on cards whose compute is MPS's
         #: The checkpoint's entries, read by :meth:`tidy` and kept in step: what
         #: readers of the node's state see, without file I/O or the node lock.
         self.held = HeldClaims()
@@ -390,7 +401,7 @@ class ClaimPreparer:
         keys = [
             claim_cache_key(claim.uid, request, device.name)
             for request, device, _ in plan
-            if device.shared and self.enforcement.interposer_counts_memory(device.uuid)
+            if device.shared and needs_dir(self.enforcement, self.mps, device.uuid)
         ]
 
         cdi_devices: list[CdiDevice] = []
@@ -446,7 +457,9 @@ class ClaimPreparer:
             share = share_of(result.get("consumedCapacity"), device.card_memory_mib, self.unit_mib)
         except ShareError as exc:
             raise ClaimRefused(f"claim {claim.describe()}, device {device.name}: {exc}") from None
-        cache_dir = None
+        cache_dir = mps_pipe = None
+        key = claim_cache_key(claim.uid, request, device.name)
+        memory_mib = limits.memory_mib or share.memory_mib
         if self.enforcement.interposer_counts_memory(device.uuid):
             key = claim_cache_key(claim.uid, request, device.name)
             kept = cache_root(self.host_lib_dir) / key
@@ -454,6 +467,13 @@ class ClaimPreparer:
                 cache_dir = kept
             else:
                 cache_dir = prepare_claim_cache_dir(self.host_lib_dir, key)
+        elif needs_dir(self.enforcement, self.mps, device.uuid) and self.mps is not None:
+            mps_pipe = prepare_claim_cache_dir(self.host_lib_dir, key)
+            soft = self.enforcement.memory_soft(device.uuid)
+            try:
+                self.mps.claim(key, mps_pipe, memory_mib, limits.cores or 0, pinned=soft)
+            except MpsError as exc:
+                raise ClaimRefused(f"claim {claim.describe()}: MPS namespace: {exc}") from None
         grant = answers.share(
             device.uuid,
             enforcement=self.enforcement,
@@ -462,6 +482,7 @@ class ClaimPreparer:
             cache_dir=cache_dir,
             every_index=True,
             companions=limits.cards,
+            mps_pipe=mps_pipe,
         )
         answer = answers.container_edits(grant, self.listing)
         return answer, share.memory_mib, share.cores

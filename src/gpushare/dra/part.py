@@ -33,6 +33,7 @@ from gpushare.dra.slices import SlicePublisher
 from gpushare.gpu.gpus import Gpu
 from gpushare.gpu.health import HealthBoard
 from gpushare.gpu.pci import SYSFS_PCI_DEVICES, sysfs_bus_id
+from gpushare.host.mps import MpsGrants
 from gpushare.kube.nodestate import MAX_REQUEST, DraClaimState
 from gpushare.kube.stdlibclient import ApiClient
 from gpushare.node.core import NodeCore
@@ -195,6 +196,7 @@ def build_dra_part(
     driver_version: str | None = None,
     pcie_roots: Mapping[str, str] | None = None,
     observe: CallHook | None = None,
+    mps: MpsGrants | None = None,
 ) -> DraPart:
     """The DRA part for ``gpus`` (the cards in ``dra`` card mode; one in MIG mode is
     published as its MIG devices). ``board`` must hold every card of ``gpus`` by UUID,
@@ -237,6 +239,7 @@ def build_dra_part(
         host_lib_dir=host_lib_dir,
         cdi_dir=Path(settings.dra_cdi_dir),
         state_dir=state_dir,
+        mps=mps,
     )
     publisher = SlicePublisher(
         api=api,
@@ -281,6 +284,7 @@ def dra_part_for(core: NodeCore, observe: CallHook | None = None) -> DraPart | N
             settings.node_name,
             Path(settings.dra_kubelet_root),
             observe=observe,
+            mps=core.mps,
         )
     except (ValueError, ApiConfigMissing) as exc:
         raise NodeConfigurationError(f"card mode dra: {exc}") from None

@@ -39,6 +39,10 @@ under ``wholeGpus`` with ``"mode": "dra"`` and what the driver has prepared on i
                  "device": "gpu-2", "memory_mib": 4096, "cores": 30}, ...],
      "claims_truncated": false}
 
+A card offered as time-sliced replicas (card mode ``timeslice``) is listed there with
+``"mode": "timeslice"``, ``"replicas"`` (offered), ``"replicas_held"`` and ``held_by``
+naming its first holders (comma-separated, ``and N more``).
+
 ``memory_used_mib``/``cores_used`` add up every claim prepared on the card (memory: the
 limits enforced, the rounded ``consumedCapacity``; cores 0: not throttled);
 ``memory_total_mib``/``cores_total`` are what the card publishes (a card in MIG mode: its
@@ -62,6 +66,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -74,6 +79,9 @@ MAX_POD_KEY = 320
 MAX_CLAIMS_PER_CARD = MAX_PODS_PER_CARD
 #: Card mode of a card served by the DRA driver.
 DRA_MODE = "dra"
+TIMESLICE_MODE = "timeslice"
+#: The holders of a time-sliced card its ``held_by`` names (the annotation stays small).
+MAX_REPLICA_HOLDERS = 4
 #: Longest names read from a claim entry: namespace (a DNS label), claim (a DNS
 #: subdomain), request (a DNS label, or ``<request>/<subrequest>``), device (a DNS
 #: label); and the longest mode.
@@ -165,6 +173,10 @@ class WholeCardState:
     #: said (an older daemon)
     memory_total_mib: int | None = None
     cores_total: int | None = None
+    #: time-sliced cards (``mode`` "timeslice"): the replicas offered and those held
+    #: (``held_by`` then names the first holders, :data:`MAX_REPLICA_HOLDERS` at most)
+    replicas: int = 0
+    replicas_held: int = 0
 
     def dra_memory_total(self, unit_mib: int) -> int:
         """What a DRA card publishes as its memory (MiB), as the daemon says; from an
@@ -177,6 +189,17 @@ class WholeCardState:
         """The cores a DRA card publishes (0 for a card in MIG mode, whose devices are
         whole; 100 from an older daemon)."""
         return self.cores_total if self.cores_total is not None else DRA_FULL_CORES
+
+
+def with_replicas(card: WholeCardState, replicas: int, holders: Sequence[str]) -> WholeCardState:
+    """``card`` offered as ``replicas`` time-sliced replicas, held by ``holders``
+    (``namespace/pod/container``); ``held_by`` names the first few of them."""
+    shown = ", ".join(holders[:MAX_REPLICA_HOLDERS])
+    if len(holders) > MAX_REPLICA_HOLDERS:
+        shown += f" and {len(holders) - MAX_REPLICA_HOLDERS} more"
+    return replace(
+        card, mode=TIMESLICE_MODE, replicas=replicas, replicas_held=len(holders), held_by=shown
+    )
 
 
 def with_dra_claims(
@@ -353,7 +376,7 @@ DRIVER_LABEL_NAMES = ("cuda.driver.major", "cuda.driver.minor")
 #: ...and ``<prefix>/memory-enforcement`` (the node's one backend, or ``mixed``) with
 #: ``<prefix>/memory-enforcement.<backend>`` (how many cards have it); compute alike.
 ENFORCEMENT_LABEL_NAMES = ("memory-enforcement", "compute-enforcement")
-MEMORY_BACKENDS = ("driver", "interposer", "hardware", "none")
+MEMORY_BACKENDS = ("driver", "interposer", "soft", "hardware", "none")
 COMPUTE_BACKENDS = ("mps", "interposer", "hardware", "none")
 
 
@@ -397,11 +420,14 @@ def _whole_json(card: WholeCardState) -> dict[str, Any]:
     )
     if card.mode != DRA_MODE:  # as before DRA: nothing more for these cards
         for key in dra:
-            del data[key]
+            if key != "mode" or card.mode != TIMESLICE_MODE:
+                del data[key]
     else:
         for key in ("memory_total_mib", "cores_total"):
             if data[key] is None:
                 del data[key]
+    if card.mode != TIMESLICE_MODE:
+        del data["replicas"], data["replicas_held"]
     return data
 
 
@@ -539,6 +565,8 @@ def _decode_whole(entry: Any, where: str) -> WholeCardState:
         cores_used=_figure(entry, "cores_used", where, 0),
         memory_total_mib=_figure(entry, "memory_total_mib", where, None),
         cores_total=_figure(entry, "cores_total", where, None),
+        replicas=_figure(entry, "replicas", where, 0),
+        replicas_held=_figure(entry, "replicas_held", where, 0),
     )
 
 

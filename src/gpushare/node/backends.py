@@ -19,6 +19,7 @@ from gpushare.base.startup import NodeConfigurationError
 from gpushare.config import Settings
 from gpushare.gpu.gpus import Gpu
 from gpushare.gpu.memlimits import UNLIMITED, MemoryLimitDriver, MemoryLimitError
+from gpushare.host.mps import available as mps_available
 from gpushare.kube.nodestate import MAX_REASON, CardEnforcement
 from gpushare.share.backends import (
     COMPUTE_PINS,
@@ -106,6 +107,7 @@ def card_traits(
                 mig_slice=bool(gpu.parent_uuid),
                 whole_only=mode is CardMode.EXCLUSIVE,
                 cdi=uses_cdi or mode is CardMode.DRA,
+                timeslice=mode is CardMode.TIMESLICE,
             )
         )
     traits += [CardTraits(g.uuid, g.index, mig=True) for g in mig_cards]
@@ -134,7 +136,10 @@ def decide_backends(
         driver_version=version,
         cgroup=cgroup_type(Path(settings.cgroup_root)),
         interposer=not settings.no_enforcement,
+        mps=mps_available(settings.mps_control) is None,
     )
+    if settings.mps_control and not node.mps:
+        log.warning("mps_unavailable", reason=mps_available(settings.mps_control))
     choices: dict[str, Choice] = {}
     for card in traits:
         memory_pin = memory.for_card(card.uuid, card.index)

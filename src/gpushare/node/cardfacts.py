@@ -3,7 +3,8 @@ the metrics and ``kubectl gpushare inspect``: who holds which whole card or MIG 
 each card's own health (not the offer board, which reads "unhealthy" while a card is held
 whole), and the cards not offered as shared units at all (whole-only cards and cards in
 MIG mode, with their MIG devices), so that every card the ``gpu.count`` label counts is
-shown.
+shown. A card offered as time-sliced replicas (card mode ``timeslice``) says how many
+replicas it offers and who holds them.
 
 Holders come from the kubelet's records (PodResources, the last read): the daemon's own
 source of truth, never from anything a tenant writes. Cards in card mode ``dra`` carry
@@ -26,6 +27,7 @@ from gpushare.kube.nodestate import (
     MigState,
     WholeCardState,
     with_dra_claims,
+    with_replicas,
 )
 from gpushare.share.records import Snapshot
 
@@ -51,6 +53,7 @@ class CardFacts:
         mig_health: HealthBoard,
         records: Callable[[], Snapshot | None],
         mig_prefix: str,
+        replicas: Mapping[str, str] | None = None,
     ) -> None:
         self.cards = list(cards)
         self.shared = set(shared)
@@ -60,6 +63,11 @@ class CardFacts:
         self.records = records
         self.mig_resources = mig_resource_names(plan, mig_prefix)
         self._parent = {d.uuid: d.parent_uuid for d in plan.mig_devices}
+        #: time-sliced replicas: replica device ID -> its card; each card's count
+        self._parent.update(replicas or {})
+        self.replicas: dict[str, int] = {}
+        for card in (replicas or {}).values():
+            self.replicas[card] = self.replicas.get(card, 0) + 1
         #: card UUID -> the memory (MiB) and cores the DRA driver publishes of it
         self.dra_cards: dict[str, tuple[int, int]] = {}
         self.dra_claims: Callable[[], Mapping[str, Sequence[DraClaimState]]] | None = None
@@ -135,6 +143,9 @@ class CardFacts:
                 held_by=by_device.get(gpu.uuid, ""),
                 mig=mig,
             )
+            if gpu.uuid in self.replicas:
+                holders = sorted({h.holder for h in holds if h.card == gpu.uuid})
+                card = with_replicas(card, self.replicas[gpu.uuid], holders)
             if gpu.uuid in self.dra_cards:
                 published = self.dra_cards[gpu.uuid]
                 card = with_dra_claims(card, tuple(dra.get(gpu.uuid, ())), published)

@@ -29,6 +29,7 @@ from gpushare.gpu.health import HealthBoard, HealthMonitor, HealthPolicy
 from gpushare.host.gc import GarbageCollector
 from gpushare.host.grantspecs import GrantSpecs
 from gpushare.host.library import cache_root
+from gpushare.host.mps import MpsControl, MpsError, MpsGrants
 from gpushare.host.tombstones import Reaper
 from gpushare.host.unitguard import UnitSizeChanged, guard_unit_size
 from gpushare.kube.labels import LabelFacts
@@ -46,8 +47,14 @@ from gpushare.node.podresources import PodResourcesClient
 from gpushare.node.refresh import UsageRefresher
 from gpushare.node.releases import watch_releases
 from gpushare.share.answers import DeviceListing, Enforcement
-from gpushare.share.backends import Choice
-from gpushare.share.cardmodes import CardMode, card_modes, parse_card_modes
+from gpushare.share.backends import Choice, ComputeBackend
+from gpushare.share.cardmodes import (
+    CardMode,
+    card_modes,
+    parse_card_modes,
+    replicas_for,
+    timeslice_cards,
+)
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.exclusion import Exclusion
 from gpushare.share.gputype import ChoiceBook
@@ -55,9 +62,11 @@ from gpushare.share.records import Snapshot
 from gpushare.share.restartholders import RestartHolders
 from gpushare.share.usage import Holder, UsageLedger
 from gpushare.share.whole import (
+    TIME_SLICED_RESOURCE,
     ExclusiveDevice,
     ExclusiveLedger,
     ExclusiveResource,
+    time_sliced,
     whole_cards,
 )
 
@@ -100,6 +109,9 @@ class NodeCore:
     api_link: ApiLink | None = None
     #: each card's enforcement backends and why (node/backends.py), by UUID
     backends: dict[str, Choice] = field(default_factory=dict)
+    #: the node's MPS control daemon and its containers' namespaces, where a card's
+    #: compute is MPS's
+    mps: MpsGrants | None = None
 
     @property
     def no_gpus(self) -> bool:
@@ -156,6 +168,8 @@ class NodeCore:
             self.exclusive_ledger.replace(snapshot.exclusive, snapshot.taken_at)
             self.exclusion.refresh()
         if self.collector.maybe_collect(snapshot) is not None:
+            if self.mps is not None:  # the namespaces of containers whose units were freed
+                self.mps.collect()
             return_free_memory()  # at most once a minute: after a burst, not during
 
 
@@ -230,6 +244,12 @@ def build_core(
         resource = whole_cards(g for g in found.gpus if modes[g.uuid].exclusive)
         board = HealthBoard(resource.devices, event="gpu_offer_changed", level="info")
         whole.append((resource.name_with(settings.resource_prefix), resource, board))
+    sliced = timeslice_cards([g for g in found.gpus if not g.parent_uuid], modes)
+    if sliced:  # time-sliced replicas: exclusive devices of their own resource
+        counts = {g.uuid: replicas_for(g, settings.time_slice_replicas) for g in sliced}
+        resource = time_sliced(sliced, counts)
+        board = HealthBoard(resource.devices, event="gpu_offer_changed", level="info")
+        whole.append((resource.name_with(settings.resource_prefix), resource, board))
     # With whole cards, shared units are offered from the cards' health and from
     # whether a card is held whole (see exclusion.py).
     availability = health
@@ -245,6 +265,8 @@ def build_core(
         mig_health,
         lambda: pod_resources.last,
         mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix),
+        replicas={d.id: d.parent for _n, r, _b in whole if r.name == TIME_SLICED_RESOURCE
+                  for d in r.devices.values()},
     )
     pod_resources = PodResourcesClient(
         Path(settings.pod_resources_socket),
@@ -302,6 +324,9 @@ def build_core(
     refresher.after_read = core.after_read
     refresher.read_listeners.append(core.records_read_after_restart)
     card_facts.enforcement = shown_enforcement(backends)
+    if ComputeBackend.MPS in {c.compute for c in backends.values()}:
+        control = MpsControl(Path(settings.mps_control), Path(settings.host_lib_dir))
+        core.mps = MpsGrants(control, Path(settings.host_lib_dir))
     mig_prefix = mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix)
     if specs is not None:  # the fast suite hands in a book without a node name
         specs.mig_prefix = mig_prefix  # MIG resources a container must not mix with units
@@ -392,6 +417,30 @@ class PodResourcesPart:
         return True, ""
 
 
+class MpsPart:
+    """The ``mps-control`` part: the node's MPS control daemon, supervised
+    (:mod:`gpushare.host.mps`); a daemon that will not start stops the start."""
+
+    name = "mps-control"
+
+    def __init__(self, control: MpsControl) -> None:
+        self.control = control
+
+    def start(self) -> None:
+        try:
+            self.control.start()
+        except (MpsError, OSError) as exc:
+            raise StartupError(f"the MPS control daemon: {exc}") from None
+
+    def stop(self) -> None:
+        self.control.stop()
+
+    def ready(self) -> tuple[bool, str]:
+        if not self.control.alive():
+            return False, "the MPS control daemon is not running (restarting)"
+        return True, ""
+
+
 def usage_summary(usage: UsageLedger) -> dict[str, dict[str, int]]:
     return {
         f"{resource.value}_used": {u: n for u, n in usage.used_counts(resource).items() if n}
@@ -422,6 +471,8 @@ def log_found(core: NodeCore) -> None:
 def core_parts(core: NodeCore) -> list[Part]:
     """The parts started before the front doors, in order."""
     parts: list[Part] = [PodResourcesPart(core)]
+    if core.mps is not None:  # before the front doors: a cap needs the control daemon
+        parts.append(MpsPart(core.mps.control))
     if core.reaper is not None:  # deletes buried cache directories (tombstones.py)
         parts.append(Task("reaper", core.reaper.start, core.reaper.stop))
     parts.append(Task("health-monitor", core.monitor.start, core.monitor.stop))

@@ -22,6 +22,7 @@ from gpushare.host.library import (
     install_library,
     install_preload_file,
 )
+from gpushare.host.mps import mps_dirs, mps_shm_dir
 from gpushare.share.answers import DeviceListing, DriverHook, Enforcement
 from gpushare.share.backends import Choice, ComputeBackend, MemoryBackend
 
@@ -90,7 +91,18 @@ def with_backends(
     hook = None
     if MemoryBackend.DRIVER.value in memory.values():
         hook = install_driver_hook(settings, gpus)
-    return replace(enforcement, memory=memory, compute=compute, driver_hook=hook)
+    mps_pipe = mps_shm = None
+    if ComputeBackend.MPS.value in compute.values():  # without namespaces: its own pipes
+        mps_pipe, _logs = mps_dirs(Path(settings.host_lib_dir))
+        mps_shm = mps_shm_dir(Path(settings.host_lib_dir))
+    return replace(
+        enforcement,
+        memory=memory,
+        compute=compute,
+        driver_hook=hook,
+        mps_pipe=mps_pipe,
+        mps_shm=mps_shm,
+    )
 
 
 def install_driver_hook(settings: Settings, gpus: object) -> DriverHook:

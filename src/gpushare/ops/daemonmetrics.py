@@ -29,7 +29,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from gpushare.base.buildinfo import build_info
 from gpushare.base.connguard import ConnectionGuard, GuardedHTTPServer, Limits
 from gpushare.gpu.health import HealthBoard
-from gpushare.kube.nodestate import DRA_MODE, CardExtras
+from gpushare.kube.nodestate import DRA_MODE, TIMESLICE_MODE, CardExtras
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.usage import UsageLedger
 
@@ -278,8 +278,25 @@ class _CardCollector:
                     [card.uuid, device.uuid, device.profile, self._node],
                     1 if device.healthy else 0,
                 )
+        replicas = GaugeMetricFamily(
+            "gpushare_timeslice_replicas",
+            "Time-sliced replicas a card in card mode timeslice offers (gpu.shared)",
+            labels=["gpu", "index", "name", "node"],
+        )
+        held = GaugeMetricFamily(
+            "gpushare_timeslice_replicas_held",
+            "Time-sliced replicas of a card held by containers (the kubelet's records)",
+            labels=["gpu", "index", "name", "node"],
+        )
+        for card in extras.whole:
+            if card.mode == TIMESLICE_MODE:
+                labels = [card.uuid, str(card.index), card.name, self._node]
+                replicas.add_metric(labels, card.replicas)
+                held.add_metric(labels, card.replicas_held)
         yield devices
         yield mig
+        yield replicas
+        yield held
 
     def _containers(self, unit_bytes: int) -> Iterator[Metric]:
         memory = GaugeMetricFamily(

@@ -467,6 +467,10 @@ def enforcement_lines(
 def _whole_rows(card: nodestate.WholeCardState, wide: bool) -> list[list[str]]:
     """A card not offered as shared units, and its MIG devices under it."""
     kind = "MIG" if card.mig else "whole"
+    health = whole_health(card.healthy, card.held_by)
+    if card.mode == nodestate.TIMESLICE_MODE:
+        kind = f"time-sliced x{card.replicas}"
+        health = f"{card.replicas_held}/{card.replicas} replicas; {health}"
     rows = [
         [
             str(card.index),
@@ -475,7 +479,7 @@ def _whole_rows(card: nodestate.WholeCardState, wide: bool) -> list[list[str]]:
             "",
             "-",
             "-",
-            printable(whole_health(card.healthy, card.held_by), 200),
+            printable(health, 300),
             *([printable(card.uuid)] if wide else []),
         ]
     ]
@@ -530,6 +534,11 @@ def _dra_rows(
     if card.claims_truncated:
         rows.append(["", f"  ({card.claim_count} claims, {len(card.claims)} listed)"])
     return rows
+
+
+def _replica_data(card: nodestate.WholeCardState) -> dict[str, Any]:
+    """The time-slicing figures of a card's JSON/YAML entry."""
+    return {"mode": card.mode, "replicas": card.replicas, "replicas_held": card.replicas_held}
 
 
 def _dra_data(card: nodestate.WholeCardState, unit_mib: int) -> dict[str, Any]:
@@ -639,6 +648,7 @@ def view_data(view: ClusterView) -> dict[str, Any]:
                             for d in w.mig
                         ],
                         **(_dra_data(w, unit) if is_dra(w) else {}),
+                        **(_replica_data(w) if w.mode == nodestate.TIMESLICE_MODE else {}),
                     }
                     for w in node.whole
                 ],

@@ -58,6 +58,12 @@ MEMORY_LIMIT_EVERY_INDEX = "CUDA_DEVICE_MEMORY_LIMIT"
 CORE_LIMIT = "CUDA_DEVICE_SM_LIMIT"
 SHARED_CACHE = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
 PRELOAD = "LD_PRELOAD"
+#: MPS: the client's pipe directory (mounted there), its thread cap and pinned memory.
+MPS_PIPE = "CUDA_MPS_PIPE_DIRECTORY"
+MPS_THREADS = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+MPS_PINNED_MEMORY = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+CONTAINER_MPS_PIPE = "/tmp/nvidia-mps"
+CONTAINER_SHM = "/dev/shm"
 
 
 def memory_limit_env(index: int) -> str:
@@ -141,6 +147,19 @@ class Enforcement:
     compute: Mapping[str, str] = field(default_factory=dict)
     #: the hook that sets a ``driver`` card's limit; needed when a card is ``driver``
     driver_hook: DriverHook | None = None
+    #: the MPS control daemon's own pipe directory (host), for cards whose compute is
+    #: ``mps`` on a node without namespaces (every client shares it)
+    mps_pipe: Path | None = None
+    #: the host directory MPS servers and clients share as ``/dev/shm``
+    mps_shm: Path | None = None
+
+    def by_mps(self, uuid: str) -> bool:
+        """The card's compute caps are MPS's (``share/backends.py``)."""
+        return self.compute.get(uuid) == "mps"
+
+    def memory_soft(self, uuid: str) -> bool:
+        """The card's memory limit is MPS's pinned limit (``soft``)."""
+        return self.memory.get(uuid) == "soft"
 
     def by_driver(self, uuid: str) -> bool:
         """The card's memory limits are the driver's (set by :attr:`driver_hook`)."""
@@ -148,7 +167,7 @@ class Enforcement:
 
     def interposer_counts_memory(self, uuid: str) -> bool:
         """HAMi-core counts this card's memory (it needs a cache directory per grant)."""
-        return self.library is not None and not self.by_driver(uuid)
+        return self.library is not None and self.memory.get(uuid, "interposer") == "interposer"
 
     def compute_by_interposer(self, uuid: str) -> bool:
         return self.compute.get(uuid, "interposer") == "interposer"
@@ -204,6 +223,9 @@ class Grant:
     cores: int | None = None
     enforcement: Enforcement | None = None
     cache_dir: Path | None = None
+    #: the container's own MPS namespace pipe directory (host), capped before it starts;
+    #: None on a node without namespaces (the control daemon's shared one is mounted)
+    mps_pipe: Path | None = None
     #: A share whose container may see other cards beside this one (a DRA claim on
     #: several cards): the memory limit is set for every index too (HAMi-core limits
     #: by the index a card has inside the container, which one result cannot know), and
@@ -226,6 +248,7 @@ def share(
     cores: int | None = None,
     cache_dir: Path | None = None,
     cdi_id: str | None = None,
+    mps_pipe: Path | None = None,
     every_index: bool = False,
     companions: Sequence[str] = (),
 ) -> Grant:
@@ -237,6 +260,7 @@ def share(
         cores=cores,
         enforcement=enforcement,
         cache_dir=cache_dir,
+        mps_pipe=mps_pipe,
         every_index=every_index,
         companions=tuple(companions),
     )
@@ -271,6 +295,8 @@ def container_edits(grant: Grant, listing: DeviceListing | None = None) -> Answe
             raise ValueError("a share is of exactly one card, with its enforcement")
         uuid = grant.devices[0].id
         by_driver = enforcement.by_driver(uuid)
+        if enforcement.by_mps(uuid):
+            return _finish(grant, listing, *_mps_edits(grant, enforcement, uuid))
         compute_capped = enforcement.compute_by_interposer(uuid)
         if grant.memory_mib is not None:
             if by_driver:  # the driver's limit, set by the hook: nothing for libvgpu
@@ -291,6 +317,19 @@ def container_edits(grant: Grant, listing: DeviceListing | None = None) -> Answe
             if grant.memory_mib is not None and grant.cache_dir is not None and not by_driver:
                 envs[SHARED_CACHE] = CONTAINER_CACHE_FILE
                 mounts.append(Mount(CONTAINER_CACHE_DIR, str(grant.cache_dir), read_only=False))
+    return _finish(grant, listing, envs, mounts, annotations, hooks)
+
+
+def _finish(
+    grant: Grant,
+    listing: DeviceListing | None,
+    envs: dict[str, str],
+    mounts: list[Mount],
+    annotations: dict[str, str],
+    hooks: list[Hook],
+) -> Answer:
+    """The answer with the grant's device nodes, its devices named as ``listing`` says."""
+    ids = grant.ids
     nodes: list[str] = []
     for device in grant.devices:
         nodes.extend(n for n in device.nodes if n not in nodes)
@@ -304,6 +343,37 @@ def container_edits(grant: Grant, listing: DeviceListing | None = None) -> Answe
     if grant.companions and ENVVAR in listing.strategies:
         answer.envs[VISIBLE_DEVICES] = ",".join(grant.companions)
     return answer
+
+
+def _mps_edits(
+    grant: Grant, enforcement: Enforcement, uuid: str
+) -> tuple[dict[str, str], list[Mount], dict[str, str], list[Hook]]:
+    """A share of a card whose compute is MPS's; no interposer is loaded.
+
+    The memory answer (every shared container has one: core without memory is refused)
+    carries the pipe directory: the container's own namespace (capped by the daemon
+    before this answer left) or, without namespaces, the control daemon's. The core
+    answer carries the client's thread cap, which a client can only lower (without
+    namespaces it is all there is: ``soft``). Memory is the driver's hook where the card
+    has it, otherwise MPS's pinned limit (``soft``: a client can drop it)."""
+    envs = {VISIBLE_DEVICES: ",".join(grant.companions or (uuid,))}
+    mounts: list[Mount] = []
+    hooks: list[Hook] = []
+    if grant.memory_mib is not None:
+        pipe = grant.mps_pipe or enforcement.mps_pipe
+        if pipe is None:
+            raise ValueError(f"card {uuid} is shared through MPS, but no pipe directory is set")
+        envs[MPS_PIPE] = CONTAINER_MPS_PIPE
+        mounts.append(Mount(CONTAINER_MPS_PIPE, str(pipe), read_only=False))
+        if enforcement.mps_shm is not None:
+            mounts.append(Mount(CONTAINER_SHM, str(enforcement.mps_shm), read_only=False))
+        if enforcement.by_driver(uuid):
+            hooks.append(driver_hook(enforcement, uuid, grant.memory_mib))
+        else:
+            envs[MPS_PINNED_MEMORY] = f"0={grant.memory_mib}M"
+    if grant.cores is not None:
+        envs[MPS_THREADS] = str(min(max(grant.cores, 1), 100))
+    return envs, mounts, {}, hooks
 
 
 def _interposer(envs: dict[str, str], enforcement: Enforcement) -> list[Mount]:

@@ -2,9 +2,11 @@
 
 Memory: ``driver`` (NVIDIA's per-cgroup limit, driver r615+, cgroup v2, a card not in MIG
 mode, CDI to carry the hook that sets it), ``interposer`` (HAMi-core's ``libvgpu.so``),
-``hardware`` (a MIG device or a card served whole: nothing else shares it), ``none``
-(``--no-enforcement``). Compute: ``mps`` (not available in this version), ``interposer``,
-``hardware``, ``none``.
+``hardware`` (a MIG device or a card served whole: nothing else shares it), ``soft``
+(MPS's pinned device-memory limit, on a card whose compute is ``mps`` and whose memory
+cannot be the driver's: a client can drop it), ``none`` (``--no-enforcement``, or a card
+offered as time-sliced replicas). Compute: ``mps`` (MPS active-thread caps; the node's
+``mpsControl`` configured and present), ``interposer``, ``hardware``, ``none``.
 
 ``auto`` takes the strongest backend the card can have; an operator pins one node-wide
 or per card (``memoryEnforcement: "auto,0=interposer"``). A pin the card cannot have is
@@ -32,6 +34,7 @@ class MemoryBackend(enum.Enum):
     DRIVER = "driver"
     INTERPOSER = "interposer"
     HARDWARE = "hardware"
+    SOFT = "soft"
     NONE = "none"
 
 
@@ -51,6 +54,7 @@ MEMORY_STRENGTH = (
     MemoryBackend.HARDWARE,
     MemoryBackend.DRIVER,
     MemoryBackend.INTERPOSER,
+    MemoryBackend.SOFT,
     MemoryBackend.NONE,
 )
 COMPUTE_STRENGTH = (
@@ -135,7 +139,7 @@ class NodeFacts:
     driver_version: str | None  # NVML's "615.20.01"; None: unknown
     cgroup: str  # "v2", "v1" or "none" (what is mounted at the cgroup root)
     interposer: bool  # HAMi-core installed (not --no-enforcement)
-    mps: bool = False  # an MPS control daemon this version can supervise (not yet)
+    mps: bool = False  # an MPS control daemon configured (mpsControl) and present
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,7 @@ class CardTraits:
     cdi: bool = False  # its grants are named to the runtime as CDI devices
     #: the driver self-test: None not run, "" passed, otherwise why it failed
     probe: str | None = None
+    timeslice: bool = False  # offered as time-sliced replicas (card mode timeslice)
 
 
 @dataclass(frozen=True)
@@ -205,6 +210,13 @@ def _where(card: CardTraits) -> str:
 
 
 def _memory(node: NodeFacts, card: CardTraits, pin: str) -> tuple[MemoryBackend, str]:
+    if card.timeslice:
+        if pin != AUTO:
+            raise PinRefused(
+                f"memoryEnforcement pins {_where(card)} to {pin}, which it cannot have: the "
+                "card is offered as time-sliced replicas (card mode timeslice: no limits)"
+            )
+        return MemoryBackend.NONE, "time-sliced replicas: no limits"
     hardware = card.mig or card.whole_only
     if hardware:
         if pin not in (AUTO, "hardware"):
@@ -247,6 +259,13 @@ def _memory(node: NodeFacts, card: CardTraits, pin: str) -> tuple[MemoryBackend,
 
 
 def _compute(node: NodeFacts, card: CardTraits, pin: str) -> tuple[ComputeBackend, str]:
+    if card.timeslice:
+        if pin not in (AUTO, "none"):
+            raise PinRefused(
+                f"computeEnforcement pins {_where(card)} to {pin}, which it cannot have: the "
+                "card is offered as time-sliced replicas (card mode timeslice: no limits)"
+            )
+        return ComputeBackend.NONE, "time-sliced replicas: no limits"
     if card.mig or card.whole_only:
         if pin not in (AUTO, "hardware"):
             raise PinRefused(
@@ -262,8 +281,8 @@ def _compute(node: NodeFacts, card: CardTraits, pin: str) -> tuple[ComputeBacken
     if pin == "mps":
         if not node.mps:
             raise PinRefused(
-                f"computeEnforcement pins {_where(card)} to mps, which is not available "
-                "yet in this version of gpushare"
+                f"computeEnforcement pins {_where(card)} to mps, which this node cannot "
+                "give: no MPS control daemon (set mpsControl to nvidia-cuda-mps-control)"
             )
         return ComputeBackend.MPS, "pinned"
     if pin == "none":
@@ -276,16 +295,31 @@ def _compute(node: NodeFacts, card: CardTraits, pin: str) -> tuple[ComputeBacken
             )
         return ComputeBackend.INTERPOSER, "pinned"
     if node.mps:
-        return ComputeBackend.MPS, "auto: MPS control daemon available"
+        return ComputeBackend.MPS, "auto: MPS control daemon configured (mpsControl)"
     if node.interposer:
         return ComputeBackend.INTERPOSER, "auto: HAMi-core's SM limit"
     return ComputeBackend.NONE, "--no-enforcement: no compute cap"
 
 
 def choose(node: NodeFacts, card: CardTraits, memory_pin: str, compute_pin: str) -> Choice:
-    """The card's backends; :class:`PinRefused` for a pin it cannot have."""
+    """The card's backends; :class:`PinRefused` for a pin it cannot have.
+
+    On a card whose compute is ``mps`` the interposer is not loaded (HAMi-core's SM
+    limiter would fight the MPS cap): memory is the driver's where it can be, otherwise
+    MPS's pinned limit, ``soft``; a memory pin to interposer there is refused."""
     memory, memory_reason = _memory(node, card, memory_pin)
     compute, compute_reason = _compute(node, card, compute_pin)
+    if compute is ComputeBackend.MPS and memory in (MemoryBackend.INTERPOSER, MemoryBackend.NONE):
+        if memory_pin == "interposer":
+            raise PinRefused(
+                f"memoryEnforcement pins {_where(card)} to interposer, but its compute is "
+                "mps: HAMi-core is not loaded into MPS clients (pin computeEnforcement "
+                "interposer, or leave memory auto)"
+            )
+        memory, memory_reason = (
+            MemoryBackend.SOFT,
+            f"MPS pinned device-memory limit (a client can drop it); {memory_reason}",
+        )
     return Choice(card.uuid, card.index, memory, compute, memory_reason, compute_reason)
 
 

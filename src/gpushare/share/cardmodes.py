@@ -1,4 +1,5 @@
-"""Which way each card may be offered: ``cardModes``, shared, exclusive, both or dra.
+"""Which way each card may be offered: ``cardModes``, shared, exclusive, both, dra or
+timeslice (``timeSliceReplicas`` replicas of ``<prefix>/gpu.shared``, no limits).
 
 Pure parsing and lookup; :mod:`gpushare.share.exclusion` enforces it. A card in ``dra``
 mode is in none of the device plugin's lists: the DRA driver (:mod:`gpushare.dra`)
@@ -21,7 +22,9 @@ def _any_case(word: str) -> str:
     return "".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else c for c in word)
 
 
-_MODE = "(" + "|".join(_any_case(m) for m in ("shared", "exclusive", "both", "dra")) + ")"
+_MODE = (
+    "(" + "|".join(_any_case(m) for m in ("shared", "exclusive", "both", "dra", "timeslice")) + ")"
+)
 #: A card as cardModes names it: its index or its UUID (``GPU-...``).
 CARD_KEY = "[A-Za-z0-9_.:-]+"
 _ENTRY = f"{CARD_KEY} *= *{_MODE}"
@@ -38,6 +41,7 @@ class CardMode(enum.Enum):
     EXCLUSIVE = "exclusive"
     BOTH = "both"
     DRA = "dra"
+    TIMESLICE = "timeslice"
 
     @property
     def shared(self) -> bool:
@@ -70,7 +74,7 @@ def parse_card_modes(text: str) -> dict[str, CardMode]:
             mode = CardMode(value.lower() if value.isascii() else value)
         except ValueError:
             raise ValueError(
-                f"{part!r}: mode {value!r} is not one of shared, exclusive, both, dra"
+                f"{part!r}: mode {value!r} is not one of shared, exclusive, both, dra, timeslice"
             ) from None
         if key in modes:
             raise ValueError(f"card {key} is given a mode twice")
@@ -95,3 +99,51 @@ def card_modes(gpus: Iterable[Gpu], spec: Mapping[str, CardMode]) -> dict[str, C
 def dra_cards(gpus: Iterable[Gpu], modes: Mapping[str, CardMode]) -> list[Gpu]:
     """The cards the DRA driver publishes (mode ``dra``), in the order given."""
     return [g for g in gpus if modes.get(g.uuid) is CardMode.DRA]
+
+
+# --------------------------------------------------------------------------- time slicing
+
+#: The most replicas one card may offer (each replica is a device of the kubelet's list).
+MAX_REPLICAS = 64
+_COUNT = "([1-9]|[1-5][0-9]|6[0-4])"
+_REPLICA_ENTRY = f"({CARD_KEY} *= *)?{_COUNT}"
+#: ``timeSliceReplicas``: a node-wide count and/or ``<card>=<count>``, comma-separated.
+REPLICAS_PATTERN = f"^ *({_REPLICA_ENTRY})?( *, *({_REPLICA_ENTRY})?)* *$"
+
+
+def parse_replicas(text: str) -> tuple[int | None, dict[str, int]]:
+    """``4,0=8`` -> (4, {"0": 8}): the node-wide count (None: not given) and per card.
+    ValueError (one line) for a count outside 1..64, a bad key, two node-wide counts or
+    a card named twice."""
+    node: int | None = None
+    cards: dict[str, int] = {}
+    for part in text.split(","):
+        part = part.strip(" ")
+        if not part:
+            continue
+        key, sep, value = part.rpartition("=")
+        key, value = key.strip(" "), value.strip(" ")
+        if not value.isdigit() or not 1 <= int(value) <= MAX_REPLICAS:
+            raise ValueError(f"{part!r}: {value!r} is not a count of replicas from 1 to 64")
+        if not sep:
+            if node is not None:
+                raise ValueError(f"two node-wide replica counts, {node} and {value}")
+            node = int(value)
+            continue
+        if not _KEY.fullmatch(key):
+            raise ValueError(f"{part!r} is not <card index or UUID>=<replicas>")
+        if key in cards:
+            raise ValueError(f"card {key} is given replicas twice")
+        cards[key] = int(value)
+    return node, cards
+
+
+def replicas_for(gpu: Gpu, text: str, default: int = 4) -> int:
+    """How many replicas card ``gpu`` offers in mode timeslice."""
+    node, cards = parse_replicas(text)
+    return cards.get(gpu.uuid, cards.get(str(gpu.index), node if node is not None else default))
+
+
+def timeslice_cards(gpus: Iterable[Gpu], modes: Mapping[str, CardMode]) -> list[Gpu]:
+    """The cards offered as time-sliced replicas (mode ``timeslice``), in the order given."""
+    return [g for g in gpus if modes.get(g.uuid) is CardMode.TIMESLICE]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpushare.gpu.gpus import Gpu
@@ -130,3 +130,55 @@ class ExclusiveLedger:
             if resource is not None:
                 return set(self._held.get(resource, ()))
             return {d for ids in self._held.values() for d in ids}
+
+
+# --------------------------------------------------------------------------- time slicing
+
+#: The resource name of time-sliced replicas, after the prefix (NVIDIA's ``gpu.shared``).
+TIME_SLICED_RESOURCE = "gpu.shared"
+#: Between a card's UUID and the replica's number in a replica's device ID (NVIDIA's).
+REPLICA_SEPARATOR = "::"
+
+
+def time_sliced(
+    gpus: Iterable[Gpu], replicas: Mapping[str, int], name: str = TIME_SLICED_RESOURCE
+) -> ExclusiveResource:
+    """``replicas[uuid]`` devices per card, ID ``<uuid>::<n>``: each container asking one
+    gets the whole card, time-shared with the others (no limits)."""
+    return ExclusiveResource(
+        name,
+        (
+            ExclusiveDevice(
+                id=f"{gpu.uuid}{REPLICA_SEPARATOR}{n}",
+                parent=gpu.uuid,
+                name=gpu.name,
+                index=gpu.index,
+                numa_node=gpu.numa_node,
+                memory_mib=gpu.memory_mib,
+                cdi_id=str(gpu.index),
+            )
+            for gpu in gpus
+            for n in range(replicas[gpu.uuid])
+        ),
+    )
+
+
+def spread_replicas(
+    available: Sequence[ExclusiveDevice], must_include: Sequence[ExclusiveDevice], size: int
+) -> list[str]:
+    """Time-sliced replicas to prefer: the required ones, then one of the card with the
+    most free replicas (the fewest tenants), the card's lowest replica first. Pure."""
+    chosen = [d.id for d in must_include]
+    free: dict[str, int] = {}
+    for device in available:
+        free[device.parent] = free.get(device.parent, 0) + 1
+    rest = sorted(
+        (d for d in available if d.id not in chosen),
+        key=lambda d: (-free[d.parent], d.index, _replica_number(d.id)),
+    )
+    return (chosen + [d.id for d in rest])[:size]
+
+
+def _replica_number(device_id: str) -> int:
+    tail = device_id.rpartition(REPLICA_SEPARATOR)[2]
+    return int(tail) if tail.isdigit() else 0

@@ -148,7 +148,7 @@ def test_pins_naming_no_card_and_mps_are_refused(tmp_path: Path) -> None:
     backend = SimulatedBackend(node_file(tmp_path))
     with pytest.raises(NodeConfigurationError, match="names no GPU of this node: 5"):
         decide(tmp_path, backend, cgroup_v2(tmp_path), memory_enforcement="5=interposer")
-    with pytest.raises(NodeConfigurationError, match="mps, which is not available yet"):
+    with pytest.raises(NodeConfigurationError, match="to mps, which this node cannot give"):
         decide(tmp_path, backend, cgroup_v2(tmp_path), compute_enforcement="mps")
 
 

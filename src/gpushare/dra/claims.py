@@ -349,8 +349,7 @@ class ClaimPreparer:
         return _unfinished(claims, outcomes, "the kubelet's call ended first")
 
     def _from_checkpoint(self, claim: ClaimRef) -> tuple[list[PreparedDevice], bool] | None:
-        """A prepared claim's devices from its entry (and whether the view changed);
-        None when it must be prepared."""
+        """A prepared claim's devices from its entry (and whether the view changed), or None."""
         _check_ref(claim)
         known = self._known(claim)
         if known is not None and known.state == PREPARED:
@@ -448,8 +447,7 @@ class ClaimPreparer:
         keep: set[str],
         limits: ClaimLimits,
     ) -> tuple[Answer, int, int]:
-        """The answer, the memory it holds to (MiB) and its cores (0: no core limit);
-        the answer enforces the claim's ``limits``."""
+        """The answer (enforcing ``limits``), the memory it holds (MiB) and its cores (0: none)."""
         if not device.shared:
             grant = answers.whole([GrantedDevice(device.uuid, memory_mib=device.memory_mib)])
             return answers.container_edits(grant, self.listing), device.memory_mib, 0

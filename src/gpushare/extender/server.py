@@ -232,7 +232,6 @@ def build_app(
         )
         feeds.append(feed)
         await feed.first_list()
-        feed.start()
 
     async def stop_feed(_app: web.Application) -> None:
         loop = asyncio.get_running_loop()

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpushare.extender.fit import card_rooms
+from gpushare.extender.fit import CardRoom, card_rooms
 from gpushare.kube import nodestate
 
 
@@ -26,6 +26,8 @@ class NodeRecord:
     state: nodestate.NodeGpuState | None
     code: str = "fits"
     reason: str = ""
+    #: ``card_rooms(state)``, computed once per published state
+    rooms: tuple[CardRoom, ...] = ()
 
 
 @dataclass
@@ -96,7 +98,7 @@ def read_node_state(
 
 def record_of(node: Mapping[str, Any], prefix: str) -> NodeRecord:
     state, code, reason = read_node_state(node, prefix)
-    return NodeRecord(state, code, reason)
+    return NodeRecord(state, code, reason, card_rooms(state) if state is not None else ())
 
 
 def node_name(node: Mapping[str, Any]) -> str:

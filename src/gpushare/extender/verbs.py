@@ -26,6 +26,7 @@ from gpushare.extender.body import BadRequest
 from gpushare.extender.choice import card_choice_of, excluded_rooms
 from gpushare.extender.fit import (
     BINPACK,
+    CardRoom,
     Fit,
     PodNeed,
     PodSpecError,
@@ -177,6 +178,7 @@ def judge_state(
     ledger: AdmissionLedger,
     exclude_pod: str = "",
     choice: CardChoice | None = None,
+    rooms: tuple[CardRoom, ...] | None = None,
 ) -> NodeVerdict:
     """Fit the pod on the node's cards as the ledger counts them (the published state,
     less pods bound since, plus pods ended since) less the cards the pod's annotations
@@ -187,7 +189,7 @@ def judge_state(
             "to each node); the pod is retried"
         )
         return NodeVerdict(name, Fit(None, reason), state.generation, "not_ready")
-    occupancy = ledger.occupancy(name, state, policy.placement, exclude_pod)
+    occupancy = ledger.occupancy(name, state, policy.placement, exclude_pod, rooms)
     rooms, excluded = excluded_rooms(occupancy.rooms, state, choice)
     if excluded and len(excluded) == len(rooms):
         reason = f"the pod's card choice excludes every card: {', '.join(excluded)}"
@@ -246,7 +248,9 @@ def judge_name(
         return NodeVerdict(name, Fit(None, reason), None, "unseen")
     if record.state is None:
         return NodeVerdict(name, Fit(None, record.reason), None, record.code)
-    return judge_published(name, record.state, need, policy, state, exclude_pod, choice)
+    return judge_published(
+        name, record.state, need, policy, state, exclude_pod, choice, record.rooms
+    )
 
 
 def judge_published(
@@ -257,11 +261,15 @@ def judge_published(
     state: ExtenderState,
     exclude_pod: str = "",
     choice: CardChoice | None = None,
+    rooms: tuple[CardRoom, ...] | None = None,
 ) -> NodeVerdict:
-    """Remember the node's newest state seen and fit the pod on it."""
-    published = newest(state.nodes.get(name), published)
-    state.nodes.put(name, published)
-    return judge_state(name, published, need, policy, state.ledger, exclude_pod, choice)
+    """Remember the node's newest state seen and fit the pod on it (``rooms``: the
+    given state's ``card_rooms``, if known)."""
+    chosen = newest(state.nodes.get(name), published)
+    state.nodes.put(name, chosen)
+    if chosen is not published:
+        rooms = None
+    return judge_state(name, chosen, need, policy, state.ledger, exclude_pod, choice, rooms)
 
 
 def newest(

@@ -457,10 +457,11 @@ def measure_verbs(
         the_pod = a_pod(999_999, gpu=True)
         the_pod["spec"]["nodeName"] = ""
         the_pod["status"] = {"phase": "Pending"}
+        body: dict[str, Any] = {"Pod": the_pod}
         if full_nodes:
-            body = {"Pod": the_pod, "Nodes": {"items": [gpu_node(i) for i in range(nodes)]}}
+            body["Nodes"] = {"items": [gpu_node(i) for i in range(sent)]}
         else:
-            body = {"Pod": the_pod, "NodeNames": [f"node-{i:05d}" for i in range(nodes)]}
+            body["NodeNames"] = [f"node-{i:05d}" for i in range(sent)]
         raw = json.dumps(body).encode()
         row: dict[str, Any] = {
             "nodes": nodes,

@@ -465,7 +465,7 @@ def measure_verbs(
         raw = json.dumps(body).encode()
         row: dict[str, Any] = {
             "nodes": nodes,
-            "way": "full Nodes" if full_nodes else "names",
+            "way": f"{sent} {'full Nodes' if full_nodes else 'names'}",
             "body_kb": len(raw) / 1024,
         }
         for verb in ("filter", "prioritize"):

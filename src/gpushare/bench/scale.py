@@ -563,7 +563,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_section(path: Path, lines: str) -> None:
+    """Replace the tables between the ``scale table`` markers (the prose around them
+    stays), else the whole ``## Scale`` section, else append one."""
     text = path.read_text() if path.exists() else ""
+    start, end = "<!-- scale table -->\n", "<!-- /scale table -->"
+    if start in text and end in text:
+        before, rest = text.split(start, 1)
+        path.write_text(before + start + lines + end + rest.split(end, 1)[1])
+        return
     head = "## Scale (`make scale`)"
     section = f"{head}\n\n{lines}"
     if head in text:

@@ -120,7 +120,12 @@ class ProbeNode:
         self.api.logs[key] = result.stdout + result.stderr
         phase = "Succeeded" if result.returncode == 0 else "Failed"
         with self.api._lock:
-            pod.setdefault("status", {})["phase"] = phase
+            # The stored object, not the one read before the probe ran: the daemon's pod
+            # annotation may have replaced it meanwhile (a slow probe on a busy machine).
+            current = self.api.objects.get(key)
+            if current is not None:
+                current.setdefault("status", {})["phase"] = phase
+                self.api._put(key, current)
         self.kubelet.release(pod["metadata"]["name"])  # the pod has ended
 
 

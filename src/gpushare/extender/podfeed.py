@@ -193,6 +193,8 @@ class PodFeed:
         except TimeoutError:
             log.warning("pod_list_slow", waited_seconds=seconds)
             return False
+        if self.ledger.awaiting_list:
+            return False  # the list failed (logged by the feed); it is retried
         log.info("pods_listed", gpu_pods=self.ledger.live_pods)
         return True
 
@@ -212,9 +214,19 @@ class PodFeed:
     def _run(self) -> None:
         run_until_stopped(self._stop, self._cycle, self._relist, MAX_BACKOFF)
 
+    def _attempted(self) -> None:
+        """A list failed: the extender waiting for its first list serves now (the
+        filter keeps waiting for a list; the feed retries with a growing delay)."""
+        if self._listed is not None:
+            self._listed.set()
+
     def _cycle(self) -> None:
         if not self._resume:
-            listed, self._resume = self.list_pods()
+            try:
+                listed, self._resume = self.list_pods()
+            except Exception:
+                self._call(self._attempted)
+                raise
             self._call(self._adopt, listed)
             log.info("pods_listed", pods=len(listed))
         self._watch_once()

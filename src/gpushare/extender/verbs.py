@@ -425,6 +425,11 @@ def bind_verb(body: Any, policy: ExtenderPolicy, state: ExtenderState) -> Bindin
     published = state.nodes.get(args.node)
     if published is None:
         raise BindRefused(f"node {args.node} was not seen in a filter call")
+    record = state.node_cache.get(args.node) if state.node_cache is not None else None
+    if record is not None and record.state is not None:
+        # the node watch may have seen a newer state since the filter
+        published = newest(published, record.state)
+        state.nodes.put(args.node, published)
     verdict = judge_state(args.node, published, need, policy, state.ledger, exclude_pod=args.uid)
     if verdict.fit.placement is None:
         raise BindRefused(

@@ -144,6 +144,29 @@ def test_a_bind_after_a_filter_by_names_holds_room_on_the_node(
     assert "roomy" in answer["FailedNodes"]
 
 
+def test_a_bind_counts_a_node_state_the_watch_saw_after_the_filter(
+    cluster: tuple[KubeApiDouble, RunningExtender],
+) -> None:
+    """The pod filtered before its node filled is refused at bind time. (The wait below
+    goes through a filter, which also remembers the new state; the bind reads the
+    node cache too, for a state that arrived with no filter in between.)"""
+    api, server = cluster
+    late = api.add(pod("late", container("main", memory=12)))
+    assert server.filter(names_args(late, "roomy"))["NodeNames"] == ["roomy"]
+    api.add(node("roomy", [card(0, used=16), card(1, used=16)], generation=5))  # filled
+    eventually(
+        lambda: (
+            server.filter(names_args(pod("probe", container("m", memory=1)), "roomy"))["NodeNames"]
+            == []
+        )
+    )
+    binding = {"PodName": "late", "PodNamespace": "default", "PodUID": "uid-late"}
+    status, answer = server.post("bind", {**binding, "Node": "roomy"})
+    assert status == 200
+    assert "no longer holds" in answer["Error"]
+    assert not api.calls("POST", "binding")
+
+
 def test_names_without_a_node_watch_are_refused_with_the_fix(
     extender_factory: Callable[..., RunningExtender],
 ) -> None:

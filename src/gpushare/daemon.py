@@ -11,7 +11,10 @@ kubelet dials back at once.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
+import select
 import signal
 import sys
 import threading
@@ -185,20 +188,54 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    waker = SignalWaker()  # before start: a signal during start wakes the wait after it
     try:
-        daemon.start()
-    except StartupError as exc:
-        if done.is_set():
-            return 0  # told to stop while starting
-        print(f"gpushare-device-plugin: {exc}", file=sys.stderr)
-        return exc.exit_code
-    # Everything built so far lives as long as the process: keep it out of the
-    # collector's way, so that a full collection during an Allocate stays short.
-    gc.collect()
-    gc.freeze()
-    done.wait()
+        try:
+            daemon.start()
+        except StartupError as exc:
+            if done.is_set():
+                return 0  # told to stop while starting
+            print(f"gpushare-device-plugin: {exc}", file=sys.stderr)
+            return exc.exit_code
+        # Everything built so far lives as long as the process: keep it out of the
+        # collector's way, so that a full collection during an Allocate stays short.
+        gc.collect()
+        gc.freeze()
+        waker.wait(done)
+    finally:
+        waker.close()
     daemon.stop()
     return 0
+
+
+class SignalWaker:
+    """Wakes the main thread for a signal whichever thread the kernel gave it to.
+
+    Python runs a signal's handler in the main thread, between bytecodes; the kernel
+    may deliver a process-directed SIGTERM to any thread that does not block it (gRPC's,
+    the parts'), and the C-level handler that then runs there does not wake a main
+    thread blocked in a lock (``Event.wait()`` without a timeout): the handler would
+    never run and the drain be ignored. So the main thread sleeps in ``select`` on the
+    signal wake-up descriptor, which that C-level handler writes in whichever thread it
+    runs: the main thread wakes, returns to the interpreter, and the handler runs."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+        self._previous = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+
+    def wait(self, done: threading.Event) -> None:
+        """Return once ``done`` is set (by a signal handler)."""
+        while not done.is_set():
+            select.select([self._read], [], [], 60.0)  # the timeout is only a safety net
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._read, 512)
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._previous)
+        os.close(self._read)
+        os.close(self._write)
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ def test_dra_claims_are_published_inspected_and_exported_beside_device_plugin_sh
     add_pod(api, node, "dp", {node.memory: 8, node.core: 20})
     node.kubelet.admit("dp", "main", {node.memory: 8, node.core: 20})
     refs = [
-        dra.claim("ml", "small", "gpu-1", memory="1000Mi", cores="30"),  # charged 1024 MiB
+        dra.claim("ml", "small", "gpu-1", memory="1024Mi", cores="30"),  # 1000Mi as charged
         dra.claim("ml", "memory-only", "gpu-1", memory="2Gi"),
         dra.claim("batch", "whole", "gpu-2"),  # no sizes: the whole card, unthrottled
     ]

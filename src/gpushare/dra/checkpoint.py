@@ -3,9 +3,12 @@
 The kubelet's NodeUnprepareResources carries only a claim's namespace, name and UID:
 what was made for it (the CDI spec, the cache directory) must be remembered across
 daemon restarts. The checkpoint holds one small JSON file per prepared claim, written
-atomically once everything for the claim is made. A daemon killed half-way leaves
-things no entry names: they are removed at the next start (``ClaimPreparer.tidy``),
-and a prepare retried by the kubelet makes everything afresh.
+atomically and durably (fsynced, then its directory) once everything for the claim is
+made. What no entry names is sorted out at the next start (``ClaimPreparer.tidy``): a
+claim's CDI spec is kept (a container may run with it) and its entry recovered from
+it; a cache directory no entry or spec names was never handed to a container and goes.
+An entry that cannot be read (torn by a power cut, or not ours) is set aside and
+recovered the same way, for that claim alone.
 
 Two daemons may run on a node for a moment (a rolling update). :class:`NodeLock` (an
 ``flock`` on a file beside the checkpoint) is held around every prepare and unprepare,
@@ -18,7 +21,9 @@ import contextlib
 import fcntl
 import json
 import os
+import stat
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,12 +31,18 @@ from typing import Any
 
 import structlog
 
-from gpushare.base.atomicfile import replace_file
+from gpushare.base.atomicfile import read_small_file, replace_file, sync_directory
 
 log = structlog.get_logger(__name__)
 
 VERSION = 1
 PREPARED = "prepared"
+#: An entry rebuilt from a claim's CDI spec (its own entry lost or unreadable): what it
+#: names is kept until the kubelet unprepares the claim, and a prepare of the claim
+#: makes it afresh from the API server, keeping its cache directories.
+RECOVERED = "recovered"
+#: The largest entry read (a real one is well under 4 KiB).
+MAX_ENTRY_BYTES = 1 << 20
 
 
 @dataclass
@@ -106,10 +117,12 @@ class Checkpoint:
     the node, and an unreadable file loses one claim's record, not every claim's. Not
     thread-safe by itself: callers hold :class:`NodeLock`.
 
-    Files are replaced atomically (temporary file, rename) but not fsynced: a killed
-    daemon loses nothing (the page cache outlives it); after a power loss the node's
-    containers are gone too, and what a lost entry named is removed at the next start
-    (:meth:`gpushare.dra.claims.ClaimPreparer.tidy`)."""
+    Files are replaced atomically and durably (temporary file fsynced, rename, the
+    directory fsynced): after a power cut an entry is the old one or the new one. An
+    entry that still cannot be read (not ours, or a file system that lost it anyway)
+    raises :class:`CheckpointError` for its claim alone, and :meth:`set_aside` moves it
+    out of the way. Reads never follow a link, never block (a FIFO is refused) and
+    are bounded (:data:`MAX_ENTRY_BYTES`)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -124,7 +137,7 @@ class Checkpoint:
         an error (never silently forgotten: unprepare would leak what it names)."""
         path = self._path(uid)
         try:
-            text = path.read_text()
+            text = read_small_file(path, MAX_ENTRY_BYTES)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -134,16 +147,31 @@ class Checkpoint:
             if not isinstance(data, dict) or data.get("version") != VERSION:
                 raise ValueError(f"not a version-{VERSION} entry")
             return ClaimEntry.from_json(data.get("claim"))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"the checkpoint {path} is unusable: {exc}") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            raise CheckpointError(f"the checkpoint {path} is unusable: {str(exc)[:200]}") from None
 
     def put(self, uid: str, entry: ClaimEntry) -> None:
         path = self._path(uid)
         data = json.dumps({"version": VERSION, "claim": asdict(entry)}).encode()
-        replace_file(path, data, 0o600, dir_mode=0o700)
+        replace_file(path, data, 0o600, dir_mode=0o700, durable=True)
 
     def delete(self, uid: str) -> None:
         self._path(uid).unlink(missing_ok=True)
+
+    def set_aside(self, uid: str) -> str:
+        """Move an unreadable entry out of the way (renamed ``<uid>.json.unusable``, one
+        per claim, kept for a look; a directory or a FIFO there is moved the same way,
+        never opened); the name it now has, or "" if nothing was there."""
+        path = self._path(uid)
+        aside = path.with_name(f"{path.name}.unusable")
+        try:
+            if os.path.isdir(aside) and not os.path.islink(aside):
+                aside = path.with_name(f"{path.name}.unusable.{os.getpid()}")
+            os.replace(path, aside)
+        except FileNotFoundError:
+            return ""
+        sync_directory(self.directory)
+        return aside.name
 
     def uids(self) -> list[str]:
         try:
@@ -153,10 +181,15 @@ class Checkpoint:
         return sorted(n[: -len(".json")] for n in names if n.endswith(".json") and n[0] != ".")
 
 
+class LockTimeout(Exception):
+    """The node lock was not free before the caller's deadline."""
+
+
 class NodeLock:
     """An exclusive lock across the daemons of this node (``flock``) and the threads of
     this one (a mutex: ``flock`` does not exclude two descriptors of one process from
-    each other reliably across platforms)."""
+    each other reliably across platforms). :meth:`held` takes a deadline (the
+    kubelet's, of the call waiting for it): past it, :class:`LockTimeout`."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -164,17 +197,50 @@ class NodeLock:
         self._fd: int | None = None  # opened once, on first use
 
     @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        with self._mutex:
-            if self._fd is None:
-                self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-                self._fd = os.open(self.path, flags, 0o600)
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+    def held(self, deadline: float | None = None) -> Iterator[None]:
+        """Hold the lock; ``deadline`` (``time.monotonic()``) bounds the wait."""
+        if deadline is None:
+            self._mutex.acquire()
+        elif not self._mutex.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise LockTimeout("another prepare or unprepare holds the node lock")
+        try:
+            fd = self._open()
+            self._flock(fd, deadline)
             try:
                 yield
             finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            self._mutex.release()
+
+    def _open(self) -> int:
+        if self._fd is None:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            fd = os.open(self.path, flags, 0o600)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise OSError(f"{self.path} is not a regular file")
+            self._fd = fd
+        return self._fd
+
+    @staticmethod
+    def _flock(fd: int, deadline: float | None) -> None:
+        if deadline is None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            return
+        pause = 0.005  # only while another daemon (a rolling update) holds it
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LockTimeout("another daemon holds the node lock")
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.1)
 
     def close(self) -> None:
         with self._mutex:

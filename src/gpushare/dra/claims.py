@@ -19,7 +19,9 @@ one of this node's, or a capacity no card holds, fails that claim alone, with on
 
 from __future__ import annotations
 
+import contextlib
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,18 +31,20 @@ import structlog
 
 from gpushare.dra.checkpoint import (
     PREPARED,
+    RECOVERED,
     Checkpoint,
     CheckpointError,
     ClaimEntry,
+    LockTimeout,
     NodeLock,
     PreparedDevice,
 )
 from gpushare.dra.held import HeldClaims
 from gpushare.dra.model import API_VERSION, Offered, ShareError, share_of, unhealthy_reason
+from gpushare.dra.recovery import Leftovers, remove_spec_file
 from gpushare.gpu.health import HealthBoard
-from gpushare.host.cdi import CdiDevice, claim_device, remove_spec, spec_file_name, write_spec
+from gpushare.host.cdi import CdiDevice, claim_device, write_spec
 from gpushare.host.library import (
-    CLAIM_KEY_PREFIX,
     cache_root,
     claim_cache_key,
     prepare_claim_cache_dir,
@@ -99,6 +103,80 @@ def _held_device(
     )
 
 
+def _refused(claim: ClaimRef, exc: Exception) -> Outcome:
+    log.warning("claim_refused", claim=claim.describe(), uid=claim.uid, reason=str(exc))
+    return Outcome(error=str(exc))
+
+
+def _failed(claim: ClaimRef, exc: Exception) -> Outcome:
+    log.error("claim_prepare_failed", claim=claim.describe(), error=str(exc))
+    return Outcome(error=f"cannot prepare the claim: {exc}")
+
+
+def _unfinished(
+    claims: Sequence[ClaimRef], outcomes: dict[str, Outcome], why: str
+) -> dict[str, Outcome]:
+    """Every claim without an outcome gets ``why`` (the kubelet retries it)."""
+    for claim in claims:
+        if claim.uid not in outcomes:
+            log.warning("claim_prepare_abandoned", claim=claim.describe(), reason=why)
+            outcomes[claim.uid] = Outcome(error=f"not prepared: {why}")
+    return outcomes
+
+
+def _check_ref(claim: ClaimRef) -> None:
+    if not _DNS_SUBDOMAIN.match(claim.namespace) or len(claim.namespace) > 63:
+        raise ClaimRefused(f"namespace {claim.namespace[:80]!r} is not a namespace name")
+    if not _DNS_SUBDOMAIN.match(claim.name):
+        raise ClaimRefused(f"name {claim.name[:80]!r} is not a ResourceClaim name")
+    if not _UID.match(claim.uid):
+        raise ClaimRefused(f"UID {claim.uid[:80]!r} is not a UID")
+
+
+def _read_claim(api: ApiClient, claim: ClaimRef, timeout: float) -> dict[str, Any]:
+    try:
+        found = api.get(claim_path(claim.namespace, claim.name), timeout=timeout)
+    except ApiStatusError as exc:
+        if exc.status == 404:
+            raise ClaimRefused(f"claim {claim.describe()} not found") from None
+        raise ClaimRefused(f"cannot read claim {claim.describe()}: {exc}") from None
+    except OSError as exc:
+        raise ClaimRefused(
+            f"cannot read claim {claim.describe()}: API server unreachable ({exc})"
+        ) from None
+    if not isinstance(found, dict):
+        raise ClaimRefused(f"claim {claim.describe()}: the API server sent no object")
+    return found
+
+
+def _results(
+    claim: ClaimRef, found: dict[str, Any], driver: str, pool: str
+) -> list[dict[str, Any]]:
+    uid = (found.get("metadata") or {}).get("uid")
+    if uid != claim.uid:
+        raise ClaimRefused(
+            f"claim {claim.describe()} has UID {uid}, not {claim.uid}: "
+            "it was deleted and created again"
+        )
+    allocation = (found.get("status") or {}).get("allocation")
+    if not isinstance(allocation, dict):
+        raise ClaimRefused(f"claim {claim.describe()} is not allocated")
+    results = (allocation.get("devices") or {}).get("results") or []
+    if not isinstance(results, list):
+        raise ClaimRefused(f"claim {claim.describe()}: allocation results are not a list")
+    ours = []
+    for result in results:
+        if not isinstance(result, dict) or result.get("driver") != driver:
+            continue
+        if result.get("pool") != pool:
+            raise ClaimRefused(
+                f"claim {claim.describe()} is allocated device {result.get('device')} of "
+                f"pool {result.get('pool')}, not of this node ({pool})"
+            )
+        ours.append(result)
+    return ours
+
+
 class ClaimPreparer:
     """Prepares claims of this node's pool from the checkpoint and the API server."""
 
@@ -131,96 +209,118 @@ class ClaimPreparer:
         self.cdi_kind = f"{driver}/claim"
         self.checkpoint = Checkpoint(state_dir / "claims")
         self.lock = NodeLock(state_dir / "prepare.lock")
+        self.leftovers = Leftovers(
+            self.checkpoint,
+            cdi_dir=cdi_dir,
+            cdi_kind=self.cdi_kind,
+            host_lib_dir=host_lib_dir,
+            pool=pool,
+            device_names=lambda: list(self.devices()),
+        )
         self.api_timeout = api_timeout
         #: The checkpoint's entries, read by :meth:`tidy` and kept in step: what
         #: readers of the node's state see, without file I/O or the node lock.
         self.held = HeldClaims()
 
     # ------------------------------------------------------------------ prepare
-    def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Outcome]:
-        """Every claim's outcome, keyed by the UID the kubelet sent."""
+    def prepare(
+        self,
+        claims: Sequence[ClaimRef],
+        deadline: float | None = None,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> dict[str, Outcome]:
+        """Every claim's outcome, keyed by the UID the kubelet sent.
+
+        The node lock is held only around the checkpoint and the files, never across
+        the API server's answers: the claims are read between two short holds, so a
+        slow or hung API server delays this call's claims alone, never an unprepare.
+        ``deadline`` (``time.monotonic()``) and ``cancelled`` are the kubelet's call's:
+        past the one or once the other says so, what is not done yet is not started."""
         outcomes: dict[str, Outcome] = {}
         changed = False
-        with self.lock.held():
-            for claim in claims:
-                try:
-                    devices, fresh = self._prepare_one(claim)
-                except ClaimRefused as exc:
-                    log.warning(
-                        "claim_refused", claim=claim.describe(), uid=claim.uid, reason=str(exc)
-                    )
-                    outcomes[claim.uid] = Outcome(error=str(exc))
-                except (OSError, CheckpointError) as exc:
-                    log.error("claim_prepare_failed", claim=claim.describe(), error=str(exc))
-                    outcomes[claim.uid] = Outcome(error=f"cannot prepare the claim: {exc}")
-                else:
-                    outcomes[claim.uid] = Outcome(devices=devices)
-                    changed |= fresh
+        pending: list[ClaimRef] = []
+        try:
+            with self.lock.held(deadline):
+                for claim in claims:
+                    try:
+                        done = self._from_checkpoint(claim)
+                    except ClaimRefused as exc:
+                        outcomes[claim.uid] = _refused(claim, exc)
+                    except (OSError, CheckpointError) as exc:
+                        outcomes[claim.uid] = _failed(claim, exc)
+                    else:
+                        if done is None:
+                            pending.append(claim)
+                        else:
+                            outcomes[claim.uid] = Outcome(devices=done[0])
+                            changed |= done[1]
+        except LockTimeout as exc:
+            return _unfinished(claims, outcomes, str(exc))
+        read: dict[str, list[dict[str, Any]]] = {}
+        for claim in pending:  # outside the lock
+            left = None if deadline is None else deadline - time.monotonic()
+            if cancelled() or (left is not None and left <= 0):
+                break
+            try:
+                timeout = self.api_timeout if left is None else min(self.api_timeout, left)
+                found = _read_claim(self.api, claim, timeout)
+                read[claim.uid] = _results(claim, found, self.driver, self.pool)
+            except ClaimRefused as exc:
+                outcomes[claim.uid] = _refused(claim, exc)
+        try:
+            with self.lock.held(deadline) if read else contextlib.nullcontext():
+                for claim in pending:
+                    if claim.uid not in read or cancelled():
+                        continue
+                    try:
+                        devices, fresh = self._prepare_one(claim, read[claim.uid])
+                    except ClaimRefused as exc:
+                        outcomes[claim.uid] = _refused(claim, exc)
+                    except (OSError, CheckpointError) as exc:
+                        outcomes[claim.uid] = _failed(claim, exc)
+                    else:
+                        outcomes[claim.uid] = Outcome(devices=devices)
+                        changed |= fresh
+        except LockTimeout as exc:
+            _unfinished(claims, outcomes, str(exc))
         if changed:
             self.held.changed()
-        return outcomes
+        return _unfinished(claims, outcomes, "the kubelet's call ended first")
 
-    def _check_ref(self, claim: ClaimRef) -> None:
-        if not _DNS_SUBDOMAIN.match(claim.namespace) or len(claim.namespace) > 63:
-            raise ClaimRefused(f"namespace {claim.namespace[:80]!r} is not a namespace name")
-        if not _DNS_SUBDOMAIN.match(claim.name):
-            raise ClaimRefused(f"name {claim.name[:80]!r} is not a ResourceClaim name")
-        if not _UID.match(claim.uid):
-            raise ClaimRefused(f"UID {claim.uid[:80]!r} is not a UID")
+    def _from_checkpoint(self, claim: ClaimRef) -> tuple[list[PreparedDevice], bool] | None:
+        """A prepared claim's devices from its entry (and whether the view changed);
+        None when it must be prepared."""
+        _check_ref(claim)
+        known = self._known(claim)
+        if known is not None and known.state == PREPARED:
+            # idempotent: the same answer again (maybe prepared by another instance)
+            return known.devices, self.held.remember(claim.uid, known)
+        return None
 
-    def _read_claim(self, claim: ClaimRef) -> dict[str, Any]:
-        try:
-            found = self.api.get(claim_path(claim.namespace, claim.name), timeout=self.api_timeout)
-        except ApiStatusError as exc:
-            if exc.status == 404:
-                raise ClaimRefused(f"claim {claim.describe()} not found") from None
-            raise ClaimRefused(f"cannot read claim {claim.describe()}: {exc}") from None
-        except OSError as exc:
-            raise ClaimRefused(
-                f"cannot read claim {claim.describe()}: API server unreachable ({exc})"
-            ) from None
-        if not isinstance(found, dict):
-            raise ClaimRefused(f"claim {claim.describe()}: the API server sent no object")
-        return found
-
-    def _results(self, claim: ClaimRef, found: dict[str, Any]) -> list[dict[str, Any]]:
-        uid = (found.get("metadata") or {}).get("uid")
-        if uid != claim.uid:
-            raise ClaimRefused(
-                f"claim {claim.describe()} has UID {uid}, not {claim.uid}: "
-                "it was deleted and created again"
-            )
-        allocation = (found.get("status") or {}).get("allocation")
-        if not isinstance(allocation, dict):
-            raise ClaimRefused(f"claim {claim.describe()} is not allocated")
-        results = (allocation.get("devices") or {}).get("results") or []
-        if not isinstance(results, list):
-            raise ClaimRefused(f"claim {claim.describe()}: allocation results are not a list")
-        ours = []
-        for result in results:
-            if not isinstance(result, dict) or result.get("driver") != self.driver:
-                continue
-            if result.get("pool") != self.pool:
-                raise ClaimRefused(
-                    f"claim {claim.describe()} is allocated device {result.get('device')} of "
-                    f"pool {result.get('pool')}, not of this node ({self.pool})"
-                )
-            ours.append(result)
-        return ours
-
-    def _prepare_one(self, claim: ClaimRef) -> tuple[list[PreparedDevice], bool]:
-        """The claim's devices, and whether the view of what is held changed."""
-        self._check_ref(claim)
-        known = self.checkpoint.get(claim.uid)
-        if known is not None and (known.namespace, known.name) != (claim.namespace, claim.name):
+    def _known(self, claim: ClaimRef) -> ClaimEntry | None:
+        known = self.leftovers.entry(claim.uid)
+        if (
+            known is not None
+            and known.state == PREPARED
+            and (known.namespace, known.name) != (claim.namespace, claim.name)
+        ):
             raise ClaimRefused(
                 f"UID {claim.uid} was prepared as {known.namespace}/{known.name}, "
                 f"not {claim.describe()}"
             )
+        return known
+
+    def _prepare_one(
+        self, claim: ClaimRef, results: list[dict[str, Any]]
+    ) -> tuple[list[PreparedDevice], bool]:
+        """The claim's devices, and whether the view of what is held changed (lock held;
+        ``results``: this driver's, read from the API server)."""
+        known = self._known(claim)  # again: another call may have prepared it meanwhile
         if known is not None and known.state == PREPARED:
-            # idempotent: the same answer again (maybe prepared by another instance)
             return known.devices, self.held.remember(claim.uid, known)
-        results = self._results(claim, self._read_claim(claim))
+        # A recovered claim's cache directories may be in use by its running container:
+        # kept, never buried (its UID was just confirmed by the API server).
+        keep = set(known.cache_keys) if known is not None and known.state == RECOVERED else set()
         offered = self.devices()
         plan = []
         for result in results:
@@ -247,7 +347,7 @@ class ClaimPreparer:
         prepared: list[PreparedDevice] = []
         shares = []
         for request, device, result in plan:
-            answer, memory_mib, cores = self._answer(claim, request, device, result)
+            answer, memory_mib, cores = self._answer(claim, request, device, result, keep)
             cdi_name = f"{claim.uid}-{_NOT_CDI.sub('_', request)}-{device.name}"
             cdi_devices.append(claim_device(cdi_name, answer))
             ids = [f"{self.cdi_kind}={cdi_name}", *answer.cdi_devices]
@@ -275,7 +375,12 @@ class ClaimPreparer:
         return prepared, True
 
     def _answer(
-        self, claim: ClaimRef, request: str, device: Offered, result: Mapping[str, Any]
+        self,
+        claim: ClaimRef,
+        request: str,
+        device: Offered,
+        result: Mapping[str, Any],
+        keep: set[str],
     ) -> tuple[Answer, int, int]:
         """The answer, the memory it holds to (MiB) and its cores (0: no core limit)."""
         if not device.shared:
@@ -287,95 +392,70 @@ class ClaimPreparer:
             raise ClaimRefused(f"claim {claim.describe()}, device {device.name}: {exc}") from None
         cache_dir = None
         if self.enforcement.library is not None:
-            cache_dir = prepare_claim_cache_dir(
-                self.host_lib_dir, claim_cache_key(claim.uid, request, device.name)
-            )
+            key = claim_cache_key(claim.uid, request, device.name)
+            kept = cache_root(self.host_lib_dir) / key
+            if key in keep and kept.is_dir() and not kept.is_symlink():
+                cache_dir = kept
+            else:
+                cache_dir = prepare_claim_cache_dir(self.host_lib_dir, key)
         grant = answers.share(
             device.uuid,
             enforcement=self.enforcement,
-            memory_mib=share.memory_units * self.unit_mib,
+            memory_mib=share.memory_mib,
             cores=share.cores or None,  # no cores asked: unthrottled, as memory-only
             cache_dir=cache_dir,
         )
         answer = answers.container_edits(grant, self.listing)
-        return answer, share.memory_units * self.unit_mib, share.cores
+        return answer, share.memory_mib, share.cores
 
     # ------------------------------------------------------------------ unprepare
-    def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
-        """Every claim's error ("" when done); a claim not prepared here is done."""
+    def unprepare(
+        self, claims: Sequence[ClaimRef], deadline: float | None = None
+    ) -> dict[str, str]:
+        """Every claim's error ("" when done). A claim with no entry is done once what
+        its CDI spec names (if any is left) is gone; an unreadable entry is recovered
+        from that spec first. Needs no API server."""
         errors: dict[str, str] = {}
         changed = False
-        with self.lock.held():
-            for claim in claims:
-                try:
-                    entry = self.checkpoint.get(claim.uid)
-                except CheckpointError as exc:
-                    log.error("dra_checkpoint_unusable", uid=claim.uid, error=str(exc))
-                    errors[claim.uid] = str(exc)
-                    continue
-                if entry is None:
+        try:
+            with self.lock.held(deadline):
+                for claim in claims:
+                    try:
+                        entry = self.leftovers.entry(claim.uid)
+                        if entry is None:
+                            self.leftovers.release_unknown(claim.uid)
+                        else:
+                            self._release(entry)
+                            self.checkpoint.delete(claim.uid)
+                    except (OSError, ValueError, CheckpointError) as exc:
+                        log.error("claim_unprepare_failed", uid=claim.uid, error=str(exc))
+                        errors[claim.uid] = f"cannot unprepare the claim: {exc}"
+                        continue
                     changed |= self.held.remember(claim.uid, None)
+                    if entry is not None:
+                        log.info(
+                            "claim_unprepared",
+                            claim=f"{entry.namespace}/{entry.name}",
+                            uid=claim.uid,
+                        )
                     errors[claim.uid] = ""
-                    continue
-                try:
-                    self._release(entry)
-                    self.checkpoint.delete(claim.uid)
-                except (OSError, ValueError, CheckpointError) as exc:
-                    log.error("claim_unprepare_failed", uid=claim.uid, error=str(exc))
-                    errors[claim.uid] = f"cannot unprepare the claim: {exc}"
-                    continue
-                changed |= self.held.remember(claim.uid, None)
-                log.info("claim_unprepared", claim=f"{entry.namespace}/{entry.name}", uid=claim.uid)
-                errors[claim.uid] = ""
+        except LockTimeout as exc:
+            for claim in claims:
+                errors.setdefault(claim.uid, f"not unprepared: {exc}")
         if changed:
             self.held.changed()
         return errors
 
     def _release(self, entry: ClaimEntry) -> None:
-        remove_spec(self.cdi_dir, self.cdi_kind, entry.spec_name)
+        remove_spec_file(self.leftovers.spec_path(entry.spec_name))
         for key in entry.cache_keys:
             release_cache_dir(self.host_lib_dir, key)
 
     # ------------------------------------------------------------------ start
     def tidy(self) -> None:
-        """At start: remove claim cache directories and claim specs that no checkpoint
-        entry names (left by a daemon killed between making them and recording them,
-        or by a lost checkpoint). Also reads what is held into the view
-        (:meth:`prepared`)."""
+        """At start: read what is held into the view (:attr:`held`), recover the entries
+        of claims whose CDI spec outlived their entry, remove claim cache directories
+        that nothing names (see :mod:`gpushare.dra.recovery`). Never fails the start:
+        what cannot be sorted out is logged and left."""
         with self.lock.held():
-            found: dict[str, ClaimEntry] = {}
-            unusable = False
-            for uid in self.checkpoint.uids():
-                try:
-                    entry = self.checkpoint.get(uid)
-                except CheckpointError as exc:
-                    # kept: what it names stays too (nothing is removed on a guess)
-                    log.error("dra_checkpoint_unusable", uid=uid, error=str(exc))
-                    unusable = True
-                    continue
-                if entry is not None:
-                    found[uid] = entry
-            self.held.replace_all({u: e for u, e in found.items() if e.state == PREPARED})
-            if unusable:
-                return
-            entries = list(found.values())
-            keys = {key for entry in entries for key in entry.cache_keys}
-            specs = {spec_file_name(self.cdi_kind, e.spec_name) for e in entries}
-            prefix = spec_file_name(self.cdi_kind, "x")[: -len("x.json")]
-            try:
-                names = [p.name for p in cache_root(self.host_lib_dir).iterdir()]
-            except OSError:
-                names = []
-            for name in names:
-                key = name.removesuffix(".json")
-                if key.startswith(CLAIM_KEY_PREFIX) and key not in keys:
-                    release_cache_dir(self.host_lib_dir, key)
-                    log.info("claim_cache_dir_tidied", key=key)
-            try:
-                spec_names = [p.name for p in self.cdi_dir.iterdir()]
-            except OSError:
-                spec_names = []
-            for name in spec_names:
-                if name.startswith(prefix) and name.endswith(".json") and name not in specs:
-                    (self.cdi_dir / name).unlink(missing_ok=True)
-                    log.info("claim_cdi_spec_tidied", file=name)
+            self.held.replace_all(self.leftovers.tidy())

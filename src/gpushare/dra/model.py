@@ -9,8 +9,9 @@ and two consumable capacities:
 * ``cores``: 100; default 0 (a claim that names no cores is not throttled); step 1.
 
 So the scheduler's own allocator checks both capacities of the same device, and the
-rounded ``consumedCapacity`` it writes into the claim is what the container is held to
-(:func:`share_of` turns it back into units, rounding up once more for safety). Cards in
+rounded ``consumedCapacity`` it writes into the claim is what the container is held to,
+to the MiB (:func:`share_of`), whatever the memory unit is now: a claim allocated under
+another unit is held to what it was charged, never rounded up to the new unit. Cards in
 MIG mode publish their MIG devices instead, each a whole device (``gpu-<index>-mig-<gi>-
 <ci>``), never shared.
 
@@ -86,39 +87,44 @@ def consume(capacity: Mapping[str, Any], requests: Mapping[str, Any]) -> dict[st
 
 @dataclass(frozen=True)
 class Share:
-    """A claim's part of one card, in the units the interposer is told."""
+    """A claim's part of one card, as the interposer is told: memory in MiB."""
 
-    memory_units: int
+    memory_mib: int
     cores: int  # 0: no core limit
 
 
 def share_of(consumed: Mapping[str, Any] | None, card_memory_mib: int, unit_mib: int) -> Share:
     """The share a result's ``consumedCapacity`` grants on a card of ``card_memory_mib``.
 
-    Memory is rounded UP to whole units (the allocator already did, with our step; a
-    result written under another policy still never gets less than it was charged).
+    Memory is what the scheduler charged, rounded UP to a whole MiB (the interposer's
+    grain) and never to the memory unit: the allocator already rounded the request to
+    the unit the slice had *when it allocated*, and the unit may have changed since (a
+    claim of 256 MiB allocated under 256 MiB units, prepared after a change to 1024,
+    used to get 1024 MiB: four times its charge, the card over-committed). So the limits
+    on a card never add up to more than the scheduler charged on it, give or take under
+    a MiB per claim written by a policy that is not ours.
     No ``consumedCapacity`` at all (an API server or scheduler without consumable
     capacity) means the whole card: the published memory, no core limit.
     Raises :class:`ShareError` for a value the card cannot hold or that is not a quantity.
     """
-    card_units = card_memory_mib // unit_mib
+    published_mib = card_memory_mib // unit_mib * unit_mib
     if not consumed:
-        return Share(card_units, 0)
+        return Share(published_mib, 0)
     try:
         memory = parse_quantity(consumed[MEMORY]) if MEMORY in consumed else None
         cores = parse_quantity(consumed[CORES]) if CORES in consumed else Fraction(0)
     except QuantityError as exc:
         raise ShareError(f"consumedCapacity: {exc}") from None
-    units = card_units if memory is None else math.ceil(memory / (unit_mib * MIB))
-    if units < 1 or units > card_units:
+    mib = published_mib if memory is None else math.ceil(memory / MIB)
+    if mib < 1 or mib > card_memory_mib:
         raise ShareError(
-            f"consumedCapacity memory {consumed.get(MEMORY)} is not between one unit "
-            f"({unit_mib}Mi) and the card's {card_units * unit_mib}Mi"
+            f"consumedCapacity memory {consumed.get(MEMORY)} is not between 1Mi "
+            f"and the card's {card_memory_mib}Mi"
         )
     whole_cores = math.ceil(cores)
     if not 0 <= whole_cores <= FULL_CORES:
         raise ShareError(f"consumedCapacity cores {consumed.get(CORES)} is not within 0..100")
-    return Share(units, whole_cores)
+    return Share(mib, whole_cores)
 
 
 # --------------------------------------------------------------------------- devices

@@ -138,6 +138,14 @@ class DraPart:
             for card, claims in by_card.items()
         }
 
+    def cache_holders(self) -> dict[str, str]:
+        """Claim cache key -> ``claim <namespace>/<name>`` of every claim held."""
+        return {
+            key: f"claim {entry.namespace}/{entry.name}"
+            for entry in self.preparer.held.entries()
+            for key in entry.cache_keys
+        }
+
     def published(self) -> dict[str, tuple[int, int]]:
         """Card UUID -> the memory (MiB) and cores published of it in all: a card's
         rounded memory and 100 cores, or its MIG devices' memory together and no cores
@@ -153,6 +161,7 @@ class DraPart:
         """Show what is prepared in the node's state and metrics (the core's card
         facts), and have the API link publish again after each change."""
         core.card_facts.serve_dra(self.published(), self.shares)
+        core.collector.claim_holders = self.cache_holders  # names claims over the limit
         link = core.api_link
         if link is not None:
             self.preparer.held.on_change = link.notify_changed

@@ -64,6 +64,18 @@ def _claims(request: Any) -> list[ClaimRef]:
     return [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
 
 
+def _call_state(context: Any) -> tuple[float | None, Callable[[], bool]]:
+    """The kubelet's deadline for this call (on ``time.monotonic()``'s clock; None: no
+    deadline) and whether the call has ended (cancelled, or the kubelet went away):
+    what is not started past either is not done."""
+    left = context.time_remaining()
+    deadline = None if left is None else time.monotonic() + left
+    is_active = getattr(context, "is_active", None)  # not on the aio kit's sync contexts
+    if is_active is None:
+        return deadline, lambda: False
+    return deadline, lambda: not is_active()
+
+
 class _DraServicer:
     """NodePrepareResources and NodeUnprepareResources for one API version's messages."""
 
@@ -77,7 +89,8 @@ class _DraServicer:
 
     def NodePrepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
         with observed(self.observe, self.driver, "NodePrepareResources") as outcome:
-            outcomes = self.preparer.prepare(_claims(request))
+            deadline, ended = _call_state(context)
+            outcomes = self.preparer.prepare(_claims(request), deadline, ended)
             response = self.pb2.NodePrepareResourcesResponse()
             for uid, prepared in outcomes.items():
                 entry = response.claims[uid]
@@ -96,7 +109,7 @@ class _DraServicer:
 
     def NodeUnprepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
         with observed(self.observe, self.driver, "NodeUnprepareResources") as outcome:
-            errors = self.preparer.unprepare(_claims(request))
+            errors = self.preparer.unprepare(_claims(request), _call_state(context)[0])
             response = self.pb2.NodeUnprepareResourcesResponse()
             for uid, error in errors.items():
                 response.claims[uid].error = error

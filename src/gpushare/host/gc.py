@@ -15,6 +15,10 @@ Two kinds of leftovers, both under ``--host-lib-dir``:
   outside the lock (``tombstones.py``). Each pass also measures every cache
   directory with bounded work (``diskuse.py``), for ``gpushare_cache_dir_bytes`` and a
   ``cache_dir_over_limit`` line, and repairs the lock directory if a tenant changed it.
+  The DRA driver's claim cache directories (``d-<key>``) are measured and bounded the
+  same way (they share the bounded file system), named by their claim
+  (:attr:`GarbageCollector.claim_holders`); they are never collected here: the DRA
+  driver removes them when the kubelet unprepares their claim.
 * **Old versioned interposer files** (``libvgpu.so.<hash>`` and its
   ``ld.so.preload.<hash>``). A container mounts the version that was current when it
   was allocated. The daemon cannot look into other containers' mounts
@@ -63,6 +67,7 @@ from gpushare.share.records import Snapshot
 log = structlog.get_logger(__name__)
 
 _KEY = re.compile(r"^c-[0-9a-f]{20}$")
+_CLAIM_KEY = re.compile(r"^d-[0-9a-f]{20}$")
 RETIRED_FILE = "libraries.json"
 _VERSIONED = re.compile(r"^(?:" + re.escape(LIBRARY_NAME) + r"|ld\.so\.preload)\.([0-9a-f]{12})$")
 
@@ -133,6 +138,9 @@ class GarbageCollector:
         self._waiting_from: dict[str, float] = {}
         self._last_run: float | None = None
         self._bound_logged = False
+        #: Claim cache key -> who holds it ("claim <namespace>/<name>"), from the DRA
+        #: driver when there is one: names the claim in ``cache_dir_over_limit``.
+        self.claim_holders: Callable[[], dict[str, str]] | None = None
 
     def _log_bound(self) -> None:
         """Say once what bounds the space tenants can write (host/cachefs.py)."""
@@ -168,7 +176,7 @@ class GarbageCollector:
         self._last_run = now
         collected = Collected()
         live = live_keys(snapshot)
-        keys = self._keys_on_disk()
+        keys, claim_keys = self._keys_on_disk()
         for key in list(self._waiting_from):
             if key not in keys or key in live:
                 del self._waiting_from[key]
@@ -185,7 +193,7 @@ class GarbageCollector:
             else:
                 self._waiting_from[key] = waiting_from
         self._collect_libraries(snapshot, collected)
-        self._measure(keys - set(collected.records), snapshot)
+        self._measure((keys - set(collected.records)) | claim_keys, snapshot)
         if self._check_lock_dir:
             ensure_lock_dir(self.host_dir)
         if not self._bound_logged:
@@ -214,11 +222,13 @@ class GarbageCollector:
         if limit is None:
             return
         holders = {
-            cache_key(by_resource[Resource.MEMORY]): holder
-            for holder, by_resource in snapshot.devices.items()
+            cache_key(by_resource[Resource.MEMORY]): f"{h.namespace}/{h.pod}/{h.container}"
+            for h, by_resource in snapshot.devices.items()
             if by_resource.get(Resource.MEMORY)
         }
         over = {key for key, used in usage.items() if used.bytes > limit}
+        if over - self._over_limit and self.claim_holders is not None:
+            holders.update(self.claim_holders())
         for key in sorted(over - self._over_limit):
             used, holder = usage[key], holders.get(key)
             log.warning(
@@ -228,7 +238,7 @@ class GarbageCollector:
                 limit_bytes=limit,
                 entries=used.entries,
                 measured_completely=used.complete,
-                holder=f"{holder.namespace}/{holder.pod}/{holder.container}" if holder else None,
+                holder=holder,
             )
         self._over_limit = over
 
@@ -240,17 +250,21 @@ class GarbageCollector:
     def over_limit(self) -> int:
         return len(self._over_limit)
 
-    def _keys_on_disk(self) -> set[str]:
+    def _keys_on_disk(self) -> tuple[set[str], set[str]]:
+        """The device plugin's keys (collected here), and the DRA driver's claim keys
+        (only measured)."""
         try:
             names = [entry.name for entry in self.root.iterdir()]
         except OSError:
-            return set()
-        keys = set()
+            return set(), set()
+        keys, claim_keys = set(), set()
         for name in names:
             key = name.removesuffix(".json")
             if _KEY.match(key):
                 keys.add(key)
-        return keys
+            elif _CLAIM_KEY.match(name):
+                claim_keys.add(name)
+        return keys, claim_keys
 
     def _created(self, key: str) -> float:
         record = _read_record(self.root / f"{key}.json")
@@ -379,8 +393,9 @@ class CacheDirMetrics:
 
         yield GaugeMetricFamily(
             "gpushare_cache_dir_bytes",
-            "Bytes on disk of the per-container cache directories at the last GC pass "
-            "(a lower bound for a tree too large to measure)",
+            "Bytes on disk of the per-container and per-claim (DRA) cache directories and "
+            "the lock directory at the last GC pass (a lower bound for a tree too large "
+            "to measure)",
             value=self._collector.total_cache_bytes(),
         )
         yield GaugeMetricFamily(

@@ -11,6 +11,8 @@ directory only root can enter (docs/security.md).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -271,6 +273,28 @@ def release_cache_dir(host_dir: Path, key: str) -> bool:
     return there
 
 
+def _write_record(path: Path, facts: Mapping[str, object]) -> None:
+    """The record beside a cache directory. On a full file system (a tenant filled the
+    bounded one, docs/security.md) it is left out rather than the container refused:
+    the GC then dates the directory by its own time, and only this container's
+    HAMi-core lacks room for its file, as every new one's would."""
+    data = json.dumps({**facts, "created": time.time()}).encode()
+    try:
+        fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+        )
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        with contextlib.suppress(OSError):
+            path.unlink()
+        log.warning("cache_record_not_written", path=str(path), error=exc.strerror)
+
+
 def _fresh_cache_dir(host_dir: Path, key: str, facts: Mapping[str, object] | None) -> Path:
     root = cache_root(host_dir)
     path = root / key
@@ -287,15 +311,7 @@ def _fresh_cache_dir(host_dir: Path, key: str, facts: Mapping[str, object] | Non
             os.mkdir(path, 0o777)
         os.chmod(path, 0o777)  # past the umask: non-root containers write their file here
         if facts is not None:
-            fd = os.open(
-                root / f"{key}.json",
-                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o644,
-            )
-            try:
-                os.write(fd, json.dumps({**facts, "created": time.time()}).encode())
-            finally:
-                os.close(fd)
+            _write_record(root / f"{key}.json", facts)
     if buried:
         wake(root)
     return path

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -491,12 +492,43 @@ def _decode_whole(entry: Any, where: str) -> WholeCardState:
     )
 
 
+#: The largest annotation read (the API server keeps all of a Node's annotations within
+#: 256 KiB), and the deepest nesting (the real one is 5 levels deep): anyone who can
+#: write the Node may put anything there, and ``json`` recurses once per level.
+MAX_ANNOTATION_BYTES = 256 * 1024
+MAX_NESTING = 32
+_STRUCTURE = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def _nesting(text: str, limit: int) -> int:
+    """How deep ``text``'s arrays and objects nest (strings skipped), stopping past
+    ``limit``; linear, never recursive."""
+    depth = deepest = 0
+    for match in _STRUCTURE.finditer(text):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+            if deepest > limit:
+                break
+        elif token in "]}":
+            depth -= 1
+    return deepest
+
+
 def decode(text: str) -> NodeGpuState:
-    """Parse the annotation; a ValueError says what is wrong with it."""
+    """Parse the annotation; a ValueError says what is wrong with it (also for one too
+    large or nested too deep to be ours, checked before parsing)."""
+    if not isinstance(text, str):
+        raise ValueError("the gpus annotation is not a string")
+    if len(text) > MAX_ANNOTATION_BYTES:
+        raise ValueError(f"the gpus annotation is larger than {MAX_ANNOTATION_BYTES} bytes")
+    if _nesting(text, MAX_NESTING) > MAX_NESTING:
+        raise ValueError(f"the gpus annotation nests deeper than {MAX_NESTING} levels")
     try:
         data = json.loads(text)
-    except (TypeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"the gpus annotation is not JSON: {exc}") from None
+    except (TypeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"the gpus annotation is not JSON: {str(exc)[:200]}") from None
     if not isinstance(data, dict):
         raise ValueError("the gpus annotation must be a JSON object")
     if data.get("version") != VERSION:

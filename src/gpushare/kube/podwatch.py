@@ -140,29 +140,29 @@ class PodWatch:
     def _run(self) -> None:
         run_until_stopped(self._stop, self._cycle, self._relist, MAX_BACKOFF, node=self.node_name)
 
-    def _cycle(self) -> None:
+    def _cycle(self) -> bool:
+        """One list if needed and one watch; True when a list of ours ended the watch."""
         api = self._client()
         if api is None:
             raise ConnectionError("no API endpoint yet")
         if not self._resume:
             self._list(api, LIST_TIMEOUT)
-        self._watch_once(api)
+        return self._watch_once(api)
 
     def _relist(self) -> None:
         with self._lock:
             self._resume = ""
 
-    def _watch_once(self, api: ApiClient) -> None:
+    def _watch_once(self, api: ApiClient) -> bool:
         with self._lock:
             epoch, since = self._epoch, self._resume
         watch = open_watch(api, PODS, self.query, since)
         self._current = watch
         try:
             if self._stop.is_set():
-                return
-            for kind, obj in watch:
-                if not self._apply(epoch, kind, obj):
-                    return
+                return False
+            # True: a list came in between (resume from its version now)
+            return any(not self._apply(epoch, kind, obj) for kind, obj in watch)
         finally:
             self._current = None
             watch.close()

@@ -295,6 +295,9 @@ class ApiClient:
                 conn.request(method, url, body=data, headers=headers)
                 response = conn.getresponse()
                 answer = response.read()
+            except TimeoutError:
+                conn.close()
+                raise  # a server that does not answer in time gets no second full wait
             except (OSError, http.client.HTTPException):
                 conn.close()
                 if reused and attempt == 1:

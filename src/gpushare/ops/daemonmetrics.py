@@ -386,6 +386,10 @@ REQUEST_TIMEOUT = 10.0
 METRICS_LIMITS = Limits(max_connections=32, max_per_peer=8, deadline=10.0)
 
 
+#: Scrapes rendering at once (issue 32.10: a flood of scrapes must not cost Allocate).
+RENDER_CONCURRENCY = 2
+
+
 class MetricsServer:
     """``/metrics`` and ``/healthz`` on ``address:port``: one accepting thread, one
     thread per admitted connection, under :data:`METRICS_LIMITS` (issue 23 item 3)."""
@@ -402,6 +406,9 @@ class MetricsServer:
     ) -> None:
         self.guard = ConnectionGuard(limits)
         self.render = render
+        # At most this many scrapes render at once (each costs CPU and the interpreter
+        # lock the admission path needs); the rest wait for a turn, costing nothing.
+        self._rendering = threading.BoundedSemaphore(RENDER_CONCURRENCY)
         self.request_timeout = request_timeout
         self.check = check
         self.ready = ready or check
@@ -422,7 +429,9 @@ class MetricsServer:
                 path = self.path.split("?", 1)[0]
                 probe = server._probe(path)
                 if path == "/metrics":
-                    self._send(200, CONTENT_TYPE_LATEST, server.render())
+                    with server._rendering:
+                        body = server.render()
+                    self._send(200, CONTENT_TYPE_LATEST, body)
                 elif probe is not None:
                     self._send(*probe)
                 else:

@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Iterator
 from copy import deepcopy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -85,6 +85,7 @@ class Recorded:
     body: Any
     authorization: str = ""
     client_cert: bool = False  # a TLS client certificate was presented
+    at: float = field(default_factory=time.monotonic)  # when it arrived
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -349,11 +350,12 @@ class CollectionReads(ObjectStore):
             request.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
             request.wfile.flush()
 
-        deadline = time.monotonic() + timeout
+        fault = str(getattr(self, "watch_fault", ""))  # Faults' (the double's own)
+        deadline = time.monotonic() + (0.0 if fault == "end" else timeout)
         next_bookmark = time.monotonic() + self.bookmark_seconds
         try:
             with self._lock:
-                if since and since < self._oldest - 1:
+                if fault == "gone" or (since and since < self._oldest - 1):
                     gone = self._status(410, "too old resource version") | {"reason": "Expired"}
                     pending: list[dict[str, Any]] = [{"type": "ERROR", "object": gone}]
                     position = None
@@ -448,6 +450,11 @@ class Faults:
         self._failures: list[int] = []  # statuses the next requests answer
         self._open = threading.Event()  # cleared while the server is held (hangs)
         self._open.set()
+        #: The paths of the requests that arrived while the server was held, in order.
+        self.held_paths: list[str] = []
+        #: What every watch does instead of watching: "" (watch), "gone" (answer a 410
+        #: ERROR event at once, as for a compacted version) or "end" (end at once).
+        self.watch_fault = ""
 
     def fail_next(self, count: int, status: int = 500) -> None:
         self._failures.extend([status] * count)
@@ -549,10 +556,12 @@ class KubeApiDouble(CollectionReads, Faults):
         )
         return path
 
-
     # ------------------------------------------------------------------ serving
 
     def _handle(self, request: BaseHTTPRequestHandler) -> None:
+        if not self._open.is_set():
+            with self._lock:
+                self.held_paths.append(urlparse(request.path).path)
         self._open.wait()
         parsed = urlparse(request.path)
         length = int(request.headers.get("Content-Length") or 0)

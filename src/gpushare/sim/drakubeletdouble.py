@@ -96,13 +96,16 @@ class DraKubelet:
         pb2, pb2_grpc = KNOWN[self.version]
         return pb2, pb2_grpc.DRAPluginStub(self._channel)
 
-    def prepare(self, claims: Sequence[tuple[str, str, str]]) -> dict[str, Prepared]:
-        """``(namespace, name, uid)`` of each claim -> its answer, by UID."""
+    def prepare(
+        self, claims: Sequence[tuple[str, str, str]], timeout: float = 30
+    ) -> dict[str, Prepared]:
+        """``(namespace, name, uid)`` of each claim -> its answer, by UID (``timeout``:
+        the call's deadline, as the kubelet sets one)."""
         pb2, stub = self._stub()
         request = pb2.NodePrepareResourcesRequest(
             claims=[pb2.Claim(namespace=ns, name=name, uid=uid) for ns, name, uid in claims]
         )
-        response = stub.NodePrepareResources(request, timeout=30)
+        response = stub.NodePrepareResources(request, timeout=timeout)
         return {
             uid: Prepared(
                 [
@@ -114,12 +117,14 @@ class DraKubelet:
             for uid, answer in response.claims.items()
         }
 
-    def unprepare(self, claims: Sequence[tuple[str, str, str]]) -> dict[str, str]:
+    def unprepare(
+        self, claims: Sequence[tuple[str, str, str]], timeout: float = 30
+    ) -> dict[str, str]:
         pb2, stub = self._stub()
         request = pb2.NodeUnprepareResourcesRequest(
             claims=[pb2.Claim(namespace=ns, name=name, uid=uid) for ns, name, uid in claims]
         )
-        response = stub.NodeUnprepareResources(request, timeout=30)
+        response = stub.NodeUnprepareResources(request, timeout=timeout)
         return {uid: answer.error for uid, answer in response.claims.items()}
 
     def watch_health(self) -> Iterator[dict[str, str]]:

@@ -193,7 +193,7 @@ def test_prepare_answers_cdi_with_the_rounded_limits(dra: DraNode, version: str)
     assert oct(cache_root(dra.host).stat().st_mode & 0o777) == "0o700"
 
 
-def test_unaligned_capacity_is_rounded_up_and_enforced(dra: DraNode) -> None:
+def test_unaligned_capacity_is_enforced_as_charged(dra: DraNode) -> None:
     dra.start()
     ref = dra.claim(
         "odd", {"request": "r", "device": "gpu-0", "consumedCapacity": {"memory": "1000Mi"}}
@@ -201,7 +201,7 @@ def test_unaligned_capacity_is_rounded_up_and_enforced(dra: DraNode) -> None:
     (answer,) = dra.kubelet.prepare([ref]).values()
     assert answer.error == ""
     env = env_of(dra.spec(ref[2]))
-    assert env["CUDA_DEVICE_MEMORY_LIMIT_0"] == "1024m"  # 4 units of 256 MiB
+    assert env["CUDA_DEVICE_MEMORY_LIMIT_0"] == "1000m"  # its charge, never more
     assert "CUDA_DEVICE_SM_LIMIT" not in env  # no cores: unthrottled
 
 
@@ -281,13 +281,22 @@ def test_checkpoint_survives_a_restart_between_prepare_and_unprepare(dra: DraNod
     assert list(dra.cdi.iterdir()) == []
 
 
-def test_leftovers_without_a_checkpoint_entry_are_tidied_at_start(dra: DraNode) -> None:
+def test_leftovers_without_a_checkpoint_entry_are_sorted_out_at_start(dra: DraNode) -> None:
+    """Killed before recording: the spec (a container may run with it) is kept and the
+    claim's entry recovered from it until the kubelet unprepares it; killed before the
+    spec, the cache directory was never handed out and goes."""
     dra.start()
     ref = dra.claim("c", {"request": "r", "device": "gpu-1"})
-    dra.kubelet.prepare([ref])
+    other = dra.claim("o", {"request": "r", "device": "gpu-0"})
+    dra.kubelet.prepare([ref, other])
     dra.stop()
     (dra.host / "dra" / "claims" / f"{ref[2]}.json").unlink()  # as if killed before recording
+    (dra.host / "dra" / "claims" / f"{other[2]}.json").unlink()
+    (dra.cdi / f"{DRIVER}-claim_{other[2]}.json").unlink()  # ...or before the spec
     dra.start()
+    assert [p.name for p in dra.cdi.iterdir()] == [f"{DRIVER}-claim_{ref[2]}.json"]
+    assert len([p for p in cache_root(dra.host).iterdir() if p.name.startswith("d-")]) == 1
+    assert dra.kubelet.unprepare([ref]) == {ref[2]: ""}
     assert list(dra.cdi.iterdir()) == []
     assert [p for p in cache_root(dra.host).iterdir() if p.name.startswith("d-")] == []
 
@@ -348,16 +357,19 @@ def test_a_second_daemon_holding_the_lock_serialises_prepare(dra: DraNode) -> No
         other.join(10)
 
 
-def test_an_unreadable_entry_fails_its_claim_alone(dra: DraNode) -> None:
+def test_an_unreadable_entry_is_recovered_for_its_claim_alone(dra: DraNode) -> None:
     dra.start()
     one = dra.claim("one", {"request": "r", "device": "gpu-0"})
     two = dra.claim("two", {"request": "r", "device": "gpu-1"})
     dra.kubelet.prepare([one, two])
-    (dra.host / "dra" / "claims" / f"{one[2]}.json").write_text("{not json")
+    entry = dra.host / "dra" / "claims" / f"{one[2]}.json"
+    entry.write_text("{not json")
     errors = dra.kubelet.unprepare([one, two])
-    assert "unusable" in errors[one[2]] and errors[two[2]] == ""
-    # what the broken entry named is kept, never removed on a guess
-    assert [p.name for p in dra.cdi.iterdir()] == [f"{DRIVER}-claim_{one[2]}.json"]
+    assert errors == {one[2]: "", two[2]: ""}
+    # recovered from the claim's CDI spec: what it named is gone, the bad file set aside
+    assert list(dra.cdi.iterdir()) == []
+    assert [p for p in cache_root(dra.host).iterdir() if p.name.startswith("d-")] == []
+    assert entry.with_name(f"{entry.name}.unusable").read_text() == "{not json"
 
 
 def test_an_old_instance_stopping_leaves_the_new_ones_sockets(dra: DraNode) -> None:
@@ -409,7 +421,7 @@ def test_what_each_prepared_device_holds_is_recorded_and_kept_in_memory(dra: Dra
     assert (device["card"], device["mig"], device["memory_mib"], device["cores"]) == (
         "GPU-00000001",
         "",
-        1024,  # the rounded limit enforced
+        1000,  # the limit enforced: the charge
         30,
     )
     shares = part.shares()
@@ -417,7 +429,7 @@ def test_what_each_prepared_device_holds_is_recorded_and_kept_in_memory(dra: Dra
         uuid: [(c.claim, c.memory_mib, c.cores) for c in found] for uuid, found in shares.items()
     } == {
         "GPU-00000000": [("whole", 24576, 0)],
-        "GPU-00000001": [("small", 1024, 30)],
+        "GPU-00000001": [("small", 1000, 30)],
     }
     dra.kubelet.unprepare([whole])
     assert set(part.shares()) == {"GPU-00000001"}

@@ -62,7 +62,7 @@ def limits(consumed: dict[str, Fraction], gpu: Gpu, unit: int) -> dict[str, str]
     grant = share(
         gpu.uuid,
         enforcement=ENFORCING,
-        memory_mib=granted.memory_units * unit,
+        memory_mib=granted.memory_mib,
         cores=granted.cores or None,
     )
     return container_edits(grant).envs
@@ -164,8 +164,10 @@ def test_share_of_refuses_what_no_card_holds() -> None:
         share_of({"memory": "4Gi", "cores": "150"}, 24259, 256)
     with pytest.raises(ShareError):
         share_of({"memory": "lots"}, 24259, 256)
-    # a result written under another policy is rounded up, never down
-    assert share_of({"memory": "1Mi"}, 24259, 256).memory_units == 1
+    # a result written under another policy (or unit) is what it was charged, to the MiB
+    assert share_of({"memory": "1Mi"}, 24259, 256).memory_mib == 1
+    assert share_of({"memory": "1.5Mi"}, 24259, 256).memory_mib == 2
+    assert share_of({"memory": "256Mi"}, 24259, 1024).memory_mib == 256
     assert share_of(None, 24259, 256) == share_of({}, 24259, 256)
 
 

@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 PROTOS := $(shell find proto -name '*.proto')
 comma  := ,
 
-.PHONY: gpu-proof demo test lint bench simulate churn image image-local version manifests clean verify-pairing e2e e2e-build kubectl-plugin
+.PHONY: gpu-proof demo test lint bench scale simulate churn image image-local version manifests clean verify-pairing e2e e2e-build kubectl-plugin
 
 demo: $(VENV)/.installed  ## run the daemon on a simulated node with a simulated kubelet
 	$(BIN)/gpushare-demo
@@ -50,6 +50,13 @@ UPDATE_DOCS ?=
 bench: $(VENV)/.installed-test  ## measure latency, start time and footprint (bench-out/; UPDATE_DOCS=1: docs too)
 	$(BIN)/python -m gpushare.bench --out $(BENCH_OUT)/bench.md \
 	  $(if $(UPDATE_DOCS),--write docs/benchmarks.md)
+
+SCALE_NODES ?= 100,1000,5000
+SCALE_PODS ?= 10000,50000,150000
+scale: $(VENV)/.installed-test  ## the extender at 100/1 000/5 000 nodes and 10k-150k pods (DOCS=1: into docs/benchmarks.md)
+	$(BIN)/python -m gpushare.bench.scale --nodes $(SCALE_NODES) \
+	  --pods $(SCALE_PODS) --out bench-out/scale.md \
+	  $(if $(DOCS),--write docs/benchmarks.md)
 
 churn: $(VENV)/.installed  ## freed room to binding: the churn scenario against the stand-ins
 	$(BIN)/python -m gpushare.sim.churn --rounds 8 --legacy

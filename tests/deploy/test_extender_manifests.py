@@ -45,7 +45,7 @@ def _check_extender_entry(extender: dict[str, Any], container: dict[str, Any]) -
     assert (extender["filterVerb"], extender["prioritizeVerb"]) == ("filter", "prioritize")
     assert extender["bindVerb"] == "bind"
     assert extender["ignorable"] is False
-    assert extender["nodeCacheCapable"] is False
+    assert extender["nodeCacheCapable"] is True
     assert extender["enableHTTPS"] is False
     assert {(r["name"], r["ignoredByScheduler"]) for r in extender["managedResources"]} == {
         (name, False) for name in RESOURCES
@@ -90,10 +90,12 @@ def test_kubeadm_extender_listens_on_localhost_of_control_plane_nodes_only() -> 
     for probe in ("readinessProbe", "livenessProbe"):
         get = container[probe]["httpGet"]
         assert (get["host"], get["port"]) == ("127.0.0.1", settings.port)
-    # Its only rights: binding pods, and listing and watching them (what occupies a card).
+    # Its only rights: binding pods, listing and watching them (what occupies a card) and
+    # the Nodes (their published cards, for requests by name).
     assert one(objects, "ClusterRole")["rules"] == [
         {"apiGroups": [""], "resources": ["pods/binding"], "verbs": ["create"]},
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]},
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["list", "watch"]},
     ]
     binding = one(objects, "ClusterRoleBinding")
     assert binding["subjects"][0]["name"] == spec["serviceAccountName"]

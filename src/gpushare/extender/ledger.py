@@ -290,10 +290,14 @@ class AdmissionLedger:
         state: NodeGpuState,
         policy: str = BINPACK,
         exclude_pod: str = "",
+        rooms: tuple[CardRoom, ...] | None = None,
     ) -> Occupancy:
         """The node's cards: the published state, less what was bound since, plus what
-        ended since. ``exclude_pod`` is left out (a pod scored against its own hold)."""
-        rooms = card_rooms(state)
+        ended since. ``exclude_pod`` is left out (a pod scored against its own hold).
+        ``rooms``: ``card_rooms(state)`` when the caller has it already (the node cache
+        computes it once per published state, not once per request)."""
+        if rooms is None:
+            rooms = card_rooms(state)
         if not state.cards or any(card.pods is None for card in state.cards):
             held = self.pending_use(node, state.generation, exclude_pod)
             return Occupancy(subtract(rooms, held), self.pending_pods(node, exclude_pod), 0)
@@ -336,7 +340,8 @@ class AdmissionLedger:
                     released_pods.add(key)
                     held_memory, held_core = released.get(card.uuid, (0, 0))
                     released[card.uuid] = (held_memory + memory, held_core + core)
-        rooms = tuple(_give(room, released.get(room.uuid, (0, 0))) for room in rooms)
+        if released:
+            rooms = tuple(_give(room, released.get(room.uuid, (0, 0))) for room in rooms)
         # 2. The extender's own holds, until the state counts the pod.
         pending = 0
         holding: set[str] = set()

@@ -8,10 +8,14 @@ name, node, the gpushare containers' units, whether it ended), and it hands ever
 change to the ledger on the extender's event loop (the ledger is not thread-safe).
 Pods asking for no gpushare resource are dropped at once.
 
-The first list is read before the extender serves (for up to
-:data:`START_LIST_SECONDS`); until a list has been read the filter keeps no node
-(``AdmissionLedger.awaiting_list``), so a restarted extender never counts a node as
-if no pod were bound to it.
+The first list is read by the feed's thread, and the extender waits for it before it
+serves (for up to :data:`START_LIST_SECONDS`); past that it serves while the same list
+goes on (a second list is never started beside a slow first one: at 150 000 pods that
+doubled both the time and the memory). Until a list has been read the filter keeps no
+node (``AdmissionLedger.awaiting_list``), so a restarted extender never counts a node
+as if no pod were bound to it. The list is read as a stream (one pod at a time,
+reduced to its facts before the next is parsed), so memory holds one page's text at
+most, not the whole answer.
 
 It needs ``list`` and ``watch`` on pods (kube-scheduler's own ClusterRole has them;
 the kubeadm extender's role grants them).
@@ -55,6 +59,32 @@ def endpoint_of(url: str, token_file: str, ca_file: str) -> Endpoint:
     port = parts.port or (443 if scheme == "https" else 80)
     token = Path(token_file) if token_file else None
     return Endpoint(scheme, host, port, parts.path.rstrip("/"), context, token_file=token)
+
+
+def _may_matter(pod: Mapping[str, Any], prefix: str) -> bool:
+    """False only for a running or pending pod that names no ``prefix`` resource in any
+    container (most of a cluster's pods): the cheap test before :func:`facts_of`."""
+    status = pod.get("status")
+    if isinstance(status, Mapping) and status.get("phase") in TERMINAL:
+        return True
+    spec = pod.get("spec")
+    if not isinstance(spec, Mapping):
+        return False
+    marker = prefix + "/"
+    for key in ("containers", "initContainers"):
+        containers = spec.get(key)
+        if not isinstance(containers, list):
+            continue
+        for container in containers:
+            resources = container.get("resources") if isinstance(container, Mapping) else None
+            if not isinstance(resources, Mapping):
+                continue
+            for amounts in resources.values():
+                if isinstance(amounts, Mapping) and any(
+                    isinstance(name, str) and name.startswith(marker) for name in amounts
+                ):
+                    return True
+    return False
 
 
 def facts_of(pod: Mapping[str, Any], prefix: str) -> PodFacts:
@@ -105,6 +135,7 @@ class PodFeed:
         self._stop = threading.Event()
         self._current: Watch | None = None
         self._thread: threading.Thread | None = None
+        self._listed: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ on the loop
     def _adopt(self, listed: list[PodFacts]) -> None:
@@ -112,6 +143,8 @@ class PodFeed:
         self.ledger.watching = True
         self.ledger.awaiting_list = False
         self.lists += 1
+        if self._listed is not None:
+            self._listed.set()
 
     def _event(self, kind: str, facts: PodFacts) -> None:
         if kind == "DELETED":
@@ -125,36 +158,43 @@ class PodFeed:
 
     # ------------------------------------------------------------------ in the thread
     def list_pods(self) -> tuple[list[PodFacts], str]:
-        """Every pod, page by page: (their facts, the list's resourceVersion)."""
+        """Every pod, page by page, read as a stream: (their facts, the list's
+        resourceVersion). Each pod is reduced to its facts (or dropped) before the next
+        one is parsed."""
         listed: list[PodFacts] = []
         token = ""
         while True:
             query = {"limit": str(PAGE)}
             if token:
                 query["continue"] = token
-            answer = self.client.get(PODS, timeout=LIST_TIMEOUT, **query)
-            for item in answer.get("items") or []:
-                if isinstance(item, dict):
-                    facts = facts_of(item, self.prefix)
-                    if facts.uid and (facts.need is not None or facts.ended):
-                        listed.append(facts)
-            meta = answer.get("metadata") or {}
+            with self.client.stream_list(PODS, query, LIST_TIMEOUT) as stream:
+                for item in stream.items():
+                    if isinstance(item, dict) and _may_matter(item, self.prefix):
+                        facts = facts_of(item, self.prefix)
+                        if facts.uid and (facts.need is not None or facts.ended):
+                            listed.append(facts)
+                    del item  # the full object goes before the next is read
+                meta = stream.fields.get("metadata")
+            meta = meta if isinstance(meta, dict) else {}
             token = str(meta.get("continue") or "")
             if not token:
                 return listed, str(meta.get("resourceVersion") or "")
 
-    async def first_list(self, seconds: float = START_LIST_SECONDS) -> bool:
-        """Read the first list before serving; False (and the filter waits) if it fails."""
+    async def first_list(self, seconds: float | None = None) -> bool:
+        """Start the feed (its thread lists first) and wait up to ``seconds`` for that
+        list; False if it is not read by then: the extender serves, the filter waits
+        (``awaiting_list``), and the same list goes on (no second one)."""
+        seconds = START_LIST_SECONDS if seconds is None else seconds
         self.ledger.awaiting_list = True
+        self._listed = asyncio.Event()
+        self.start()
         try:
-            listed, version = await asyncio.wait_for(
-                self.loop.run_in_executor(None, self.list_pods), seconds
-            )
-        except Exception as exc:
-            log.warning("pod_list_failed", error=str(exc)[:300])
+            await asyncio.wait_for(self._listed.wait(), seconds)
+        except TimeoutError:
+            log.warning("pod_list_slow", waited_seconds=seconds)
             return False
-        self._resume = version
-        self._adopt(listed)
+        if self.ledger.awaiting_list:
+            return False  # the list failed (logged by the feed); it is retried
         log.info("pods_listed", gpu_pods=self.ledger.live_pods)
         return True
 
@@ -174,9 +214,19 @@ class PodFeed:
     def _run(self) -> None:
         run_until_stopped(self._stop, self._cycle, self._relist, MAX_BACKOFF)
 
+    def _attempted(self) -> None:
+        """A list failed: the extender waiting for its first list serves now (the
+        filter keeps waiting for a list; the feed retries with a growing delay)."""
+        if self._listed is not None:
+            self._listed.set()
+
     def _cycle(self) -> None:
         if not self._resume:
-            listed, self._resume = self.list_pods()
+            try:
+                listed, self._resume = self.list_pods()
+            except Exception:
+                self._call(self._attempted)
+                raise
             self._call(self._adopt, listed)
             log.info("pods_listed", pods=len(listed))
         self._watch_once()

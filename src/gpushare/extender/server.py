@@ -37,6 +37,8 @@ from gpushare.extender.body import BadRequest, parse_json
 from gpushare.extender.extendermetrics import ExtenderMetrics
 from gpushare.extender.fit import PLACEMENTS
 from gpushare.extender.ledger import AdmissionLedger
+from gpushare.extender.nodecache import NodeCache
+from gpushare.extender.nodefeed import NodeFeed
 from gpushare.extender.podfeed import PodFeed, endpoint_of
 from gpushare.extender.verbs import (
     VERDICTS_KEY,
@@ -52,9 +54,10 @@ from gpushare.kube.stdlibclient import ApiClient
 
 log = structlog.get_logger(__name__)
 
-#: Default bound of a request body. A NodeList of a few hundred full Node objects
-#: fits; the work and memory a body costs are linear in its size, so this keeps one
-#: request well under the container's memory limit.
+#: Default bound of a request body. Node names (nodeCacheCapable: true) take about 20
+#: bytes a node, so any cluster fits; a NodeList of full Node objects (the older
+#: configuration) fits a few hundred. The work and memory a body costs are linear in
+#: its size, so this keeps one request well under the container's memory limit.
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
 DEFAULT_PORT = 9446
@@ -81,6 +84,9 @@ class ExtenderSettings:
     #: watch the cluster's pods (bound, ended) to count what occupies each card; needs
     #: the API server (``api_server`` or in-cluster) and list/watch on pods
     watch_pods: bool = True
+    #: watch the cluster's Nodes to answer requests that carry node names only
+    #: (``nodeCacheCapable: true``); needs the API server and list/watch on nodes
+    watch_nodes: bool = True
 
     @property
     def policy(self) -> ExtenderPolicy:
@@ -123,15 +129,15 @@ def build_app(
     ``binder`` replaces the in-cluster API client (None: built from the settings)."""
     if ledger is None:
         ledger = AdmissionLedger(settings.ledger_timeout_seconds)
-    state = ExtenderState(ledger)
+    url = settings.api_server or in_cluster_url()
+    state = ExtenderState(ledger, node_cache=NodeCache() if settings.watch_nodes and url else None)
     policy = settings.policy
     metrics = ExtenderMetrics(
         lambda: len(state.ledger), lambda: len(state.pods), lambda: state.ledger.live_pods
     )
-    url = settings.api_server or in_cluster_url()
     if binder is None:
         binder = BindingClient(url, settings.token_file, settings.ca_file) if url else None
-    feeds: list[PodFeed] = []
+    feeds: list[PodFeed | NodeFeed] = []
 
     def verb_handler(verb: str, answer: Callable[[Any], Awaitable[Any]]) -> Handler:
         async def handle(request: web.Request) -> web.Response:
@@ -160,7 +166,7 @@ def build_app(
             metrics.verdicts.labels(reason).inc(count)
         log.info(
             "filter",
-            kept=len(answer["Nodes"]["items"]),
+            kept=len(answer["NodeNames"] or (answer["Nodes"] or {}).get("items") or ()),
             failed=len(answer["FailedNodes"]),
             holds=len(state.ledger),
             ms=round((time.perf_counter() - started) * 1000, 2),
@@ -202,18 +208,30 @@ def build_app(
     async def readyz(_request: web.Request) -> web.Response:
         if state.ledger.awaiting_list:
             return web.Response(text="the cluster's pods are not read yet\n", status=503)
+        if state.node_cache is not None and not state.node_cache.listed:
+            return web.Response(text="the cluster's nodes are not read yet\n", status=503)
         return web.Response(text="ok\n")
 
     async def start_feed(_app: web.Application) -> None:
-        if not (settings.watch_pods and url):
+        if not url:
             return
         endpoint = endpoint_of(url, settings.token_file, settings.ca_file)
+        if state.node_cache is not None:
+            nodes = NodeFeed(
+                ApiClient(endpoint),
+                policy.resource_prefix,
+                state.node_cache,
+                asyncio.get_running_loop(),
+            )
+            feeds.append(nodes)
+            nodes.start()
+        if not settings.watch_pods:
+            return
         feed = PodFeed(
             ApiClient(endpoint), policy.resource_prefix, state.ledger, asyncio.get_running_loop()
         )
         feeds.append(feed)
         await feed.first_list()
-        feed.start()
 
     async def stop_feed(_app: web.Application) -> None:
         loop = asyncio.get_running_loop()
@@ -350,6 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="watch the cluster's pods so that room freed by a pod that ends is seen at "
         "once and pods bound by anyone are counted (needs list/watch on pods)",
     )
+    parser.add_argument(
+        "--watch-nodes",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.watch_nodes,
+        help="watch the cluster's Nodes and keep their cards, so that the scheduler can "
+        "send node names only (nodeCacheCapable: true; needs list/watch on nodes)",
+    )
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="auto")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     add_version(parser)
@@ -381,6 +406,7 @@ def parse_settings(argv: Sequence[str] | None) -> tuple[ExtenderSettings, argpar
         probe_address=args.probe_address,
         probe_port=args.probe_port,
         watch_pods=args.watch_pods,
+        watch_nodes=args.watch_nodes,
     )
     return settings, args
 

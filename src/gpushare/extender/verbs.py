@@ -2,9 +2,12 @@
 
 kube-scheduler sends ExtenderArgs from Go types without JSON tags, so the keys arrive
 capitalised (``Pod``, ``Nodes``, ``NodeNames``); Go reads answers case-insensitively.
-With ``nodeCacheCapable: false`` the nodes arrive as full Node objects in
-``Nodes.items``, and the filter must answer them the same way: a node dropped without
-an entry in ``FailedNodes`` would vanish without a reason in the pod's events.
+With ``nodeCacheCapable: true`` (the sample configuration) only ``NodeNames`` arrive and
+the cards come from the extender's own watch of the Nodes (``nodecache.py``); the
+answer is names too. With ``nodeCacheCapable: false`` (older configurations, still
+served during a rollout) the nodes arrive as full Node objects in ``Nodes.items``, and
+the filter answers them the same way. Either way a node dropped without an entry in
+``FailedNodes`` would vanish without a reason in the pod's events.
 
 The ``bind`` verb is where a pod starts to hold room (see ``ledger.py``): the filter
 only remembers what the pod needs and what each node published, and the binding
@@ -25,15 +28,16 @@ from gpushare.extender.body import BadRequest
 from gpushare.extender.choice import card_choice_of, excluded_rooms
 from gpushare.extender.fit import (
     BINPACK,
+    CardRoom,
     Fit,
     PodNeed,
     PodSpecError,
-    card_rooms,
     fit_pod,
     pod_need,
     score,
 )
 from gpushare.extender.ledger import AdmissionLedger
+from gpushare.extender.nodecache import NodeCache, node_name, read_node_state
 from gpushare.kube import nodestate
 from gpushare.share.gputype import CardChoice
 
@@ -84,6 +88,8 @@ class ExtenderState:
     )
     #: wall clock (seconds since the epoch), to bound the timestamps requests carry
     clock: Callable[[], float] = time.time
+    #: the node watch's cache, for requests by name (None: no watch, names refused)
+    node_cache: NodeCache | None = None
 
 
 @dataclass(frozen=True)
@@ -109,56 +115,53 @@ class ExtenderArgs:
     pod_uid: str
     pod_label: str
     nodes: list[Mapping[str, Any]]
+    #: the node names when the scheduler sent names only (nodeCacheCapable: true)
+    names: list[str] | None = None
 
 
-def read_args(body: Any) -> ExtenderArgs:
-    """Validate an ExtenderArgs body; every mistake is a :class:`BadRequest`."""
+def read_args(body: Any, state: ExtenderState | None = None) -> ExtenderArgs:
+    """Validate an ExtenderArgs body; every mistake is a :class:`BadRequest` (names
+    alone too when ``state`` has no node watch to look them up in)."""
     if not isinstance(body, Mapping):
         raise BadRequest("the body must be a JSON object with Pod and Nodes (ExtenderArgs)")
     pod = _get(body, "Pod")
     if not isinstance(pod, Mapping):
         raise BadRequest("Pod is missing or not an object")
     nodes = _get(body, "Nodes")
+    names: list[str] | None = None
+    items: Any = []
     if nodes is None:
-        if _get(body, "NodeNames") is not None:
+        given = _get(body, "NodeNames")
+        if given is None:
+            raise BadRequest("Nodes is missing (and NodeNames too)")
+        if not isinstance(given, list) or not all(
+            isinstance(n, str) and 0 < len(n) <= 253 for n in given
+        ):
+            raise BadRequest("NodeNames must be a list of node names")
+        names = list(given)
+        if state is not None and state.node_cache is None:
             raise BadRequest(
-                "got NodeNames only: this extender reads the node state from full Node "
-                "objects, so configure it with nodeCacheCapable: false"
+                "got NodeNames only, and this extender has no node watch (it needs the API "
+                "server and list/watch on nodes): configure it with nodeCacheCapable: false "
+                "or give it the API server"
             )
-        raise BadRequest("Nodes is missing")
-    if not isinstance(nodes, Mapping):
-        raise BadRequest("Nodes must be an object with items (a NodeList)")
-    items = _get(nodes, "items")
-    if items is None:
-        items = []
-    if not isinstance(items, list):
-        raise BadRequest("Nodes.items must be a list of Node objects")
-    for position, node in enumerate(items):
-        if not isinstance(node, Mapping) or not _node_name(node):
-            raise BadRequest(f"Nodes.items[{position}] is not a Node with metadata.name")
+    else:
+        if not isinstance(nodes, Mapping):
+            raise BadRequest("Nodes must be an object with items (a NodeList)")
+        items = _get(nodes, "items")
+        if items is None:
+            items = []
+        if not isinstance(items, list):
+            raise BadRequest("Nodes.items must be a list of Node objects")
+        for position, node in enumerate(items):
+            if not isinstance(node, Mapping) or not node_name(node):
+                raise BadRequest(f"Nodes.items[{position}] is not a Node with metadata.name")
     meta = pod.get("metadata") or {}
     if not isinstance(meta, Mapping):
         raise BadRequest("Pod.metadata must be an object")
     name = f"{meta.get('namespace') or 'default'}/{meta.get('name') or '?'}"[:300]
     uid = str(meta.get("uid") or "")[:253] or name
-    return ExtenderArgs(pod=pod, pod_uid=uid, pod_label=name, nodes=list(items))
-
-
-def _node_name(node: Mapping[str, Any]) -> str:
-    meta = node.get("metadata")
-    name = meta.get("name") if isinstance(meta, Mapping) else None
-    return name if isinstance(name, str) else ""
-
-
-def _has_resource(node: Mapping[str, Any], resource: str) -> bool:
-    status = node.get("status")
-    if not isinstance(status, Mapping):
-        return False
-    for key in ("allocatable", "capacity"):
-        amounts = status.get(key)
-        if isinstance(amounts, Mapping) and str(amounts.get(resource, "0")) not in ("0", ""):
-            return True
-    return False
+    return ExtenderArgs(pod=pod, pod_uid=uid, pod_label=name, nodes=list(items), names=names)
 
 
 @dataclass(frozen=True)
@@ -171,35 +174,6 @@ class NodeVerdict:
     code: str = "fits"
 
 
-def read_node_state(
-    node: Mapping[str, Any], prefix: str
-) -> tuple[nodestate.NodeGpuState | None, str, str]:
-    """(state, code, reason): the node's published cards, or why there are none."""
-    key = nodestate.annotation_key(prefix)
-    meta = node.get("metadata") or {}
-    annotations = meta.get("annotations") if isinstance(meta, Mapping) else None
-    text = annotations.get(key) if isinstance(annotations, Mapping) else None
-    if not isinstance(text, str):
-        if _has_resource(node, f"{prefix}/vcuda-memory") or _has_resource(
-            node, f"{prefix}/vcuda-core"
-        ):
-            return (
-                None,
-                "no_annotation",
-                (
-                    f"the node has gpushare resources but no {key} annotation, so its cards are "
-                    "unknown (is the gpushare daemon running there with NODE_NAME set?)"
-                ),
-            )
-        return None, "no_gpus", "the node has no gpushare GPUs"
-    try:
-        state = nodestate.decode(text)
-        card_rooms(state)  # its counts are believable
-    except (ValueError, RecursionError) as exc:
-        return None, "bad_annotation", f"the {key} annotation cannot be read: {str(exc)[:200]}"
-    return state, "fits", ""
-
-
 def judge_state(
     name: str,
     state: nodestate.NodeGpuState,
@@ -208,6 +182,7 @@ def judge_state(
     ledger: AdmissionLedger,
     exclude_pod: str = "",
     choice: CardChoice | None = None,
+    rooms: tuple[CardRoom, ...] | None = None,
 ) -> NodeVerdict:
     """Fit the pod on the node's cards as the ledger counts them (the published state,
     less pods bound since, plus pods ended since) less the cards the pod's annotations
@@ -226,7 +201,7 @@ def judge_state(
             "to each node); the pod is retried"
         )
         return NodeVerdict(name, Fit(None, reason), state.generation, "not_ready")
-    occupancy = ledger.occupancy(name, state, policy.placement, exclude_pod)
+    occupancy = ledger.occupancy(name, state, policy.placement, exclude_pod, rooms)
     rooms, excluded = excluded_rooms(occupancy.rooms, state, choice)
     if excluded and len(excluded) == len(rooms):
         reason = f"the pod's card choice excludes every card: {', '.join(excluded)}"
@@ -255,7 +230,7 @@ def judge_node(
 ) -> NodeVerdict:
     """Read one Node's published cards, remember them, and fit the pod on them less the
     cards the pod's annotations exclude (``choice``)."""
-    name = _node_name(node)
+    name = node_name(node)
     published, code, reason = read_node_state(node, policy.resource_prefix)
     if published is None:
         return NodeVerdict(name, Fit(None, reason), None, code)
@@ -265,10 +240,54 @@ def judge_node(
         if seen is None:
             return NodeVerdict(name, Fit(None, doubt), None, "bad_annotation")
         published = seen  # the request's copy is not believed: what was seen stands
-    else:
-        published = newest(seen, published)
-    state.nodes.put(name, published)
-    return judge_state(name, published, need, policy, state.ledger, exclude_pod, choice)
+    return judge_published(name, published, need, policy, state, exclude_pod, choice)
+
+
+def judge_name(
+    name: str,
+    need: PodNeed,
+    policy: ExtenderPolicy,
+    state: ExtenderState,
+    exclude_pod: str = "",
+    choice: CardChoice | None = None,
+) -> NodeVerdict:
+    """Like :func:`judge_node` for a node named only: its cards come from the node
+    watch's cache."""
+    cache = state.node_cache
+    if cache is None or not cache.listed:
+        reason = (
+            "the extender has not read the cluster's Nodes yet (it keeps their cards from "
+            "its own watch); the pod is retried"
+        )
+        return NodeVerdict(name, Fit(None, reason), None, "not_ready")
+    record = cache.get(name)
+    if record is None:
+        reason = "the extender's node watch has not seen this node yet; the pod is retried"
+        return NodeVerdict(name, Fit(None, reason), None, "unseen")
+    if record.state is None:
+        return NodeVerdict(name, Fit(None, record.reason), None, record.code)
+    return judge_published(
+        name, record.state, need, policy, state, exclude_pod, choice, record.rooms
+    )
+
+
+def judge_published(
+    name: str,
+    published: nodestate.NodeGpuState,
+    need: PodNeed,
+    policy: ExtenderPolicy,
+    state: ExtenderState,
+    exclude_pod: str = "",
+    choice: CardChoice | None = None,
+    rooms: tuple[CardRoom, ...] | None = None,
+) -> NodeVerdict:
+    """Remember the node's newest state seen and fit the pod on it (``rooms``: the
+    given state's ``card_rooms``, if known)."""
+    chosen = newest(state.nodes.get(name), published)
+    state.nodes.put(name, chosen)
+    if chosen is not published:
+        rooms = None
+    return judge_state(name, chosen, need, policy, state.ledger, exclude_pod, choice, rooms)
 
 
 #: How far a node's ``updated`` may be ahead of the extender's clock (clock skew).
@@ -344,9 +363,11 @@ def filter_verb(body: Any, policy: ExtenderPolicy, state: ExtenderState) -> dict
     """ExtenderFilterResult: the nodes that can hold the pod, and why the others cannot.
 
     Also the verdict code per node (for the metrics), under a key Go does not read."""
-    args = read_args(body)
+    args = read_args(body, state)
     need = _need(args, policy)
     if not need.wants_gpu:
+        if args.names is not None:
+            return {"Nodes": None, "NodeNames": args.names, "FailedNodes": {}, "Error": ""}
         return {"Nodes": {"items": args.nodes}, "NodeNames": None, "FailedNodes": {}, "Error": ""}
     # Scheduled again (its binding failed or it is being retried): it holds nothing now.
     state.ledger.forget_pod(args.pod_uid)
@@ -355,6 +376,22 @@ def filter_verb(body: Any, policy: ExtenderPolicy, state: ExtenderState) -> dict
     failed: dict[str, str] = {}
     choice = card_choice_of(args.pod, policy.resource_prefix)
     codes: dict[str, int] = {}
+    if args.names is not None:
+        kept_names: list[str] = []
+        for name in args.names:
+            verdict = judge_name(name, need, policy, state, choice=choice)
+            codes[verdict.code] = codes.get(verdict.code, 0) + 1
+            if verdict.fit.placement is None:
+                failed[name] = verdict.fit.reason
+            else:
+                kept_names.append(name)
+        return {
+            "Nodes": None,
+            "NodeNames": kept_names,
+            "FailedNodes": failed,
+            "Error": "",
+            VERDICTS_KEY: codes,
+        }
     for node in args.nodes:
         verdict = judge_node(node, need, policy, state, choice=choice)
         codes[verdict.code] = codes.get(verdict.code, 0) + 1
@@ -382,10 +419,15 @@ def prioritize_verb(
 
     The pod's own hold (if it was bound before and is scheduled again) is left out of
     the state it is scored against."""
-    args = read_args(body)
+    args = read_args(body, state)
     need = _need(args, policy)
     scores = []
     choice = card_choice_of(args.pod, policy.resource_prefix)
+    if args.names is not None:
+        for name in args.names:
+            verdict = judge_name(name, need, policy, state, exclude_pod=args.pod_uid, choice=choice)
+            scores.append({"Host": name, "Score": score(verdict.fit, policy.placement)})
+        return scores
     for node in args.nodes:
         verdict = judge_node(node, need, policy, state, exclude_pod=args.pod_uid, choice=choice)
         scores.append({"Host": verdict.name, "Score": score(verdict.fit, policy.placement)})
@@ -451,6 +493,11 @@ def bind_verb(body: Any, policy: ExtenderPolicy, state: ExtenderState) -> Bindin
     published = state.nodes.get(args.node)
     if published is None:
         raise BindRefused(f"node {args.node} was not seen in a filter call")
+    record = state.node_cache.get(args.node) if state.node_cache is not None else None
+    if record is not None and record.state is not None:
+        # the node watch may have seen a newer state since the filter
+        published = newest(published, record.state)
+        state.nodes.put(args.node, published)
     verdict = judge_state(args.node, published, need, policy, state.ledger, exclude_pod=args.uid)
     if verdict.fit.placement is None:
         raise BindRefused(

@@ -120,6 +120,9 @@ def test_a_claim_on_a_driver_card_gets_its_limit_on_its_own_cgroup(
     assert backends[gpu_uuid(0)].memory is MemoryBackend.DRIVER  # DRA: its own CDI spec
     assert backends[gpu_uuid(1)].memory is MemoryBackend.INTERPOSER  # the device plugin's
     assert store.limits() == {}  # the self-test cleared its limit
+    registrar = DraKubelet(node.root / "kubelet")  # slices follow the registration
+    assert registrar.register() == "v1.DRAPlugin"
+    registrar.close()
     assert poll(lambda: "dra" not in node.daemon.readiness()[1], 10)  # type: ignore[union-attr]
 
     # published for claims to select (CEL: device.attributes[...].memoryEnforcement)

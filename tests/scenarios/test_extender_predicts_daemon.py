@@ -94,6 +94,22 @@ def _orders(sim: Node, needs: Sequence[ContainerNeed], first: Resource) -> list[
     ]
 
 
+#: How long the daemon's binder waits here for the kubelet's PodResources records. The
+#: extender models the daemon deciding from facts; the daemon's own wait (RECORDS_WAIT,
+#: 0.2 s) can pass before the stand-in answers on a loaded machine, and then the binder
+#: pairs by the fallback and refuses a container the facts would admit (see
+#: test_records_later_than_the_binders_wait_cost_a_refusal_never_a_split). A wait, not
+#: a sleep: the binder goes on as soon as the records arrive.
+PATIENT = 120.0
+
+
+def _start(sim: Node, gpus: list[dict[str, Any]], **overrides: Any) -> None:
+    """Start the daemon with a binder that waits for the records (``PATIENT``)."""
+    daemon = sim.start(gpus, **overrides)
+    assert daemon.plugin is not None
+    daemon.plugin.binder.records_wait = PATIENT
+
+
 def _admit(sim: Node, name: str, needs: Sequence[ContainerNeed], first: Resource) -> list[str]:
     """Admit the pod container by container, ``first`` resource first; the cards."""
     got = []
@@ -125,7 +141,7 @@ def test_every_kept_pod_lands_where_predicted_and_every_dropped_pod_cannot_land(
     specs = sim.with_pod_specs()
     try:
         gpus = cards(CARD_4GIB, card_count)
-        sim.start(gpus, placement=policy.value)
+        _start(sim, gpus, placement=policy.value)
         uuids = [g["uuid"] for g in gpus]
         for number, shape in enumerate(pods):
             name = f"p{number}"
@@ -157,7 +173,7 @@ def _kept_then_admitted(
     ``needs`` and the daemon puts each container on the predicted card."""
     specs = node.with_pod_specs()
     gpus = cards(model, 2)
-    node.start(gpus)
+    _start(node, gpus)
     for number, shape in enumerate(fillers):
         filler = [ContainerNeed("f", *shape)]
         specs.update(_pod_object(f"filler{number}", filler, node))
@@ -189,3 +205,52 @@ def test_a_kept_pod_of_core_heavy_containers_is_admitted(node: Node) -> None:
     shape with one memory unit each."""
     needs = (ContainerNeed("a", 1, 5), ContainerNeed("b", 1, 20), ContainerNeed("c", 1, 95))
     _kept_then_admitted(node, CARD_4GIB, [(1, 5), (1, 5), (1, 0)], needs)
+
+
+def _two_container_pod_split_over_both_cards(
+    node: Node, *, list_delay: float, patient: bool
+) -> list[str]:
+    """Two 10-unit containers on two 16-unit cards, memory first: the extender keeps
+    the pod with c0 on GPU0 and c1 on GPU1 (GPU0 has 6 units left after c0). The
+    kubelet stand-in answers PodResources ``List`` after ``list_delay`` seconds."""
+    specs = node.with_pod_specs()
+    gpus = cards(CARD_4GIB, 2)
+    if patient:
+        _start(node, gpus)
+    else:
+        node.start(gpus)
+    node.kubelet.list_delay = list_delay
+    needs = (ContainerNeed("c0", 10, 5), ContainerNeed("c1", 10, 5))
+    fit = fit_pod(_rooms(node, [g["uuid"] for g in gpus]), PodNeed(needs), Policy.BINPACK)
+    assert fit.placement is not None
+    predicted = [uuid for uuid, _ in fit.placement.cards]
+    assert predicted == [gpus[0]["uuid"], gpus[1]["uuid"]]
+    specs.update(_pod_object("pod", needs, node))
+    got = _admit(node, "pod", needs, Resource.MEMORY)
+    assert got == predicted
+    return got
+
+
+def test_records_later_than_the_binders_wait_cost_a_refusal_never_a_split(node: Node) -> None:
+    """The interleaving a loaded machine produced (one failure of the differential test
+    above under ``make test`` at load 12): the kubelet's List answers after the binder
+    stopped waiting for it (``RECORDS_WAIT``, 0.2 s). Without records, c1's memory
+    request is taken for the partner of c0's core binding made just before (the
+    fallback), steered to GPU0, which lacks room, and refused: the message the failure
+    showed. The container is refused, never split."""
+    refused = r"vcuda-core units were just bound to GPU0 .*but its vcuda-memory units are on GPU1"
+    with pytest.raises(AdmissionError, match=refused):
+        _two_container_pod_split_over_both_cards(node, list_delay=0.5, patient=False)
+    for admitted in node.kubelet.admitted.values():
+        assert {d.split("::")[0] for ids in admitted.devices.values() for d in ids} == {
+            admitted.card()
+        }
+
+
+def test_a_binder_that_waits_for_late_records_admits_where_the_extender_predicted(
+    node: Node,
+) -> None:
+    """The same late List with the binder waiting for it, as the differential test
+    runs: the records show c0 complete, c1 is nobody's partner, and lands on GPU1."""
+    got = _two_container_pod_split_over_both_cards(node, list_delay=0.5, patient=True)
+    assert got[0] != got[1]

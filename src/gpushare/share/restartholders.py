@@ -109,7 +109,11 @@ class RestartHolders:
                 holders = self._missing[uuid]
                 for holder in list(holders):
                     gone = alive is not None and not alive(holder)
-                    if holder in listed or (gone and elapsed >= SOURCES_READY_SECONDS):
+                    # A pod known to be gone holds nothing for placement: a restarted
+                    # kubelet that still counts it refuses by its own count, which no
+                    # card choice of ours can avoid (the real kubelet was seen offering
+                    # that room at once; counting it steered cores to the wrong card).
+                    if holder in listed or gone:
                         del holders[holder]
                     elif elapsed >= LONGEST_SECONDS:
                         del holders[holder]

@@ -14,7 +14,6 @@ from gpushare.share.devices import Resource
 from gpushare.share.restartholders import (
     LONGEST_SECONDS,
     RECENT_SECONDS,
-    SOURCES_READY_SECONDS,
     RestartHolders,
 )
 from gpushare.share.usage import Holder
@@ -82,14 +81,13 @@ def test_empty_records_read_just_before_the_restart_is_noticed_do_not_count() ->
     assert later.held(Resource.MEMORY) == {} and later.restarted_at() == ""
 
 
-def test_a_deleted_pod_holds_until_the_kubelets_sources_are_ready() -> None:
+def test_a_deleted_pod_stops_holding_as_soon_as_it_is_known_gone() -> None:
     clock = Clock()
     holders = _holders(clock)
     holders.records_read({"GPU-0": {A: MEM_ONLY}}, kubelet=1)
     holders.kubelet_restarted()
-    holders.records_read({}, alive=lambda h: False, kubelet=2)
-    assert holders.held(Resource.MEMORY) == {"GPU-0": 12}  # the kubelet still counts it
-    clock.now += SOURCES_READY_SECONDS
+    holders.records_read({}, alive=lambda h: True, kubelet=2)
+    assert holders.held(Resource.MEMORY) == {"GPU-0": 12}  # alive, not listed yet
     holders.records_read({}, alive=lambda h: False, kubelet=2)
     assert holders.held(Resource.MEMORY) == {} and holders.restarted_at() == ""
 

@@ -15,40 +15,32 @@ the kubeadm extender's role grants them).
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Callable
 from typing import Any
 
 import structlog
 
+from gpushare.extender.feedthread import LIST_TIMEOUT, PAGE, ListWatchFeed
 from gpushare.extender.nodecache import NodeCache, NodeRecord, node_name, record_of
-from gpushare.kube.stdlibclient import ApiClient, Watch
-from gpushare.kube.watching import open_watch, raise_if_error, run_until_stopped
+from gpushare.kube.stdlibclient import ApiClient
 
 log = structlog.get_logger(__name__)
 
 NODES = "/api/v1/nodes"
-PAGE = 500
-LIST_TIMEOUT = 30.0
-MAX_BACKOFF = 30.0
 
 
-class NodeFeed:
+class NodeFeed(ListWatchFeed):
     """Feeds ``cache`` from the API server; every cache write happens on ``loop``."""
+
+    path = NODES
+    thread_name = "node-feed"
+    log_fields = {"feed": "nodes"}
 
     def __init__(
         self, client: ApiClient, prefix: str, cache: NodeCache, loop: asyncio.AbstractEventLoop
     ) -> None:
-        self.client = client
+        super().__init__(client, loop)
         self.prefix = prefix
         self.cache = cache
-        self.loop = loop
-        self.events = 0  # watch events applied, for tests
-        self.lists = 0
-        self._resume = ""
-        self._stop = threading.Event()
-        self._current: Watch | None = None
-        self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ on the loop
     def _adopt(self, records: dict[str, NodeRecord]) -> None:
@@ -61,9 +53,6 @@ class NodeFeed:
         else:
             self.cache.put(name, record)
         self.events += 1
-
-    def _call(self, fn: Callable[..., None], *args: Any) -> None:
-        self.loop.call_soon_threadsafe(fn, *args)
 
     # ------------------------------------------------------------------ in the thread
     def list_nodes(self) -> tuple[dict[str, NodeRecord], str]:
@@ -84,22 +73,6 @@ class NodeFeed:
             if not token:
                 return records, str(meta.get("resourceVersion") or "")
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="node-feed", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        current = self._current
-        if current is not None:
-            current.close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self.client.close()
-
-    def _run(self) -> None:
-        run_until_stopped(self._stop, self._cycle, self._relist, MAX_BACKOFF, feed="nodes")
-
     def _cycle(self) -> None:
         if not self._resume:
             records, self._resume = self.list_nodes()
@@ -107,24 +80,7 @@ class NodeFeed:
             log.info("nodes_listed", nodes=len(records))
         self._watch_once()
 
-    def _relist(self) -> None:
-        self._resume = ""
-
-    def _watch_once(self) -> None:
-        watch = open_watch(self.client, NODES, {}, self._resume)
-        self._current = watch
-        try:
-            if self._stop.is_set():
-                return
-            for kind, obj in watch:
-                raise_if_error(kind, obj)
-                if kind in ("ADDED", "MODIFIED", "DELETED"):
-                    name = node_name(obj)
-                    if name:
-                        self._call(self._event, kind, name, record_of(obj, self.prefix))
-                version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
-                if version:
-                    self._resume = version
-        finally:
-            self._current = None
-            watch.close()
+    def _watched(self, kind: str, obj: dict[str, Any]) -> None:
+        name = node_name(obj)
+        if name:
+            self._call(self._event, kind, name, record_of(obj, self.prefix))

@@ -25,26 +25,22 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import structlog
 
+from gpushare.extender.feedthread import LIST_TIMEOUT, PAGE, ListWatchFeed
 from gpushare.extender.fit import PodSpecError, pod_need
 from gpushare.extender.ledger import AdmissionLedger, PodFacts
 from gpushare.kube.nodestate import decode_plan, plan_annotation_key
-from gpushare.kube.stdlibclient import ApiClient, Endpoint, Watch
-from gpushare.kube.watching import open_watch, raise_if_error, run_until_stopped
+from gpushare.kube.stdlibclient import ApiClient, Endpoint
 
 log = structlog.get_logger(__name__)
 
 PODS = "/api/v1/pods"
-PAGE = 500
-LIST_TIMEOUT = 30.0
-MAX_BACKOFF = 30.0
 #: How long the extender waits for the first list before it serves anyway.
 START_LIST_SECONDS = 10.0
 TERMINAL = frozenset({"Succeeded", "Failed"})
@@ -115,8 +111,11 @@ def facts_of(pod: Mapping[str, Any], prefix: str) -> PodFacts:
     )
 
 
-class PodFeed:
+class PodFeed(ListWatchFeed):
     """Feeds ``ledger`` from the API server; call every ledger method on ``loop``."""
+
+    path = PODS
+    thread_name = "pod-feed"
 
     def __init__(
         self,
@@ -125,16 +124,9 @@ class PodFeed:
         ledger: AdmissionLedger,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
-        self.client = client
+        super().__init__(client, loop)
         self.prefix = prefix
         self.ledger = ledger
-        self.loop = loop
-        self.events = 0  # watch events applied, for tests and metrics
-        self.lists = 0
-        self._resume = ""
-        self._stop = threading.Event()
-        self._current: Watch | None = None
-        self._thread: threading.Thread | None = None
         self._listed: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ on the loop
@@ -152,9 +144,6 @@ class PodFeed:
         else:
             self.ledger.pod_seen(facts)
         self.events += 1
-
-    def _call(self, fn: Callable[..., None], *args: Any) -> None:
-        self.loop.call_soon_threadsafe(fn, *args)
 
     # ------------------------------------------------------------------ in the thread
     def list_pods(self) -> tuple[list[PodFacts], str]:
@@ -198,22 +187,6 @@ class PodFeed:
         log.info("pods_listed", gpu_pods=self.ledger.live_pods)
         return True
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="pod-feed", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        current = self._current
-        if current is not None:
-            current.close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self.client.close()
-
-    def _run(self) -> None:
-        run_until_stopped(self._stop, self._cycle, self._relist, MAX_BACKOFF)
-
     def _attempted(self) -> None:
         """A list failed: the extender waiting for its first list serves now (the
         filter keeps waiting for a list; the feed retries with a growing delay)."""
@@ -231,24 +204,7 @@ class PodFeed:
             log.info("pods_listed", pods=len(listed))
         self._watch_once()
 
-    def _relist(self) -> None:
-        self._resume = ""
-
-    def _watch_once(self) -> None:
-        watch = open_watch(self.client, PODS, {}, self._resume)
-        self._current = watch
-        try:
-            if self._stop.is_set():
-                return
-            for kind, obj in watch:
-                raise_if_error(kind, obj)
-                if kind in ("ADDED", "MODIFIED", "DELETED"):
-                    facts = facts_of(obj, self.prefix)
-                    if facts.uid:
-                        self._call(self._event, kind, facts)
-                version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
-                if version:
-                    self._resume = version
-        finally:
-            self._current = None
-            watch.close()
+    def _watched(self, kind: str, obj: dict[str, Any]) -> None:
+        facts = facts_of(obj, self.prefix)
+        if facts.uid:
+            self._call(self._event, kind, facts)

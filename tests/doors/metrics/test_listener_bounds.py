@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -51,14 +52,19 @@ def _get(port: int, path: str = "/healthz", source: str = "127.0.0.1") -> bytes:
         return _answer(sock)
 
 
-@pytest.fixture
-def metrics() -> Iterator[MetricsServer]:
+# The caps are checked with a deadline no loaded machine reaches (the silent connections
+# must still be held when the seventh arrives); the deadline itself with a short one.
+PATIENT = 600.0
+SHORT = 1.0
+
+
+def _metrics_server(deadline: float) -> Iterator[MetricsServer]:
     server = MetricsServer(
         lambda: b"# metrics\n",
         lambda: (True, "ok"),
         "127.0.0.1",
         0,
-        limits=Limits(max_connections=6, max_per_peer=3, deadline=1.0),
+        limits=Limits(max_connections=6, max_per_peer=3, deadline=deadline),
     )
     server.start()
     try:
@@ -67,9 +73,20 @@ def metrics() -> Iterator[MetricsServer]:
         server.stop()
 
 
+@pytest.fixture
+def metrics() -> Iterator[MetricsServer]:
+    yield from _metrics_server(SHORT)
+
+
+@pytest.fixture
+def patient_metrics() -> Iterator[MetricsServer]:
+    yield from _metrics_server(PATIENT)
+
+
 def test_the_metrics_listener_caps_connections_per_client_and_overall(
-    metrics: MetricsServer,
+    patient_metrics: MetricsServer,
 ) -> None:
+    metrics = patient_metrics
     slow = [_connect(metrics.port) for _ in range(3)]  # hold three slots, send nothing
     try:
         assert poll(lambda: metrics.guard.active == 3, 10)
@@ -129,12 +146,9 @@ def test_a_request_trickled_byte_by_byte_is_cut_at_the_deadline(metrics: Metrics
 
 def test_the_extender_listeners_cap_connections_and_cut_slow_requests() -> None:
     async def scenario() -> None:
-        limits = Limits(max_connections=4, max_per_peer=2, deadline=1.0)
         settings = ExtenderSettings(api_server="http://127.0.0.1:9")
-        app = build_app(settings)
-        guard = ConnectionGuard(limits)
-        runner, port = await start(app, "127.0.0.1", 0, guard=guard)
-        try:
+
+        async def hold_two(port: int, guard: ConnectionGuard) -> list[Any]:
             slow = [
                 await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.1", 0))
                 for _ in range(2)
@@ -142,6 +156,14 @@ def test_the_extender_listeners_cap_connections_and_cut_slow_requests() -> None:
             deadline = time.monotonic() + 10
             while guard.active < 2 and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
+            return slow
+
+        # The caps, with a deadline no loaded machine reaches while they are checked.
+        guard = ConnectionGuard(Limits(max_connections=4, max_per_peer=2, deadline=PATIENT))
+        runner, port = await start(build_app(settings), "127.0.0.1", 0, guard=guard)
+        try:
+            slow = await hold_two(port, guard)
+            assert guard.active == 2
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
             refused = await reader.read()
@@ -153,9 +175,17 @@ def test_the_extender_listeners_cap_connections_and_cut_slow_requests() -> None:
                 for _ in range(3):
                     async with session.get(f"http://127.0.0.1:{port}/healthz") as reply:
                         assert reply.status == 200
-            # The two silent connections are cut at the deadline.
-            for r, w in slow:
-                assert await asyncio.wait_for(r.read(), 30) == b""
+            assert guard.expired == 0
+            for _, w in slow:
+                w.close()
+        finally:
+            await runner.cleanup()
+        # The deadline: two silent connections are cut.
+        guard = ConnectionGuard(Limits(max_connections=4, max_per_peer=2, deadline=SHORT))
+        runner, port = await start(build_app(settings), "127.0.0.1", 0, guard=guard)
+        try:
+            for r, w in await hold_two(port, guard):
+                assert await asyncio.wait_for(r.read(), 60) == b""
                 w.close()
             assert guard.expired >= 2
         finally:
@@ -229,7 +259,6 @@ def _reachable(port: int) -> bool:
         return scrape(port, "/healthz")[0] == 200
     except OSError:
         return False
-
 
 
 # -- the second wall: NetworkPolicy ------------------------------------------------------

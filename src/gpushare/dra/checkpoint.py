@@ -92,6 +92,11 @@ class ClaimEntry:
     spec_name: str  # the CDI spec's name (its file is derived from it)
     cache_keys: list[str] = field(default_factory=list)
     devices: list[PreparedDevice] = field(default_factory=list)
+    #: The limits its CDI spec sets for every index (issue 32 item 2): the smallest
+    #: memory share (MiB) and core share (100: none) among the claim and every claim
+    #: it shares a container with. None: it sets none, or an entry written before.
+    memory_limit_mib: int | None = None
+    core_limit: int | None = None
 
     @staticmethod
     def from_json(data: Any) -> ClaimEntry:
@@ -104,6 +109,8 @@ class ClaimEntry:
             spec_name=str(data["spec_name"]),
             cache_keys=[str(k) for k in data.get("cache_keys", [])],
             devices=[PreparedDevice.from_json(d) for d in data.get("devices", [])],
+            memory_limit_mib=_count(data.get("memory_limit_mib")),
+            core_limit=_count(data.get("core_limit")),
         )
 
 

@@ -447,7 +447,8 @@ class Faults:
     """What a test makes the double do wrong: answer errors, or hang."""
 
     def __init__(self) -> None:
-        self._failures: list[int] = []  # statuses the next requests answer
+        #: (status, path part): the next requests whose path holds that part answer it
+        self._failures: list[tuple[int, str]] = []
         self._open = threading.Event()  # cleared while the server is held (hangs)
         self._open.set()
         #: The paths of the requests that arrived while the server was held, in order.
@@ -456,8 +457,16 @@ class Faults:
         #: ERROR event at once, as for a compacted version) or "end" (end at once).
         self.watch_fault = ""
 
-    def fail_next(self, count: int, status: int = 500) -> None:
-        self._failures.extend([status] * count)
+    def fail_next(self, count: int, status: int = 500, path_part: str = "") -> None:
+        """The next ``count`` requests (whose path holds ``path_part``) answer ``status``."""
+        self._failures.extend([(status, path_part)] * count)
+
+    def _failure(self, path: str) -> int | None:
+        for i, (status, part) in enumerate(self._failures):
+            if part in path:
+                del self._failures[i]
+                return status
+        return None
 
     def hold(self) -> None:
         """Hang every request (a stuck API server) until :meth:`release`."""
@@ -584,7 +593,7 @@ class KubeApiDouble(CollectionReads, Faults):
                     bool(peer),
                 )
             )
-            failure = self._failures.pop(0) if self._failures else None
+            failure = self._failure(parsed.path)
         if failure is not None:
             return self._reply(request, failure, self._status(failure, "injected failure"))
         if request.command == "GET" and (query.get("watch") or [""])[0] in ("1", "true"):

@@ -21,9 +21,10 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_dra_plugin import DraNode
+from test_dra_plugin import NODE, DraNode, env_of
 
 from gpushare.sim.apidouble import KubeApiDouble
+from gpushare.sim.drakubeletdouble import pod_using_claims
 
 MIB = 1 << 20
 
@@ -88,21 +89,130 @@ def test_a_claim_on_two_cards_limits_both(node: DraNode) -> None:
     _check_every_order([spec], {"GPU-00000000": 1024, "GPU-00000001": 4096})
 
 
-def test_two_one_card_claims_in_one_container_leave_no_card_unlimited(node: DraNode) -> None:
-    """Two claims cannot know each other's index: each sets the limit for every index,
-    so no card is ever unlimited (equal shares are exact)."""
+def _pod(node: DraNode, name: str, containers: dict[str, list[str]], **kw: Any) -> str:
+    """A pod of the node whose containers use these claims; its UID."""
+    obj = node.api.add(pod_using_claims("default", name, NODE, containers, **kw))
+    return str(obj["metadata"]["uid"])
+
+
+def _reserve(node: DraNode, claim: str, *pods: tuple[str, str]) -> None:
+    """Reserve the claim for these pods too, as the scheduler does before binding one."""
+    obj = node.api.get("ResourceClaim", claim, "default", "resource.k8s.io/v1")
+    assert obj is not None
+    reserved = obj["status"].setdefault("reservedFor", [])
+    reserved += [{"resource": "pods", "name": n, "uid": u} for n, u in pods]
+    node.api.add(obj)
+
+
+def _one_card(node: DraNode, name: str, device: str, memory: str, *pods: tuple[str, str]) -> Any:
+    ref = node.claim(
+        name, {"request": "r", "device": device, "consumedCapacity": {"memory": memory}}
+    )
+    _reserve(node, name, *pods)
+    return ref
+
+
+def test_two_one_card_claims_in_one_container_are_held_to_the_smaller(node: DraNode) -> None:
+    """Before: each claim set every index to its own share, and whichever the runtime
+    applied last decided for both cards: the 1 GiB card usable to 4 GiB in half the
+    orders. Now both are held to the smaller share, read from the pod's spec."""
+    uid = _pod(node, "both", {"main": ["small", "large"]})
     refs = [
-        node.claim(
-            f"one-{i}",
-            {"request": "r", "device": f"gpu-{i}", "consumedCapacity": {"memory": "2Gi"}},
-        )
-        for i in range(2)
+        _one_card(node, "small", "gpu-0", "1Gi", ("both", uid)),
+        _one_card(node, "large", "gpu-1", "4Gi", ("both", uid)),
     ]
     answers = node.kubelet.prepare(refs)
-    assert all(a.error == "" for a in answers.values())
+    assert [a.error for a in answers.values()] == ["", ""]
     _check_every_order(
-        [node.spec(r[2]) for r in refs], {"GPU-00000000": 2048, "GPU-00000001": 2048}
+        [node.spec(r[2]) for r in refs], {"GPU-00000000": 1024, "GPU-00000001": 4096}
     )
+    # the same claims in separate calls (the kubelet retrying one of them): the same
+    for ref in refs:
+        node.kubelet.unprepare([ref])
+    for ref in reversed(refs):
+        assert next(iter(node.kubelet.prepare([ref]).values())).error == ""
+    _check_every_order(
+        [node.spec(r[2]) for r in refs], {"GPU-00000000": 1024, "GPU-00000001": 4096}
+    )
+
+
+def test_a_claim_used_alone_by_one_pod_and_with_another_by_a_second_is_held(
+    node: DraNode,
+) -> None:
+    """A shared claim reserved for two pods: its limit is the smallest of every container
+    that uses it, in either pod; the claims it never shares a container with are not."""
+    alone = _pod(node, "alone", {"main": ["shared"]})
+    mixed = _pod(node, "mixed", {"main": ["shared", "small"], "side": ["other"]})
+    shared = _one_card(node, "shared", "gpu-1", "8Gi", ("alone", alone), ("mixed", mixed))
+    small = _one_card(node, "small", "gpu-0", "2Gi", ("mixed", mixed))
+    other = _one_card(node, "other", "gpu-0", "6Gi", ("mixed", mixed))
+    assert next(iter(node.kubelet.prepare([shared]).values())).error == ""
+    assert all(a.error == "" for a in node.kubelet.prepare([small, other]).values())
+    assert env_of(node.spec(shared[2]))["CUDA_DEVICE_MEMORY_LIMIT"] == "2048m"
+    assert env_of(node.spec(other[2]))["CUDA_DEVICE_MEMORY_LIMIT"] == "6144m"
+    _check_every_order(
+        [node.spec(shared[2]), node.spec(small[2])], {"GPU-00000000": 2048, "GPU-00000001": 8192}
+    )
+
+
+def test_a_mate_prepared_before_with_a_larger_limit_refuses_the_claim(node: DraNode) -> None:
+    """A claim prepared for one pod before a second pod used it beside a smaller claim:
+    its spec already sets the larger share, which the runtime may apply to the smaller
+    claim's card. The smaller claim is refused, with the reason, until that one goes."""
+    first = _pod(node, "first", {"main": ["big"]})
+    big = _one_card(node, "big", "gpu-1", "8Gi", ("first", first))
+    assert next(iter(node.kubelet.prepare([big]).values())).error == ""
+    later = _pod(node, "later", {"main": ["big", "tiny"]})
+    _reserve(node, "big", ("later", later))
+    tiny = _one_card(node, "tiny", "gpu-0", "1Gi", ("later", later))
+    (answer,) = node.kubelet.prepare([tiny]).values()
+    assert "container main of pod default/later also uses claim big" in answer.error
+    assert "8192 MiB" in answer.error and "1024 MiB" in answer.error
+    assert not (node.cdi / f"gpu.gpushare.io-claim_{tiny[2]}.json").exists()
+    node.kubelet.unprepare([big])
+    (answer,) = node.kubelet.prepare([tiny]).values()
+    assert answer.error == ""
+
+
+def test_a_pod_that_cannot_be_read_refuses_the_claim_and_a_gone_pod_is_skipped(
+    node: DraNode,
+) -> None:
+    uid = _pod(node, "reader", {"main": ["lone"]})
+    lone = _one_card(node, "lone", "gpu-0", "2Gi", ("reader", uid))
+    node.api.fail_next(1, 500, path_part="/pods/reader")
+    (answer,) = node.kubelet.prepare([lone]).values()
+    assert answer.error.startswith("claim default/lone: cannot read pod default/reader")
+    assert not (node.cdi / f"gpu.gpushare.io-claim_{lone[2]}.json").exists()
+    (answer,) = node.kubelet.prepare([lone]).values()  # the kubelet's retry
+    assert answer.error == ""
+    gone = _one_card(node, "orphan", "gpu-0", "2Gi", ("deleted", "uid-of-a-pod-gone"))
+    (answer,) = node.kubelet.prepare([gone]).values()
+    assert answer.error == ""
+
+
+def test_a_template_claim_not_created_yet_refuses_and_a_created_one_is_found(
+    node: DraNode,
+) -> None:
+    """A pod claim from a template is named in the pod's status by the resourceclaim
+    controller; before that, which claims share the container cannot be told."""
+    pod = pod_using_claims(
+        "default", "tmpl", NODE, {"main": ["gen-1", "small"]}, templates={"gen-1": "scratch"}
+    )
+    pod["status"]["resourceClaimStatuses"] = []
+    uid = str(node.api.add(pod)["metadata"]["uid"])
+    small = _one_card(node, "small", "gpu-0", "1Gi", ("tmpl", uid))
+    gen = _one_card(node, "gen-1", "gpu-1", "4Gi", ("tmpl", uid))
+    answers = node.kubelet.prepare([small, gen])
+    assert all("pod claim 'scratch' has no ResourceClaim yet" in a.error for a in answers.values())
+    node.api.add(
+        pod_using_claims(
+            "default", "tmpl", NODE, {"main": ["gen-1", "small"]}, templates={"gen-1": "scratch"}
+        )
+        | {"metadata": {"name": "tmpl", "namespace": "default", "uid": uid}}
+    )
+    answers = node.kubelet.prepare([small, gen])
+    assert [a.error for a in answers.values()] == ["", ""]
+    assert env_of(node.spec(gen[2]))["CUDA_DEVICE_MEMORY_LIMIT"] == "1024m"
 
 
 _SHARE = st.tuples(st.sampled_from(["gpu-0", "gpu-1"]), st.integers(1, 96), st.integers(0, 100))

@@ -97,6 +97,9 @@ class ClaimEntry:
     #: it shares a container with. None: it sets none, or an entry written before.
     memory_limit_mib: int | None = None
     core_limit: int | None = None
+    #: Mate UID -> [MiB, cores]: the smallest shares of a container this claim shares
+    #: with a claim not prepared yet, which that claim must not exceed when it is.
+    held_with: dict[str, list[int]] = field(default_factory=dict)
 
     @staticmethod
     def from_json(data: Any) -> ClaimEntry:
@@ -111,7 +114,16 @@ class ClaimEntry:
             devices=[PreparedDevice.from_json(d) for d in data.get("devices", [])],
             memory_limit_mib=_count(data.get("memory_limit_mib")),
             core_limit=_count(data.get("core_limit")),
+            held_with=_floors(data.get("held_with")),
         )
+
+
+def _floors(value: Any) -> dict[str, list[int]]:
+    """``held_with`` as written; what is not a pair of counts is left out."""
+    if not isinstance(value, dict):
+        return {}
+    pairs = {str(k): v for k, v in value.items() if isinstance(v, list) and len(v) == 2}
+    return {k: [v[0], v[1]] for k, v in pairs.items() if all(_count(x) is not None for x in v)}
 
 
 class CheckpointError(Exception):

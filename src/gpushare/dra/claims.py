@@ -53,6 +53,8 @@ from gpushare.dra.mates import (
     Together,
     applied_limits,
     overreaching,
+    promised,
+    smallest,
 )
 from gpushare.dra.model import (
     FULL_CORES,
@@ -304,7 +306,8 @@ class ClaimPreparer:
         cdi_devices: list[CdiDevice] = []
         prepared: list[PreparedDevice] = []
         shares = []
-        limits = claim_limits(claim, plan, self.unit_mib, together.hold())
+        hold = smallest([together.hold(), promised(self.held.entries(), claim.uid)])
+        limits = claim_limits(claim, plan, self.unit_mib, hold)
         if limits.memory_mib is not None:
             why = overreaching(together, claim.uid, lambda uid: _applied(self.leftovers, uid))
             if why:
@@ -334,6 +337,7 @@ class ClaimPreparer:
             devices=prepared,
             memory_limit_mib=limits.memory_mib,
             core_limit=None if limits.memory_mib is None else limits.cores or FULL_CORES,
+            held_with=together.floors(claim.uid),
         )
         self.checkpoint.put(claim.uid, entry)
         self.held.remember(claim.uid, entry)

@@ -106,6 +106,18 @@ class Together:
     def hold(self) -> Shares | None:
         return smallest(c.floor() for c in self.containers)
 
+    def floors(self, me: str) -> dict[str, list[int]]:
+        """Each mate's UID -> the smallest shares of the containers it shares with this
+        claim (``me``), as [MiB, cores]: what it must not exceed (recorded with the claim,
+        :func:`promised`)."""
+        found: dict[str, Shares] = {}
+        for container in self.containers:
+            floor = container.floor()
+            for mate in container.mates:
+                if floor is not None and mate.uid != me:
+                    found[mate.uid] = smallest([found.get(mate.uid), floor]) or floor
+        return {uid: [s.memory_mib, s.cores] for uid, s in sorted(found.items())}
+
 
 def _names(items: Any) -> list[Mapping[str, Any]]:
     return [i for i in items if isinstance(i, Mapping)] if isinstance(items, list) else []
@@ -301,3 +313,11 @@ def applied_limits(entry: ClaimEntry, full_cores: int) -> Shares | None:
     if any(m is None for m in memory):
         return Shares(1 << 40, full_cores)
     return Shares(max(m for m in memory if m is not None), max(cores))
+
+
+def promised(entries: Iterable[ClaimEntry], uid: str) -> Shares | None:
+    """The smallest shares that the prepared claims recorded for claim ``uid`` as a mate
+    (:meth:`Together.floors`). A claim prepared from a read made before a pod reserved it
+    does not know that pod's containers; a mate prepared for that pod does, and its
+    record holds the claim to the container's smallest share all the same."""
+    return smallest(Shares(*e.held_with[uid]) for e in entries if uid in e.held_with)

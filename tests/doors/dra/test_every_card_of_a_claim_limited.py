@@ -174,6 +174,29 @@ def test_a_mate_prepared_before_with_a_larger_limit_refuses_the_claim(node: DraN
     assert answer.error == ""
 
 
+def test_a_claim_prepared_from_a_read_older_than_a_pod_keeps_its_mates_record(
+    node: DraNode,
+) -> None:
+    """Two pods' calls racing: the small claim is prepared for the second pod (whose
+    container uses the big one too) while the big claim's prepare for the first pod
+    works from a read made before the second pod reserved it. The big claim cannot see
+    that container, but the small claim recorded the smallest share there, and the big
+    one is held to it (before: 8 GiB on the 1 GiB card in half the orders)."""
+    first = _pod(node, "early", {"main": ["big"]})
+    second = _pod(node, "joined", {"main": ["big", "small"]})
+    big = _one_card(node, "big", "gpu-1", "8Gi", ("early", first))  # the stale read
+    small = _one_card(node, "small", "gpu-0", "1Gi", ("joined", second))
+    assert next(iter(node.kubelet.prepare([small]).values())).error == ""
+    assert next(iter(node.kubelet.prepare([big]).values())).error == ""
+    assert env_of(node.spec(big[2]))["CUDA_DEVICE_MEMORY_LIMIT"] == "1024m"
+    _check_every_order(
+        [node.spec(big[2]), node.spec(small[2])], {"GPU-00000000": 1024, "GPU-00000001": 8192}
+    )
+    node.kubelet.unprepare([small, big])  # the record goes with the small claim
+    assert next(iter(node.kubelet.prepare([big]).values())).error == ""
+    assert env_of(node.spec(big[2]))["CUDA_DEVICE_MEMORY_LIMIT"] == "8192m"
+
+
 def test_a_pod_that_cannot_be_read_refuses_the_claim_and_a_gone_pod_is_skipped(
     node: DraNode,
 ) -> None:

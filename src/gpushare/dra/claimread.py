@@ -141,6 +141,13 @@ def claim_limits(
     )
 
 
+def _dig(value: Any, *keys: str) -> Any:
+    """``value[k1][k2]...``, None where a step is not a mapping or lacks the key."""
+    for key in keys:
+        value = value.get(key) if isinstance(value, Mapping) else None
+    return value
+
+
 def claim_shares(
     found: Mapping[str, Any], driver: str, pool: str, offered: Mapping[str, Offered], unit_mib: int
 ) -> Shares | None:
@@ -148,11 +155,8 @@ def claim_shares(
     is held to its mates'); None when it has none. Results of other drivers or pools, or
     naming no device of this node, hold nothing here; a share that cannot be read counts
     as none (that claim's own prepare refuses it)."""
-    ref = ClaimRef(str((found.get("metadata") or {}).get("namespace")), "mate", "")
-    allocation = (found.get("status") or {}).get("allocation") or {}
-    results = (
-        (allocation.get("devices") or {}).get("results") if isinstance(allocation, dict) else None
-    )
+    ref = ClaimRef(str(_dig(found, "metadata", "namespace")), "mate", "")
+    results = _dig(found, "status", "allocation", "devices", "results")
     plan = []
     for result in results if isinstance(results, list) else []:
         if not isinstance(result, dict) or (result.get("driver"), result.get("pool")) != (

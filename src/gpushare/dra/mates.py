@@ -119,6 +119,10 @@ class Together:
         return {uid: [s.memory_mib, s.cores] for uid, s in sorted(found.items())}
 
 
+def _map(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
 def _names(items: Any) -> list[Mapping[str, Any]]:
     return [i for i in items if isinstance(i, Mapping)] if isinstance(items, list) else []
 
@@ -127,8 +131,8 @@ def claims_by_container(pod: Mapping[str, Any]) -> dict[str, frozenset[str]]:
     """Container name -> the ResourceClaim names it uses (containers and init containers).
     Raises :class:`MatesUnknown` when a pod claim a container uses has no claim name yet
     (a template's claim not created: the kubelet does not start the pod either)."""
-    spec = pod.get("spec") or {}
-    status = pod.get("status") or {}
+    spec = _map(pod.get("spec"))
+    status = _map(pod.get("status"))
     generated = {
         str(s.get("name")): s.get("resourceClaimName")
         for s in _names(status.get("resourceClaimStatuses"))
@@ -147,7 +151,7 @@ def claims_by_container(pod: Mapping[str, Any]) -> dict[str, frozenset[str]]:
     for key in ("initContainers", "containers"):
         for container in _names(spec.get(key)):
             names = used.setdefault(str(container.get("name")), set())
-            for ref in _names((container.get("resources") or {}).get("claims")):
+            for ref in _names(_map(container.get("resources")).get("claims")):
                 claim = claim_of.get(str(ref.get("name")))
                 if claim:
                     names.add(claim)
@@ -161,7 +165,7 @@ def claims_by_container(pod: Mapping[str, Any]) -> dict[str, frozenset[str]]:
 
 def reserving_pods(found: Mapping[str, Any]) -> list[tuple[str, str]]:
     """(name, UID) of the pods a claim is reserved for."""
-    reserved = _names((found.get("status") or {}).get("reservedFor"))
+    reserved = _names(_map(found.get("status")).get("reservedFor"))
     if len(reserved) > MAX_RESERVED_FOR:
         raise MatesUnknown(f"reserved for {len(reserved)} consumers, more than {MAX_RESERVED_FOR}")
     return [
@@ -172,7 +176,7 @@ def reserving_pods(found: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 
 def _object_uid(found: Any) -> str | None:
-    return ((found.get("metadata") or {}).get("uid")) if isinstance(found, Mapping) else None
+    return _map(_map(found).get("metadata")).get("uid")
 
 
 class MateReader:
@@ -247,7 +251,7 @@ class MateReader:
             )
             if found is not None and not isinstance(found, Mapping):
                 raise MatesUnknown(f"pod {namespace}/{name}: the API server sent no object")
-            phase = ((found or {}).get("status") or {}).get("phase")
+            phase = _map(_map(found).get("status")).get("phase")
             if found is None or _object_uid(found) != uid or phase in TERMINAL_PHASES:
                 log.info(
                     "claim_reserving_pod_skipped",

@@ -7,7 +7,12 @@ container's edits with the answer port every door calls
 (:func:`~gpushare.share.answers.container_edits`: for a share of a card HAMi-core's
 limits from the rounded ``consumedCapacity``, the preload, the lock directory and a
 fresh cache directory; for a MIG device the raw device), then writes one CDI spec per
-claim holding one CDI device per result and answers the CDI names. Each claim is
+claim holding one CDI device per result and answers the CDI names. Every share result
+of a claim sets the same limits for every index: the smallest shares of the claim and
+of every claim it shares a container with (:mod:`gpushare.dra.mates`, read from the
+pods the claim is reserved for); a claim is refused while one it shares a container
+with is prepared with more than the smallest share there. The API reads of a call are
+in :mod:`gpushare.dra.claimread`. Each claim is
 recorded in the checkpoint once all of it is made, under the node lock; a claim
 already prepared is answered from the checkpoint, and unpreparing one that is not
 there succeeds.

@@ -6,6 +6,7 @@ it shares a container with (:mod:`gpushare.dra.mates`), all read outside the nod
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -214,9 +215,11 @@ def read_pending(
             timeout = api_timeout if left is None else min(api_timeout, left)
             obj = read_claim(api, claim, timeout)
             found[claim.uid] = (claim, obj, results_of(claim, obj, driver, pool))
-            reader.know(claim.namespace, claim.name, obj)
         except ClaimRefused as exc:
             refused.append((claim, exc))
+            continue
+        with contextlib.suppress(MatesUnknown):  # its UID was checked: it is known
+            reader.know(claim.namespace, claim.name, obj)
     read = {}
     for uid, (claim, obj, results) in found.items():
         try:

@@ -25,6 +25,7 @@ found, or found with another UID) or has ended runs no container again and is sk
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -42,6 +43,15 @@ MAX_RESERVED_FOR = 256
 #: The most pods and claims one prepare call reads to find the claims' mates.
 MAX_READS = 512
 TERMINAL_PHASES = ("Succeeded", "Failed")
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")  # a pod's or claim's
+_UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
+
+
+def _checked(name: str, what: str) -> str:
+    """A name that goes into a URL or a file name: refused unless it is one."""
+    if not _NAME.match(name):
+        raise MatesUnknown(f"{what} {name[:80]!r} is not a valid name")
+    return name
 
 
 class MatesUnknown(Exception):
@@ -94,7 +104,7 @@ class Container:
         return smallest(m.shares for m in self.mates)
 
     def describe(self) -> str:
-        return f"container {self.name} of pod {self.pod}"
+        return f"container {self.name[:63]} of pod {self.pod}"
 
 
 @dataclass(frozen=True)
@@ -205,6 +215,8 @@ class MateReader:
     def know(self, namespace: str, name: str, found: Mapping[str, Any]) -> None:
         """A claim this call has read already."""
         uid = str(_object_uid(found))
+        if not _UID.match(uid):
+            raise MatesUnknown(f"claim {namespace}/{name} has no valid UID")
         self._claims[(namespace, name)] = Mate(name, uid, self.shares_of(found))
 
     def together(self, namespace: str, name: str, found: Mapping[str, Any]) -> Together:
@@ -244,7 +256,7 @@ class MateReader:
 
     def _pod(self, namespace: str, name: str, uid: str) -> Mapping[str, Any] | None:
         """The pod, or None when it is gone or has ended (it runs no container again)."""
-        key = (namespace, name, uid)
+        key = (namespace, _checked(name, "reserved for pod"), uid)
         if key not in self._pods:
             found = self._read(
                 f"/api/v1/namespaces/{namespace}/pods/{name}", f"pod {namespace}/{name}"
@@ -264,7 +276,7 @@ class MateReader:
         return self._pods[key]
 
     def _claim(self, namespace: str, name: str) -> Mate:
-        key = (namespace, name)
+        key = (namespace, _checked(name, "a container's claim"))
         if key not in self._claims:
             found = self._read(
                 f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}",

@@ -211,6 +211,10 @@ def test_a_pod_that_cannot_be_read_refuses_the_claim_and_a_gone_pod_is_skipped(
     gone = _one_card(node, "orphan", "gpu-0", "2Gi", ("deleted", "uid-of-a-pod-gone"))
     (answer,) = node.kubelet.prepare([gone]).values()
     assert answer.error == ""
+    odd = _one_card(node, "odd", "gpu-0", "2Gi", ("../../../api/v1/nodes/x", "u"))
+    (answer,) = node.kubelet.prepare([odd]).values()
+    assert "reserved for pod '../../../api/v1/nodes/x' is not a valid name" in answer.error
+    assert node.api.calls("GET", "/nodes/x") == []
 
 
 def test_a_template_claim_not_created_yet_refuses_and_a_created_one_is_found(

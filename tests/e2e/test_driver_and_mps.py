@@ -317,11 +317,15 @@ def test_a_failing_hook_fails_that_container_and_nothing_else(
         waiting = wait_for("refused's CreateContainerError", create_error, 90, step=0.25)
         assert "gpushare-memory-hook" in waiting["message"], waiting
         assert "Not Supported" in waiting["message"], waiting
-        events = cluster.api.get(
-            "/api/v1/namespaces/default/events",
-            fieldSelector="involvedObject.name=refused,reason=Failed",
-        )["items"]
-        assert any("gpushare-memory-hook" in e["message"] for e in events), events
+
+        def event() -> list[str]:  # the kubelet posts its events on their own
+            items = cluster.api.get(
+                "/api/v1/namespaces/default/events",
+                fieldSelector="involvedObject.name=refused,reason=Failed",
+            )["items"]
+            return [e["message"] for e in items if "gpushare-memory-hook" in e["message"]]
+
+        assert "Not Supported" in wait_for("the pod's event", event, 60)[0]
         (attempt, *_) = [
             r for r in cluster.nodes[NODE].records() if r["pod"] == "refused"
         ]  # each retry of the kubelet fails the same way

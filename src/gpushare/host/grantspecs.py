@@ -48,6 +48,14 @@ def grant_name(resource: str, device_ids: Iterable[str]) -> str:
     return f"{resource}-{hashlib.sha256(joined).hexdigest()[:20]}"
 
 
+def exclusive_grant_name(full_resource: str, device_ids: Iterable[str]) -> str:
+    """``whole-<digest of the resource and its devices>``: the CDI device name of one
+    grant of an exclusive resource (whole cards, MIG devices, time-sliced replicas),
+    whose full name (``gpushare.io/mig-3g.20gb``) may hold characters a spec name may not."""
+    joined = "\n".join([full_resource, *sorted(device_ids)]).encode()
+    return f"whole-{hashlib.sha256(joined).hexdigest()[:20]}"
+
+
 class GrantSpecs:
     """The device plugin's per-grant CDI specs in one directory."""
 

@@ -1,7 +1,8 @@
 """The daemon's own CDI spec per device-plugin grant: limits no pod spec can change.
 
-Under a CDI device-list strategy (``cdi-cri``, ``cdi-annotations``) every Allocate of
-shared units writes one spec, ``<prefix>-grant_<name>.json`` in the daemon's CDI
+Under a CDI device-list strategy (``cdi-cri``, ``cdi-annotations``) every Allocate
+(shared units, and whole cards, MIG devices and time-sliced replicas: ``name`` is then
+:func:`exclusive_grant_name`) writes one spec, ``<prefix>-grant_<name>.json`` in the daemon's CDI
 directory (``--dra-cdi-dir``, the same one the DRA driver writes its claims into),
 holding one CDI device ``<prefix>/grant=<name>`` whose ``containerEdits`` are the
 grant's edits from the answer port (``share/answers.py``): HAMi-core's limits, the

@@ -49,7 +49,13 @@ def whole(answer: pr.ListPodResourcesResponse) -> Snapshot:
 
 
 def same(a: Snapshot, b: Snapshot) -> bool:
-    return (a.holders, a.devices, a.exclusive) == (b.holders, b.devices, b.exclusive)
+    # used_counts: the parser sums each pod's own counts; decoding whole counts the IDs
+    return (a.holders, a.devices, a.exclusive, a.used_counts) == (
+        b.holders,
+        b.devices,
+        b.exclusive,
+        b.used_counts,
+    )
 
 
 @settings(max_examples=300, deadline=None)

@@ -177,6 +177,11 @@ class PodResourcesClient:
         self.last: Snapshot | None = None  # the newest snapshot read successfully
         self.last_error = ""
 
+    @property
+    def decoded(self) -> int:
+        """Pod entries decoded since start: only those that changed between answers."""
+        return self._parser.decoded
+
     def list(self, *, timeout: float = LIST_TIMEOUT) -> Snapshot | None:
         """A snapshot read from now on; None when the kubelet cannot be read."""
         return self.read_after(self._clock(), timeout=timeout)

@@ -262,6 +262,7 @@ class PodResourcesLister(pr_pb2_grpc.PodResourcesListerServicer):
         self._list_tokens = float(list_burst)
         self._list_refilled = time.monotonic()
         self.list_refusals = 0
+        self.lists_served = 0  # List calls answered (not refused)
         self.list_delay = 0.0  # seconds a List takes to answer (a busy kubelet)
         #: the pods the kubelet's pod manager holds, which are all ``List`` looks at
         #: (None: every admitted pod). A restarted kubelet starts empty and adds each
@@ -324,6 +325,8 @@ class PodResourcesLister(pr_pb2_grpc.PodResourcesListerServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate limit exceeded")
         if self.list_delay:
             time.sleep(self.list_delay)  # a slow kubelet, for tests of late records
+        with self._lock:
+            self.lists_served += 1
         return self.list_response()
 
 

@@ -138,7 +138,7 @@ class ListParser:
                 _add_pod(pod, self.resources, self.exclusive, part)
             parts[entry] = part
         self._parts = parts
-        # In the answer's order, a pod listed twice as often as it is listed.
+        # every entry in the answer's order: a pod listed twice joins twice, as decoding whole does
         return Snapshot.joined(taken_at, map(parts.__getitem__, entries))
 
 

@@ -51,8 +51,8 @@ from __future__ import annotations
 import contextlib
 import os
 import select
-import signal
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -510,10 +510,11 @@ class MpsGrants:
     The memory answer makes the namespace (named after the container's memory units; its
     pipe directory the server's ``<pipe>/<server>/<name>``, which the container mounts
     read-only; a fresh cache directory in the private root marks it alive until the
-    garbage collector removes it with the units) and caps it; the core answer caps the namespace of its partner (the
-    memory binding of the same container), or, when it comes first, leaves its cap for
-    the memory answer that pairs with it. Both run before the container is created.
-    Without namespaces nothing is made here: the answers carry the client's own caps.
+    garbage collector removes it with the units) and caps it; the core answer caps the
+    namespace of its partner (the memory binding of the same container), or, when it
+    comes first, leaves its cap for the memory answer that pairs with it. Both run
+    before the container is created. Without namespaces nothing is made here: the
+    answers carry the client's own caps.
     """
 
     def __init__(self, control: MpsControl, host_dir: Path) -> None:

@@ -52,8 +52,8 @@ def v3_usage() -> int:
     if not os.environ.get("STANDIN_MPS_V3"):
         print("unknown protocol 3", file=sys.stderr)
         return 1
-    print("server commands: get_server_list quit")
-    print("namespace commands: create_namespace remove_namespace")
+    print("server commands: server create, server list")
+    print("namespace commands: namespace create, namespace set, namespace delete")
     return 0
 
 

@@ -124,6 +124,18 @@ class Cap:
     memory_mib: int | None = None
 
 
+def v3_config(caps: Mapping[str, Cap]) -> str:
+    """The v3 configuration (TOML, NVIDIA's documented keys): the one server (uid 0:
+    root's, shared by clients of every uid in multi-user mode) and each namespace's caps."""
+    lines = ['schema_version = "1.0"', "", f"[servers.{SERVER}]", "uid = 0"]
+    for name, cap in sorted(caps.items()):
+        lines += ["", f"[servers.{SERVER}.namespaces.{name}]"]
+        lines.append(f'active_thread_percentage = "{cap.percent}"')
+        if cap.memory_mib is not None:
+            lines.append(f'pinned_memory_limit = "{cap.memory_mib}M"')
+    return "\n".join(lines) + "\n"
+
+
 def mps_dirs(host_dir: Path) -> tuple[Path, Path]:
     """The control daemon's (pipe, log) directories under the daemon's host directory."""
     root = host_dir / MPS_DIR_NAME
@@ -249,21 +261,14 @@ class MpsControl:
             raise MpsError(f"cannot prepare the MPS directories under {root}: {exc}") from None
 
     def _config(self) -> Path:
-        """The v3 configuration file: the server (root's: clients of every uid share it
-        in multi-user mode) and every namespace known, with its caps."""
-        lines = ['schema_version = "1.0"', "", f"[servers.{SERVER}]", "uid = 0"]
-        for name, cap in sorted(self.caps().items()):
-            lines += ["", f"[servers.{SERVER}.namespaces.{name}]"]
-            lines.append(f'active_thread_percentage = "{cap.percent}"')
-            if cap.memory_mib is not None:
-                lines.append(f'pinned_memory_limit = "{cap.memory_mib}M"')
+        """The v3 configuration file (:func:`v3_config`), in the 0700 log directory."""
         path = self.log_dir / CONFIG_FILE
         tmp = self.log_dir / (CONFIG_FILE + ".tmp")
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as out:
-            out.write("\n".join(lines) + "\n")
+            out.write(v3_config(self.caps()))
         os.replace(tmp, path)
         return path
 
@@ -449,16 +454,21 @@ class MpsControl:
         with self._caps_lock:
             known = self._caps.get(name)
             self._caps[name] = cap
-        if known is None:
-            self.command_v3("create", name=name)
-        self.command_v3("threads", name=name, percent=cap.percent)
-        if cap.memory_mib is not None:
-            self.command_v3("memory", name=name, mib=cap.memory_mib)
         try:
+            if known is None:
+                self.command_v3("create", name=name)
+            self.command_v3("threads", name=name, percent=cap.percent)
+            if cap.memory_mib is not None:
+                self.command_v3("memory", name=name, mib=cap.memory_mib)
             mpsdirs.ensure_own_dir(pipe.parent, PIPE_MODE)
             mpsdirs.ensure_own_dir(pipe, PIPE_MODE)
-        except OSError as exc:
-            raise MpsError(f"cannot make the namespace directory {pipe}: {exc}") from None
+        except (MpsError, OSError) as exc:  # fail closed, and a restart re-applies the old
+            with self._caps_lock:
+                if known is None:
+                    self._caps.pop(name, None)
+                else:
+                    self._caps[name] = known
+            raise MpsError(f"cannot cap MPS namespace {name}: {exc}") from None
         log.info("mps_namespace_capped", namespace=name, percent=cap.percent, mib=cap.memory_mib)
         return pipe
 

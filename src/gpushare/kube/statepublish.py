@@ -143,9 +143,7 @@ class StatePublisher:
         return any(self._node_labels.get(k) != v for k, v in labels.items())
 
     def _write_object(self, text: str) -> None:
-        body = stateobject.state_object(
-            self.prefix, self.namespace, self.node, self.node_uid, text
-        )
+        body = stateobject.state_object(self.prefix, self.namespace, self.node, self.node_uid, text)
         client = self._client()
         if self._object_exists:
             try:

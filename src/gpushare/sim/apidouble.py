@@ -52,6 +52,8 @@ KINDS = {
     "serviceaccounts": "ServiceAccount",
     "clusterroles": "ClusterRole",
     "clusterrolebindings": "ClusterRoleBinding",
+    "roles": "Role",
+    "rolebindings": "RoleBinding",
     "daemonsets": "DaemonSet",
     "resourceslices": "ResourceSlice",
     "resourceclaims": "ResourceClaim",
@@ -63,7 +65,12 @@ KINDS = {
 #: The group/versions whose discovery document the double serves (kinds by plural).
 GROUPS = {
     "v1": ("nodes", "pods", "namespaces", "configmaps", "serviceaccounts"),
-    "rbac.authorization.k8s.io/v1": ("clusterroles", "clusterrolebindings"),
+    "rbac.authorization.k8s.io/v1": (
+        "clusterroles",
+        "clusterrolebindings",
+        "roles",
+        "rolebindings",
+    ),
     "apps/v1": ("daemonsets",),
     "networking.k8s.io/v1": ("networkpolicies",),
     "admissionregistration.k8s.io/v1": (

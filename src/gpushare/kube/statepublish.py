@@ -58,6 +58,9 @@ class StatePublisher:
         self._node_labels: dict[str, str] = {}
         self._node_has_annotation = False
         self._object_exists = False
+        #: mode ``both`` and the objects are forbidden (RBAC not upgraded yet): the
+        #: annotation alone is written, and the object tried again at each read-back
+        self.object_forbidden = False
         #: writes by kind ("object", "node"), and resyncs done, for tests and benchmarks
         self.writes: dict[str, int] = {"object": 0, "node": 0}
         self.resyncs = 0
@@ -104,7 +107,8 @@ class StatePublisher:
             if exc.status == 404:
                 self._object_exists = False
                 return None
-            raise
+            self._forbidden(exc)
+            return None
         self._object_exists = True
         return found if isinstance(found, dict) else None
 
@@ -132,12 +136,29 @@ class StatePublisher:
     # ------------------------------------------------------------------ writing
     def publish(self, text: str, labels: Mapping[str, str]) -> None:
         """Write a new state (``nodestate.encode``'s text) and the node's labels."""
-        if self.writes_object:
-            self._write_object(text)
+        if self.writes_object and not self.object_forbidden:
+            try:
+                self._write_object(text)
+            except ApiStatusError as exc:
+                self._forbidden(exc)
         if self.writes_annotation:
             self._write_node(labels, text)
         elif self._labels_differ(labels) or self._node_has_annotation:
             self._write_node(labels, None)
+
+    def _forbidden(self, exc: ApiStatusError) -> None:
+        """In mode ``both`` a 403 on the object (a daemon upgraded before its Role)
+        leaves the annotation to carry the state; anywhere else it is an error."""
+        if exc.status != 403 or self.mode != "both":
+            raise exc
+        if not self.object_forbidden:
+            log.warning(
+                "node_state_object_forbidden",
+                node=self.node,
+                path=self.object_path,
+                fallback="the Node annotation only (the Role of this release is missing)",
+            )
+        self.object_forbidden = True
 
     def _labels_differ(self, labels: Mapping[str, str]) -> bool:
         return any(self._node_labels.get(k) != v for k, v in labels.items())
@@ -188,12 +209,23 @@ class StatePublisher:
         """Read back what was written and rewrite what differs; True if it wrote."""
         self.resyncs += 1
         wrote = False
-        if self.writes_object and self._object_text is not None:
-            shown = self._object_text_of(self._read_object())
-            if shown != self._object_text:
-                log.info("node_state_resynced", node=self.node, place="object")
-                self._write_object(self._object_text)
+        if self.object_forbidden and self._annotation_text is not None:
+            self.object_forbidden = False  # the Role may have come meanwhile: try again
+            try:
+                self._write_object(self._annotation_text)
+                log.info("node_state_object_allowed", node=self.node)
                 wrote = True
+            except ApiStatusError as exc:
+                self._forbidden(exc)
+        elif self.writes_object and self._object_text is not None:
+            shown = self._object_text_of(self._read_object())
+            if shown != self._object_text and not self.object_forbidden:
+                log.info("node_state_resynced", node=self.node, place="object")
+                try:
+                    self._write_object(self._object_text)
+                    wrote = True
+                except ApiStatusError as exc:
+                    self._forbidden(exc)
         annotation = self._read_node()
         if self.writes_annotation and self._annotation_text is not None:
             if annotation != self._annotation_text or self._labels_differ(labels):

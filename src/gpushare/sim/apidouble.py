@@ -462,6 +462,9 @@ class Faults:
         #: What every watch does instead of watching: "" (watch), "gone" (answer a 410
         #: ERROR event at once, as for a compacted version) or "end" (end at once).
         self.watch_fault = ""
+        #: Requests whose path contains one of these are answered 403 Forbidden, as
+        #: RBAC answers a verb it does not grant (e.g. "/configmaps").
+        self.forbidden_paths: list[str] = []
 
     def fail_next(self, count: int, status: int = 500) -> None:
         self._failures.extend([status] * count)
@@ -592,6 +595,8 @@ class KubeApiDouble(CollectionReads, Faults):
                 )
             )
             failure = self._failures.pop(0) if self._failures else None
+            if failure is None and any(part in parsed.path for part in self.forbidden_paths):
+                failure = 403
         if failure is not None:
             return self._reply(request, failure, self._status(failure, "injected failure"))
         if request.command == "GET" and (query.get("watch") or [""])[0] in ("1", "true"):

@@ -176,3 +176,31 @@ def test_the_generation_continues_from_the_state_object(node: Node, api: KubeApi
         lambda: (s := object_state(api)) and s.generation != 41 and s, timeout=WAIT
     )
     assert state.generation == 42
+
+
+def test_a_daemon_upgraded_before_its_role_publishes_the_annotation_then_the_object(
+    node: Node, api: KubeApiDouble, fast_resync: None
+) -> None:
+    """Mode both without RBAC for ConfigMaps (the image upgraded, the Role not yet): the
+    annotation carries the state; once the Role is there, the next read-back writes the
+    object. No flag day."""
+    api.forbidden_paths.append("/configmaps")
+    node.start(cards(TESLA_P4, 2), node_name=NODE, pod_resources_interval_seconds=3600)
+    link = link_of(node)
+    eventually(lambda: annotation(api), timeout=WAIT)
+    assert link.publisher.object_forbidden
+    assert state_object(api) is None
+    api.forbidden_paths.clear()
+    found = eventually(lambda: state_object(api), timeout=WAIT)
+    assert found["data"]["gpus"] == annotation(api)
+    assert not link.publisher.object_forbidden
+
+
+def test_mode_object_without_its_role_keeps_retrying_and_never_writes_the_node_state(
+    node: Node, api: KubeApiDouble
+) -> None:
+    api.forbidden_paths.append("/configmaps")
+    node.start(cards(TESLA_P4, 1), node_name=NODE, node_state="object")
+    eventually(lambda: len(api.calls("GET", "/configmaps/")) >= 2, timeout=WAIT)  # retried
+    assert annotation(api) is None
+    assert link_of(node).publishes == 0

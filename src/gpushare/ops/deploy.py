@@ -252,7 +252,8 @@ def _served_policies(
         "WARNING: this cluster does not serve admissionregistration.k8s.io/v1 "
         f"ValidatingAdmissionPolicy (Kubernetes 1.30 or later): {', '.join(names)} are NOT "
         "installed. The daemon's token may then patch every Node and Pod of the cluster "
-        "and every ConfigMap of its namespace, and only the daemon refuses containers asking vcuda-core without vcuda-memory "
+        "and every ConfigMap of its namespace, and only the daemon refuses containers "
+        "asking vcuda-core without vcuda-memory "
         "(docs/security.md). Upgrade the cluster and run install again."
     )
     return [obj for obj in objects if obj.get("kind") not in POLICY_KINDS]

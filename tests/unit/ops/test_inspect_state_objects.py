@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kit.kube_double import KubeApiDouble
 from test_inspect import P4, _card, _node
 
 from gpushare.kube import nodestate, stateobject
 from gpushare.kube.kubectlapi import Cluster
 from gpushare.ops.inspect import build_view, fetch_state_objects, main
-from gpushare.sim.apidouble import KubeApiDouble
 
 PREFIX = "gpushare.io"
 

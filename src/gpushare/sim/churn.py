@@ -265,7 +265,7 @@ class Churn:
 
 def run(rounds: int, watch_pods: bool, delete: int = 3, legacy: bool = False) -> Results:
     """``legacy``: the daemon does not publish on release (as before issue 26): its state
-    is published at admissions only (before issue 34 also every 30 s)."""
+    is published at admissions only (before the state object, also every 30 s)."""
     if legacy:
         import gpushare.daemon
 

@@ -88,12 +88,14 @@ class StateFeed(ListWatchFeed):
             try:
                 records, self._resume = self.list_objects()
             except ApiStatusError as exc:
-                if exc.status == 403 and not self.forbidden:
-                    # No RBAC for the objects yet: read the annotations meanwhile.
+                if exc.status in (403, 404) and not self.forbidden:
+                    # No RBAC for the objects yet (or a stand-in that serves none):
+                    # read the annotations meanwhile.
                     self.forbidden = True
                     log.warning(
                         "node_state_objects_forbidden",
                         path=self.path,
+                        status=exc.status,
                         fallback="the Node annotations",
                     )
                     self._call(self.cache.objects_unreadable)

@@ -466,6 +466,12 @@ class Faults:
         #: RBAC answers a verb it does not grant (e.g. "/configmaps").
         self.forbidden_paths: list[str] = []
 
+    def _next_failure(self, path: str) -> int | None:
+        """The status the request to ``path`` is answered with instead (lock held)."""
+        if self._failures:
+            return self._failures.pop(0)
+        return 403 if any(part in path for part in self.forbidden_paths) else None
+
     def fail_next(self, count: int, status: int = 500) -> None:
         self._failures.extend([status] * count)
 
@@ -594,9 +600,7 @@ class KubeApiDouble(CollectionReads, Faults):
                     bool(peer),
                 )
             )
-            failure = self._failures.pop(0) if self._failures else None
-            if failure is None and any(part in parsed.path for part in self.forbidden_paths):
-                failure = 403
+            failure = self._next_failure(parsed.path)
         if failure is not None:
             return self._reply(request, failure, self._status(failure, "injected failure"))
         if request.command == "GET" and (query.get("watch") or [""])[0] in ("1", "true"):

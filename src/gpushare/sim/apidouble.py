@@ -52,6 +52,8 @@ KINDS = {
     "serviceaccounts": "ServiceAccount",
     "clusterroles": "ClusterRole",
     "clusterrolebindings": "ClusterRoleBinding",
+    "roles": "Role",
+    "rolebindings": "RoleBinding",
     "daemonsets": "DaemonSet",
     "resourceslices": "ResourceSlice",
     "resourceclaims": "ResourceClaim",
@@ -63,7 +65,12 @@ KINDS = {
 #: The group/versions whose discovery document the double serves (kinds by plural).
 GROUPS = {
     "v1": ("nodes", "pods", "namespaces", "configmaps", "serviceaccounts"),
-    "rbac.authorization.k8s.io/v1": ("clusterroles", "clusterrolebindings"),
+    "rbac.authorization.k8s.io/v1": (
+        "clusterroles",
+        "clusterrolebindings",
+        "roles",
+        "rolebindings",
+    ),
     "apps/v1": ("daemonsets",),
     "networking.k8s.io/v1": ("networkpolicies",),
     "admissionregistration.k8s.io/v1": (
@@ -456,17 +463,21 @@ class Faults:
         #: What every watch does instead of watching: "" (watch), "gone" (answer a 410
         #: ERROR event at once, as for a compacted version) or "end" (end at once).
         self.watch_fault = ""
+        #: Requests whose path contains one of these are answered 403 Forbidden, as
+        #: RBAC answers a verb it does not grant (e.g. "/configmaps").
+        self.forbidden_paths: list[str] = []
 
-    def fail_next(self, count: int, status: int = 500, path_part: str = "") -> None:
-        """The next ``count`` requests (whose path holds ``path_part``) answer ``status``."""
-        self._failures.extend([(status, path_part)] * count)
-
-    def _failure(self, path: str) -> int | None:
+    def _next_failure(self, path: str) -> int | None:
+        """The status the request to ``path`` is answered with instead (lock held)."""
         for i, (status, part) in enumerate(self._failures):
             if part in path:
                 del self._failures[i]
                 return status
-        return None
+        return 403 if any(part in path for part in self.forbidden_paths) else None
+
+    def fail_next(self, count: int, status: int = 500, path_part: str = "") -> None:
+        """The next ``count`` requests (whose path holds ``path_part``) answer ``status``."""
+        self._failures.extend([(status, path_part)] * count)
 
     def hold(self) -> None:
         """Hang every request (a stuck API server) until :meth:`release`."""
@@ -593,7 +604,7 @@ class KubeApiDouble(CollectionReads, Faults):
                     bool(peer),
                 )
             )
-            failure = self._failure(parsed.path)
+            failure = self._next_failure(parsed.path)
         if failure is not None:
             return self._reply(request, failure, self._status(failure, "injected failure"))
         if request.command == "GET" and (query.get("watch") or [""])[0] in ("1", "true"):

@@ -33,6 +33,12 @@ Whole devices get the raw devices, or, with the card's enforcement
 (``exclusiveEnforcement``), the interposer with 100 % limits:
 ``CUDA_DEVICE_MEMORY_LIMIT_<i>`` = the whole memory of device ``i``,
 ``CUDA_DEVICE_SM_LIMIT=100``, so a site keeps the same accounting everywhere.
+
+A DRA claim's share (``every_index``) sets its limits under every name HAMi-core reads
+for them, ``CUDA_DEVICE_MEMORY_LIMIT_<i>`` and ``CUDA_DEVICE_SM_LIMIT_<i>`` for i from 0
+to 15, and ``GPU_CORE_UTILIZATION_POLICY=default``, ``CUDA_DISABLE_CONTROL=false``: its
+container's own env is not checked (issue 32 item 1), and its CDI spec, applied last,
+replaces exactly the names it sets.
 """
 
 from __future__ import annotations
@@ -66,9 +72,26 @@ CONTAINER_MPS_PIPE = "/tmp/nvidia-mps"
 CONTAINER_SHM = "/dev/shm"
 
 
+#: HAMi-core's ``CUDA_DEVICE_MAX_COUNT``: it reads the per-index limits of indices 0 to 15
+#: and no more, whatever the node holds, so an ``every_index`` grant sets all of them.
+INTERPOSER_INDEXES = 16
+#: HAMi-core's switches, set to their documented defaults by an ``every_index`` grant:
+#: ``GPU_CORE_UTILIZATION_POLICY`` (default/force/disable; disable drops the core limit)
+#: and ``CUDA_DISABLE_CONTROL`` (default false; true drops every limit).
+CORE_POLICY = "GPU_CORE_UTILIZATION_POLICY"
+DISABLE_CONTROL = "CUDA_DISABLE_CONTROL"
+NEUTRAL_SWITCHES: Mapping[str, str] = {CORE_POLICY: "default", DISABLE_CONTROL: "false"}
+
+
 def memory_limit_env(index: int) -> str:
     """``CUDA_DEVICE_MEMORY_LIMIT_<index>``: the memory limit of device ``index``."""
     return f"CUDA_DEVICE_MEMORY_LIMIT_{index}"
+
+
+def core_limit_env(index: int) -> str:
+    """``CUDA_DEVICE_SM_LIMIT_<index>``: the core limit of device ``index`` (it outranks
+    the un-indexed :data:`CORE_LIMIT`)."""
+    return f"CUDA_DEVICE_SM_LIMIT_{index}"
 
 
 @dataclass(frozen=True)
@@ -227,8 +250,10 @@ class Grant:
     #: None on a node without namespaces (the control daemon's shared one is mounted)
     mps_pipe: Path | None = None
     #: A share whose container may see other cards beside this one (a DRA claim on
-    #: several cards): the memory limit is set for every index too (HAMi-core limits
-    #: by the index a card has inside the container, which one result cannot know), and
+    #: several cards): the memory and core limits are set for every index HAMi-core
+    #: reads too (it limits by the index a card has inside the container, which one
+    #: result cannot know, and the container's own env is not checked against the
+    #: reserved names), with its switches at their neutral values, and
     #: ``companions`` (the other cards, all of them in the node's order with this one)
     #: are named in ``NVIDIA_VISIBLE_DEVICES`` so that whichever result's edits the
     #: runtime applies last, every card stays visible and limited.
@@ -314,6 +339,8 @@ def container_edits(grant: Grant, listing: DeviceListing | None = None) -> Answe
                 )
         elif not by_driver or compute_capped:  # the interposer holds some limit here
             mounts = _interposer(envs, enforcement)
+            if grant.every_index:
+                _seal_every_index(envs)
             if grant.memory_mib is not None and grant.cache_dir is not None and not by_driver:
                 envs[SHARED_CACHE] = CONTAINER_CACHE_FILE
                 mounts.append(Mount(CONTAINER_CACHE_DIR, str(grant.cache_dir), read_only=False))
@@ -377,6 +404,25 @@ def _mps_edits(
     if grant.cores is not None:
         envs[MPS_THREADS] = str(min(max(grant.cores, 1), 100))
     return envs, mounts, {}, hooks
+
+
+def _seal_every_index(envs: dict[str, str]) -> None:
+    """An ``every_index`` grant's limits under every name HAMi-core reads for them.
+
+    Its container's env is not checked against the reserved names (the admission policy
+    cannot tell a gpushare claim from another driver's), and its CDI spec replaces only
+    the names it sets: so it sets each limit it holds for every index HAMi-core reads
+    (:data:`INTERPOSER_INDEXES`), and the switches that would drop the limits to their
+    documented defaults (:data:`NEUTRAL_SWITCHES`). ``CUDA_REDIRECT``,
+    ``CUDA_TASK_PRIORITY`` and ``ACTIVE_OOM_KILLER`` have no documented neutral value
+    and are left alone (docs/security.md)."""
+    memory, cores = envs.get(MEMORY_LIMIT), envs.get(CORE_LIMIT)
+    for i in range(INTERPOSER_INDEXES):
+        if memory is not None:
+            envs[memory_limit_env(i)] = memory
+        if cores is not None:
+            envs[core_limit_env(i)] = cores
+    envs.update(NEUTRAL_SWITCHES)
 
 
 def _interposer(envs: dict[str, str], enforcement: Enforcement) -> list[Mount]:

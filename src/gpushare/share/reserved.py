@@ -42,6 +42,8 @@ from typing import Any
 from gpushare.share.answers import (
     CONTAINER_LIBRARY,
     CORE_LIMIT,
+    CORE_POLICY,
+    DISABLE_CONTROL,
     LD_SO_PRELOAD,
     LOCK_DIR,
     MEMORY_LIMIT_EVERY_INDEX,
@@ -54,10 +56,10 @@ from gpushare.share.answers import (
 RESERVED_NAMES: tuple[str, ...] = (
     "ACTIVE_OOM_KILLER",
     SHARED_CACHE,
-    "CUDA_DISABLE_CONTROL",
+    DISABLE_CONTROL,
     "CUDA_REDIRECT",
     "CUDA_TASK_PRIORITY",
-    "GPU_CORE_UTILIZATION_POLICY",
+    CORE_POLICY,
     PRELOAD,
     VISIBLE_DEVICES,
 )

@@ -142,3 +142,49 @@ def test_hooks_reach_the_claims_cdi_spec_and_none_add_nothing() -> None:
     assert hooked["devices"][0]["containerEdits"]["hooks"] == [  # type: ignore[index]
         {"hookName": "createRuntime", "path": "/usr/bin/check", "args": list(hook.args)}
     ]
+
+
+@given(
+    memory=st.one_of(st.none(), st.integers(1, 40000)),
+    cores=st.one_of(st.none(), st.integers(1, 100)),
+    enforcement=ENFORCEMENTS,
+    memory_backend=st.sampled_from(["interposer", "driver"]),
+    compute_backend=st.sampled_from(["interposer", "none"]),
+)
+def test_an_every_index_share_sets_each_limit_it_holds_for_every_index(
+    memory: int | None,
+    cores: int | None,
+    enforcement: Enforcement,
+    memory_backend: str,
+    compute_backend: str,
+) -> None:
+    """A DRA claim's share (``every_index``): wherever the interposer holds a limit, that
+    limit is set for every index HAMi-core reads (0-15) with the grant's own value, and
+    its switches at their documented defaults; nothing where it holds none (issue 32
+    item 1: the container's own env is not checked, the CDI spec replaces by name)."""
+    enforcement = replace(
+        enforcement,
+        memory={} if memory_backend == "interposer" else {UUID: memory_backend},
+        compute={} if compute_backend == "interposer" else {UUID: compute_backend},
+        driver_hook=answers.DriverHook("/h/hook"),
+    )
+    grant = answers.share(
+        UUID, enforcement=enforcement, memory_mib=memory, cores=cores, every_index=True
+    )
+    envs = container_edits(grant).envs
+    plain = container_edits(replace(grant, every_index=False)).envs
+    loaded = answers.CONTAINER_LIBRARY in {m.container_path for m in container_edits(grant).mounts}
+    memory_held = loaded and memory is not None and memory_backend == "interposer"
+    cores_held = loaded and cores is not None and compute_backend == "interposer"
+    for i in range(answers.INTERPOSER_INDEXES):
+        unsealed = plain.get(f"CUDA_DEVICE_MEMORY_LIMIT_{i}")  # _0: advisory without the library
+        expected = f"{memory}m" if memory_held else unsealed
+        assert envs.get(f"CUDA_DEVICE_MEMORY_LIMIT_{i}") == expected
+        assert envs.get(f"CUDA_DEVICE_SM_LIMIT_{i}") == (str(cores) if cores_held else None)
+    assert "CUDA_DEVICE_MEMORY_LIMIT_16" not in envs
+    switches = {"GPU_CORE_UTILIZATION_POLICY": "default", "CUDA_DISABLE_CONTROL": "false"}
+    assert {k: envs.get(k) for k in switches} == (
+        switches if loaded else dict.fromkeys(switches)
+    )
+    # a device-plugin share (not every_index) is unchanged: its env is checked instead
+    assert not any(k in plain for k in (*switches, "CUDA_DEVICE_SM_LIMIT_0"))

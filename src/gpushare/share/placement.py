@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from gpushare.base.compat import StrEnum
 from gpushare.share.devices import Resource
@@ -76,9 +77,10 @@ class Need:
         return self.memory if resource is Resource.MEMORY else self.core
 
 
-@dataclass(frozen=True)
-class Room:
-    """One card's free units as placement sees them."""
+class Room(NamedTuple):
+    """One card's free units as placement sees them (a named tuple: placement builds
+    one per card per decision, and the extender decides for hundreds of nodes a
+    request)."""
 
     uuid: str
     index: int

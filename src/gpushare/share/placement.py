@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from gpushare.base.compat import StrEnum
 from gpushare.share.devices import Resource
@@ -77,10 +76,9 @@ class Need:
         return self.memory if resource is Resource.MEMORY else self.core
 
 
-class Room(NamedTuple):
-    """One card's free units as placement sees them (a named tuple: placement builds
-    one per card per decision, and the extender decides for hundreds of nodes a
-    request)."""
+@dataclass(frozen=True)
+class Room:
+    """One card's free units as placement sees them."""
 
     uuid: str
     index: int

@@ -67,7 +67,7 @@ def test_an_unreadable_kubelet_collects_nothing(node: Node) -> None:
     refresher = daemon.core.refresher
     node.kubelet.stop()  # PodResources gone with it: no evidence, no removal
     failures = refresher.failures
-    assert poll(lambda: refresher.failures >= failures + 3, 5.0)
+    assert poll(lambda: refresher.failures >= failures + 3, 30.0)
     assert cache_dir(a).is_dir()
 
 
@@ -93,12 +93,12 @@ def test_an_old_library_goes_once_no_container_from_its_time_remains(node: Node)
     preload_old = old_library.with_name("ld.so.preload." + old_library.name.rsplit(".", 1)[1])
     preload_old.write_text("/usr/local/vgpu/libvgpu.so\n")  # from an earlier preload=file
     assert reads_after(daemon, 3)
-    assert poll(lambda: (Path(node.settings.host_lib_dir) / "libraries.json").exists(), 3.0)
+    assert poll(lambda: (Path(node.settings.host_lib_dir) / "libraries.json").exists(), 30.0)
     started = time.monotonic()
-    assert poll(lambda: time.monotonic() - started > GRACE and reads_after(daemon, 2), 5.0)
+    assert poll(lambda: time.monotonic() - started > GRACE and reads_after(daemon, 2), 30.0)
     assert old_library.exists()  # the container allocated with it still runs
     node.kubelet.release("old")
-    assert poll(lambda: not old_library.exists() and not preload_old.exists(), 5.0)
+    assert poll(lambda: not old_library.exists() and not preload_old.exists(), 30.0)
     assert new_library.exists()
     assert node.library.exists()
 

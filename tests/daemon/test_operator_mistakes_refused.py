@@ -179,7 +179,7 @@ def test_zero_usable_gpus_is_a_warning_and_not_ready(node: Node, mig: bool, reas
     assert any(entry["event"] == "no_usable_gpus" for entry in logs)
     # registration is seen by the kubelet a moment before the daemon records it: wait for
     # the reason that stays (503 "not registered" may come first)
-    assert poll(lambda: reason in json.loads(scrape(port, "/readyz")[1])["reason"], 5.0)
+    assert poll(lambda: reason in json.loads(scrape(port, "/readyz")[1])["reason"], 30.0)
     assert scrape(port, "/readyz")[0] == 503
     assert "gpushare_ready 0.0" in scrape(port)[1]
     assert scrape(port, "/healthz")[0] == 200  # a restart would not help

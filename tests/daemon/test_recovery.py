@@ -54,7 +54,7 @@ def test_kill_9_and_restart_agrees_with_the_kubelet_and_respects_its_records(nod
         first.send_signal(signal.SIGKILL)
         first.wait(10)
         # the kubelet notices the stream is gone and marks the devices unhealthy
-        assert node.kubelet.wait_for(lambda k: k.healthy_count(node.memory) == 0, 5.0)
+        assert node.kubelet.wait_for(lambda k: k.healthy_count(node.memory) == 0, 30.0)
 
         second = daemon_process(node, port)
         assert node.kubelet.wait_for(
@@ -65,7 +65,7 @@ def test_kill_9_and_restart_agrees_with_the_kubelet_and_respects_its_records(nod
             ),
             10.0,
         )
-        assert poll(lambda: reachable(port), 5.0)
+        assert poll(lambda: reachable(port), 30.0)
         # at once: no Allocate has happened since the restart, the records are the source
         reported = per_card_metrics(scrape(port)[1])
         assert reported["gpushare_memory_units_allocated"] == kubelet_per_card(node, node.memory)
@@ -98,13 +98,13 @@ def test_a_missing_pod_resources_socket_is_retried_and_caught_up_with(node: Node
     refresher, usage = daemon.core.refresher, daemon.core.usage
     node.kubelet.admit("a", "main", {node.memory: 3})
     node.kubelet.admit("b", "main", {node.memory: 4})
-    assert poll(lambda: refresher.failures >= 2, 3.0)  # retried, and still serving
+    assert poll(lambda: refresher.failures >= 2, 30.0)  # retried, and still serving
     node.kubelet.release("a")  # only the kubelet knows: no Allocate tells the daemon
     wanted = {uuid: int(n) for uuid, n in kubelet_per_card(node, node.memory).items()}
     assert usage.used_counts(Resource.MEMORY) != wanted
     late.parent.mkdir(parents=True)
     late.symlink_to(real)  # the kubelet's socket appears
-    assert poll(lambda: usage.used_counts(Resource.MEMORY) == wanted, 3.0)
+    assert poll(lambda: usage.used_counts(Resource.MEMORY) == wanted, 30.0)
 
 
 def test_kubelet_restart_loops_end_registered_with_both_resources(node: Node) -> None:
@@ -114,7 +114,7 @@ def test_kubelet_restart_loops_end_registered_with_both_resources(node: Node) ->
         node.kubelet.restart()
         if i % 3 == 1:
             # re-created again right after the plugin registered (within milliseconds)
-            assert node.kubelet.wait_for(lambda k, c=count: len(k.registrations) > c, 3.0)
+            assert node.kubelet.wait_for(lambda k, c=count: len(k.registrations) > c, 30.0)
             node.kubelet.restart()
         assert node.kubelet.wait_for(
             lambda k: k.healthy_count(node.memory) == 58 and k.healthy_count(node.core) == 200,
@@ -186,7 +186,7 @@ def test_a_pod_unlisted_after_a_kubelet_restart_still_fills_its_card(
     first = node.kubelet.admit("held-before", "main", limits, order=[node.core, node.memory])
     count = len(node.kubelet.registrations)
     node.kubelet.restart(empty_pod_manager=True)
-    assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 5.0)
+    assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 30.0)
     assert node.kubelet.wait_for(
         lambda k: k.healthy_count(node.memory) == 32 and k.healthy_count(node.core) == 200, 5.0
     )
@@ -214,7 +214,7 @@ def test_a_memory_only_pod_unlisted_after_a_kubelet_restart_keeps_its_card_full(
     assert node.daemon.core.refresher.refresh_once()  # it ran a while: the records list it
     count = len(node.kubelet.registrations)
     node.kubelet.restart(empty_pod_manager=True)
-    assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 5.0)
+    assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 30.0)
     assert node.kubelet.wait_for(
         lambda k: k.healthy_count(node.memory) == 32 and k.healthy_count(node.core) == 200, 5.0
     )

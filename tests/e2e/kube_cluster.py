@@ -327,6 +327,14 @@ class NodeSpec:
     gpus: list[dict[str, Any]]
     daemon_args: list[str] = field(default_factory=list)
     labels: dict[str, str] = field(default_factory=lambda: {f"{PREFIX}/enabled": "true"})
+    #: more top-level keys of the simulated node file beside ``gpus`` (``driver_version``,
+    #: ``nvml_library``: the simulated NVML of docs/simulation.md)
+    node_file: dict[str, Any] = field(default_factory=dict)
+    #: a cgroup v2 hierarchy for the node's containers: the kernel's own, mounted at
+    #: ``<node>/cgroup`` inside the node's mount namespace (a machine whose /sys/fs/cgroup is
+    #: v1 has it too, unmounted), with the CRI fake run in that namespace and told to put
+    #: each container's process in ``<node>/cgroup/crifake/<container id>``
+    cgroup2: bool = False
 
 
 class NodeAgent:
@@ -351,6 +359,7 @@ class NodeAgent:
         self.records_file = self.dir / "containers.jsonl"
         self.cri_socket = self.dir / "cri.sock"
         self.gpus_file = self.dir / "gpus.yaml"
+        self.cgroup = self.dir / "cgroup"  # the cgroup v2 mount in the namespace (cgroup2)
         self.kubelet_port = kubelet_port
         self.healthz_port = healthz_port
         self.holder: Proc | None = None
@@ -363,12 +372,16 @@ class NodeAgent:
 
     # ---- the namespace
     def _start_namespace(self) -> None:
-        for d in (self.root, self.vgpu, self.cwd):
+        for d in (self.root, self.vgpu, self.cwd, self.cgroup):
             d.mkdir(parents=True, exist_ok=True)
         ready = self.dir / "namespace-ready"
+        # With cgroup2: the kernel's cgroup v2 hierarchy on <node>/cgroup, seen only in the
+        # namespace (a private mount, gone with it); its directories are the machine's.
         script = (
             "mount -t tmpfs -o mode=0755 gpushare-e2e /var/lib && mkdir /var/lib/kubelet "
-            '&& mount --bind "$1" /var/lib/kubelet && touch "$3" && exec sleep infinity'
+            '&& mount --bind "$1" /var/lib/kubelet '
+            '&& { [ -z "$4" ] || mount -t cgroup2 gpushare-e2e "$4"; } '
+            '&& touch "$3" && exec sleep infinity'
         )
         self.holder = Proc(
             "namespace",
@@ -385,6 +398,7 @@ class NodeAgent:
                 str(self.root),
                 str(self.vgpu),
                 str(ready),
+                str(self.cgroup) if self.spec.cgroup2 else "",
             ],
             self.dir / "namespace.log",
         )
@@ -436,24 +450,23 @@ class NodeAgent:
 
     def _start_cri(self) -> None:
         self.cdi_dir.mkdir(parents=True, exist_ok=True)
-        self.cri = Proc(
-            "crifake",
-            [
-                str(BIN / "crifake"),
-                "--socket",
-                str(self.cri_socket),
-                "--record",
-                str(self.records_file),
-                # the node's credentials: it reads its pods to let init containers finish
-                "--kubeconfig",
-                str(self.cluster.node_kubeconfig(self.name)),
-                # the node's CDI specs (the daemons write theirs there): the CDI names the
-                # kubelet passes are resolved and applied, their createRuntime hooks run
-                "--cdi-dirs",
-                str(self.cdi_dir),
-            ],
-            self.dir / "crifake.log",
-        )
+        argv = [
+            str(BIN / "crifake"),
+            "--socket",
+            str(self.cri_socket),
+            "--record",
+            str(self.records_file),
+            # the node's credentials: it reads its pods to let init containers finish
+            "--kubeconfig",
+            str(self.cluster.node_kubeconfig(self.name)),
+            # the node's CDI specs (the daemons write theirs there): the CDI names the
+            # kubelet passes are resolved and applied, their createRuntime hooks run
+            "--cdi-dirs",
+            str(self.cdi_dir),
+        ]
+        if self.spec.cgroup2:  # in the namespace, where <node>/cgroup is cgroup v2
+            argv = self._in_namespace([*argv, "--cgroup-root", str(self.cgroup)])
+        self.cri = Proc("crifake", argv, self.dir / "crifake.log")
         wait_for(f"{self.name}'s CRI fake", self.cri_socket.exists, 20)
 
     def _write_kubelet_config(self) -> Path:
@@ -547,7 +560,7 @@ class NodeAgent:
 
     # ---- the daemon
     def write_gpus(self, gpus: list[dict[str, Any]]) -> None:
-        self.gpus_file.write_text(yaml.safe_dump({"gpus": gpus}))
+        self.gpus_file.write_text(yaml.safe_dump({"gpus": gpus, **self.spec.node_file}))
 
     def daemon_pod_manifest(self) -> dict[str, Any]:
         """The DaemonSet's own pod template (daemonset/daemonset.yaml), pinned to this node.

@@ -141,6 +141,6 @@ def test_cdi_the_pod_runs_with_its_real_limits_in_the_final_env(cdi_cluster: Clu
         assert f"nvidia.com/gpu={gpu_uuid(7, 0)}" in record["cdi_applied"]
         mounts = {m["container_path"] for m in record["mounts"]}
         assert {"/usr/local/vgpu/libvgpu.so", "/usr/local/vgpu/cache", "/tmp/vgpulock"} <= mounts
-        assert record["hooks"] == []  # none yet (issue 31 adds the driver-limit hook)
+        assert record["hooks"] == []  # an interposer card: no driver-limit hook
     finally:
         cdi_cluster.delete_pod("default", "tamper-cdi")

@@ -218,7 +218,7 @@ def test_a_kubelet_restart_is_published_until_the_records_list_every_holder_agai
     assert node.daemon.core.refresher.refresh_once()
     count = len(node.kubelet.registrations)
     node.kubelet.restart(empty_pod_manager=True)
-    assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 5.0)
+    assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 30.0)
     state = eventually(lambda: (s := node_annotation(api)) and s.kubelet_restarted and s)
     assert state.kubelet_restarted.endswith("Z")
     node.kubelet.pods_synced()  # the first batch admitted: every pod listed again

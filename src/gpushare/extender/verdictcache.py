@@ -41,7 +41,7 @@ V = TypeVar("V")
 MAX_NODES = 50_000
 MAX_SHAPES = 4096
 #: The most shapes kept per node before that node's are dropped.
-MAX_SHAPES_PER_NODE = 64
+MAX_SHAPES_PER_NODE = 8
 
 
 @dataclass

@@ -51,6 +51,14 @@ if command -v nvidia-smi >/dev/null 2>&1; then
 else
   say "driver version: no nvidia-smi here"
 fi
+# MPS v3's command words: what docs/choosing.md lists as not verified without a GPU
+MPS_CONTROL=$(command -v nvidia-cuda-mps-control 2>/dev/null || true)
+if [ -n "$MPS_CONTROL" ]; then
+  say "mps control: $MPS_CONTROL; its protocol 3 help (-p 3 -h) follows"
+  { "$MPS_CONTROL" -p 3 -h 2>&1 || echo "(no protocol 3)"; } | head -n 120 | sed 's/^/gpu-proof:   /'
+else
+  say "mps control: no nvidia-cuda-mps-control here"
+fi
 MAJOR=${DRIVER%%.*}
 UUID=$(nvidia-smi --query-gpu=uuid --format=csv,noheader 2>/dev/null | head -n 1)
 MIG=$(nvidia-smi --query-gpu=mig.mode.current --format=csv,noheader 2>/dev/null | head -n 1)

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 import yaml
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 
 from gpushare.config import Settings
 from gpushare.daemon import Daemon
@@ -27,6 +29,13 @@ RTX_3090 = {"name": "NVIDIA GeForce RTX 3090", "memory_mib": 24259}
 TESLA_P4 = {"name": "Tesla P4", "memory_mib": 7611}
 CARD_4GIB = {"name": "Test 4GiB", "memory_mib": 4096}
 H200 = {"name": "NVIDIA H200", "memory_mib": 143771}
+
+# No per-example deadline: on a loaded 2-core machine an example's wall time says nothing
+# about the code (tests that bound their work count it, never time it).
+hypothesis_settings.register_profile(
+    "gpushare", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+hypothesis_settings.load_profile("gpushare")
 
 
 def nvml_loads() -> bool:

@@ -169,7 +169,14 @@ def test_every_new_value_renders_and_validates(version: str) -> None:
     assert container["args"] == ["--config=/etc/gpushare/config.yaml", "--log-level=debug"]
     assert GOOD["podSecurityContext"].items() <= spec["securityContext"].items()
     # Helm merges maps with the defaults: the given keys win, the others stay
-    assert GOOD["securityContext"].items() <= container["securityContext"].items()
+    given = dict(GOOD["securityContext"])
+    capabilities = given.pop("capabilities")
+    assert given.items() <= container["securityContext"].items()
+    # the given capabilities, and SYS_ADMIN for the driver self-test (memoryEnforcement auto)
+    assert container["securityContext"]["capabilities"] == {
+        "drop": capabilities["drop"],
+        "add": [*capabilities["add"], "SYS_ADMIN"],
+    }
     assert one(objects, "ClusterRoleBinding")["subjects"][0]["namespace"] == "gpu-system"
     service = one(objects, "Service")
     assert service["spec"]["ports"][0]["port"] == 9445

@@ -152,12 +152,18 @@ def test_the_chart_lints_without_errors() -> None:
 # -- the DaemonSet runs where it should, with what the daemon uses ----------------------
 
 
+#: The host's cgroup v2 tree (the driver self-test's scratch cgroup is made there).
+HOST_CGROUP = "/sys/fs/cgroup"
+
+
 def _daemon_paths() -> dict[str, str]:
-    """Host paths the daemon uses with its defaults (each mounted at the same path)."""
+    """Host paths the daemon uses with its defaults (each mounted at the same path);
+    the defaults (memoryEnforcement auto) include the driver self-test's cgroup tree."""
     return {
         "kubelet_dir": DEFAULTS.kubelet_dir,
         "pod_resources": os.path.dirname(DEFAULTS.pod_resources_socket),
         "host_lib_dir": DEFAULTS.host_lib_dir,
+        "cgroup_root": DEFAULTS.cgroup_root,
     }
 
 
@@ -226,6 +232,8 @@ def test_daemonset_mounts_exactly_the_paths_of_the_daemon_defaults(source: str) 
     assert mounts[_daemon_paths()["pod_resources"]][1] is True  # only read
     assert mounts[DEFAULTS.kubelet_dir][1] is False  # its sockets are created there
     assert mounts[DEFAULTS.host_lib_dir][1] is False
+    # the scratch cgroup is made (mkdir), limited and removed there: the HOST's tree, writable
+    assert DEFAULTS.cgroup_root == HOST_CGROUP and mounts[HOST_CGROUP][1] is False
 
 
 def test_plain_daemonset_runs_the_daemon_with_its_default_paths_and_json_logs() -> None:
@@ -266,8 +274,12 @@ def test_daemonset_runs_with_the_least_privileges(source: str) -> None:
     daemonset = dict(daemonsets())[source]
     spec = _pod_spec(daemonset)
     context = _container(daemonset)["securityContext"]
-    # only what deleting tenants' leftovers needs (docs/security.md, daemon/test_tenant_dirs.py)
-    assert context["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE", "FOWNER"]}
+    # what deleting tenants' leftovers needs (docs/security.md, daemon/test_tenant_dirs.py),
+    # and, with memoryEnforcement auto (the default), NVML's set in the driver self-test
+    assert context["capabilities"] == {
+        "drop": ["ALL"],
+        "add": ["DAC_OVERRIDE", "FOWNER", "SYS_ADMIN"],
+    }
     assert context["allowPrivilegeEscalation"] is False
     assert context["readOnlyRootFilesystem"] is True
     assert context.get("privileged", False) is False
@@ -276,6 +288,65 @@ def test_daemonset_runs_with_the_least_privileges(source: str) -> None:
     for forbidden in ("hostNetwork", "hostPID", "hostIPC"):
         assert not spec.get(forbidden, False), forbidden
     assert spec["serviceAccountName"] == daemonset["metadata"]["name"]
+
+
+@pytest.mark.parametrize(
+    ("pins", "driver"),
+    [
+        ("auto", True),
+        ("driver", True),
+        ("interposer,0=driver", True),
+        ("interposer", False),
+        ("hardware", False),
+        ("interposer,1=hardware", False),
+    ],
+)
+def test_the_chart_gives_the_driver_self_test_its_cgroup_tree_and_sys_admin_only_when_it_can_run(
+    pins: str, driver: bool
+) -> None:
+    """SYS_ADMIN and the host's cgroup tree exactly where memoryEnforcement may give
+    ``driver`` (the self-test runs only then: node/backends.py); elsewhere neither."""
+    values = chart_values()
+    values["config"]["memoryEnforcement"] = pins
+    values["config"]["cgroupRoot"] = "/host/cgroup"
+    daemonset = one(chart_objects(values), "DaemonSet")
+    context = _container(daemonset)["securityContext"]
+    added = ["DAC_OVERRIDE", "FOWNER"] + (["SYS_ADMIN"] if driver else [])
+    assert context["capabilities"] == {"drop": ["ALL"], "add": added}
+    assert context.get("privileged", False) is False
+    assert context["allowPrivilegeEscalation"] is False
+    mounts = _host_mounts(daemonset)
+    assert (mounts.get(HOST_CGROUP) == ("/host/cgroup", False)) is driver
+    assert (HOST_CGROUP in mounts) is driver
+    settings = load_settings([], {})
+    assert settings.memory_enforcement == "auto"  # the daemon's default is one that needs them
+
+
+def test_the_memory_hook_is_installed_on_the_host_beside_the_interposer() -> None:
+    """The image carries the hook at the daemon's default path; the daemon copies it into
+    --host-lib-dir (a writable hostPath, same path on the host) beside libvgpu.so, outside
+    the noexec cache file system, where the runtime runs it on the host."""
+    from gpushare.host.library import cache_root, install_hook, install_library
+
+    final = _stages()[-1][1]
+    assert any(
+        line.startswith("COPY --from=memory-hook ") and line.endswith(f" {DEFAULTS.memory_hook}")
+        for line in final
+    )
+    assert chart_values()["config"]["memoryHook"] == DEFAULTS.memory_hook
+    for _source, daemonset in daemonsets():
+        mounts = _host_mounts(daemonset)
+        assert mounts[DEFAULTS.host_lib_dir] == (DEFAULTS.host_lib_dir, False)
+    with tempfile.TemporaryDirectory() as scratch:
+        source = Path(scratch) / "hook"
+        source.write_bytes(b"#!/bin/sh\n")
+        library = Path(scratch) / "lib"
+        library.write_bytes(b"\x7fELF")
+        host = Path(scratch) / "host"
+        hook = install_hook(source, host)
+        assert hook.parent == install_library(library, host).parent == host
+        assert os.access(hook, os.X_OK)
+        assert cache_root(host) not in hook.parents  # the noexec tmpfs is containers/ only
 
 
 # -- RBAC: the verbs of the calls the daemon makes, and nothing more --------------------
@@ -398,6 +469,7 @@ def test_chart_values_move_the_mounts_with_the_paths() -> None:
         "/srv/kubelet/dp",
         "/srv/kubelet/pr",
         "/opt/vgpu",
+        HOST_CGROUP,
     }
     assert _container(daemonset)["ports"][0]["containerPort"] == 9500
     labelled = one(
@@ -544,11 +616,15 @@ def test_the_chart_refuses_a_loopback_metrics_address_the_probes_cannot_reach(
 @pytest.mark.parametrize("strategy", ["none", "single", "mixed"])
 def test_chart_never_asks_for_the_mig_monitor_capability(strategy: str) -> None:
     """NVIDIA's runtime hook refuses NVIDIA_MIG_MONITOR_DEVICES without CAP_SYS_ADMIN,
-    which the daemon does not have: the pod would not start on a MIG node."""
-    values = chart_values()
-    values["config"]["migStrategy"] = strategy
-    daemonset = one(chart_objects(values), "DaemonSet")
-    env = {e["name"]: e.get("value") for e in _container(daemonset)["env"]}
-    assert "NVIDIA_MIG_MONITOR_DEVICES" not in env
-    added = _container(daemonset)["securityContext"]["capabilities"].get("add", [])
-    assert "SYS_ADMIN" not in added
+    which the daemon has only where the driver self-test may run (memoryEnforcement
+    auto or driver): pinned to interposer it has not, and the pod would not start on a
+    MIG node. The chart never asks for it, whatever the memory backends."""
+    for memory in ("auto", "interposer"):
+        values = chart_values()
+        values["config"]["migStrategy"] = strategy
+        values["config"]["memoryEnforcement"] = memory
+        daemonset = one(chart_objects(values), "DaemonSet")
+        env = {e["name"]: e.get("value") for e in _container(daemonset)["env"]}
+        assert "NVIDIA_MIG_MONITOR_DEVICES" not in env
+        added = _container(daemonset)["securityContext"]["capabilities"].get("add", [])
+        assert ("SYS_ADMIN" in added) is (memory == "auto")

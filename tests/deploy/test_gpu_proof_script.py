@@ -27,6 +27,7 @@ def test_the_dry_run_prints_the_facts_and_the_plan(tmp_path: Path) -> None:
     text = result.stdout
     assert "driver version: no nvidia-smi here" in text
     assert "cgroup file system at /sys/fs/cgroup: " in text
+    assert "mps control: no nvidia-cuda-mps-control here" in text  # else its -p 3 -h
     assert "backends to prove: interposer (not driver: no driver); mps: not in this version" in text
     assert "dry run: nothing run" in text
     assert os.listdir(tmp_path / "out") == []  # nothing run, nothing written

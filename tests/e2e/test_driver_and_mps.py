@@ -365,8 +365,9 @@ def test_each_container_on_the_mps_card_runs_under_its_own_capped_namespace(
         assert env["CUDA_MPS_PIPE_DIRECTORY"] == CONTAINER_MPS_PIPE, env
         assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == str(cores), env
         assert "LD_PRELOAD" not in env and "CUDA_DEVICE_SM_LIMIT" not in env, env
-        (pipe,) = [m["host_path"] for m in record["mounts"]
-                   if m["container_path"] == CONTAINER_MPS_PIPE]  # fmt: skip
+        (mount,) = [m for m in record["mounts"] if m["container_path"] == CONTAINER_MPS_PIPE]
+        assert mount["readonly"] is True, mount  # nothing a tenant plants for the root server
+        pipe = mount["host_path"]
         (namespace,) = [n for n in state["namespaces"].values() if n["pipe"] == pipe]
         assert namespace["percent"] == cores, namespace
         pipes.add(pipe)

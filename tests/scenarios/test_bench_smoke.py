@@ -66,6 +66,32 @@ def test_quick_bench_prints_one_table_with_every_row(tmp_path: Path) -> None:
     assert own.startswith("Produced by `make bench`") and all(name in own for name in rows)
 
 
+#: What --latency-only measures: the call latencies and the pairing rows, nothing else.
+LATENCY_ROWS = ROWS[4:10] + ROWS[12:15]
+
+
+def test_latency_only_prints_the_call_and_pairing_rows_and_never_writes_the_doc(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "latency.md"
+    command = [sys.executable, "-m", "gpushare.bench", "--quick", "--latency-only"]
+    result = subprocess.run(
+        [*command, "--out", str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode in (0, 1), result.stderr
+    body = [line for line in result.stdout.splitlines() if line.startswith("| ")][1:]
+    assert len(body) == len(LATENCY_ROWS)
+    for row, name in zip(body, LATENCY_ROWS, strict=True):
+        assert name in row, (name, row)
+    assert "| containers whose memory and core landed on two cards | 0 |" in result.stdout
+    assert "`python -m gpushare.bench --quick --latency-only`" in out.read_text()
+    refused = subprocess.run(
+        [*command, "--write", str(tmp_path / "doc.md")], capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and "--latency-only" in refused.stderr
+    assert not (tmp_path / "doc.md").exists()
+
+
 def test_make_bench_and_simulate_leave_the_tracked_doc_alone_unless_asked() -> None:
     """Issue 33.8: they rewrote docs/benchmarks.md on every run; now only UPDATE_DOCS=1."""
     root = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ import pytest
 from conftest import H200, Node, cards, gpu_uuid
 from kit.mps import install_standin, pid_alive, standin_state
 
-from gpushare.host.mps import mps_dirs
+from gpushare.host.mps import SERVER, mps_dirs
 from gpushare.share.answers import (
     CONTAINER_MPS_PIPE,
     MPS_PINNED_MEMORY,
@@ -65,7 +65,12 @@ def test_each_container_gets_its_own_capped_namespace(
         shm = got.mounts["/dev/shm"].host_path
         assert shm == str(Path(node.settings.host_lib_dir) / "mps" / "shm")
         pipe = got.mounts[CONTAINER_MPS_PIPE].host_path
-        assert Path(pipe).is_dir() and Path(pipe) != control_pipe
+        # its namespace's directory on the one server (the documented v3 routing), made
+        # before the answer left, mounted read-only (nothing a tenant could plant there)
+        assert Path(pipe).parent == control_pipe / SERVER
+        assert (Path(pipe) / "control").is_socket()
+        assert got.mounts[CONTAINER_MPS_PIPE].read_only
+        assert not got.mounts["/dev/shm"].read_only  # clients write their segments
         pipes.add(pipe)
         (ns,) = [n for n in namespaces.values() if n["pipe"] == pipe]
         assert ns == {"pipe": pipe, "percent": cores, "mib": mem * 256}
@@ -81,6 +86,7 @@ def test_without_namespaces_the_control_pipe_and_client_caps(
     node.pod("a", {node.memory: 4, node.core: 25})
     got = node.kubelet.admit("a", "main", {node.memory: 4, node.core: 25})
     assert got.mounts[CONTAINER_MPS_PIPE].host_path == str(control_pipe)
+    assert got.mounts[CONTAINER_MPS_PIPE].read_only  # shared by every client: never writable
     assert got.envs[MPS_THREADS] == "25" and got.envs[MPS_PINNED_MEMORY] == "0=1024M"
     assert standin_state(control_pipe)["namespaces"] == {}
 
@@ -157,9 +163,9 @@ def test_a_dra_claim_on_an_mps_card_gets_its_own_capped_namespace(
         "device": "gpu-0",
         "consumedCapacity": {"memory": "1Gi", "cores": "40"},
     }
-    uid = api.add(allocated_claim("default", "a", "gpu.gpushare.io", NODE, [result]))[
-        "metadata"
-    ]["uid"]
+    uid = api.add(allocated_claim("default", "a", "gpu.gpushare.io", NODE, [result]))["metadata"][
+        "uid"
+    ]
     kubelet = DraKubelet(node.root / "kubelet")
     try:
         assert kubelet.register() == "v1.DRAPlugin"
@@ -172,7 +178,9 @@ def test_a_dra_claim_on_an_mps_card_gets_its_own_capped_namespace(
     env = dict(e.split("=", 1) for e in edits["env"])
     assert env[MPS_PIPE] == CONTAINER_MPS_PIPE and env[MPS_THREADS] == "40"
     assert "LD_PRELOAD" not in env
-    pipe = [m["hostPath"] for m in edits["mounts"] if m["containerPath"] == CONTAINER_MPS_PIPE]
+    (mount,) = [m for m in edits["mounts"] if m["containerPath"] == CONTAINER_MPS_PIPE]
+    assert "ro" in mount["options"]
+    pipe = [mount["hostPath"]]
     control_pipe = mps_dirs(Path(node.settings.host_lib_dir))[0]
     (ns,) = standin_state(control_pipe)["namespaces"].values()
     assert pipe == [ns["pipe"]] and ns["percent"] == 40 and ns["mib"] == 1024

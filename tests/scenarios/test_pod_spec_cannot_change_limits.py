@@ -10,6 +10,7 @@ random containers.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ import yaml
 from conftest import TESLA_P4, Node, cards
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit.cdi_runtime import final
 from test_deploy_manifests import chart_objects
 from test_policies import CREATE_POD, POLICIES, Policy
 
@@ -100,23 +102,51 @@ def _chart_policy(values: dict[str, Any] | None = None) -> dict[str, Any] | None
     return None
 
 
-def test_the_chart_ships_the_same_policy_on_by_default_and_without_env_rules_under_cdi() -> None:
+#: Every device-list strategy the chart takes (``config.deviceListStrategy``).
+STRATEGIES = [
+    "envvar",
+    "cdi-cri",
+    "cdi-annotations",
+    "envvar,cdi-cri",
+    "cdi-cri,cdi-annotations",
+    "envvar,cdi-cri,cdi-annotations",
+]
+#: Reserved names no grant's CDI spec sets, which HAMi-core still reads: an indexed core
+#: limit outranks the un-indexed one the core grant sets (``do_init_device_sm_limits``), and
+#: the utilisation policy ``disable`` switches the core limit off.
+UNSEALED_ENV = [
+    {"name": "CUDA_DEVICE_SM_LIMIT_0", "value": "100"},
+    {"name": "GPU_CORE_UTILIZATION_POLICY", "value": "disable"},
+]
+
+
+def test_the_chart_ships_the_same_policy_on_by_default() -> None:
     assert _chart_policy() == _spec()
     kustomization = yaml.safe_load((ROOT / "daemonset" / "kustomization.yaml").read_text())
     assert "policies/reserved-settings.yaml" in kustomization["resources"]
     assert _chart_policy({"policies": {"reservedSettings": {"enabled": False}}}) is None
-    cdi = _chart_policy({"config": {"deviceListStrategy": "cdi-cri"}})
-    assert cdi is not None
-    names = {v["name"] for v in cdi["variables"]}
-    assert "setsReserved" not in names and "envFromUnsafe" not in names
-    assert "mountsReserved" in names
-    policy = Policy(cdi)
-    # under CDI the issue's pod is let through (the CDI edits replace its env) ...
-    assert _refused(policy, _pod(_gpu(env=ISSUE_ENV))) == []
-    # ... but not a volume over the interposer's cache
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_chart_keeps_every_rule_under_every_strategy(strategy: str) -> None:
+    """A CDI spec replaces only the names it sets: the env rules stay under CDI too (on
+    main the chart dropped them there, and a pod setting ``CUDA_DEVICE_SM_LIMIT_0=100`` ran
+    unthrottled; nor could a whole card's or MIG device's ``NVIDIA_VISIBLE_DEVICES`` be
+    trusted to the seal on nodes whose own strategy is another)."""
+    spec = _chart_policy({"config": {"deviceListStrategy": strategy}})
+    assert spec == _spec()
+    policy = Policy(spec)
+    assert _refused(policy, _pod(_gpu(env=ISSUE_ENV)))
+    assert _refused(policy, _pod(_gpu(env=UNSEALED_ENV)))
+    assert _refused(policy, _pod(_gpu(envFrom=[{"configMapRef": {"name": "c"}}])))
+    widen = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
+    for resource in ("gpushare.io/gpu", "gpushare.io/mig-1g.5gb", "gpushare.io/vcuda-core"):
+        container = {"name": "w", "resources": {"limits": {resource: "1"}}, "env": widen}
+        assert _refused(policy, _pod(container)), resource
     assert _refused(
         policy, _pod(_gpu(volumeMounts=[{"name": "v", "mountPath": "/usr/local/vgpu/cache"}]))
     )
+    assert _refused(policy, _pod(_gpu(env=[{"name": "APP_MODE", "value": "x"}]))) == []
 
 
 # -- verdicts -------------------------------------------------------------------------------
@@ -354,9 +384,35 @@ def test_without_the_policy_the_daemon_refuses_the_issue_pod_and_serves_the_hone
     assert record.envs["CUDA_DEVICE_MEMORY_LIMIT_0"] == "1024m"
 
 
-def test_under_cdi_the_daemon_refuses_only_mounts_over_the_interposer(node: Node) -> None:
-    node.with_pod_specs()
+def _sm_limit(env: dict[str, str], index: int) -> str:
+    """The core limit HAMi-core keeps for ``index`` (``do_init_device_sm_limits``: the
+    indexed variable, else the un-indexed one, else 100)."""
+    return env.get(f"CUDA_DEVICE_SM_LIMIT_{index}") or env.get("CUDA_DEVICE_SM_LIMIT") or "100"
+
+
+def test_a_grants_cdi_spec_replaces_only_the_names_it_sets(node: Node) -> None:
+    """Why the env rules stay under CDI: with no pod spec to judge, a pod setting
+    ``CUDA_DEVICE_SM_LIMIT_0`` ran unthrottled beside its sealed ``CUDA_DEVICE_SM_LIMIT``."""
     node.start(cards(TESLA_P4, 1), device_list_strategy="cdi-cri")
+    admitted = node.kubelet.admit("tenant", "main", {node.memory: 4, node.core: 30})
+    names = [d.name for r in admitted.responses.values() for d in r.cdi_devices]
+    pod_env = [(e["name"], e["value"]) for e in ISSUE_ENV + UNSEALED_ENV]
+    env, _mounts = final(
+        [*admitted.envs.items(), *pod_env],
+        [],
+        [n for n in names if "/grant=" in n],
+        [Path(node.settings.dra_cdi_dir)],
+    )
+    assert env["CUDA_DEVICE_SM_LIMIT"] == "30" and env["CUDA_DEVICE_MEMORY_LIMIT_0"] == "1024m"
+    assert _sm_limit(env, 0) == "100"  # the seal alone does not hold the core limit
+    assert env["GPU_CORE_UTILIZATION_POLICY"] == "disable"
+
+
+@pytest.mark.parametrize("strategy", ["cdi-cri", "cdi-annotations"])
+def test_under_cdi_the_daemon_refuses_what_no_spec_replaces(node: Node, strategy: str) -> None:
+    """Before: under CDI the daemon checked the mounts only, so the pod above was admitted."""
+    node.with_pod_specs()
+    node.start(cards(TESLA_P4, 1), device_list_strategy=strategy)
     mounts = _tampering_pod(
         node,
         "mounts",
@@ -365,8 +421,13 @@ def test_under_cdi_the_daemon_refuses_only_mounts_over_the_interposer(node: Node
     with pytest.raises(AdmissionError, match="mounts a volume at /usr/local/vgpu/cache"):
         node.kubelet.admit("mounts", "main", {node.memory: 4})
     _failed(node, mounts)
-    _tampering_pod(node, "env-only", env=ISSUE_ENV)
-    assert node.kubelet.admit("env-only", "main", {node.memory: 4}).devices[node.memory]
+    unsealed = _tampering_pod(node, "unsealed", env=UNSEALED_ENV)
+    with pytest.raises(AdmissionError, match="sets CUDA_DEVICE_SM_LIMIT_0, GPU_CORE_UTIL"):
+        node.kubelet.admit("unsealed", "main", {node.memory: 4})
+    assert not node.kubelet.admitted
+    _failed(node, unsealed)
+    _tampering_pod(node, "honest", env=[{"name": "APP_MODE", "value": "x"}])
+    assert node.kubelet.admit("honest", "main", {node.memory: 4}).devices[node.memory]
 
 
 @settings(max_examples=150, deadline=None)

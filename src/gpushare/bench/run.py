@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -135,7 +136,9 @@ class Samples:
         self.calls.setdefault((resource, method), []).append(seconds)
 
 
-def measure_daemon(plan: Plan, report: Report) -> None:
+def measure_daemon(plan: Plan, report: Report, *, latency_only: bool = False) -> None:
+    """The daemon process's rows; ``latency_only``: the call latencies and the pairing
+    rows alone (no idle wait, no growth burst: minutes less)."""
     samples = Samples()
     recording = [False]
 
@@ -151,13 +154,14 @@ def measure_daemon(plan: Plan, report: Report) -> None:
             process = process_handle(node.proc.pid)
             settle(plan)
             rss_started = process.memory_info().rss
-            report.add(
-                "idle RSS after start (API link, pod watch and metrics on)",
-                f"{rss_started / MIB:.1f} MiB",
-                "<= 40 MiB",
-                "",
-                rss_started <= 40 * MIB,
-            )
+            if not latency_only:
+                report.add(
+                    "idle RSS after start (API link, pod watch and metrics on)",
+                    f"{rss_started / MIB:.1f} MiB",
+                    "<= 40 MiB",
+                    "",
+                    rss_started <= 40 * MIB,
+                )
             split = failures = 0
 
             def admit(count: int, baseline: list[float] | None = None) -> None:
@@ -176,14 +180,16 @@ def measure_daemon(plan: Plan, report: Report) -> None:
             admit(plan.window * 2)  # warm up: channels, caches, a full window
             # Idle once it has served: measured before the long burst below, whose
             # released cache directories the garbage collector removes for minutes after.
-            time.sleep(plan.quiet_seconds)
-            cpu_before, switches_before = process.cpu_times(), wakeups_of(node.proc.pid)
-            idle_started = time.monotonic()
-            time.sleep(plan.idle_seconds)
-            idle = time.monotonic() - idle_started
-            cpu_after, switches_after = process.cpu_times(), wakeups_of(node.proc.pid)
-            busy = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
-            wakeups = (switches_after - switches_before) / idle
+            idle = busy = wakeups = 0.0
+            if not latency_only:
+                time.sleep(plan.quiet_seconds)
+                cpu_before, switches_before = process.cpu_times(), wakeups_of(node.proc.pid)
+                idle_started = time.monotonic()
+                time.sleep(plan.idle_seconds)
+                idle = time.monotonic() - idle_started
+                cpu_after, switches_after = process.cpu_times(), wakeups_of(node.proc.pid)
+                busy = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
+                wakeups = (switches_after - switches_before) / idle
             runs: list[dict[str, tuple[float, float]]] = []
             for _ in range(plan.runs):
                 samples.calls.clear()
@@ -206,6 +212,9 @@ def measure_daemon(plan: Plan, report: Report) -> None:
                     )
                 runs.append(run)
             _latency_rows(plan, report, runs)
+            if latency_only:
+                _pairing_rows(report, node, split, failures)
+                return
 
             fds_before = process.num_fds()
             done = 2 * plan.latency_containers * plan.runs + 4 * plan.window
@@ -226,27 +235,7 @@ def measure_daemon(plan: Plan, report: Report) -> None:
                 f"{fds_before} before",
                 fds_after <= fds_before,
             )
-            report.add(
-                "containers whose memory and core landed on two cards",
-                str(split),
-                "0",
-                f"{node.serial} admitted",
-                split == 0,
-            )
-            report.add(
-                "admissions refused",
-                str(failures),
-                "0",
-                f"{node.serial} admitted",
-                failures == 0,
-            )
-            report.add(
-                "pods created and deleted on the API server during the run",
-                f"{node.api.pods_created} created, {node.api.pods_deleted} deleted",
-                ">= 100 each",
-                "",
-                min(node.api.pods_created, node.api.pods_deleted) >= min(100, node.serial // 2),
-            )
+            _pairing_rows(report, node, split, failures)
 
             report.add(
                 f"idle wake-ups over {idle:.0f} s, {plan.quiet_seconds:g} s after the warm-up "
@@ -265,6 +254,30 @@ def measure_daemon(plan: Plan, report: Report) -> None:
             )
         finally:
             node.stop()
+
+
+def _pairing_rows(report: Report, node: Node, split: int, failures: int) -> None:
+    report.add(
+        "containers whose memory and core landed on two cards",
+        str(split),
+        "0",
+        f"{node.serial} admitted",
+        split == 0,
+    )
+    report.add(
+        "admissions refused",
+        str(failures),
+        "0",
+        f"{node.serial} admitted",
+        failures == 0,
+    )
+    report.add(
+        "pods created and deleted on the API server during the run",
+        f"{node.api.pods_created} created, {node.api.pods_deleted} deleted",
+        ">= 100 each",
+        "",
+        min(node.api.pods_created, node.api.pods_deleted) >= min(100, node.serial // 2),
+    )
 
 
 def wakeups_of(pid: int) -> int:
@@ -597,18 +610,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--write", metavar="PATH", help="put the table into PATH's bench section")
     parser.add_argument("--out", metavar="PATH", help="write the report to PATH, a file of its own")
     parser.add_argument(
+        "--latency-only",
+        action="store_true",
+        help="only the daemon's call latencies and the pairing rows (no start, idle, growth, "
+        "DRA or hook rows: minutes, not ten); printed and --out only, never --write",
+    )
+    parser.add_argument(
         "--idle-seconds",
         type=bounded_float(0.1, 86400),
         help="length of the idle CPU measurement (default 60)",
     )
     args = parser.parse_args(argv)
+    if args.latency_only and args.write:
+        parser.error("--latency-only measures a few rows: it does not --write the bench section")
     plan = QUICK if args.quick else FULL
     if args.idle_seconds is not None:
         plan = Plan(**{**plan.__dict__, "idle_seconds": args.idle_seconds})
     about = machine()
     started = time.perf_counter()
     try:
-        report = run(plan)
+        report = run(
+            plan, [partial(measure_daemon, latency_only=True)] if args.latency_only else None
+        )
     except Exception as exc:
         print(f"gpushare.bench: the benchmark failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
@@ -618,7 +641,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for note in report.notes[:10]:
         print(f"note: {note}")
     missed = report.missed
-    command = "python -m gpushare.bench" + (" --quick" if args.quick else "")
+    command = (
+        "python -m gpushare.bench"
+        + (" --quick" if args.quick else "")
+        + (" --latency-only" if args.latency_only else "")
+    )
     summary = (
         f"{len(missed)} target(s) missed: " + "; ".join(row.figure for row in missed)
         if missed

@@ -25,6 +25,7 @@ from gpushare.base.kubeletgrpc import CallHook
 from gpushare.deviceplugin.binding import BindingError, Refusal
 from gpushare.deviceplugin.plugin import HEALTHY, UNHEALTHY, ListingServicer, answer_to_proto
 from gpushare.gpu.health import HealthBoard
+from gpushare.host.grantspecs import GrantSpecs, exclusive_grant_name
 from gpushare.share import answers
 from gpushare.share.answers import Answer, DeviceListing, Enforcement, GrantedDevice
 from gpushare.share.devices import InvalidDeviceIds
@@ -83,6 +84,32 @@ def time_sliced_answer(listing: DeviceListing) -> AnswerFor:
         return answers.container_edits(grant, listing)
 
     return answer
+
+
+def sealed_by(
+    answer: AnswerFor, full_name: str, listing: DeviceListing, specs: GrantSpecs | None
+) -> AnswerFor:
+    """``answer``, under a CDI device-list strategy riding on the grant's own CDI spec
+    (``host/grantspecs.py``, named by :func:`exclusive_grant_name`): the kubelet's answer
+    then carries no env, so a pod's ``NVIDIA_VISIBLE_DEVICES=all`` or
+    ``CUDA_DEVICE_MEMORY_LIMIT_<i>`` is replaced by the runtime with the grant's own
+    values (see :func:`gpushare.share.answers.sealed`). As it is otherwise (``envvar``:
+    the admission policy and the daemon's check refuse such pods, docs/security.md)."""
+    if specs is None or not listing.uses_cdi:
+        return answer
+
+    def sealed_answer(devices: Sequence[ExclusiveDevice]) -> Answer:
+        edits = answer(devices)
+        name = exclusive_grant_name(full_name, [d.id for d in devices])
+        try:
+            cdi_name = specs.write(name, edits)
+        except OSError as exc:
+            raise BindingError(
+                Refusal.INTERNAL, f"cannot write the grant's CDI spec in {specs.directory}: {exc}"
+            ) from None
+        return answers.sealed(edits, cdi_name, listing)
+
+    return sealed_answer
 
 
 # --------------------------------------------------------------------------- the server
@@ -218,11 +245,14 @@ class ExclusiveServicer(ListingServicer):
                             f"{reason}",
                         )
                 containers.append(devices)
+            # Every answer (a grant's CDI spec written under CDI) before anything is
+            # recorded: a spec that cannot be written refuses the whole request.
+            built = [self.answer(devices) for devices in containers]
             responses = []
-            for devices in containers:
+            for devices, answer in zip(containers, built, strict=True):
                 if self.on_allocated is not None:
                     self.on_allocated(self.full_name, devices)
-                responses.append(answer_to_proto(self.answer(devices)))
+                responses.append(answer_to_proto(answer))
                 log.info(
                     "allocated",
                     resource=self.resource.name,

@@ -31,6 +31,7 @@ from gpushare.deviceplugin.binding import RECORDS_WAIT, Binder, mixed_kinds
 from gpushare.deviceplugin.exclusive import (
     ExclusiveServicer,
     Preference,
+    sealed_by,
     time_sliced_answer,
     whole_card_answer,
 )
@@ -192,9 +193,14 @@ class DevicePluginFrontDoor:
                 name,
                 board,
                 self.stopping,
-                answer=time_sliced_answer(self.listing)
-                if sliced
-                else whole_card_answer(self.listing, enforcement=enforcement),
+                answer=sealed_by(
+                    time_sliced_answer(self.listing)
+                    if sliced
+                    else whole_card_answer(self.listing, enforcement=enforcement),
+                    name,
+                    self.listing,
+                    core.collector.grant_specs,
+                ),
                 prefer=spread_replicas
                 if sliced
                 else self._preference(devices, core.found.backend),
@@ -220,7 +226,12 @@ class DevicePluginFrontDoor:
                 name,
                 self.core.mig_health,
                 self.stopping,
-                answer=migserve.mig_answer(self.listing, specs=specs),
+                answer=sealed_by(
+                    migserve.mig_answer(self.listing, specs=specs),
+                    name,
+                    self.listing,
+                    self.core.collector.grant_specs,
+                ),
                 on_allocated=self.core.whole_allocated,  # annotated and published as whole cards
                 observe=self.observe,
                 guard=lambda name=name: self._mixed_guard(name),  # type: ignore[misc]

@@ -466,10 +466,10 @@ class ClaimPreparer:
             else:
                 cache_dir = prepare_claim_cache_dir(self.host_lib_dir, key)
         elif needs_dir(self.enforcement, self.mps, device.uuid) and self.mps is not None:
-            mps_pipe = prepare_claim_cache_dir(self.host_lib_dir, key)
+            marker = prepare_claim_cache_dir(self.host_lib_dir, key)  # never mounted
             soft = self.enforcement.memory_soft(device.uuid)
             try:
-                self.mps.claim(key, mps_pipe, memory_mib, limits.cores or 0, pinned=soft)
+                mps_pipe = self.mps.claim(key, marker, memory_mib, limits.cores or 0, pinned=soft)
             except MpsError as exc:
                 raise ClaimRefused(f"claim {claim.describe()}: MPS namespace: {exc}") from None
         grant = answers.share(

@@ -52,7 +52,7 @@ import structlog
 
 from gpushare.host.cachefs import bound
 from gpushare.host.diskuse import Usage, measure
-from gpushare.host.grantspecs import GrantSpecs, grant_name
+from gpushare.host.grantspecs import GrantSpecs, exclusive_grant_name, grant_name
 from gpushare.host.library import (
     CACHE_LOCK,
     LIBRARY_NAME,
@@ -64,6 +64,7 @@ from gpushare.host.library import (
 from gpushare.host.tombstones import bury, wake
 from gpushare.share.devices import Resource
 from gpushare.share.records import Snapshot
+from gpushare.share.usage import Holder
 
 log = structlog.get_logger(__name__)
 
@@ -92,13 +93,21 @@ def live_keys(snapshot: Snapshot) -> set[str]:
 
 
 def live_grants(snapshot: Snapshot) -> set[str]:
-    """The per-grant CDI spec names (``host/grantspecs.py``) of every holding listed."""
-    return {
+    """The per-grant CDI spec names (``host/grantspecs.py``) of every holding listed:
+    shared units per container and resource, and each container's devices of an
+    exclusive resource (whole cards, MIG devices, time-sliced replicas)."""
+    live = {
         grant_name(resource.value, ids)
         for by_resource in snapshot.devices.values()
         for resource, ids in by_resource.items()
         if ids
     }
+    for full_name, holders in snapshot.exclusive.items():
+        held: dict[Holder, list[str]] = {}
+        for device_id, holder in holders.items():
+            held.setdefault(holder, []).append(device_id)
+        live.update(exclusive_grant_name(full_name, ids) for ids in held.values())
+    return live
 
 
 def holder_keys(snapshot: Snapshot) -> set[str]:

@@ -1,7 +1,8 @@
 """The daemon's own CDI spec per device-plugin grant: limits no pod spec can change.
 
-Under a CDI device-list strategy (``cdi-cri``, ``cdi-annotations``) every Allocate of
-shared units writes one spec, ``<prefix>-grant_<name>.json`` in the daemon's CDI
+Under a CDI device-list strategy (``cdi-cri``, ``cdi-annotations``) every Allocate
+(shared units, and whole cards, MIG devices and time-sliced replicas: ``name`` is then
+:func:`exclusive_grant_name`) writes one spec, ``<prefix>-grant_<name>.json`` in the daemon's CDI
 directory (``--dra-cdi-dir``, the same one the DRA driver writes its claims into),
 holding one CDI device ``<prefix>/grant=<name>`` whose ``containerEdits`` are the
 grant's edits from the answer port (``share/answers.py``): HAMi-core's limits, the
@@ -46,6 +47,14 @@ def grant_name(resource: str, device_ids: Iterable[str]) -> str:
     """``<resource>-<digest of the units>``: the CDI device name of one grant."""
     joined = "\n".join(sorted(device_ids)).encode()
     return f"{resource}-{hashlib.sha256(joined).hexdigest()[:20]}"
+
+
+def exclusive_grant_name(full_resource: str, device_ids: Iterable[str]) -> str:
+    """``whole-<digest of the resource and its devices>``: the CDI device name of one
+    grant of an exclusive resource (whole cards, MIG devices, time-sliced replicas),
+    whose full name (``gpushare.io/mig-3g.20gb``) may hold characters a spec name may not."""
+    joined = "\n".join([full_resource, *sorted(device_ids)]).encode()
+    return f"whole-{hashlib.sha256(joined).hexdigest()[:20]}"
 
 
 class GrantSpecs:

@@ -6,21 +6,44 @@ directories under the daemon's host directory (``<host_lib_dir>/mps/pipe`` and
 ``.../log``). The daemon daemonizes itself and writes its pid into the pipe directory
 (``nvidia-cuda-mps-control.pid``); :class:`MpsControl` watches that pid (a pidfd where
 the kernel has one: no polling) and starts it again when it dies, with a doubling
-back-off, re-applying every cap it had set. At stop it sends ``quit`` and waits for the
-pid to go (SIGTERM, then SIGKILL, if it does not).
+back-off, with every cap it had set. Before every start the directories are checked and
+cleared of anything a tenant could have planted (:mod:`gpushare.host.mpsdirs`). At stop
+it asks the daemon to quit and waits for the pid to go (SIGTERM, then SIGKILL).
 
-Commands are written to the executable's stdin with ``CUDA_MPS_PIPE_DIRECTORY`` in its
-environment, as NVIDIA documents (``echo quit | nvidia-cuda-mps-control``). Per
-container caps:
+What was checked against NVIDIA's documentation, and where (no GPU has run this code;
+``docs/choosing.md`` keeps the same list):
 
-* **v3 namespaces** (driver r615+; ``-p 3 -h`` lists ``namespace``): one namespace per
-  container, its own pipe directory, capped (active thread percentage, pinned memory)
-  BEFORE the container is created; the container mounts only that directory.
-* **otherwise** the shared pipe directory and the client environment, which a client can
-  only lower, but which the pod's own env can drop: shown as ``soft``.
-
-The v3 command words are in :data:`V3` (one place: they come from NVIDIA's r615 notes in
-the brief and have not run against a real driver here; ``docs/choosing.md`` says so).
+* Legacy (v2, the default protocol) commands are lines on the executable's stdin with
+  ``CUDA_MPS_PIPE_DIRECTORY`` in its environment (``echo quit | nvidia-cuda-mps-control``):
+  ``quit``, ``get_server_list``, ``start_server -uid <uid>``,
+  ``set_default_active_thread_percentage <pct>`` (for servers started later),
+  ``set_active_thread_percentage <server PID> <pct>``; a client's
+  ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` only lowers what the daemon set.
+  https://docs.nvidia.com/deploy/mps/latest/mpsv2-interface.html,
+  https://docs.nvidia.com/deploy/topics/topic_5_2_5.html
+* v3 is opt-in per daemon: ``-p 3`` at start (or ``CUDA_MPS_PROTOCOL_VERSION=3``); every
+  later invocation follows the running daemon's protocol; v3 commands are "module verb"
+  arguments (``server create --uid=<uid>``, ``client list --all``, ``-q`` to quit), not
+  stdin lines; ``-a <file>`` applies a TOML configuration at start (``schema_version``,
+  ``[servers.<name>]`` with ``uid``, ``[servers.<name>.namespaces.<name>]`` with
+  ``active_thread_percentage`` and ``pinned_memory_limit`` as strings).
+  https://docs.nvidia.com/deploy/mps/latest/mpsv3-interface.html,
+  https://docs.nvidia.com/deploy/mps/615/quick-start.html,
+  https://docs.nvidia.com/deploy/mps/latest/mpsv3-configuration-file.html
+* A v3 namespace belongs to a named server; a client picks it by the socket it connects
+  to: ``$CUDA_MPS_PIPE_DIRECTORY/<server>/<namespace>/control``. So a container gets
+  ``<pipe>/<server>/<namespace>`` as its ``CUDA_MPS_PIPE_DIRECTORY`` (read-only) and its
+  client's ``control`` is its namespace's socket.
+  https://docs.nvidia.com/deploy/mps/latest/mpsv3-namespaces.html
+* NOT verified (the reference's option list was not readable here): the option
+  spellings of the runtime namespace commands in :data:`V3` (the verbs ``namespace
+  create|set|delete`` are documented, ``--server``/``--name``/``--active-thread-
+  percentage``/``--pinned-memory-limit`` follow ``server create --uid=`` and the TOML
+  keys), the ``M`` suffix of a pinned limit (the documented examples use ``G``), that a
+  v3 client is routed by ``CUDA_MPS_PIPE_DIRECTORY`` pointing at a namespace directory,
+  and that the server accepts a namespace directory the daemon made beforehand. A
+  restart re-applies every cap through the configuration file (documented keys), not
+  through these commands.
 """
 
 from __future__ import annotations
@@ -28,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import shutil
 import signal
 import subprocess
 import threading
@@ -38,23 +62,45 @@ from pathlib import Path
 
 import structlog
 
+from gpushare.host import mpsdirs
 from gpushare.host.library import cache_key, prepare_cache_dir
 
 log = structlog.get_logger(__name__)
 
 MPS_DIR_NAME = "mps"
 PID_FILE = "nvidia-cuda-mps-control.pid"
-#: The v3 control commands (see the module's note).
-V3 = {
-    "create": "create_namespace {name} {pipe}",
-    "threads": "set_namespace_active_thread_percentage {name} {percent}",
-    "memory": "set_namespace_device_pinned_mem_limit {name} 0 {mib}M",
-    "remove": "remove_namespace {name}",
+#: The one v3 server the namespaces of this node's containers belong to.
+SERVER = "gpushare"
+#: The v3 configuration file written before every start (in the 0700 log directory).
+CONFIG_FILE = "mps-v3.toml"
+#: The v3 runtime commands, as arguments after the executable (see the module's note:
+#: the verbs are documented, the option spellings are not verified).
+V3: dict[str, tuple[str, ...]] = {
+    "create": ("namespace", "create", "--server={server}", "--name={name}"),
+    "threads": (
+        "namespace",
+        "set",
+        "--server={server}",
+        "--name={name}",
+        "--active-thread-percentage={percent}",
+    ),
+    "memory": (
+        "namespace",
+        "set",
+        "--server={server}",
+        "--name={name}",
+        "--pinned-memory-limit={mib}M",
+    ),
+    "remove": ("namespace", "delete", "--server={server}", "--name={name}"),
+    "quit": ("-q",),
 }
 #: How long a command or the daemon's start may take before it counts as failed.
 COMMAND_TIMEOUT = 10.0
 #: Restart back-off: first delay, the most, and how long a run must last to reset it.
 BACKOFF_FIRST, BACKOFF_MAX, BACKOFF_RESET = 1.0, 60.0, 120.0
+#: Modes of the daemon's directories: the pipe tree is read by every client (through
+#: read-only mounts), the log directory by nobody else, shm written by every client.
+PIPE_MODE, LOG_MODE, SHM_MODE = 0o755, 0o700, 0o1777
 
 
 class MpsError(Exception):
@@ -69,11 +115,25 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class Cap:
-    """One container's namespace: its pipe directory and limits."""
+    """One container's namespace: its limits, and the directory whose removal by the
+    garbage collector says its container is gone (``marker``: the container's or
+    claim's cache directory in the private root, never mounted for MPS)."""
 
-    pipe: Path
+    marker: Path
     percent: int = 100
     memory_mib: int | None = None
+
+
+def v3_config(caps: Mapping[str, Cap]) -> str:
+    """The v3 configuration (TOML, NVIDIA's documented keys): the one server (uid 0:
+    root's, shared by clients of every uid in multi-user mode) and each namespace's caps."""
+    lines = ['schema_version = "1.0"', "", f"[servers.{SERVER}]", "uid = 0"]
+    for name, cap in sorted(caps.items()):
+        lines += ["", f"[servers.{SERVER}.namespaces.{name}]"]
+        lines.append(f'active_thread_percentage = "{cap.percent}"')
+        if cap.memory_mib is not None:
+            lines.append(f'pinned_memory_limit = "{cap.memory_mib}M"')
+    return "\n".join(lines) + "\n"
 
 
 def mps_dirs(host_dir: Path) -> tuple[Path, Path]:
@@ -161,13 +221,6 @@ class MpsControl:
     def start(self) -> None:
         """Start the control daemon (and the watch that restarts it); MpsError if it
         will not start."""
-        self.pipe_dir.mkdir(parents=True, exist_ok=True)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        shm = self.pipe_dir.parent / "shm"
-        shm.mkdir(exist_ok=True)
-        os.chmod(shm, 0o1777)  # as /dev/shm: every client uid writes its segments
-        os.chmod(self.pipe_dir, 0o755)  # clients of every uid reach the pipes
-        os.chmod(self.log_dir, 0o700)
         self.capabilities = probe(self.executable, self.env())
         self._launch()
         log.info(
@@ -181,13 +234,54 @@ class MpsControl:
         self._thread = threading.Thread(target=self._watch, name="mps-control", daemon=True)
         self._thread.start()
 
-    def _launch(self) -> None:
-        pid_file = self.pipe_dir / PID_FILE
+    def namespace_pipe(self, name: str) -> Path:
+        """The directory a client of namespace ``name`` uses as its pipe directory:
+        ``<pipe>/<server>/<name>``, where the v3 server makes the namespace's socket."""
+        if not name or "/" in name or name in (".", ".."):
+            raise MpsError(f"{name!r} is not a namespace name")
+        return self.pipe_dir / SERVER / name
+
+    def _prepare_dirs(self) -> None:
+        """Before every start: the directories are real, ours, with their modes, and
+        hold nothing a tenant planted (:mod:`gpushare.host.mpsdirs`)."""
+        root = self.pipe_dir.parent
+        try:
+            root.parent.mkdir(parents=True, exist_ok=True)
+            mpsdirs.ensure_own_dir(root, PIPE_MODE)
+            mpsdirs.ensure_own_dir(self.pipe_dir, PIPE_MODE)
+            mpsdirs.ensure_own_dir(self.log_dir, LOG_MODE)
+            mpsdirs.ensure_own_dir(root / "shm", SHM_MODE)  # every client writes segments
+            mpsdirs.clear_pipe_tree(self.pipe_dir)
+            mpsdirs.clear_shm(root / "shm")
+            if self.capabilities.namespaces:
+                mpsdirs.ensure_own_dir(self.pipe_dir / SERVER, PIPE_MODE)
+                for name in self.caps():
+                    mpsdirs.ensure_own_dir(self.namespace_pipe(name), PIPE_MODE)
+        except OSError as exc:
+            raise MpsError(f"cannot prepare the MPS directories under {root}: {exc}") from None
+
+    def _config(self) -> Path:
+        """The v3 configuration file (:func:`v3_config`), in the 0700 log directory."""
+        path = self.log_dir / CONFIG_FILE
+        tmp = self.log_dir / (CONFIG_FILE + ".tmp")
         with contextlib.suppress(FileNotFoundError):
-            pid_file.unlink()
+            tmp.unlink()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(v3_config(self.caps()))
+        os.replace(tmp, path)
+        return path
+
+    def _launch(self) -> None:
+        self._prepare_dirs()  # also removes the dead daemon's pid file and sockets
         args = [str(self.executable), "-d"]
         if self.capabilities.multi_user:
             args.append("-m")
+        if self.capabilities.namespaces:
+            try:
+                args += ["-p", "3", "-a", str(self._config())]
+            except OSError as exc:
+                raise MpsError(f"cannot write the MPS configuration: {exc}") from None
         try:
             done = subprocess.run(
                 args, env=self.env(), capture_output=True, text=True, timeout=COMMAND_TIMEOUT
@@ -199,22 +293,20 @@ class MpsControl:
             raise MpsError(
                 f"{self.executable} -d exited {done.returncode}: {why[0] if why else ''}".strip()
             )
-        pid = self._read_pid(pid_file)
+        pid = self._read_pid(self.pipe_dir / PID_FILE)
         with self._changed:
             self.pid = pid
             self.starts += 1
             self._changed.notify_all()
 
     def _read_pid(self, pid_file: Path) -> int:
-        """The daemon writes its pid file once it serves: wait for it (bounded)."""
+        """The daemon writes its pid file once it serves: wait for it (bounded). Read
+        without following a link or opening a FIFO (:func:`mpsdirs.read_pid_file`)."""
         deadline = self._clock() + COMMAND_TIMEOUT
         while True:
-            try:
-                text = pid_file.read_text().strip()
-                if text.isdigit():
-                    return int(text)
-            except FileNotFoundError:
-                pass
+            pid = mpsdirs.read_pid_file(pid_file)
+            if pid is not None:
+                return pid
             if self._clock() > deadline:
                 raise MpsError(f"{self.executable} -d wrote no pid file in {pid_file.parent}")
             time.sleep(0.01)  # the daemonized process is not ours to wait on
@@ -249,8 +341,7 @@ class MpsControl:
             if self._stop.wait(delay):
                 return
             try:
-                self._launch()
-                self._reapply()
+                self._launch()  # v3: the configuration file carries every cap
                 log.info("mps_control_restarted", pid=self.pid, caps=len(self._caps))
             except MpsError as exc:
                 log.error("mps_control_restart_failed", reason=str(exc))
@@ -289,7 +380,10 @@ class MpsControl:
         pid = self.pid
         if pid is not None and self.alive():
             with contextlib.suppress(MpsError):
-                self.command("quit")
+                if self.capabilities.namespaces:
+                    self.command_v3("quit")
+                else:
+                    self.command("quit")
             for sig in (None, signal.SIGTERM, signal.SIGKILL):
                 if sig is not None:
                     with contextlib.suppress(ProcessLookupError):
@@ -329,37 +423,68 @@ class MpsControl:
             raise MpsError(f"MPS control command {line.split()[0]!r}: {answer.splitlines()[0]}")
         return answer
 
-    def cap(self, name: str, cap: Cap) -> None:
-        """Create (or re-cap) namespace ``name`` with its own pipe directory: v3 only."""
+    def command_v3(self, verb: str, **fields: object) -> str:
+        """One v3 command of :data:`V3` (arguments after the executable); its answer."""
+        args = [word.format(server=SERVER, **fields) for word in V3[verb]]
+        try:
+            done = subprocess.run(
+                [str(self.executable), *args],
+                env=self.env(),
+                capture_output=True,
+                text=True,
+                timeout=COMMAND_TIMEOUT,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise MpsError(f"MPS v3 command {' '.join(args[:2])!r} failed: {exc}") from None
+        answer = (done.stdout or "").strip()
+        if done.returncode != 0 or answer.lower().startswith(("error", "invalid", "unknown")):
+            why = (answer or done.stderr or "").strip().splitlines()
+            raise MpsError(
+                f"MPS v3 command {' '.join(args[:2])!r} exited {done.returncode}: "
+                f"{why[0] if why else ''}".strip()
+            )
+        return answer
+
+    def cap(self, name: str, cap: Cap) -> Path:
+        """Create (or re-cap) namespace ``name`` on the v3 server; its pipe directory
+        (made here, real and root's, before the container that mounts it exists)."""
         if not self.capabilities.namespaces:
             raise MpsError("this MPS control daemon has no namespaces (driver before r615)")
+        pipe = self.namespace_pipe(name)
         with self._caps_lock:
             known = self._caps.get(name)
             self._caps[name] = cap
-        if known is None or known.pipe != cap.pipe:
-            self.command(V3["create"].format(name=name, pipe=cap.pipe))
-        self.command(V3["threads"].format(name=name, percent=cap.percent))
-        if cap.memory_mib is not None:
-            self.command(V3["memory"].format(name=name, mib=cap.memory_mib))
+        try:
+            if known is None:
+                self.command_v3("create", name=name)
+            self.command_v3("threads", name=name, percent=cap.percent)
+            if cap.memory_mib is not None:
+                self.command_v3("memory", name=name, mib=cap.memory_mib)
+            mpsdirs.ensure_own_dir(pipe.parent, PIPE_MODE)
+            mpsdirs.ensure_own_dir(pipe, PIPE_MODE)
+        except (MpsError, OSError) as exc:  # fail closed, and a restart re-applies the old
+            with self._caps_lock:
+                if known is None:
+                    self._caps.pop(name, None)
+                else:
+                    self._caps[name] = known
+            raise MpsError(f"cannot cap MPS namespace {name}: {exc}") from None
         log.info("mps_namespace_capped", namespace=name, percent=cap.percent, mib=cap.memory_mib)
+        return pipe
 
     def caps(self) -> dict[str, Cap]:
         with self._caps_lock:
             return dict(self._caps)
 
     def forget(self, name: str) -> None:
-        """Remove a namespace whose container is gone."""
+        """Remove a namespace whose container is gone, and its directory."""
         with self._caps_lock:
             known = self._caps.pop(name, None)
         if known is not None:
             with contextlib.suppress(MpsError):
-                self.command(V3["remove"].format(name=name))
-
-    def _reapply(self) -> None:
-        for name, cap in self.caps().items():
-            with self._caps_lock:
-                self._caps.pop(name, None)
-            self.cap(name, cap)
+                self.command_v3("remove", name=name)
+            with contextlib.suppress(OSError, MpsError):
+                shutil.rmtree(self.namespace_pipe(name))  # fd-based: follows no link
 
 
 def _not_zombie(pid: int) -> bool:
@@ -392,12 +517,14 @@ PENDING_LIMIT = 256
 class MpsGrants:
     """Each device-plugin container's namespace, from its two answers.
 
-    The memory answer makes the namespace (named after the container's memory units, its
-    pipe directory a fresh per-container directory that the garbage collector removes
-    with the units) and caps it; the core answer caps the namespace of its partner (the
-    memory binding of the same container), or, when it comes first, leaves its cap for
-    the memory answer that pairs with it. Both run before the container is created.
-    Without namespaces nothing is made here: the answers carry the client's own caps.
+    The memory answer makes the namespace (named after the container's memory units; its
+    pipe directory the server's ``<pipe>/<server>/<name>``, which the container mounts
+    read-only; a fresh cache directory in the private root marks it alive until the
+    garbage collector removes it with the units) and caps it; the core answer caps the
+    namespace of its partner (the memory binding of the same container), or, when it
+    comes first, leaves its cap for the memory answer that pairs with it. Both run
+    before the container is created. Without namespaces nothing is made here: the
+    answers carry the client's own caps.
     """
 
     def __init__(self, control: MpsControl, host_dir: Path) -> None:
@@ -428,11 +555,10 @@ class MpsGrants:
             with self._lock:
                 percent = self._pending.pop(tuple(sorted(partner_cores)), 100)
         name = cache_key(device_ids)
-        if name in self.control.caps():  # an earlier holder's: its pipes go with its dir
+        if name in self.control.caps():  # an earlier holder's: a fresh namespace and dir
             self.control.forget(name)
-        pipe = prepare_cache_dir(self.host_dir, device_ids)
-        self.control.cap(cache_key(device_ids), Cap(pipe, percent, memory_mib if pinned else None))
-        return pipe
+        marker = prepare_cache_dir(self.host_dir, device_ids)
+        return self.control.cap(name, Cap(marker, percent, memory_mib if pinned else None))
 
     def cores(
         self, device_ids: list[str], cores: int, *, partner_memory: tuple[str, ...] | None
@@ -445,25 +571,29 @@ class MpsGrants:
             name = cache_key(partner_memory)
             known = self.control.caps().get(name)
             if known is not None:
-                self.control.cap(name, Cap(known.pipe, percent, known.memory_mib))
+                self.control.cap(name, Cap(known.marker, percent, known.memory_mib))
                 return
         with self._lock:
             self._pending[tuple(sorted(device_ids))] = percent
             while len(self._pending) > PENDING_LIMIT:
                 self._pending.pop(next(iter(self._pending)))
 
-    def claim(self, key: str, pipe: Path, memory_mib: int, cores: int, *, pinned: bool) -> None:
-        """A DRA claim's share: its namespace (named after its cache key), capped at
-        ``cores`` (0: not throttled) and, where ``pinned``, ``memory_mib``; made at prepare,
-        before any container of the claim exists."""
-        if self.namespaces:
-            percent = min(cores, 100) if cores > 0 else 100
-            self.control.cap(key, Cap(pipe, percent, memory_mib if pinned else None))
+    def claim(
+        self, key: str, marker: Path, memory_mib: int, cores: int, *, pinned: bool
+    ) -> Path | None:
+        """A DRA claim's share: its namespace (named after its cache key, alive while
+        ``marker`` is), capped at ``cores`` (0: not throttled) and, where ``pinned``,
+        ``memory_mib``; made at prepare, before any container of the claim exists. Its
+        pipe directory (None without namespaces)."""
+        if not self.namespaces:
+            return None
+        percent = min(cores, 100) if cores > 0 else 100
+        return self.control.cap(key, Cap(marker, percent, memory_mib if pinned else None))
 
     def collect(self) -> list[str]:
-        """Forget the namespaces whose pipe directory the garbage collector removed (their
+        """Forget the namespaces whose marker the garbage collector removed (their
         containers are gone); the names forgotten."""
-        gone = [name for name, cap in self.control.caps().items() if not cap.pipe.is_dir()]
+        gone = [name for name, cap in self.control.caps().items() if not cap.marker.is_dir()]
         for name in gone:
             self.control.forget(name)
         return gone

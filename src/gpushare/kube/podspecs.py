@@ -78,10 +78,9 @@ class SpecContainer:
     #: Whole-card or MIG resources it asks for besides its shared units (full names): a
     #: container that mixes the kinds is refused (the two would name different cards).
     exclusive: tuple[str, ...] = ()
-    #: Why its own spec may change its limits (``share/reserved.py``): through env or
-    #: mounts (the ``envvar`` strategy), through mounts alone (CDI); "" when it cannot.
+    #: Why its own spec may change its limits (``share/reserved.py``: env, envFrom or
+    #: mounts, under every device-list strategy); "" when it cannot.
     tampers: str = ""
-    tampers_by_mounts: str = ""
 
     @property
     def need(self) -> Need:
@@ -125,12 +124,8 @@ def _plan_from(containers: Sequence[SpecContainer]) -> list[Need]:
 class PodSpecBook:
     """Thread-safe record of the GPU containers of pods on this node."""
 
-    def __init__(
-        self, prefix: str, mig_prefix: str | None = None, *, check_env: bool = True
-    ) -> None:
+    def __init__(self, prefix: str, mig_prefix: str | None = None) -> None:
         self.prefix = prefix
-        #: A container's env can override its answer's (``envvar``; CDI edits replace it)
-        self.check_env = check_env
         #: the prefix MIG devices are served under (``nvidia.com`` with ``migNvidiaNames``)
         self.mig_prefix = mig_prefix or prefix
         #: Called when no known pod can be the one asking; re-reads the pods, True if done.
@@ -172,8 +167,7 @@ class PodSpecBook:
             wanted,
             init=init and container.get("restartPolicy") != "Always",
             exclusive=exclusive_requests(container, self.prefix, self.mig_prefix),
-            tampers=tampering(container, env=True) or "",
-            tampers_by_mounts=tampering(container, env=False) or "",
+            tampers=tampering(container) or "",
         )
 
     def update(self, pod: Mapping[str, Any]) -> None:
@@ -433,9 +427,9 @@ def asking_tampering(
 ) -> tuple[Holder, str] | None:
     """A container that may be the one now asking ``size`` units of ``resource`` and
     whose own spec sets what carries its limits (reserved env names, envFrom without a
-    safe prefix, a volume over the interposer: ``share/reserved.py``; mounts only when
-    ``book.check_env`` is off), with why; None when no candidate does or the book cannot
-    tell which container asks.
+    safe prefix, a volume over the interposer: ``share/reserved.py``; under every
+    device-list strategy, a grant's CDI spec replaces only the names it sets), with why;
+    None when no candidate does or the book cannot tell which container asks.
 
     Any candidate suffices (fail safe): with the admission policy in force such a pod
     never reaches the node, so this only speaks where the policy is off."""
@@ -444,9 +438,8 @@ def asking_tampering(
             for container in entry.containers:
                 if container.name != holder.container:
                     continue
-                reason = container.tampers if book.check_env else container.tampers_by_mounts
-                if reason:
-                    return holder, reason
+                if container.tampers:
+                    return holder, container.tampers
     return None
 
 

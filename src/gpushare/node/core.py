@@ -330,17 +330,13 @@ def build_core(
     mig_prefix = mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix)
     if specs is not None:  # the fast suite hands in a book without a node name
         specs.mig_prefix = mig_prefix  # MIG resources a container must not mix with units
-        specs.check_env = not core.listing.uses_cdi  # CDI edits replace the pod's env
     core.specs = specs
     if whole:
         core.exclusion = Exclusion(health, availability, usage, whole, core.exclusive_ledger)
     if settings.node_name:
         _link_to_api(
             core,
-            specs
-            or PodSpecBook(
-                settings.resource_prefix, mig_prefix, check_env=not core.listing.uses_cdi
-            ),
+            specs or PodSpecBook(settings.resource_prefix, mig_prefix),
         )
     return core
 

@@ -118,6 +118,7 @@ class ListParser:
         self.resources = dict(resources)
         self.exclusive = frozenset(exclusive)
         self._parts: dict[bytes, Snapshot] = {}
+        self.decoded = 0  # pod entries decoded so far (the others were kept)
 
     def parse(self, data: bytes, taken_at: float) -> Snapshot:
         """The snapshot of one serialized answer; DecodeError where it is not one."""
@@ -126,29 +127,19 @@ class ListParser:
         except ValueError:
             response = api_pb2.ListPodResourcesResponse.FromString(data)
             return parse_list_response(response, self.resources, taken_at, self.exclusive)
-        snapshot = Snapshot(taken_at)
         parts: dict[bytes, Snapshot] = {}
+        kept = self._parts
         for entry in entries:
-            part = parts.get(entry) or self._parts.get(entry)
+            part = parts.get(entry) or kept.get(entry)
             if part is None:
                 part = Snapshot(taken_at)
                 pod = api_pb2.PodResources.FromString(entry)
+                self.decoded += 1
                 _add_pod(pod, self.resources, self.exclusive, part)
             parts[entry] = part
-            _merge(part, snapshot)
         self._parts = parts
-        return snapshot
-
-
-def _merge(part: Snapshot, into: Snapshot) -> None:
-    """Add one pod's records to ``into``, as :func:`_add_pod` on ``into`` would have."""
-    into.holders.update(part.holders)
-    for holder, held in part.devices.items():
-        mine = into.devices.setdefault(holder, {})
-        for resource, ids in held.items():
-            mine.setdefault(resource, []).extend(ids)
-    for name, owners in part.exclusive.items():
-        into.exclusive.setdefault(name, {}).update(owners)
+        # every entry in the answer's order: a pod listed twice joins twice, as decoding whole does
+        return Snapshot.joined(taken_at, map(parts.__getitem__, entries))
 
 
 class PodResourcesClient:
@@ -185,6 +176,11 @@ class PodResourcesClient:
         self._parser = ListParser(self.resources, self.exclusive)
         self.last: Snapshot | None = None  # the newest snapshot read successfully
         self.last_error = ""
+
+    @property
+    def decoded(self) -> int:
+        """Pod entries decoded since start: only those that changed between answers."""
+        return self._parser.decoded
 
     def list(self, *, timeout: float = LIST_TIMEOUT) -> Snapshot | None:
         """A snapshot read from now on; None when the kubelet cannot be read."""

@@ -364,7 +364,10 @@ def _mps_edits(
         if pipe is None:
             raise ValueError(f"card {uuid} is shared through MPS, but no pipe directory is set")
         envs[MPS_PIPE] = CONTAINER_MPS_PIPE
-        mounts.append(Mount(CONTAINER_MPS_PIPE, str(pipe), read_only=False))
+        # read-only: a client connects to the sockets there (a connect needs no writable
+        # mount); the root daemon and server write there, so a tenant must not be able
+        # to plant a link or FIFO for them to follow (docs/security.md)
+        mounts.append(Mount(CONTAINER_MPS_PIPE, str(pipe), read_only=True))
         if enforcement.mps_shm is not None:
             mounts.append(Mount(CONTAINER_SHM, str(enforcement.mps_shm), read_only=False))
         if enforcement.by_driver(uuid):

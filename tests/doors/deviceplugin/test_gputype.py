@@ -111,6 +111,8 @@ def start(node: Node, api: KubeApiDouble) -> None:
         ),
         15.0,
     )
+    # The whole-card resource registers on its own, after the two shared ones.
+    assert node.kubelet.wait_for(lambda k: k.healthy_count("gpushare.io/gpu") == 2, 30.0)
 
 
 def add(api: KubeApiDouble, name: str, limits: dict[str, int], annotations: dict[str, str]) -> None:

@@ -127,8 +127,11 @@ def test_nvidia_names_and_cdi(node: Node) -> None:
     assert MIG_2G not in registered(node)
     admitted = node.kubelet.admit("a", "main", {nvidia: 1})
     response = admitted.responses[nvidia]
-    assert [d.name for d in response.cdi_devices] == [f"nvidia.com/gpu={mig_uuid(1)}"]
-    assert admitted.card() == mig_uuid(1)
+    names = [d.name for d in response.cdi_devices]
+    assert names[0] == f"nvidia.com/gpu={mig_uuid(1)}"  # the device's own, then ours, last
+    assert [n.split("=")[0] for n in names[1:]] == [f"{PREFIX}/grant"]
+    assert dict(response.envs) == {}  # sealed in the grant's spec (issue 32)
+    assert admitted.devices[nvidia] == [mig_uuid(1)]
 
 
 def test_a_mig_device_xid_marks_only_that_device_and_a_vanished_one_stays_listed(

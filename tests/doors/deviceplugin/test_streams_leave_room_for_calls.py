@@ -59,11 +59,12 @@ def test_extra_list_and_watch_streams_leave_admissions_answered(
 
 def test_every_open_stream_gets_a_health_change(node: Node, streams: list[grpc.Future]) -> None:
     assert node.daemon is not None and node.daemon.core.health is not None
-    node.daemon.core.health.set(gpu_uuid(1), False, "test")
-    for stream in streams:
+    for stream in streams:  # each stream's first list is sent before the change is made
         first = next(stream)  # the list as it was when the stream opened
         assert len(first.devices) in (2 * 29, 2 * 100)
         assert {d.health for d in first.devices} == {"Healthy"}
+    node.daemon.core.health.set(gpu_uuid(1), False, "test")
+    for stream in streams:
         update = next(stream)
         unhealthy = {d.ID.split("::")[0] for d in update.devices if d.health == "Unhealthy"}
         assert unhealthy == {gpu_uuid(1)}

@@ -66,9 +66,10 @@ def test_a_claims_cache_directory_is_measured_and_bounded(node: Node, api: KubeA
             assert poll(lambda: collector.over_limit == 1, 20.0)
         over = [e for e in logs if e["event"] == "cache_dir_over_limit"]
         assert len(over) == 1 and over[0]["holder"] == "claim ml/filler"
-        assert over[0]["key"] == cache.name and over[0]["bytes"] >= 3 << 20
+        # The measurement may land while the write is under way: over the limit, maybe not all.
+        assert over[0]["key"] == cache.name and over[0]["bytes"] > 1 << 20
         assert metric(port, "gpushare_cache_dirs_over_limit") == 1.0
-        assert metric(port, "gpushare_cache_dir_bytes") >= 3 << 20
+        assert poll(lambda: metric(port, "gpushare_cache_dir_bytes") >= 3 << 20, 20.0)
         # passes later (the grace period long over), the claim's directory is still there
         for _ in range(2):
             last = collector._last_run

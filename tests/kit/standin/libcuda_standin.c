@@ -4,7 +4,7 @@
  * every process that names the same CUDA_DEVICE_MEMORY_SHARED_CACHE file (as HAMi-core
  * shares its accounting). STANDIN_BYPASS_ASYNC=1 lets cuMemAllocAsync past the limit
  * (what some HAMi-core versions do); STANDIN_PER_PROCESS=1 counts each process alone.
- * Kernel launches sleep: 2 ms when throttled (CUDA_DEVICE_SM_LIMIT 1..99 and the policy
+ * Kernel launches sleep: 20 ms when throttled (CUDA_DEVICE_SM_LIMIT 1..99 and the policy
  * not "disable"), 0.2 ms otherwise.
  * The driver's per-cgroup limit (r615+): with STANDIN_DRIVER_STORE (the simulated NVML's
  * store, src/gpushare/gpu/memlimits.py), STANDIN_GPU and STANDIN_CGROUP (the namespace
@@ -160,6 +160,6 @@ CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
                     !env_is("GPU_CORE_UTILIZATION_POLICY", "disable");
     (void)f; (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared;
     (void)s; (void)params; (void)extra;
-    usleep(throttled ? 2000 : 200);
+    usleep(throttled ? 20000 : 200); /* 100x apart: a loaded machine stretches the short one */
     return OK;
 }

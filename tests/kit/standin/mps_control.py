@@ -4,15 +4,23 @@ Behaves as the control daemon does, as far as gpushare uses it:
 
 * ``-h`` prints a usage that lists ``-m`` (unless ``STANDIN_MPS_NO_MULTIUSER`` is set);
   ``-p 3 -h`` lists ``namespace`` commands when ``STANDIN_MPS_V3`` is set, else fails.
-* ``-d [-m]`` daemonizes (double fork), serves a control socket in
+* ``-d [-m] [-p 3 -a <file>]`` daemonizes (double fork), serves a control socket in
   ``$CUDA_MPS_PIPE_DIRECTORY`` and writes its pid to ``nvidia-cuda-mps-control.pid`` there;
-  ``STANDIN_MPS_FAIL_START`` makes it exit 1 instead.
-* with no argument it is a client: each stdin line is sent to the daemon, each answer
-  printed. Commands: ``get_server_list``, ``set_default_active_thread_percentage N``,
-  ``get_default_active_thread_percentage``, the v3 namespace commands, ``quit``.
+  ``STANDIN_MPS_FAIL_START`` makes it exit 1 instead. With ``-p 3`` it speaks v3 (only
+  where ``STANDIN_MPS_V3`` is set): ``-a`` applies a TOML file's servers and namespaces.
+* with no argument it is a legacy client: each stdin line is sent to the daemon, each
+  answer printed (``get_server_list``, ``set_default_active_thread_percentage N``,
+  ``get_default_active_thread_percentage``, ``quit``); with v3 arguments (``namespace
+  create|set|delete --server=S --name=N [--active-thread-percentage=P]
+  [--pinned-memory-limit=<MiB>M]``, ``-q``) it sends them as one line.
 
-The daemon keeps what it was told in ``standin-state.json`` in the pipe directory, for the
-tests to read (multi-user, default percentage, namespaces with pipe and caps).
+A v3 namespace gets a listening socket ``<pipe>/<server>/<namespace>/control``, as the
+documented routing has it. The stand-in writes as a careless root daemon would: its pid
+file, its state file and its namespace directories are opened and made by name,
+following whatever link is there, so a test can show that the supervisor leaves it
+nothing to follow. It keeps what it was told in ``standin-state.json`` in the pipe
+directory, for the tests to read (multi-user, protocol, default percentage, namespaces
+with pipe and caps).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import json
 import os
 import socket
 import sys
+import tomllib
 from pathlib import Path
 
 PID_FILE = "nvidia-cuda-mps-control.pid"
@@ -43,17 +52,61 @@ def v3_usage() -> int:
     if not os.environ.get("STANDIN_MPS_V3"):
         print("unknown protocol 3", file=sys.stderr)
         return 1
-    print("server commands: get_server_list quit")
-    print("namespace commands: create_namespace remove_namespace")
+    print("server commands: server create, server list")
+    print("namespace commands: namespace create, namespace set, namespace delete")
     return 0
+
+
+LISTENERS: dict[str, socket.socket] = {}
+
+
+def make_namespace(state: dict[str, object], server: str, name: str) -> str:
+    """The namespace's directory and listening socket, made by name (links followed)."""
+    namespaces: dict[str, dict[str, object]] = state["namespaces"]  # type: ignore[assignment]
+    where = pipe_dir() / server / name
+    os.makedirs(where, exist_ok=True)  # careless: follows a planted link
+    path = where / SOCKET
+    if os.path.lexists(path):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(8)
+    LISTENERS[name] = listener
+    namespaces.setdefault(name, {"pipe": str(where), "percent": 100, "mib": None})
+    return "ok"
+
+
+def answer_v3(state: dict[str, object], words: list[str]) -> str:
+    namespaces: dict[str, dict[str, object]] = state["namespaces"]  # type: ignore[assignment]
+    options = dict(w[2:].split("=", 1) for w in words[2:] if w.startswith("--") and "=" in w)
+    verb = " ".join(words[:2])
+    name = options.get("name", "")
+    if verb == "namespace create" and name and options.get("server"):
+        return make_namespace(state, options["server"], name)
+    if verb == "namespace set" and name:
+        if name not in namespaces:
+            return "error: no such namespace"
+        if "active-thread-percentage" in options:
+            namespaces[name]["percent"] = int(options["active-thread-percentage"])
+        if "pinned-memory-limit" in options:
+            namespaces[name]["mib"] = int(options["pinned-memory-limit"].rstrip("M"))
+        return "ok"
+    if verb == "namespace delete" and name:
+        namespaces.pop(name, None)
+        listener = LISTENERS.pop(name, None)
+        if listener is not None:
+            listener.close()
+        return "ok"
+    return f"invalid command {verb}"
 
 
 def answer(state: dict[str, object], line: str) -> str:
     words = line.split()
     if not words:
         return ""
-    namespaces: dict[str, dict[str, object]] = state["namespaces"]  # type: ignore[assignment]
     verb, args = words[0], words[1:]
+    if state["protocol"] == 3:
+        return answer_v3(state, words)
     if verb == "get_server_list":
         return ""
     if verb == "set_default_active_thread_percentage" and len(args) == 1 and args[0].isdigit():
@@ -61,50 +114,48 @@ def answer(state: dict[str, object], line: str) -> str:
         return args[0]
     if verb == "get_default_active_thread_percentage":
         return str(state["default_percent"])
-    if state["v3"]:
-        if verb == "create_namespace" and len(args) == 2:
-            namespaces[args[0]] = {"pipe": args[1], "percent": 100, "mib": None}
-            return "ok"
-        if verb == "set_namespace_active_thread_percentage" and len(args) == 2:
-            if args[0] not in namespaces or not args[1].isdigit():
-                return "error: no such namespace"
-            namespaces[args[0]]["percent"] = int(args[1])
-            return "ok"
-        if verb == "set_namespace_device_pinned_mem_limit" and len(args) == 3:
-            if args[0] not in namespaces:
-                return "error: no such namespace"
-            namespaces[args[0]]["mib"] = int(args[2].rstrip("M"))
-            return "ok"
-        if verb == "remove_namespace" and len(args) == 1:
-            namespaces.pop(args[0], None)
-            return "ok"
     return f"invalid command {verb}"
 
 
-def serve(multi_user: bool) -> None:
+def apply_config(state: dict[str, object], path: str) -> None:
+    """A v3 configuration file's servers and their namespaces, with their caps."""
+    namespaces: dict[str, dict[str, object]] = state["namespaces"]  # type: ignore[assignment]
+    with open(path, "rb") as f:
+        config = tomllib.load(f)
+    state["config"] = config
+    for server, body in config.get("servers", {}).items():
+        for name, caps in body.get("namespaces", {}).items():
+            make_namespace(state, server, name)
+            namespaces[name]["percent"] = int(caps.get("active_thread_percentage", "100"))
+            if "pinned_memory_limit" in caps:
+                namespaces[name]["mib"] = int(caps["pinned_memory_limit"].rstrip("M"))
+
+
+def serve(multi_user: bool, protocol: int, config: str | None) -> None:
     where = pipe_dir()
     state: dict[str, object] = {
         "multi_user": multi_user,
+        "protocol": protocol,
         "default_percent": 100,
         "namespaces": {},
-        "v3": bool(os.environ.get("STANDIN_MPS_V3")),
         "pid": os.getpid(),
     }
     path = where / SOCKET
-    if path.exists():
+    if os.path.lexists(path):
         path.unlink()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(path))
     server.listen(8)
+    if config is not None:
+        apply_config(state, config)
 
     def save() -> None:
-        tmp = where / (STATE + ".tmp")
-        tmp.write_text(json.dumps(state))
-        tmp.replace(where / STATE)
+        with open(where / STATE, "w") as f:  # careless: follows a planted link or FIFO
+            f.write(json.dumps(state))
 
     save()
-    (where / (PID_FILE + ".tmp")).write_text(str(os.getpid()))
-    (where / (PID_FILE + ".tmp")).replace(where / PID_FILE)
+    with open(where / PID_FILE, "w") as f:  # careless, as above
+        f.write(str(os.getpid()))
     while True:
         conn, _ = server.accept()
         with conn, conn.makefile("rw") as stream:
@@ -121,10 +172,16 @@ def serve(multi_user: bool) -> None:
                 save()
 
 
-def daemonize(multi_user: bool) -> int:
+def daemonize(args: list[str]) -> int:
     if os.environ.get("STANDIN_MPS_FAIL_START"):
         print("cannot start: the stand-in was told to fail", file=sys.stderr)
         return 1
+    multi_user = "-m" in args
+    protocol = int(args[args.index("-p") + 1]) if "-p" in args else 2
+    if protocol == 3 and not os.environ.get("STANDIN_MPS_V3"):
+        print("unknown protocol 3", file=sys.stderr)
+        return 1
+    config = args[args.index("-a") + 1] if "-a" in args else None
     if os.fork() > 0:
         return 0  # like the real one: the caller returns at once, the daemon runs on
     os.setsid()
@@ -134,20 +191,21 @@ def daemonize(multi_user: bool) -> int:
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     try:
-        serve(multi_user)
+        serve(multi_user, protocol, config)
     finally:
         os._exit(1)
 
 
-def client() -> int:
+def client(argv: list[str]) -> int:
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(str(pipe_dir() / SOCKET))
     except OSError as exc:
         print(f"cannot reach the control daemon: {exc}", file=sys.stderr)
         return 1
+    lines = [" ".join(argv)] if argv else sys.stdin
     with conn, conn.makefile("rw") as stream:
-        for line in sys.stdin:
+        for line in lines:
             stream.write(line.strip() + "\n")
             stream.flush()
             print(stream.readline().rstrip("\n"))
@@ -160,9 +218,11 @@ def main(argv: list[str]) -> int:
     if argv == ["-p", "3", "-h"]:
         return v3_usage()
     if argv and argv[0] == "-d":
-        return daemonize("-m" in argv[1:])
-    if not argv:
-        return client()
+        return daemonize(argv[1:])
+    if argv == ["-q"]:
+        return client(["quit"])
+    if not argv or argv[0] in ("namespace", "server", "client"):
+        return client(argv)
     print(f"unknown arguments {argv}", file=sys.stderr)
     return 2
 

@@ -76,10 +76,12 @@ def test_cdi_annotations_name_the_cards_in_one_annotation(node: Node) -> None:
     start(node, "cdi-annotations")
     gpu = f"{node.settings.resource_prefix}/gpu"
     admitted = node.kubelet.admit("a", "main", {gpu: 2})
-    assert admitted.annotations == {
-        f"cdi.k8s.io/gpushare_{gpu_uuid(0)}": f"nvidia.com/gpu={gpu_uuid(0)},"
-        f"nvidia.com/gpu={gpu_uuid(1)}"
-    }
+    (key,) = admitted.annotations
+    assert key == f"cdi.k8s.io/gpushare_{gpu_uuid(0)}"
+    *cards_named, grant = admitted.annotations[key].split(",")
+    assert cards_named == [f"nvidia.com/gpu={gpu_uuid(0)}", f"nvidia.com/gpu={gpu_uuid(1)}"]
+    # the grant's own CDI device last (doors/deviceplugin/test_cdi_every_door_sealed.py)
+    assert grant.startswith("gpushare.io/grant=whole-")
     assert cdi_names(admitted, gpu) == []
 
 
@@ -87,8 +89,11 @@ def test_all_three_strategies_combine(node: Node) -> None:
     start(node, "envvar,cdi-cri,cdi-annotations")
     gpu = f"{node.settings.resource_prefix}/gpu"
     admitted = node.kubelet.admit("a", "main", {gpu: 2})
-    assert admitted.envs["NVIDIA_VISIBLE_DEVICES"] == f"{gpu_uuid(0)},{gpu_uuid(1)}"
-    assert cdi_names(admitted, gpu) == [f"nvidia.com/gpu={gpu_uuid(i)}" for i in range(2)]
+    assert admitted.envs == {}  # in the grant's own CDI spec, named last
+    *cards_named, grant = cdi_names(admitted, gpu)
+    assert cards_named == [f"nvidia.com/gpu={gpu_uuid(i)}" for i in range(2)]
+    env, _mounts = final([], [], [grant], [Path(node.settings.dra_cdi_dir)])
+    assert env["NVIDIA_VISIBLE_DEVICES"] == f"{gpu_uuid(0)},{gpu_uuid(1)}"
     assert len([k for k in admitted.annotations if k.startswith("cdi.k8s.io/")]) == 1
 
 
@@ -98,7 +103,8 @@ def test_index_names_and_another_kind(node: Node) -> None:
     whole = node.kubelet.admit("a", "main", {gpu: 1})
     (card,) = whole.devices[gpu]
     index = [gpu_uuid(0), gpu_uuid(1)].index(card)
-    assert cdi_names(whole, gpu) == [f"example.com/accel={index}"]
+    assert cdi_names(whole, gpu)[:-1] == [f"example.com/accel={index}"]
+    assert cdi_names(whole, gpu)[-1].startswith("gpushare.io/grant=whole-")
     shared = node.kubelet.admit("b", "main", {node.memory: 1})
     assert cdi_names(shared, node.memory)[0] == f"example.com/accel={1 - index}"
 

@@ -57,6 +57,8 @@ scale: $(VENV)/.installed-test  ## the extender at 100/1 000/5 000 nodes and 10k
 	$(BIN)/python -m gpushare.bench.scale --nodes $(SCALE_NODES) \
 	  --pods $(SCALE_PODS) --out bench-out/scale.md \
 	  $(if $(DOCS),--write docs/benchmarks.md)
+	$(BIN)/python -m gpushare.bench.writes --out bench-out/writes.md \
+	  $(if $(BASELINE_SRC),--baseline-src $(BASELINE_SRC)) $(if $(DOCS),--write docs/benchmarks.md)
 
 churn: $(VENV)/.installed  ## freed room to binding: the churn scenario against the stand-ins
 	$(BIN)/python -m gpushare.sim.churn --rounds 8 --legacy

@@ -232,6 +232,13 @@ class Settings:
     node_name: str = _opt(
         "", "name of this node, for the Node and Pod annotations (downward API)", env="NODE_NAME"
     )
+    node_state: str = _opt(
+        "both",
+        "where the card state is published: object (ConfigMap gpushare-node-<node> in the "
+        "daemon's namespace, POD_NAMESPACE), annotation (the Node's gpushare.io/gpus, as "
+        "older releases do) or both (during a rollout, for extenders of older releases)",
+        choices=("annotation", "both", "object"),
+    )
     metrics_port: int = _opt(
         9445, "port of the Prometheus /metrics and /healthz endpoint; 0 = off", bounds=(0, 65535)
     )

@@ -133,6 +133,8 @@ def test_every_chart_template_renders_and_validates(version: str) -> None:
         "ServiceAccount",
         "ClusterRole",
         "ClusterRoleBinding",
+        "Role",  # the node's state object (ConfigMap gpushare-node-<node>)
+        "RoleBinding",
         "ConfigMap",
         "DaemonSet",
         "NetworkPolicy",  # networkPolicy.* (tests/doors/metrics/test_listener_bounds.py)
@@ -388,6 +390,8 @@ def daemon_api_verbs() -> set[tuple[str, str]]:
         assert poll(lambda: bool(double.calls("PATCH", "/pods/a")), 15.0)
         assert poll(lambda: bool(double.calls("GET", "/api/v1/pods")), 15.0)
         assert poll(lambda: any("watch" in r.query for r in double.requests), 15.0)
+        # the state object: created, then patched with the admitted pod's use
+        assert poll(lambda: bool(double.calls("PATCH", "/configmaps/gpushare-node-n")), 15.0)
     finally:
         node.stop()
         double.stop()
@@ -405,13 +409,33 @@ def test_cluster_role_grants_exactly_what_the_daemon_calls(
     source: str, daemon_api_verbs: set[tuple[str, str]]
 ) -> None:
     objects = plain_objects() if source == "daemonset/" else chart_objects()
-    needed = daemon_api_verbs
+    needed = daemon_api_verbs - {("configmaps", v) for v in ("get", "create", "patch")}
+    assert daemon_api_verbs - needed == {
+        ("configmaps", "get"),
+        ("configmaps", "create"),
+        ("configmaps", "patch"),
+    }
     assert needed == {
         ("nodes", "get"),
         ("nodes", "patch"),
         ("pods", "list"),
         ("pods", "watch"),
         ("pods", "patch"),
+    }
+    # the state object's verbs are a Role's, in the daemon's own namespace only
+    role = one(objects, "Role")
+    assert {
+        (resource, verb)
+        for rule in role["rules"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+        if rule["apiGroups"] == [""]
+    } == daemon_api_verbs - needed
+    role_binding = one(objects, "RoleBinding")
+    assert role_binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
     }
     granted = {
         (resource, verb)
@@ -432,6 +456,13 @@ def test_cluster_role_grants_exactly_what_the_daemon_calls(
             "namespace": account["metadata"]["namespace"],
         }
     ]
+    assert role_binding["subjects"] == binding["subjects"]
+    namespace = account["metadata"]["namespace"]
+    assert role["metadata"]["namespace"] == role_binding["metadata"]["namespace"] == namespace
+    # ... which is where the daemon writes: POD_NAMESPACE, from the downward API
+    env_list = _container(one(objects, "DaemonSet"))["env"]
+    (env,) = [e for e in env_list if e["name"] == "POD_NAMESPACE"]
+    assert env["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
 
 
 # -- the chart's values are the daemon's options ----------------------------------------

@@ -145,8 +145,19 @@ def _scheduler_checks(objects: list[dict[str, Any]]) -> None:
         "system:volume-scheduler",
         "extension-apiserver-authentication-reader",
     }
-    (role,) = [o for o in objects if o["kind"] == "Role"]
+    roles = [
+        o
+        for o in objects
+        if o["kind"] == "Role" and o["metadata"]["name"].startswith("gpushare-scheduler")
+    ]
+    (role,) = [o for o in roles if o["rules"][0]["resources"] == ["leases"]]
     assert ("RoleBinding", role["metadata"]["name"]) in bound
+    # the extender sidecar's list and watch of the daemons' state objects, nothing more
+    (state_role,) = [o for o in roles if o is not role]
+    assert ("RoleBinding", state_role["metadata"]["name"]) in bound
+    assert state_role["rules"] == [
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["list", "watch"]}
+    ]
     assert role["rules"] == [
         {
             "apiGroups": ["coordination.k8s.io"],

@@ -694,3 +694,65 @@ def test_with_nvidia_mig_names_the_chart_refuses_their_mix_too() -> None:
         assert any("together with whole cards or MIG" in d for d in denials), other
     alone = _pod(_limits("app", **{"nvidia.com/mig-1g.5gb": 1}))
     assert policy.denials(CREATE_POD, alone) == []
+
+
+# -- the daemon's state object (ConfigMap gpushare-node-<node>) -------------------------
+
+
+def _state_object(name: str, node: str | None, owners: list[tuple[str, str]]) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": "kube-system"}
+    if node is not None:
+        meta["annotations"] = {"gpushare.io/node": node}
+    if owners:
+        meta["ownerReferences"] = [
+            {"apiVersion": version, "kind": "Node", "name": owner, "uid": "u"}
+            for version, owner in owners
+        ]
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {"gpus": "{}"}}
+
+
+def _configmap_request(operation: str, name: str) -> dict[str, Any]:
+    request = _request("configmaps", name)
+    request["operation"] = operation
+    return request
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    operation=st.sampled_from(["CREATE", "UPDATE"]),
+    name=st.sampled_from(["gpushare-node-n1", "gpushare-node-n2", "coredns", "gpushare-node-"]),
+    node=st.sampled_from(["n1", "n2", None]),
+    owners=st.lists(
+        st.tuples(st.sampled_from(["v1", "apps/v1"]), st.sampled_from(["n1", "n2"])),
+        max_size=2,
+    ),
+)
+def test_the_daemon_writes_only_its_own_nodes_state_object(
+    operation: str, name: str, node: str | None, owners: list[tuple[str, str]]
+) -> None:
+    """Its token on n1 may create or update only ConfigMap gpushare-node-n1, annotated
+    gpushare.io/node: n1 and owned (every owner) by v1 Node n1 and by at least one."""
+    obj = _state_object(name, node, owners)
+    old = _state_object("gpushare-node-n1", "n1", [("v1", "n1")]) if operation == "UPDATE" else None
+    denials = SCOPE.denials(_configmap_request(operation, name), obj, old)
+    allowed = (
+        name == "gpushare-node-n1"
+        and node == "n1"
+        and bool(owners)
+        and all(owner == ("v1", "n1") for owner in owners)
+    )
+    assert denials is not None
+    assert (denials == []) == allowed, denials
+    if not allowed:
+        assert any("may write only the ConfigMap gpushare-node-n1" in d for d in denials)
+
+
+def test_the_state_object_rule_needs_the_tokens_node_and_leaves_others_alone() -> None:
+    obj = _state_object("gpushare-node-n1", "n1", [("v1", "n1")])
+    request = _configmap_request("CREATE", "gpushare-node-n1")
+    request["userInfo"]["extra"] = {}
+    denials = SCOPE.denials(request, obj)
+    assert denials and any("carries no node name" in d for d in denials)
+    admin = _configmap_request("CREATE", "anything")
+    admin["userInfo"]["username"] = "kubernetes-admin"
+    assert SCOPE.denials(admin, _state_object("anything", None, [])) is None

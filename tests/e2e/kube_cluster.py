@@ -1014,7 +1014,8 @@ class Cluster:
         self.api.apply_all(
             o
             for o in load_manifests(REPO / "daemonset/extender/extender.yaml")
-            if o["kind"] in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding")
+            if o["kind"]
+            in ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
         )
         token = self.token_for_account("kube-system", "gpushare-scheduler-extender")
         token_file = self.dir / "extender.token"

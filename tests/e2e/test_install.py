@@ -16,6 +16,7 @@ from kube_cluster import MEMORY, REPO, Cluster, NodeSpec, running_cluster, wait_
 NODE = "node-1"
 DS = "/apis/apps/v1/namespaces/kube-system/daemonsets/gpushare"
 OPT_IN = "gpushare.io/enabled"
+STATE = f"/api/v1/namespaces/kube-system/configmaps/gpushare-node-{NODE}"
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +56,15 @@ def test_install_then_uninstall(bare: Cluster) -> None:
     bare.wait_pod("kube-system", name, "Running")
     record = bare.wait_record(NODE, "kube-system", name, "gpushare")
     assert record["env"]["NODE_NAME"] == NODE  # the kubelet's downward API
+    assert record["env"]["POD_NAMESPACE"] == "kube-system"
     assert record["command"] == ["gpushare-device-plugin"]
 
     agent = bare.nodes[NODE]
     agent.daemon_pod = name
     agent.start_daemon()  # waits for the node's allocatable
     assert int(bare.allocatable(NODE)[MEMORY]) == 32
+    # the node's state object, written with the RBAC install applied (a Role)
+    wait_for("the node's state object", lambda: bare.api.get_or_none(STATE), 60)
 
     uninstall = bare.kubectl_gpushare("uninstall", "--all", "--wait", "0")
     assert uninstall.returncode == 0, uninstall.stdout + uninstall.stderr
@@ -76,5 +80,8 @@ def test_install_then_uninstall(bare: Cluster) -> None:
         "/api/v1/namespaces/kube-system/serviceaccounts/gpushare",
         "/apis/rbac.authorization.k8s.io/v1/clusterroles/gpushare",
         "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/gpushare",
+        "/apis/rbac.authorization.k8s.io/v1/namespaces/kube-system/roles/gpushare",
+        "/apis/rbac.authorization.k8s.io/v1/namespaces/kube-system/rolebindings/gpushare",
+        STATE,  # deleted by uninstall once the daemon's pod had gone
     ):
         assert bare.api.get_or_none(path) is None, path

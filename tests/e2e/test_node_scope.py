@@ -1,6 +1,7 @@
 """Scenario 4: the daemon's credentials (its ServiceAccount's token bound to its pod on
 node-1, as the kubelet would mount it) with the project's RBAC and node-scope policy, judged by
-the real API server: its own Node and its node's pods yes, anything else no."""
+the real API server: its own Node, its node's pods and its node's state object (ConfigMap
+gpushare-node-node-1) yes, anything else no."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 from kube_cluster import MEMORY, Api, Cluster, pod_manifest, wait_for
+
+from gpushare.kube import nodestate, stateobject
+
+CONFIGMAPS = "/api/v1/namespaces/kube-system/configmaps"
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +112,61 @@ def test_the_daemons_own_writes_pass_the_policy(cluster: Cluster) -> None:
         assert env["NVIDIA_VISIBLE_DEVICES"] in value
     finally:
         cluster.delete_pod("default", "scope-served")
+
+
+def _state_object(cluster: Cluster, node: str, **meta: object) -> dict[str, object]:
+    uid = cluster.node(node)["metadata"]["uid"]
+    obj = stateobject.state_object("gpushare.io", "kube-system", node, uid, "{}")
+    obj["metadata"].update(meta)
+    return obj
+
+
+def test_the_daemon_publishes_its_state_object_through_the_policy(cluster: Cluster) -> None:
+    """The daemon (mode both, the default) created and keeps ConfigMap gpushare-node-node-1
+    with its token: owned by the Node, the same state as the annotation."""
+
+    def published() -> dict[str, object] | None:
+        reply = cluster.api.request("GET", f"{CONFIGMAPS}/gpushare-node-node-1")
+        return reply.json() if reply.status_code == 200 else None
+
+    found = wait_for("the daemon's state object", published, 60)
+    node = cluster.node("node-1")
+    read = stateobject.read_state_object(found, "gpushare.io")
+    assert (read.node, read.problem, read.owner_uid) == ("node-1", "", node["metadata"]["uid"])
+    assert len(nodestate.decode(read.text or "").cards) == 3
+
+
+def test_the_daemon_may_write_no_other_state_object_and_no_other_configmap(
+    cluster: Cluster, daemon_api: Api
+) -> None:
+    other_node = _state_object(cluster, "node-2")
+    reply = daemon_api.create(other_node)
+    assert reply.status_code == 403, reply.text
+    assert "may write only the ConfigMap gpushare-node-node-1" in reply.json()["message"]
+    # its own name, but naming or owned by another node
+    for forged in (
+        _state_object(cluster, "node-1", annotations={"gpushare.io/node": "node-2"}),
+        _state_object(
+            cluster,
+            "node-1",
+            ownerReferences=[{"apiVersion": "v1", "kind": "Node", "name": "node-2", "uid": "x"}],
+        ),
+    ):
+        forged["metadata"]["name"] = "gpushare-node-node-1"
+        assert daemon_api.create(forged).status_code in (403, 409)
+        reply = daemon_api.patch(
+            f"{CONFIGMAPS}/gpushare-node-node-1", {"metadata": forged["metadata"]}
+        )
+        assert reply.status_code == 403, reply.text
+    any_other = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "coredns-like", "namespace": "kube-system"},
+        "data": {"x": "y"},
+    }
+    assert daemon_api.create(any_other).status_code == 403
+    # RBAC: no delete, no list, and nothing outside its namespace
+    assert daemon_api.request("DELETE", f"{CONFIGMAPS}/gpushare-node-node-1").status_code == 403
+    assert daemon_api.request("GET", CONFIGMAPS).status_code == 403
+    elsewhere = _state_object(cluster, "node-1", namespace="default")
+    assert daemon_api.create(elsewhere).status_code == 403

@@ -88,7 +88,7 @@ def cluster(
     monkeypatch: pytest.MonkeyPatch,
     request: pytest.FixtureRequest,
 ) -> Cluster:
-    monkeypatch.setattr(apilink, "REFRESH_SECONDS", 3600.0)  # publishes come from changes
+    monkeypatch.setattr(apilink, "RESYNC_SECONDS", 3600.0)  # publishes come from changes
     gpus = getattr(request, "param", cards(TESLA_P4, 1))
     node.start(gpus, node_name=NODE, pod_resources_interval_seconds=3600)
     eventually(

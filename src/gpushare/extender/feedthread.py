@@ -27,6 +27,8 @@ class ListWatchFeed:
     (:meth:`_cycle`) and what a watch event becomes (:meth:`_watched`)."""
 
     path = ""
+    #: the watch's selectors (the list's are each feed's own)
+    watch_query: dict[str, str] = {}
     thread_name = ""
     #: extra fields of the retry loop's log events
     log_fields: dict[str, str] = {}
@@ -72,7 +74,7 @@ class ListWatchFeed:
         self._resume = ""
 
     def _watch_once(self) -> None:
-        watch = open_watch(self.client, self.path, {}, self._resume)
+        watch = open_watch(self.client, self.path, self.watch_query, self._resume)
         self._current = watch
         try:
             if self._stop.is_set():

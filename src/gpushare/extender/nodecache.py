@@ -1,12 +1,16 @@
-"""What the extender knows of each node's cards, by name, from its own watch of Nodes.
+"""What the extender knows of each node's cards, by name, from its own watches.
 
 With ``nodeCacheCapable: true`` kube-scheduler sends only node names; the extender
-answers from this cache, which :mod:`gpushare.extender.nodefeed` keeps from a
-list-and-watch of the Nodes. Of each Node only what the verbs read is kept: its
-published card state (decoded once, when it changes, not once per request) or why
-there is none (:class:`NodeRecord`). The cost of a filter is then the fitting alone,
-and a request is a list of names (about 20 bytes a node), so no cluster size reaches
-the body limit.
+answers from this cache, which :mod:`gpushare.extender.statefeed` keeps from a
+list-and-watch of the nodes' state objects (ConfigMaps ``gpushare-node-<node>``) and
+:mod:`gpushare.extender.nodefeed` from one of the Nodes (their UIDs, and the
+``<prefix>/gpus`` annotation of daemons that publish no object). A node's state object
+wins over its annotation; the annotation is read where the node has no object the
+cache believes (one of an older daemon, or during a rollout). Of each only what the
+verbs read is kept: the published card state (decoded once, when it changes, not once
+per request) or why there is none (:class:`NodeRecord`). The cost of a filter is then
+the fitting alone, and a request is a list of names (about 20 bytes a node), so no
+cluster size reaches the body limit.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpushare.extender.fit import CardRoom, card_rooms
-from gpushare.kube import nodestate
+from gpushare.kube import nodestate, stateobject
 
 
 @dataclass(frozen=True)
@@ -28,32 +32,85 @@ class NodeRecord:
     reason: str = ""
     #: ``card_rooms(state)``, computed once per published state
     rooms: tuple[CardRoom, ...] = ()
+    #: the Node's UID (a record from the node feed)
+    uid: str = ""
+
+
+@dataclass(frozen=True)
+class StateRecord:
+    """One state object as the cache keeps it: the node it is for, its name, the Node
+    UID that owns it, and the card state it holds (or why it is not used)."""
+
+    node: str
+    name: str
+    owner_uid: str
+    record: NodeRecord
 
 
 @dataclass
 class NodeCache:
-    """node name -> :class:`NodeRecord`; ``listed`` once the first list is read.
+    """node name -> :class:`NodeRecord`, from the Nodes (``records``) and the state
+    objects (``objects``); ``listed`` once the first list of each feed is read
+    (``expect_objects``: a state feed runs).
 
-    Written only on the extender's event loop (by the node feed), read by the verbs."""
+    Written only on the extender's event loop (by the feeds), read by the verbs."""
 
     records: dict[str, NodeRecord] = field(default_factory=dict)
-    listed: bool = False
+    objects: dict[str, StateRecord] = field(default_factory=dict)
+    expect_objects: bool = False
+    nodes_listed: bool = False
+    objects_listed: bool = False
+
+    @property
+    def listed(self) -> bool:
+        return self.nodes_listed and (self.objects_listed or not self.expect_objects)
 
     def __len__(self) -> int:
-        return len(self.records)
+        return len(self.records.keys() | self.objects.keys())
 
     def get(self, name: str) -> NodeRecord | None:
-        return self.records.get(name)
+        """The node's state object if the cache believes it, else what its Node says."""
+        node = self.records.get(name)
+        held = self.objects.get(name)
+        if held is None:
+            return node
+        if node is not None and node.uid and held.owner_uid != node.uid:
+            if node.state is not None:
+                return node
+            reason = (
+                f"the state object {held.name} belongs to an earlier Node of that name "
+                "(its owner's UID differs); waiting for the daemon to write it again"
+            )
+            return NodeRecord(None, "stale_state", reason, uid=node.uid)
+        if held.record.state is None and node is not None and node.state is not None:
+            return node  # an object not believed: the annotation, as older daemons write
+        return held.record
 
     def replace_all(self, records: dict[str, NodeRecord]) -> None:
         self.records = records
-        self.listed = True
+        self.nodes_listed = True
 
     def put(self, name: str, record: NodeRecord) -> None:
         self.records[name] = record
 
     def drop(self, name: str) -> None:
         self.records.pop(name, None)
+
+    def replace_objects(self, objects: dict[str, StateRecord]) -> None:
+        self.objects = objects
+        self.objects_listed = True
+
+    def objects_unreadable(self) -> None:
+        """The state objects cannot be listed (no RBAC yet): serve the annotations."""
+        self.objects_listed = True
+
+    def put_object(self, record: StateRecord) -> None:
+        self.objects[record.node] = record
+
+    def drop_object(self, node: str, name: str) -> None:
+        held = self.objects.get(node)
+        if held is not None and held.name == name:
+            del self.objects[node]
 
 
 def _has_resource(node: Mapping[str, Any], resource: str) -> bool:
@@ -83,8 +140,9 @@ def read_node_state(
                 None,
                 "no_annotation",
                 (
-                    f"the node has gpushare resources but no {key} annotation, so its cards are "
-                    "unknown (is the gpushare daemon running there with NODE_NAME set?)"
+                    f"the node has gpushare resources but neither a state object nor a {key} "
+                    "annotation, so its cards are unknown (is the gpushare daemon running "
+                    "there with NODE_NAME set?)"
                 ),
             )
         return None, "no_gpus", "the node has no gpushare GPUs"
@@ -98,7 +156,29 @@ def read_node_state(
 
 def record_of(node: Mapping[str, Any], prefix: str) -> NodeRecord:
     state, code, reason = read_node_state(node, prefix)
-    return NodeRecord(state, code, reason, card_rooms(state) if state is not None else ())
+    meta = node.get("metadata")
+    uid = meta.get("uid") if isinstance(meta, Mapping) else None
+    rooms = card_rooms(state) if state is not None else ()
+    return NodeRecord(state, code, reason, rooms, uid if isinstance(uid, str) else "")
+
+
+def state_record_of(obj: Mapping[str, Any], prefix: str) -> StateRecord:
+    """A state object read, checked and decoded (see ``stateobject.read_state_object``)."""
+    meta = obj.get("metadata")
+    name = meta.get("name") if isinstance(meta, Mapping) else None
+    read = stateobject.read_state_object(obj, prefix)
+    if read.text is None:
+        record = NodeRecord(None, "bad_state_object", read.problem)
+    else:
+        try:
+            state = nodestate.decode(read.text)
+            rooms = card_rooms(state)
+        except (ValueError, RecursionError) as exc:
+            reason = f"the state object {name} cannot be read: {str(exc)[:200]}"
+            record = NodeRecord(None, "bad_state_object", reason)
+        else:
+            record = NodeRecord(state, "fits", "", rooms)
+    return StateRecord(read.node, name if isinstance(name, str) else "", read.owner_uid, record)
 
 
 def node_name(node: Mapping[str, Any]) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,6 +41,7 @@ from gpushare.extender.ledger import AdmissionLedger
 from gpushare.extender.nodecache import NodeCache
 from gpushare.extender.nodefeed import NodeFeed
 from gpushare.extender.podfeed import PodFeed, endpoint_of
+from gpushare.extender.statefeed import StateFeed
 from gpushare.extender.verbs import (
     VERDICTS_KEY,
     BindRefused,
@@ -49,7 +51,7 @@ from gpushare.extender.verbs import (
     filter_verb,
     prioritize_verb,
 )
-from gpushare.kube import nodestate
+from gpushare.kube import nodestate, stateobject
 from gpushare.kube.stdlibclient import ApiClient
 
 log = structlog.get_logger(__name__)
@@ -87,6 +89,10 @@ class ExtenderSettings:
     #: watch the cluster's Nodes to answer requests that carry node names only
     #: (``nodeCacheCapable: true``); needs the API server and list/watch on nodes
     watch_nodes: bool = True
+    #: the namespace of the daemons' state objects (ConfigMaps ``gpushare-node-<node>``,
+    #: watched beside the Nodes; needs list/watch on configmaps there); "": the
+    #: extender's own (POD_NAMESPACE, its service account's, else kube-system)
+    state_namespace: str = ""
 
     @property
     def policy(self) -> ExtenderPolicy:
@@ -130,14 +136,15 @@ def build_app(
     if ledger is None:
         ledger = AdmissionLedger(settings.ledger_timeout_seconds)
     url = settings.api_server or in_cluster_url()
-    state = ExtenderState(ledger, node_cache=NodeCache() if settings.watch_nodes and url else None)
+    cache = NodeCache(expect_objects=True) if settings.watch_nodes and url else None
+    state = ExtenderState(ledger, node_cache=cache)
     policy = settings.policy
     metrics = ExtenderMetrics(
         lambda: len(state.ledger), lambda: len(state.pods), lambda: state.ledger.live_pods
     )
     if binder is None:
         binder = BindingClient(url, settings.token_file, settings.ca_file) if url else None
-    feeds: list[PodFeed | NodeFeed] = []
+    feeds: list[PodFeed | NodeFeed | StateFeed] = []
 
     def verb_handler(verb: str, answer: Callable[[Any], Awaitable[Any]]) -> Handler:
         async def handle(request: web.Request) -> web.Response:
@@ -225,6 +232,15 @@ def build_app(
             )
             feeds.append(nodes)
             nodes.start()
+            objects = StateFeed(
+                ApiClient(endpoint),
+                policy.resource_prefix,
+                settings.state_namespace or stateobject.own_namespace(os.environ),
+                state.node_cache,
+                asyncio.get_running_loop(),
+            )
+            feeds.append(objects)
+            objects.start()
         if not settings.watch_pods:
             return
         feed = PodFeed(
@@ -375,6 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="watch the cluster's Nodes and keep their cards, so that the scheduler can "
         "send node names only (nodeCacheCapable: true; needs list/watch on nodes)",
     )
+    parser.add_argument(
+        "--state-namespace",
+        default=defaults.state_namespace,
+        help="namespace of the daemons' state objects (ConfigMaps gpushare-node-<node>; "
+        "needs list/watch on configmaps there); default: the extender's own (POD_NAMESPACE)",
+    )
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="auto")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     add_version(parser)
@@ -407,6 +429,7 @@ def parse_settings(argv: Sequence[str] | None) -> tuple[ExtenderSettings, argpar
         probe_port=args.probe_port,
         watch_pods=args.watch_pods,
         watch_nodes=args.watch_nodes,
+        state_namespace=args.state_namespace,
     )
     return settings, args
 

@@ -294,6 +294,11 @@ def judge_node(
     cards the pod's annotations exclude (``question.choice``); the verdict, and the
     cache's record of it (None: not kept)."""
     name = node_name(node)
+    cache = state.node_cache
+    if cache is not None and name in cache.objects:
+        kept = cache.get(name)  # the node's state object: what the Node carries is not read
+        if kept is not None and kept.state is not None:
+            return judge_published(name, kept.state, question, policy, state, kept.rooms)
     published, code, reason = read_node_state(node, policy.resource_prefix)
     if published is None:
         return NodeVerdict(name, Fit(None, reason), None, code), None
@@ -379,8 +384,10 @@ def implausible(
     generation at most one per :data:`MIN_PUBLISH_SECONDS` ahead of the state seen
     before, counted between their timestamps (plus the second they round away). A state
     with no readable timestamp sorts before every dated one. A forged state passing both is
-    replaced by the daemon's next publish (a later timestamp), which it makes at least
-    every 30 s."""
+    replaced by the daemon's next publish (a later timestamp), or by its read-back (at
+    least every 60 s, ``apilink.RESYNC_SECONDS``: it rewrites an annotation that is not
+    what it wrote); a node with a state object is judged by that object, never by the
+    annotation a request carries."""
     when = _epoch(given.updated)
     if when is None:  # sorts before every dated state: the daemon's next one replaces it
         return ""

@@ -2,12 +2,15 @@
 
 With ``NODE_NAME`` set, :class:`ApiLink` runs one background thread that
 
-* publishes the per-card state on the Node: annotation ``<prefix>/gpus`` (JSON, see
-  ``nodestate.py``: counts, and the pods they include) and labels
-  ``<prefix>/gpu.product|count|memory``, :data:`PUBLISH_SETTLE_SECONDS` after a change
-  (an Allocate, a fresh read of the kubelet's records that shows units released), at
-  most once per :data:`MIN_PUBLISH_INTERVAL` and at least every :data:`REFRESH_SECONDS`;
-  a state that did not change is not written again before the refresh is due;
+* publishes the per-card state (JSON, see ``nodestate.py``: counts, and the pods they
+  include) in the node's state object (ConfigMap ``gpushare-node-<node>``,
+  ``stateobject.py``) and/or the Node annotation ``<prefix>/gpus``, as ``--node-state``
+  says, and the labels ``<prefix>/gpu.product|count|memory`` on the Node (through
+  :class:`~gpushare.kube.statepublish.StatePublisher`), :data:`PUBLISH_SETTLE_SECONDS`
+  after a change (an Allocate, a fresh read of the kubelet's records that shows units
+  released), at most once per :data:`MIN_PUBLISH_INTERVAL`; a state that did not change
+  is never written again: every :data:`RESYNC_SECONDS` what was written is read back and
+  only what differs is written;
 * annotates each admitted pod with the card each of its containers got
   (``<prefix>/gpu.<container>: <uuid>``), for people and for ``kubectl gpushare inspect``;
 * starts the :class:`~gpushare.kube.podwatch.PodWatch` that keeps the
@@ -33,10 +36,11 @@ from typing import Any
 import structlog
 
 from gpushare.gpu.health import HealthBoard
-from gpushare.kube import nodestate
+from gpushare.kube import nodestate, stateobject
 from gpushare.kube.labels import LabelFacts, node_labels
 from gpushare.kube.podspecs import PodSpecBook, only_uid_of
 from gpushare.kube.podwatch import PodWatch
+from gpushare.kube.statepublish import StatePublisher
 from gpushare.kube.stdlibclient import ApiClient, ApiStatusError, KubeConfigError, load_endpoint
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.records import Snapshot
@@ -48,9 +52,10 @@ log = structlog.get_logger(__name__)
 DEBOUNCE_SECONDS = 1.0
 #: After the first change, wait this long for more (a burst of Allocates) to join it.
 PUBLISH_SETTLE_SECONDS = 0.2
-#: ...and never write the Node more often than this (seconds between writes).
+#: ...and never write the state more often than this (seconds between writes).
 MIN_PUBLISH_INTERVAL = 0.5
-REFRESH_SECONDS = 30.0
+#: How often what was published is read back (and rewritten only where it differs).
+RESYNC_SECONDS = 60.0
 MAX_BACKOFF = 60.0
 API_TIMEOUT = 5.0
 POD_ANNOTATION_TRIES = 10
@@ -105,6 +110,8 @@ class ApiLink:
         book: PodSpecBook,
         read_records: Callable[[], Snapshot | None],
         extra_labels: Mapping[str, str] | None = None,
+        state_mode: str = "both",
+        namespace: str = "",
     ) -> None:
         self.extra_labels = dict(extra_labels or {})  # fixed at start (MIG: mig.labels)
         self.node_name = node_name
@@ -115,8 +122,18 @@ class ApiLink:
         self.book = book
         self.read_records = read_records  # a fresh read of the kubelet's records
         self.generation = 0
-        self.published = threading.Event()  # set after each successful Node update
-        self.publishes = 0  # successful Node updates, for tests and metrics
+        self.published = threading.Event()  # set after each successful publication
+        self.publishes = 0  # states published, for tests and metrics
+        self.publisher = StatePublisher(
+            lambda: self._api,
+            node_name,
+            prefix,
+            namespace or stateobject.own_namespace(os.environ),
+            state_mode,
+        )
+        #: seconds between two read-backs of what was published (tests shorten it)
+        self.resync_seconds = RESYNC_SECONDS
+        self.resynced = threading.Event()  # set after each read-back
         self._last_cards: (
             tuple[tuple[nodestate.CardState, ...], tuple[nodestate.WholeCardState, ...], str]
             | None
@@ -183,6 +200,7 @@ class ApiLink:
     def _run(self) -> None:
         backoff = 1.0
         last_publish = float("-inf")
+        last_resync = time.monotonic()
         connected = False
         while not self._stop.is_set():
             try:
@@ -193,9 +211,12 @@ class ApiLink:
                     self._read_generation()
                     connected = True
                     log.info("api_connected", node=self.node_name)
-                due = time.monotonic() - last_publish >= REFRESH_SECONDS
-                if self._publish_node(force=due):
+                if self._publish_node(force=False):
                     last_publish = time.monotonic()
+                if time.monotonic() - last_resync >= self.resync_seconds:
+                    self.publisher.resync(self.labels())
+                    last_resync = time.monotonic()
+                    self.resynced.set()
                 self._annotate_pods()
                 backoff = 1.0
             except Exception as exc:  # the API server is down, RBAC is missing, ...
@@ -205,7 +226,7 @@ class ApiLink:
                     break
                 backoff = min(backoff * 2, MAX_BACKOFF)
                 continue
-            wait = max(0.0, REFRESH_SECONDS - (time.monotonic() - last_publish))
+            wait = max(0.0, self.resync_seconds - (time.monotonic() - last_resync))
             if self._pending:
                 wait = min(wait, DEBOUNCE_SECONDS)
             if self._wake.wait(wait) and not self._stop.is_set():
@@ -214,20 +235,9 @@ class ApiLink:
                 self._stop.wait(max(PUBLISH_SETTLE_SECONDS, MIN_PUBLISH_INTERVAL - since))
             self._wake.clear()
 
-    @property
-    def _node_path(self) -> str:
-        return f"/api/v1/nodes/{self.node_name}"
-
     def _read_generation(self) -> None:
-        assert self._api is not None
-        node = self._api.get(self._node_path, timeout=API_TIMEOUT)
-        annotations = (node.get("metadata") or {}).get("annotations") or {}
-        text = annotations.get(nodestate.annotation_key(self.prefix))
-        if text:
-            try:
-                self.generation = nodestate.decode(text).generation
-            except ValueError:
-                self.generation = 0
+        """Continue from the highest generation published before (Node or object)."""
+        self.generation = max(self.generation, self.publisher.connect())
 
     # ------------------------------------------------------------------ Node state
     def _pod_key(self, namespace: str, name: str) -> str:
@@ -285,20 +295,13 @@ class ApiLink:
         return node_labels(self.prefix, self.label_facts) | self.extra_labels
 
     def _publish_node(self, force: bool = True) -> bool:
-        """Write the Node's state; unless ``force``, only if it changed. True if written."""
+        """Publish the node's state; unless ``force``, only if it changed. True if written."""
         state = self.node_state()
         shown = (state.cards, state.whole, state.kubelet_restarted)
         if not force and shown == self._last_cards:
-            self.published.set()  # the Node shows the current state already
+            self.published.set()  # what readers see is the current state already
             return False
-        body = {
-            "metadata": {
-                "labels": self.labels(),
-                "annotations": {nodestate.annotation_key(self.prefix): nodestate.encode(state)},
-            }
-        }
-        assert self._api is not None
-        self._api.merge_patch(self._node_path, body, timeout=API_TIMEOUT)
+        self.publisher.publish(nodestate.encode(state), self.labels())
         self.generation = state.generation
         self._last_cards = shown
         self.publishes += 1

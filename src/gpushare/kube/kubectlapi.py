@@ -32,6 +32,16 @@ KINDS: dict[tuple[str, str], tuple[str, bool]] = {
         "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
         False,
     ),
+    # the daemon's state object: its Role in its namespace
+    ("rbac.authorization.k8s.io/v1", "Role"): (
+        "/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/roles",
+        True,
+    ),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): (
+        "/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings",
+        True,
+    ),
+    ("v1", "ConfigMap"): ("/api/v1/namespaces/{namespace}/configmaps", True),
     ("apps/v1", "DaemonSet"): ("/apis/apps/v1/namespaces/{namespace}/daemonsets", True),
     ("networking.k8s.io/v1", "NetworkPolicy"): (
         "/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies",
@@ -298,6 +308,11 @@ class Cluster:
     # ------------------------------------------------------------------ nodes
     def nodes(self, label_selector: str = "") -> list[dict[str, Any]]:
         answer = self._call("GET", "/api/v1/nodes", {"labelSelector": label_selector})
+        return list((answer or {}).get("items") or [])
+
+    def configmaps(self, label_selector: str = "") -> list[dict[str, Any]]:
+        """ConfigMaps of every namespace."""
+        answer = self._call("GET", "/api/v1/configmaps", {"labelSelector": label_selector})
         return list((answer or {}).get("items") or [])
 
     def pods(self, field_selector: str = "", label_selector: str = "") -> list[dict[str, Any]]:

@@ -357,6 +357,7 @@ def _link_to_api(core: NodeCore, specs: PodSpecBook) -> None:
         specs,
         core.pod_resources.list,
         extra_labels=mig.labels(plan, prefix),
+        state_mode=settings.node_state,
     )
     link.restart = core.restart
     core.restart.listeners.append(link.notify_changed)  # published at once

@@ -22,7 +22,7 @@ import yaml
 from gpushare.base.compat import zip_strict
 from gpushare.config import Settings
 from gpushare.gpu import mig
-from gpushare.kube import nodestate
+from gpushare.kube import nodestate, stateobject
 from gpushare.kube.kubectlapi import ApiError, Cluster, describe
 from gpushare.ops import imageref
 
@@ -251,8 +251,9 @@ def _served_policies(
     say(
         "WARNING: this cluster does not serve admissionregistration.k8s.io/v1 "
         f"ValidatingAdmissionPolicy (Kubernetes 1.30 or later): {', '.join(names)} are NOT "
-        "installed. The daemon's token may then patch every Node and Pod of the cluster, "
-        "and only the daemon refuses containers asking vcuda-core without vcuda-memory "
+        "installed. The daemon's token may then patch every Node and Pod of the cluster "
+        "and every ConfigMap of its namespace, and only the daemon refuses containers "
+        "asking vcuda-core without vcuda-memory "
         "(docs/security.md). Upgrade the cluster and run install again."
     )
     return [obj for obj in objects if obj.get("kind") not in POLICY_KINDS]
@@ -279,7 +280,8 @@ class UninstallPlan:
         """One line per change, in the order :func:`uninstall` makes them."""
         out = [f"unlabel node {name} ({self.selector})" for name in self.unlabel]
         out += [
-            f"remove what the daemon published on {name} (its gpu.* labels and annotation), "
+            f"remove what the daemon published on {name} (its gpu.* labels and annotation, "
+            "its state object), "
             "once its pod has left"
             for name in self.targets
         ]
@@ -351,9 +353,7 @@ def uninstall(
     remaining = sorted(node_name(node) for node in cluster.nodes(plan.selector))
     if not remaining:
         _delete_ours(cluster, objects, say)
-    _forget_published_state(
-        cluster, objects, plan.targets, prefix, say, wait_seconds, poll_seconds
-    )
+    _forget_published_state(cluster, objects, plan.targets, prefix, say, wait_seconds, poll_seconds)
     if remaining:
         say(f"kept the gpushare objects: still labelled: {', '.join(remaining)}")
 
@@ -379,8 +379,9 @@ def _forget_published_state(
     wait_seconds: float,
     poll_seconds: float,
 ) -> None:
-    """Remove the daemon's labels and annotation from ``nodes`` once no gpushare pod runs
-    there (waiting up to ``wait_seconds``); name the nodes where one still does."""
+    """Remove the daemon's labels and annotation from ``nodes``, and delete their state
+    objects, once no gpushare pod runs there (waiting up to ``wait_seconds``); name the
+    nodes where one still does."""
     labels = dict.fromkeys(nodestate.label_keys(prefix))
     annotations = {nodestate.annotation_key(prefix): None}
     selector = daemon_pod_selector(objects)
@@ -427,3 +428,22 @@ def _forget_published_state(
         if present_labels or present_annotations:
             cluster.patch_node_metadata(name, present_labels, present_annotations)
             say(f"removed what the daemon published on {name}")
+        state = _state_object(objects, name)
+        if state is not None and cluster.read(state) is not None and cluster.delete(state):
+            say(f"deleted {describe(state)}")
+
+
+def _state_object(objects: Sequence[Mapping[str, Any]], node: str) -> dict[str, Any] | None:
+    """The node's state object (its owner, the Node, would take it along only when the
+    Node is deleted), in the DaemonSet's namespace."""
+    name = stateobject.object_name(node)
+    spaces = [
+        str(o["metadata"].get("namespace") or "") for o in objects if o.get("kind") == "DaemonSet"
+    ]
+    if not name or not spaces or not spaces[0]:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": spaces[0]},
+    }

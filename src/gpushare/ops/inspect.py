@@ -1,7 +1,10 @@
 """``kubectl gpushare inspect [NODE] [-d] [-o json]``: who uses which card, from annotations.
 
-Everything comes from two places the daemon writes: the Node annotation
-``<prefix>/gpus`` (per-card state, see ``nodestate.py``) and the Pod annotations
+Everything comes from the places the daemon writes: the node's state object (ConfigMap
+``gpushare-node-<node>``, see ``stateobject.py``; believed when it names and is owned by
+that Node, and there is one per node) or else the Node annotation ``<prefix>/gpus``
+(per-card state, see ``nodestate.py``; older daemons, or ``--node-state annotation``),
+and the Pod annotations
 ``<prefix>/gpu.<container>`` (the card each container got), plus the pods' own
 resource requests. Cards served by the DRA driver (card mode ``dra``) are shown from the
 same Node annotation: the claims prepared on each, their memory and cores.
@@ -36,7 +39,7 @@ import yaml
 from gpushare.base.cli import Parser
 from gpushare.config import Settings
 from gpushare.extender.fit import PodSpecError, container_need
-from gpushare.kube import nodestate
+from gpushare.kube import nodestate, stateobject
 from gpushare.kube.kubectlapi import EXIT_NO_CLUSTER, ApiError, Cluster, NoCluster
 from gpushare.ops.printable import printable
 
@@ -228,24 +231,45 @@ def _containers_by_card(
     return found
 
 
+def state_texts(
+    nodes: Sequence[Mapping[str, Any]], objects: Sequence[Mapping[str, Any]], prefix: str
+) -> dict[str, str]:
+    """node name -> the card state its state object holds, for the objects believed: one
+    per node, self-consistent and owned by that Node's UID (two for one node, as a
+    second installation or a forgery would make: neither)."""
+    uids = {str(_meta(n).get("name", "")): str(_meta(n).get("uid") or "") for n in nodes}
+    found: dict[str, list[str]] = {}
+    for obj in objects:
+        read = stateobject.read_state_object(obj, prefix)
+        uid = uids.get(read.node)
+        if read.text is None or not uid or read.owner_uid != uid:
+            continue
+        found.setdefault(read.node, []).append(read.text)
+    return {node: texts[0] for node, texts in found.items() if len(texts) == 1}
+
+
 def build_view(
     nodes: Sequence[Mapping[str, Any]],
     pods: Sequence[Mapping[str, Any]],
     prefix: str,
     namespace: str | None = None,
+    objects: Sequence[Mapping[str, Any]] = (),
 ) -> ClusterView:
-    """The gpushare nodes (those with the annotation or the resources), sorted by name;
-    with ``namespace``, the DRA claims of that namespace only are listed (the pods are
+    """The gpushare nodes (those with a state object, the annotation or the resources),
+    sorted by name; a node's state object (``objects``: the listed ConfigMaps
+    ``gpushare-node-<node>``, see :func:`state_texts`) wins over its annotation. With
+    ``namespace``, the DRA claims of that namespace only are listed (the pods are
     filtered by the caller; cards and totals stay whole)."""
     by_card = _containers_by_card(pods, prefix)
     key = nodestate.annotation_key(prefix)
+    published = state_texts(nodes, objects, prefix)
     views = []
     for node in nodes:
         name = str(_meta(node).get("name", ""))
-        text = (_meta(node).get("annotations") or {}).get(key)
+        text = published.get(name, (_meta(node).get("annotations") or {}).get(key))
         if text is None:
             if _has_gpushare_resources(node, prefix) or _opted_in(node, prefix):
-                problem = f"{NO_REPORT}: no {key} annotation (daemon not running, or no NODE_NAME?)"
+                problem = f"{NO_REPORT}: no state object, no {key} annotation (daemon down?)"
                 views.append(NodeView(name, 0, None, "", (), problem, unreported=True))
             continue
         try:
@@ -702,13 +726,23 @@ def fetch(
     return cluster.nodes(), cluster.pods()
 
 
+def fetch_state_objects(cluster: Cluster, prefix: str) -> list[dict[str, Any]]:
+    """The nodes' state objects of every namespace (label ``<prefix>/node-state``);
+    none when the caller may not list ConfigMaps (the annotations are read then)."""
+    try:
+        return cluster.configmaps(stateobject.selector(prefix))
+    except ApiError:
+        return []
+
+
 OUTPUTS = ("table", "wide", "json", "yaml")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="kubectl gpushare inspect",
-        description="Per-card GPU memory and core use of gpushare nodes, from their annotations.",
+        description="Per-card GPU memory and core use of gpushare nodes, from their state "
+        "objects (ConfigMaps gpushare-node-<node>) or Node annotations.",
     )
     parser.add_argument("node", nargs="?", help="only this node")
     parser.add_argument(
@@ -752,7 +786,9 @@ def _in_namespace(pods: list[dict[str, Any]], namespace: str | None) -> list[dic
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     try:
-        nodes, pods = fetch(args.node, Cluster(args.kubeconfig, args.context))
+        cluster = Cluster(args.kubeconfig, args.context)
+        nodes, pods = fetch(args.node, cluster)
+        objects = fetch_state_objects(cluster, args.resource_prefix)
     except NoCluster as exc:
         print(f"kubectl gpushare inspect: {exc}".replace("\n", " "), file=sys.stderr)
         return EXIT_NO_CLUSTER
@@ -763,7 +799,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"kubectl gpushare inspect: the API server answered {exc}", file=sys.stderr)
         return 1
     view = build_view(
-        nodes, _in_namespace(pods, args.namespace), args.resource_prefix, args.namespace
+        nodes, _in_namespace(pods, args.namespace), args.resource_prefix, args.namespace, objects
     )
     if args.node and not view.nodes:
         print(f"kubectl gpushare inspect: node {args.node!r} has no gpushare GPUs", file=sys.stderr)

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gpushare.kube import nodestate
 from gpushare.kube.kubectlapi import ApiError, Cluster
 from gpushare.ops import deploy, imageref
+from gpushare.ops.inspect import fetch_state_objects, state_texts
 from gpushare.ops.printable import printable
 from gpushare.probe.checks import REPORT_MARKER, Check, parse_report, verdict
 
@@ -75,14 +76,18 @@ SEVERITY = (0, EXIT_NOT_ENFORCED, EXIT_NO_REPORT)
 VERIFIABLE = ("interposer", "driver")
 
 
-def offered_backends(node: Mapping[str, Any], prefix: str) -> list[str]:
-    """The memory backends the node's cards have for shares, as its annotation says; a
+def offered_backends(
+    node: Mapping[str, Any], prefix: str, objects: Sequence[Mapping[str, Any]] = ()
+) -> list[str]:
+    """The memory backends the node's cards have for shares, as its state object (one of
+    ``objects``, believed as ``inspect`` believes it) or else its annotation says; a
     daemon that does not say (older) offers the interposer."""
     from gpushare.kube import nodestate
 
-    text = ((node.get("metadata") or {}).get("annotations") or {}).get(
-        nodestate.annotation_key(prefix)
-    )
+    name = str((node.get("metadata") or {}).get("name") or "")
+    text = state_texts([node], objects, prefix).get(name) or (
+        (node.get("metadata") or {}).get("annotations") or {}
+    ).get(nodestate.annotation_key(prefix))
     try:
         state = nodestate.decode(str(text)) if text is not None else None
     except ValueError:
@@ -283,7 +288,9 @@ def run(
     node = cluster.node(request.node)
     if node is None:
         raise ApiError(f"no such node: {request.node}")
-    backends = list(request.backends) or offered_backends(node, request.prefix)
+    backends = list(request.backends) or offered_backends(
+        node, request.prefix, fetch_state_objects(cluster, request.prefix)
+    )
     worst = 0
     for backend in backends:
         if len(backends) > 1 or backend != "interposer":

@@ -52,6 +52,8 @@ KINDS = {
     "serviceaccounts": "ServiceAccount",
     "clusterroles": "ClusterRole",
     "clusterrolebindings": "ClusterRoleBinding",
+    "roles": "Role",
+    "rolebindings": "RoleBinding",
     "daemonsets": "DaemonSet",
     "resourceslices": "ResourceSlice",
     "resourceclaims": "ResourceClaim",
@@ -63,7 +65,12 @@ KINDS = {
 #: The group/versions whose discovery document the double serves (kinds by plural).
 GROUPS = {
     "v1": ("nodes", "pods", "namespaces", "configmaps", "serviceaccounts"),
-    "rbac.authorization.k8s.io/v1": ("clusterroles", "clusterrolebindings"),
+    "rbac.authorization.k8s.io/v1": (
+        "clusterroles",
+        "clusterrolebindings",
+        "roles",
+        "rolebindings",
+    ),
     "apps/v1": ("daemonsets",),
     "networking.k8s.io/v1": ("networkpolicies",),
     "admissionregistration.k8s.io/v1": (
@@ -455,6 +462,15 @@ class Faults:
         #: What every watch does instead of watching: "" (watch), "gone" (answer a 410
         #: ERROR event at once, as for a compacted version) or "end" (end at once).
         self.watch_fault = ""
+        #: Requests whose path contains one of these are answered 403 Forbidden, as
+        #: RBAC answers a verb it does not grant (e.g. "/configmaps").
+        self.forbidden_paths: list[str] = []
+
+    def _next_failure(self, path: str) -> int | None:
+        """The status the request to ``path`` is answered with instead (lock held)."""
+        if self._failures:
+            return self._failures.pop(0)
+        return 403 if any(part in path for part in self.forbidden_paths) else None
 
     def fail_next(self, count: int, status: int = 500) -> None:
         self._failures.extend([status] * count)
@@ -584,7 +600,7 @@ class KubeApiDouble(CollectionReads, Faults):
                     bool(peer),
                 )
             )
-            failure = self._failures.pop(0) if self._failures else None
+            failure = self._next_failure(parsed.path)
         if failure is not None:
             return self._reply(request, failure, self._status(failure, "injected failure"))
         if request.command == "GET" and (query.get("watch") or [""])[0] in ("1", "true"):

@@ -264,8 +264,8 @@ class Churn:
 
 
 def run(rounds: int, watch_pods: bool, delete: int = 3, legacy: bool = False) -> Results:
-    """``legacy``: the daemon does not publish on release (as before issue 26): its Node
-    is updated at admissions and every 30 s only."""
+    """``legacy``: the daemon does not publish on release (as before issue 26): its state
+    is published at admissions only (before the state object, also every 30 s)."""
     if legacy:
         import gpushare.daemon
 
@@ -370,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.legacy:
         rows.append(
             (
-                "without, daemon publishing only on admission or every 30 s (before)",
+                "without, daemon publishing only on admission (before)",
                 run(args.rounds, False, args.delete, legacy=True),
             )
         )

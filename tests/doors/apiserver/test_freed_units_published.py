@@ -42,7 +42,7 @@ def bound_pod(api: KubeApiDouble, node: Node, name: str, requests: dict[str, int
 @pytest.fixture
 def quiet(monkeypatch: pytest.MonkeyPatch) -> None:
     """No periodic publish and no periodic read of the kubelet's records in the test."""
-    monkeypatch.setattr(apilink, "REFRESH_SECONDS", 3600.0)
+    monkeypatch.setattr(apilink, "RESYNC_SECONDS", 3600.0)
 
 
 def start(node: Node, count: int = 2) -> None:

@@ -132,8 +132,9 @@ def test_nodes_without_a_readable_annotation_are_dropped_with_a_reason(
     answer = extender.filter(args(pod("p", container("main", memory=1)), bare, garbled))
     assert kept(answer) == []
     assert answer["FailedNodes"]["bare"] == (
-        "the node has gpushare resources but no gpushare.io/gpus annotation, so its cards are "
-        "unknown (is the gpushare daemon running there with NODE_NAME set?)"
+        "the node has gpushare resources but neither a state object nor a gpushare.io/gpus "
+        "annotation, so its cards are unknown (is the gpushare daemon running there with "
+        "NODE_NAME set?)"
     )
     assert answer["FailedNodes"]["garbled"].startswith(
         "the gpushare.io/gpus annotation cannot be read: the gpus annotation is not JSON"

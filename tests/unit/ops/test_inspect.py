@@ -105,7 +105,7 @@ NODE gpu-b  (2 cards, 256 MiB units, generation 12, updated 2026-11-22T13:00:00Z
   0    NVIDIA GeForce RTX 3090  23296/24064  (96.8 %)  91/94  0/100  healthy
   1    NVIDIA GeForce RTX 3090  0/24064      (0.0 %)   0/94   0/100  UNHEALTHY
 
-NODE gpu-c: no daemon report: no gpushare.io/gpus annotation (daemon not running, or no NODE_NAME?)
+NODE gpu-c: no daemon report: no state object, no gpushare.io/gpus annotation (daemon down?)
 
 CLUSTER  3 nodes (2 reporting, 1 no daemon report), 4 cards (3 healthy)
   memory  34560/62976 MiB (54.9 %)
@@ -135,7 +135,7 @@ NODE gpu-b  (2 cards, 256 MiB units, generation 12, updated 2026-11-22T13:00:00Z
 TABLE_DETAILS = f"""\
 {GPU_A_DETAILS}
 {GPU_B_DETAILS}
-NODE gpu-c: no daemon report: no gpushare.io/gpus annotation (daemon not running, or no NODE_NAME?)
+NODE gpu-c: no daemon report: no state object, no gpushare.io/gpus annotation (daemon down?)
 
 CLUSTER  3 nodes (2 reporting, 1 no daemon report), 4 cards (3 healthy)
   memory  34560/62976 MiB (54.9 %)
@@ -214,8 +214,8 @@ GPU_C_JSON = {
     "memoryUnitMib": None,
     "generation": None,
     "updated": None,
-    "problem": "no daemon report: no gpushare.io/gpus annotation "
-    "(daemon not running, or no NODE_NAME?)",
+    "problem": "no daemon report: no state object, no gpushare.io/gpus annotation "
+    "(daemon down?)",
     "cardCount": 0,
     "gpus": [],
     "wholeGpus": [],

@@ -18,7 +18,7 @@ from kit.kube_double import KubeApiDouble
 
 from gpushare import __version__
 from gpushare.config import Settings
-from gpushare.kube import nodestate
+from gpushare.kube import nodestate, stateobject
 from gpushare.kube.kubectlapi import FIELD_MANAGER
 from gpushare.ops import deploy
 from gpushare.ops.kubectl import choose_nodes, main
@@ -61,6 +61,8 @@ def test_the_shipped_objects_are_the_daemonset_its_rbac_and_its_policies() -> No
         "ServiceAccount",
         "ClusterRole",
         "ClusterRoleBinding",
+        "Role",  # the node's state object, in the daemon's namespace
+        "RoleBinding",
         "DaemonSet",
         "NetworkPolicy",
         "ValidatingAdmissionPolicy",
@@ -263,9 +265,17 @@ def test_uninstall_keeps_the_objects_while_a_node_is_labelled_then_removes_them(
         "rules": [],
     }
     api.add(foreign)
+    uid = api.get("Node", "gpu-a")["metadata"]["uid"]  # type: ignore[index]
+    api.add(stateobject.state_object(PREFIX, "kube-system", "gpu-a", uid, "{}"))
     capsys.readouterr()
 
     assert main(["uninstall", "--node", "gpu-a"]) == 0
+    # the node's state object went with what the daemon published on the Node
+    assert api.get("ConfigMap", "gpushare-node-gpu-a", "kube-system") is None
+    assert [r.path for r in api.calls("DELETE")] == [
+        "/api/v1/namespaces/kube-system/configmaps/gpushare-node-gpu-a"
+    ]
+    api.requests.clear()
     labels = _labels(api, "gpu-a")
     assert KEY not in labels and nodestate.label_key(PREFIX, "product") not in labels
     assert "nvidia.com/gpu.present" in labels  # not ours
@@ -273,7 +283,9 @@ def test_uninstall_keeps_the_objects_while_a_node_is_labelled_then_removes_them(
     assert _labels(api, "gpu-b")[KEY] == VALUE
     assert all(_stored(api, obj) is not None for obj in OBJECTS)
     assert api.calls("DELETE") == []
-    assert "still labelled: gpu-b" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "still labelled: gpu-b" in out
+    assert "deleted ConfigMap kube-system/gpushare-node-gpu-a" in out
 
     assert main(["uninstall", "--all"]) == 0
     assert KEY not in _labels(api, "gpu-b")

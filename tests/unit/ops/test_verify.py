@@ -417,6 +417,21 @@ def test_the_offered_backends_come_from_the_nodes_annotation(api: KubeApiDouble)
     assert verify.offered_backends(node, "gpushare.io") == ["interposer", "driver"]
 
 
+def test_the_offered_backends_come_from_the_state_object_first(api: KubeApiDouble) -> None:
+    from gpushare.kube import nodestate, stateobject
+
+    _with_enforcement(api, "interposer")
+    node = Cluster().node("gpu-1")
+    assert node is not None
+    enforcement = (nodestate.CardEnforcement("GPU-0", 0, "driver", "interposer", ""),)
+    state = nodestate.NodeGpuState(2, "now", 256, (), enforcement=enforcement)
+    text = nodestate.encode(state)
+    uid = node["metadata"]["uid"]
+    objects = [stateobject.state_object("gpushare.io", "kube-system", "gpu-1", uid, text)]
+    assert verify.offered_backends(node, "gpushare.io") == ["interposer"]
+    assert verify.offered_backends(node, "gpushare.io", objects) == ["driver"]
+
+
 def test_a_driver_card_is_verified_through_a_claim_that_requires_driver(
     api: KubeApiDouble, cluster: Cluster
 ) -> None:

@@ -43,6 +43,7 @@ def test_dra_chart_objects() -> None:
     rules = {r["resources"][0]: set(r["verbs"]) for r in role["rules"]}
     assert rules == {
         "resourceclaims": {"get"},
+        "pods": {"get"},
         "resourceslices": {"get", "list", "create", "update", "delete"},
     }
     (daemonset,) = [o for o in objects if o["kind"] == "DaemonSet"]

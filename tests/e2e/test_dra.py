@@ -538,3 +538,43 @@ def test_a_mig_card_in_dra_mode_serves_its_mig_devices_by_claim(
         cluster.api.delete(f"{RESOURCE}/namespaces/default/resourceclaimtemplates/{pod_name}")
         cluster.remove_node(name)
         cluster.api.delete(f"{RESOURCE}/resourceslices", fieldSelector=f"spec.nodeName={name}")
+
+
+def test_two_claims_in_one_container_are_held_to_the_smaller(
+    cluster: Cluster, workload: Workload
+) -> None:
+    """Issue 32 item 2 on a real cluster: the driver finds, from the real pod and its
+    generated claims (the resourceclaim controller's names in the pod's status), that
+    one container uses both claims, and holds both specs to the smaller share."""
+    sizes = {"small": "1Gi", "large": "3Gi"}
+    templates = {}
+    for part, memory in sizes.items():
+        template, _ = claim_pod(f"dra-two-{part}", {"memory": memory})
+        templates[part] = template
+        reply = cluster.api.create(template)
+        assert reply.status_code == 201, reply.text[:400]
+    _, pod = claim_pod("dra-two", None)
+    pod["spec"]["resourceClaims"] = [
+        {"name": part, "resourceClaimTemplateName": f"dra-two-{part}"} for part in sizes
+    ]
+    pod["spec"]["containers"][0]["resources"]["claims"] = [{"name": part} for part in sizes]
+    try:
+        cluster.create_pod(pod)
+        workload.names.append("dra-two")
+        running = cluster.wait_pod("default", "dra-two", "Running", timeout=120)
+        statuses = {
+            s["name"]: s["resourceClaimName"] for s in running["status"]["resourceClaimStatuses"]
+        }
+        limits = {}
+        for part, claim_name in statuses.items():
+            claim = cluster.api.get(f"{RESOURCE}/namespaces/default/resourceclaims/{claim_name}")
+            limits[part] = spec_env(cluster, running["spec"]["nodeName"], claim)[
+                "CUDA_DEVICE_MEMORY_LIMIT"
+            ]
+        assert limits == {"small": "1024m", "large": "1024m"}
+    finally:
+        workload.cleanup()
+        for part in sizes:
+            cluster.api.delete(
+                f"{RESOURCE}/namespaces/default/resourceclaimtemplates/dra-two-{part}"
+            )

@@ -92,6 +92,14 @@ class ClaimEntry:
     spec_name: str  # the CDI spec's name (its file is derived from it)
     cache_keys: list[str] = field(default_factory=list)
     devices: list[PreparedDevice] = field(default_factory=list)
+    #: The limits its CDI spec sets for every index (issue 32 item 2): the smallest
+    #: memory share (MiB) and core share (100: none) among the claim and every claim
+    #: it shares a container with. None: it sets none, or an entry written before.
+    memory_limit_mib: int | None = None
+    core_limit: int | None = None
+    #: Mate UID -> [MiB, cores]: the smallest shares of a container this claim shares
+    #: with a claim not prepared yet, which that claim must not exceed when it is.
+    held_with: dict[str, list[int]] = field(default_factory=dict)
 
     @staticmethod
     def from_json(data: Any) -> ClaimEntry:
@@ -104,7 +112,18 @@ class ClaimEntry:
             spec_name=str(data["spec_name"]),
             cache_keys=[str(k) for k in data.get("cache_keys", [])],
             devices=[PreparedDevice.from_json(d) for d in data.get("devices", [])],
+            memory_limit_mib=_count(data.get("memory_limit_mib")),
+            core_limit=_count(data.get("core_limit")),
+            held_with=_floors(data.get("held_with")),
         )
+
+
+def _floors(value: Any) -> dict[str, list[int]]:
+    """``held_with`` as written; what is not a pair of counts is left out."""
+    if not isinstance(value, dict):
+        return {}
+    pairs = {str(k): v for k, v in value.items() if isinstance(v, list) and len(v) == 2}
+    return {k: [v[0], v[1]] for k, v in pairs.items() if all(_count(x) is not None for x in v)}
 
 
 class CheckpointError(Exception):

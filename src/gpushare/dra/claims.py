@@ -7,7 +7,12 @@ container's edits with the answer port every door calls
 (:func:`~gpushare.share.answers.container_edits`: for a share of a card HAMi-core's
 limits from the rounded ``consumedCapacity``, the preload, the lock directory and a
 fresh cache directory; for a MIG device the raw device), then writes one CDI spec per
-claim holding one CDI device per result and answers the CDI names. Each claim is
+claim holding one CDI device per result and answers the CDI names. Every share result
+of a claim sets the same limits for every index: the smallest shares of the claim and
+of every claim it shares a container with (:mod:`gpushare.dra.mates`, read from the
+pods the claim is reserved for); a claim is refused while one it shares a container
+with is prepared with more than the smallest share there. The API reads of a call are
+in :mod:`gpushare.dra.claimread`. Each claim is
 recorded in the checkpoint once all of it is made, under the node lock; a claim
 already prepared is answered from the checkpoint, and unpreparing one that is not
 there succeeds.
@@ -21,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,9 +43,25 @@ from gpushare.dra.checkpoint import (
     NodeLock,
     PreparedDevice,
 )
+from gpushare.dra.claimread import (
+    ClaimLimits,
+    ClaimRef,
+    ClaimRefused,
+    ClaimSource,
+    check_ref,
+    claim_limits,
+    read_pending,
+)
 from gpushare.dra.held import HeldClaims
+from gpushare.dra.mates import (
+    Shares,
+    Together,
+    applied_limits,
+    overreaching,
+    promised,
+    smallest,
+)
 from gpushare.dra.model import (
-    API_VERSION,
     FULL_CORES,
     Offered,
     ShareError,
@@ -58,25 +78,13 @@ from gpushare.host.library import (
     release_cache_dir,
 )
 from gpushare.host.mps import MpsError, MpsGrants
-from gpushare.kube.stdlibclient import ApiClient, ApiStatusError
+from gpushare.kube.stdlibclient import ApiClient
 from gpushare.share import answers
 from gpushare.share.answers import Answer, DeviceListing, Enforcement, GrantedDevice
 
 log = structlog.get_logger(__name__)
 
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
-_UID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,63}$")
 _NOT_CDI = re.compile(r"[^A-Za-z0-9_.-]")
-
-
-@dataclass(frozen=True)
-class ClaimRef:
-    namespace: str
-    name: str
-    uid: str
-
-    def describe(self) -> str:
-        return f"{self.namespace}/{self.name}"
 
 
 @dataclass(frozen=True)
@@ -85,23 +93,6 @@ class Outcome:
 
     devices: list[PreparedDevice] = field(default_factory=list)
     error: str = ""
-
-
-@dataclass(frozen=True)
-class ClaimLimits:
-    """The limits every share of one claim enforces (:func:`claim_limits`)."""
-
-    memory_mib: int | None = None
-    cores: int | None = None
-    cards: tuple[str, ...] = ()  # the claim's cards in the node's order, when several
-
-
-class ClaimRefused(Exception):
-    """This claim cannot be prepared; the message is the one line the kubelet shows."""
-
-
-def claim_path(namespace: str, name: str) -> str:
-    return f"/apis/{API_VERSION}/namespaces/{namespace}/resourceclaims/{name}"
 
 
 def _held_device(
@@ -141,59 +132,6 @@ def _unfinished(
     return outcomes
 
 
-def _check_ref(claim: ClaimRef) -> None:
-    if not _DNS_SUBDOMAIN.match(claim.namespace) or len(claim.namespace) > 63:
-        raise ClaimRefused(f"namespace {claim.namespace[:80]!r} is not a namespace name")
-    if not _DNS_SUBDOMAIN.match(claim.name):
-        raise ClaimRefused(f"name {claim.name[:80]!r} is not a ResourceClaim name")
-    if not _UID.match(claim.uid):
-        raise ClaimRefused(f"UID {claim.uid[:80]!r} is not a UID")
-
-
-def _read_claim(api: ApiClient, claim: ClaimRef, timeout: float) -> dict[str, Any]:
-    try:
-        found = api.get(claim_path(claim.namespace, claim.name), timeout=timeout)
-    except ApiStatusError as exc:
-        if exc.status == 404:
-            raise ClaimRefused(f"claim {claim.describe()} not found") from None
-        raise ClaimRefused(f"cannot read claim {claim.describe()}: {exc}") from None
-    except OSError as exc:
-        raise ClaimRefused(
-            f"cannot read claim {claim.describe()}: API server unreachable ({exc})"
-        ) from None
-    if not isinstance(found, dict):
-        raise ClaimRefused(f"claim {claim.describe()}: the API server sent no object")
-    return found
-
-
-def _results(
-    claim: ClaimRef, found: dict[str, Any], driver: str, pool: str
-) -> list[dict[str, Any]]:
-    uid = (found.get("metadata") or {}).get("uid")
-    if uid != claim.uid:
-        raise ClaimRefused(
-            f"claim {claim.describe()} has UID {uid}, not {claim.uid}: "
-            "it was deleted and created again"
-        )
-    allocation = (found.get("status") or {}).get("allocation")
-    if not isinstance(allocation, dict):
-        raise ClaimRefused(f"claim {claim.describe()} is not allocated")
-    results = (allocation.get("devices") or {}).get("results") or []
-    if not isinstance(results, list):
-        raise ClaimRefused(f"claim {claim.describe()}: allocation results are not a list")
-    ours = []
-    for result in results:
-        if not isinstance(result, dict) or result.get("driver") != driver:
-            continue
-        if result.get("pool") != pool:
-            raise ClaimRefused(
-                f"claim {claim.describe()} is allocated device {result.get('device')} of "
-                f"pool {result.get('pool')}, not of this node ({pool})"
-            )
-        ours.append(result)
-    return ours
-
-
 def needs_dir(enforcement: Enforcement, mps: MpsGrants | None, uuid: str) -> bool:
     """A share of card ``uuid`` gets a directory of its own: HAMi-core's cache, or its
     own MPS namespace's pipes (a card whose compute is MPS's, on a driver with them)."""
@@ -202,38 +140,12 @@ def needs_dir(enforcement: Enforcement, mps: MpsGrants | None, uuid: str) -> boo
     return mps is not None and enforcement.by_mps(uuid) and mps.namespaces
 
 
-def claim_limits(
-    claim: ClaimRef, plan: Sequence[tuple[str, Offered, Mapping[str, Any]]], unit_mib: int
-) -> ClaimLimits:
-    """What every share of the claim enforces (issue 32 item 2). HAMi-core limits a card
-    by the index it has inside the container, and a result cannot know it: the container
-    may see the claim's other cards, or only some of them (a container can name one
-    request), or another claim's. So each result's CDI device carries the same limits,
-    set for every index (``CUDA_DEVICE_MEMORY_LIMIT`` beside ``_0``): the smallest memory
-    share of the claim and its smallest core share, and names all of the claim's cards.
-    A claim of equal shares (``count: N``) is enforced exactly; unequal shares are all
-    held to the smallest, never more than granted."""
-    memory: list[int] = []
-    cores: list[int] = []
-    cards: list[tuple[int, str]] = []
-    for _request, device, result in plan:
-        if not device.shared:
-            continue
-        try:
-            found = share_of(result.get("consumedCapacity"), device.card_memory_mib, unit_mib)
-        except ShareError as exc:
-            raise ClaimRefused(f"claim {claim.describe()}, device {device.name}: {exc}") from None
-        memory.append(found.memory_mib)
-        cores.append(found.cores or FULL_CORES)  # 0: no core limit asked
-        cards.append((device.card_index, device.uuid))
-    if not memory:
-        return ClaimLimits()
-    core_cap = min(cores)
-    return ClaimLimits(
-        min(memory),
-        core_cap if core_cap < FULL_CORES else None,
-        tuple(dict.fromkeys(uuid for _i, uuid in sorted(cards))) if len(set(cards)) > 1 else (),
-    )
+def _applied(leftovers: Leftovers, uid: str) -> Shares | None:
+    """What the spec of claim ``uid`` sets, when it is prepared here (lock held)."""
+    entry = leftovers.entry(uid)
+    if entry is None or entry.state not in (PREPARED, RECOVERED):
+        return None
+    return applied_limits(entry, FULL_CORES)
 
 
 class ClaimPreparer:
@@ -317,24 +229,17 @@ class ClaimPreparer:
                             changed |= done[1]
         except LockTimeout as exc:
             return _unfinished(claims, outcomes, str(exc))
-        read: dict[str, list[dict[str, Any]]] = {}
-        for claim in pending:  # outside the lock
-            left = None if deadline is None else deadline - time.monotonic()
-            if cancelled() or (left is not None and left <= 0):
-                break
-            try:
-                timeout = self.api_timeout if left is None else min(self.api_timeout, left)
-                found = _read_claim(self.api, claim, timeout)
-                read[claim.uid] = _results(claim, found, self.driver, self.pool)
-            except ClaimRefused as exc:
-                outcomes[claim.uid] = _refused(claim, exc)
+        source = ClaimSource(self.api, self.driver, self.pool, self.unit_mib, self.api_timeout)
+        read, refused = read_pending(source, pending, self.devices(), deadline, cancelled)
+        for claim, why in refused:
+            outcomes[claim.uid] = _refused(claim, why)
         try:
             with self.lock.held(deadline) if read else contextlib.nullcontext():
                 for claim in pending:
                     if claim.uid not in read or cancelled():
                         continue
                     try:
-                        devices, fresh = self._prepare_one(claim, read[claim.uid])
+                        devices, fresh = self._prepare_one(claim, *read[claim.uid])
                     except ClaimRefused as exc:
                         outcomes[claim.uid] = _refused(claim, exc)
                     except (OSError, CheckpointError) as exc:
@@ -350,7 +255,7 @@ class ClaimPreparer:
 
     def _from_checkpoint(self, claim: ClaimRef) -> tuple[list[PreparedDevice], bool] | None:
         """A prepared claim's devices from its entry (and whether the view changed), or None."""
-        _check_ref(claim)
+        check_ref(claim)
         known = self._known(claim)
         if known is not None and known.state == PREPARED:
             # idempotent: the same answer again (maybe prepared by another instance)
@@ -371,10 +276,10 @@ class ClaimPreparer:
         return known
 
     def _prepare_one(
-        self, claim: ClaimRef, results: list[dict[str, Any]]
+        self, claim: ClaimRef, results: list[dict[str, Any]], together: Together
     ) -> tuple[list[PreparedDevice], bool]:
         """The claim's devices, and whether the view of what is held changed (lock held;
-        ``results``: this driver's, read from the API server)."""
+        ``results``: this driver's, read from the API server; ``together``: its mates)."""
         known = self._known(claim)  # again: another call may have prepared it meanwhile
         if known is not None and known.state == PREPARED:
             return known.devices, self.held.remember(claim.uid, known)
@@ -406,11 +311,14 @@ class ClaimPreparer:
         cdi_devices: list[CdiDevice] = []
         prepared: list[PreparedDevice] = []
         shares = []
-        limits = claim_limits(claim, plan, self.unit_mib)
+        hold = smallest([together.hold(), promised(self.held.entries(), claim.uid)])
+        limits = claim_limits(claim, plan, self.unit_mib, hold)
+        if limits.memory_mib is not None:
+            why = overreaching(together, claim.uid, lambda uid: _applied(self.leftovers, uid))
+            if why:
+                raise ClaimRefused(f"claim {claim.describe()}: {why}")
         for request, device, result in plan:
-            answer, memory_mib, cores = self._answer(
-                claim, request, device, result, keep, limits
-            )
+            answer, memory_mib, cores = self._answer(claim, request, device, result, keep, limits)
             cdi_name = f"{claim.uid}-{_NOT_CDI.sub('_', request)}-{device.name}"
             cdi_devices.append(claim_device(cdi_name, answer))
             ids = [f"{self.cdi_kind}={cdi_name}", *answer.cdi_devices]
@@ -432,6 +340,9 @@ class ClaimPreparer:
             spec_name=claim.uid,
             cache_keys=keys,
             devices=prepared,
+            memory_limit_mib=limits.memory_mib,
+            core_limit=None if limits.memory_mib is None else limits.cores or FULL_CORES,
+            held_with=together.floors(claim.uid),
         )
         self.checkpoint.put(claim.uid, entry)
         self.held.remember(claim.uid, entry)
@@ -459,7 +370,6 @@ class ClaimPreparer:
         key = claim_cache_key(claim.uid, request, device.name)
         memory_mib = limits.memory_mib or share.memory_mib
         if self.enforcement.interposer_counts_memory(device.uuid):
-            key = claim_cache_key(claim.uid, request, device.name)
             kept = cache_root(self.host_lib_dir) / key
             if key in keep and kept.is_dir() and not kept.is_symlink():
                 cache_dir = kept

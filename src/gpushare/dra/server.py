@@ -38,7 +38,8 @@ from gpushare._proto.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from gpushare._proto.pluginregistration.v1 import api_pb2 as reg_pb2
 from gpushare._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 from gpushare.base.kubeletgrpc import CallHook, KubeletServer, observed
-from gpushare.dra.claims import ClaimPreparer, ClaimRef
+from gpushare.dra.claimread import ClaimRef
+from gpushare.dra.claims import ClaimPreparer
 from gpushare.gpu.health import HealthBoard
 
 log = structlog.get_logger(__name__)

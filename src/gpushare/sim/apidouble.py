@@ -454,7 +454,8 @@ class Faults:
     """What a test makes the double do wrong: answer errors, or hang."""
 
     def __init__(self) -> None:
-        self._failures: list[int] = []  # statuses the next requests answer
+        #: (status, path part): the next requests whose path holds that part answer it
+        self._failures: list[tuple[int, str]] = []
         self._open = threading.Event()  # cleared while the server is held (hangs)
         self._open.set()
         #: The paths of the requests that arrived while the server was held, in order.
@@ -468,12 +469,15 @@ class Faults:
 
     def _next_failure(self, path: str) -> int | None:
         """The status the request to ``path`` is answered with instead (lock held)."""
-        if self._failures:
-            return self._failures.pop(0)
+        for i, (status, part) in enumerate(self._failures):
+            if part in path:
+                del self._failures[i]
+                return status
         return 403 if any(part in path for part in self.forbidden_paths) else None
 
-    def fail_next(self, count: int, status: int = 500) -> None:
-        self._failures.extend([status] * count)
+    def fail_next(self, count: int, status: int = 500, path_part: str = "") -> None:
+        """The next ``count`` requests (whose path holds ``path_part``) answer ``status``."""
+        self._failures.extend([(status, path_part)] * count)
 
     def hold(self) -> None:
         """Hang every request (a stuck API server) until :meth:`release`."""

@@ -152,9 +152,12 @@ def allocated_claim(
     results: Sequence[Mapping[str, Any]],
     *,
     uid: str | None = None,
+    reserved_for: Sequence[tuple[str, str]] = (),
 ) -> dict[str, Any]:
     """A ResourceClaim as the scheduler leaves it: ``results`` are ``{request, device,
-    consumedCapacity?}``; driver, pool and a shareID are filled in."""
+    consumedCapacity?}``; driver, pool and a shareID are filled in; ``reserved_for``:
+    the (name, UID) of the pods it is reserved for."""
+    reservations = [{"resource": "pods", "name": n, "uid": u} for n, u in reserved_for]
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
@@ -168,6 +171,53 @@ def allocated_claim(
                         for r in results
                     ]
                 }
-            }
+            },
+            **({"reservedFor": reservations} if reservations else {}),
+        },
+    }
+
+
+def pod_using_claims(
+    namespace: str,
+    name: str,
+    node: str,
+    containers: Mapping[str, Sequence[str]],
+    *,
+    templates: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """A Pod whose containers use ResourceClaims: ``containers`` maps each container to
+    the ResourceClaim names it uses (``resources.claims``). A claim named in ``templates``
+    (ResourceClaim name -> pod claim name) is one the pod's template generated: the pod
+    names the template, and its status the claim, as the resourceclaim controller leaves
+    it; every other claim is named in ``spec.resourceClaims`` directly."""
+    generated = dict(templates or {})
+    used = sorted({c for names in containers.values() for c in names})
+    pod_claim = {c: generated.get(c, f"pc-{c}") for c in used}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "nodeName": node,
+            "resourceClaims": [
+                {"name": pod_claim[c], "resourceClaimTemplateName": "template"}
+                if c in generated
+                else {"name": pod_claim[c], "resourceClaimName": c}
+                for c in used
+            ],
+            "containers": [
+                {
+                    "name": container,
+                    "image": "app",
+                    "resources": {"claims": [{"name": pod_claim[c]} for c in names]},
+                }
+                for container, names in containers.items()
+            ],
+        },
+        "status": {
+            "phase": "Pending",
+            "resourceClaimStatuses": [
+                {"name": pod_claim[c], "resourceClaimName": c} for c in used if c in generated
+            ],
         },
     }

@@ -259,18 +259,51 @@ def a_pod(index: int, gpu: bool, node: str = "") -> dict[str, Any]:
     }
 
 
+def _pod_template(gpu: bool) -> str:
+    """:func:`a_pod` as a %-template of what varies with the index (one json.dumps, not
+    one per pod: the stand-in shares the cores with the extender it measures)."""
+    pod = a_pod(0, gpu, "@node@")
+    meta = pod["metadata"]
+    meta.update(name="@name@", namespace="@namespace@", uid="@uid@", resourceVersion="@rv@")
+    meta["labels"]["app"] = "@app@"
+    meta["ownerReferences"][0]["name"] = "@app@"
+    text = json.dumps(pod).replace("%", "%%")
+    for field in ("node", "name", "namespace", "uid", "rv", "app"):
+        text = text.replace(f"@{field}@", f"%({field})s")
+    return text
+
+
+def _pod_fields(index: int, node: str) -> dict[str, str]:
+    return {
+        "node": node,
+        "name": f"pod-{index:06d}",
+        "namespace": f"team-{index % 50}",
+        "uid": f"{index:08d}-1111-4000-8000-000000000000",
+        "rv": str(1000 + index),
+        "app": f"app-{index % 300}",
+    }
+
+
+_POD_TEXT = {gpu: _pod_template(gpu) for gpu in (False, True)}
+
+
 class ListStandIn:
     """Answers ``GET /api/v1/pods`` and ``/api/v1/nodes`` lists in pages of pre-built
     JSON, and holds every watch open (no events) until :meth:`stop`."""
 
-    def __init__(self, nodes: int, pods: int, gpu_every: int = 4) -> None:
+    def __init__(self, nodes: int, pods: int, gpu_every: int = 4, prerender: bool = False) -> None:
         self.nodes = nodes
         self.pods = pods
         self.gpu_every = gpu_every
         self.lists: dict[str, int] = {"pods": 0, "nodes": 0}
         self._stop = threading.Event()
         self._server: ThreadingHTTPServer | None = None
-        self._node_bytes = [json.dumps(gpu_node(i)).encode() for i in range(min(nodes, 1))]
+        #: pages of pods rendered before the extender starts (its start then measures the
+        #: extender, not this process building JSON on the same cores)
+        self._pages: dict[tuple[int, int], bytes] = {}
+        if prerender:
+            for start in range(0, pods, PAGE_LIMIT):
+                self._pages[(start, PAGE_LIMIT)] = self.page("pods", start, PAGE_LIMIT)
 
     def _node(self, index: int) -> bytes:
         return json.dumps(gpu_node(index)).encode()
@@ -278,9 +311,12 @@ class ListStandIn:
     def _pod(self, index: int) -> bytes:
         gpu = index % self.gpu_every == 0
         node = f"node-{index % max(self.nodes, 1):05d}"
-        return json.dumps(a_pod(index, gpu, node)).encode()
+        return (_POD_TEXT[gpu] % _pod_fields(index, node)).encode()
 
     def page(self, kind: str, start: int, limit: int) -> bytes:
+        ready = self._pages.get((start, limit)) if kind == "pods" else None
+        if ready is not None:
+            return ready
         total = self.pods if kind == "pods" else self.nodes
         end = min(total, start + limit)
         build = self._pod if kind == "pods" else self._node
@@ -443,34 +479,48 @@ def scheduler_sends(nodes: int) -> int:
     return max(100, int(nodes * percentage / 100))
 
 
+def _pending_pod(index: int, memory_units: int = 16) -> dict[str, Any]:
+    pod = a_pod(index, gpu=True)
+    pod["spec"]["nodeName"] = ""
+    pod["status"] = {"phase": "Pending"}
+    limits = pod["spec"]["containers"][0]["resources"]["limits"]
+    limits[f"{PREFIX}/vcuda-memory"] = str(memory_units)
+    return pod
+
+
 def measure_verbs(
-    nodes: int, requests: int, full_nodes: bool, sent: int | None = None
+    nodes: int, requests: int, full_nodes: bool, sent: int | None = None, shapes: bool = False
 ) -> dict[str, Any]:
     """Filter and prioritize in a cluster of ``nodes`` nodes, over ``sent`` of them
-    (all by default), by names (or full Nodes)."""
+    (all by default), by names (or full Nodes). The same pod every request, or with
+    ``shapes`` a pod of a shape not asked before in each (every node's verdict is then
+    computed, none is taken from the extender's verdict cache)."""
     sent = nodes if sent is None else sent
     stand_in = ListStandIn(nodes, pods=0)
     api = stand_in.start()
     extender = Extender(api)
     try:
         extender.wait_ready()
-        the_pod = a_pod(999_999, gpu=True)
-        the_pod["spec"]["nodeName"] = ""
-        the_pod["status"] = {"phase": "Pending"}
-        body: dict[str, Any] = {"Pod": the_pod}
+        body: dict[str, Any] = {"Pod": _pending_pod(999_999)}
         if full_nodes:
             body["Nodes"] = {"items": [gpu_node(i) for i in range(sent)]}
         else:
             body["NodeNames"] = [f"node-{i:05d}" for i in range(sent)]
         raw = json.dumps(body).encode()
+        way = f"{sent} {'full Nodes' if full_nodes else 'names'}"
         row: dict[str, Any] = {
             "nodes": nodes,
-            "way": f"{sent} {'full Nodes' if full_nodes else 'names'}",
+            "way": way + (", a new pod shape each request" if shapes else ""),
             "body_kb": len(raw) / 1024,
         }
+        asked = 0
         for verb in ("filter", "prioritize"):
             walls, cpus, statuses = [], [], set()
             for _ in range(requests):
+                if shapes:  # 17, 18, ... units: every node still holds it
+                    asked += 1
+                    body["Pod"] = _pending_pod(asked, 16 + asked)
+                    raw = json.dumps(body).encode()
                 status, wall, cpu = extender.post(verb, raw)
                 statuses.add(status)
                 walls.append(wall)
@@ -488,7 +538,7 @@ def measure_verbs(
 
 
 def measure_start(pods: int, nodes: int) -> dict[str, Any]:
-    stand_in = ListStandIn(nodes, pods)
+    stand_in = ListStandIn(nodes, pods, prerender=True)
     api = stand_in.start()
     extender = Extender(api)
     try:
@@ -543,10 +593,12 @@ def main(argv: list[str] | None = None) -> int:
     verbs = []
     for nodes in counts:
         default = scheduler_sends(nodes)
-        plans = [(True, default)] if nodes in full else []
-        plans += [(False, default)] + ([(False, nodes)] if default != nodes else [])
-        for as_full, sent in plans:
-            verbs.append(measure_verbs(nodes, args.requests, as_full, sent))
+        plans = [(True, default, False)] if nodes in full else []
+        plans += [(False, default, False), (False, default, True)]
+        if default != nodes:
+            plans += [(False, nodes, False), (False, nodes, True)]
+        for as_full, sent, shapes in plans:
+            verbs.append(measure_verbs(nodes, args.requests, as_full, sent, shapes))
             print(json.dumps(verbs[-1]), flush=True)
     starts = []
     for pods in [int(p) for p in args.pods.split(",") if p]:

@@ -95,10 +95,14 @@ class CardRoom:
         )
 
     def minus(self, memory_units: int, core_units: int) -> CardRoom:
-        return replace(
-            self,
-            memory_free=self.memory_free - memory_units,
-            core_free=self.core_free - core_units,
+        return CardRoom(
+            self.uuid,
+            self.index,
+            self.memory_units,
+            self.memory_free - memory_units,
+            self.core_free - core_units,
+            self.healthy,
+            self.core_units,
         )
 
     @property

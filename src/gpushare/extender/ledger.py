@@ -53,6 +53,10 @@ MAX_LIVE_PODS = 100_000
 GONE_SECONDS = 600.0
 #: ... and at most this many.
 MAX_GONE_PODS = 50_000
+_NEVER = float("inf")
+_NONE: frozenset[str] = frozenset()
+#: The most nodes whose version is kept (past it every version starts again).
+MAX_VERSIONS = 200_000
 #: With the pod watch running, a hold no published state ever confirms still ends
 #: after this many timeouts (a bound on memory, not on correctness).
 WATCHED_HOLD_FACTOR = 10
@@ -100,6 +104,13 @@ class Occupancy:
     rooms: tuple[CardRoom, ...]
     pending: int  # pods counted on top of the published state
     released: int  # ended pods whose listed units were given back
+    #: what a cached copy must check (``verdictcache.py``): the pods whose exclusion
+    #: (``exclude_pod``) would change the answer, the oldest time an answer depends on
+    #: (it changes once the clock passes that plus the timeout), and the pod keys the
+    #: state lists (an ending of any of them, on any node, changes the answer)
+    touched: frozenset[str] = frozenset()
+    oldest: float = float("inf")
+    listed: frozenset[str] = frozenset()
 
 
 class AdmissionLedger:
@@ -127,15 +138,49 @@ class AdmissionLedger:
         self._live_by_node: dict[str, set[str]] = {}
         self._gone: OrderedDict[str, _Gone] = OrderedDict()
         self._gone_by_node: dict[str, dict[str, _Gone]] = {}
+        #: node -> a number that changes whenever anything counted on the node does
+        self._versions: dict[str, int] = {}
+        self._changes = 0
+        self._epoch = 0
 
     def __len__(self) -> int:
         return len(self._by_time)
+
+    # ------------------------------------------------------------------ versions
+    def _touch(self, node: str) -> None:
+        if len(self._versions) >= MAX_VERSIONS and node not in self._versions:
+            self._versions.clear()  # a new epoch: no node's version reads as before
+            self._epoch += 1
+        self._changes += 1
+        self._versions[node] = self._changes
+
+    def version(self, node: str) -> tuple[int, int]:
+        """Changes whenever a hold, a live pod or an ended pod counted on ``node`` does:
+        a cached occupancy of the same version, state, policy and ``watching``, inside
+        its ``oldest`` horizon and with the same ended pods among its ``listed`` keys, is
+        the occupancy :meth:`occupancy` computes now (``verdictcache.py``)."""
+        return (self._epoch, self._versions.get(node, 0))
+
+    def now(self) -> float:
+        return self._clock()
+
+    def gone_among(self, keys: frozenset[str]) -> frozenset[str]:
+        """The keys in ``keys`` of pods known to have ended (on any node)."""
+        gone = self._gone
+        if not keys or gone.keys().isdisjoint(keys):
+            return _NONE
+        return frozenset(key for key in keys if key in gone)
+
+    def expire(self) -> None:
+        """End the holds and forget the ended pods that have outlived their time."""
+        self._expire()
 
     # ------------------------------------------------------------------ holds
     def _drop(self, pod_uid: str) -> None:
         entry = self._by_time.pop(pod_uid, None)
         if entry is None:
             return
+        self._touch(entry.node)
         on_node = self._by_node.get(entry.node)
         if on_node is not None:
             on_node.pop(pod_uid, None)
@@ -160,6 +205,7 @@ class AdmissionLedger:
 
     def _confirm(self, entry: LedgerEntry, generation: int) -> None:
         confirmed = replace(entry, confirmed_in=generation)
+        self._touch(entry.node)
         self._by_time[entry.pod_uid] = confirmed
         self._by_node[entry.node][entry.pod_uid] = confirmed
 
@@ -188,12 +234,21 @@ class AdmissionLedger:
         entry = LedgerEntry(pod_uid, node, generation, self._clock(), dict(use_by_card), pod_key)
         self._by_time[pod_uid] = entry
         self._by_node.setdefault(node, {})[pod_uid] = entry
+        self._touch(node)
 
     # ------------------------------------------------------------------ the pod watch
+    def _touch_pod(self, uid: str, node: str) -> None:
+        """A pod's live facts change: its node, and the node of its hold, count anew."""
+        self._touch(node)
+        hold = self._by_time.get(uid)
+        if hold is not None and hold.node != node:
+            self._touch(hold.node)
+
     def _forget_live(self, uid: str) -> PodFacts | None:
         facts = self._live.pop(uid, None)
         self._live_since.pop(uid, None)
         if facts is not None:
+            self._touch_pod(uid, facts.node)
             on_node = self._live_by_node.get(facts.node)
             if on_node is not None:
                 on_node.discard(uid)
@@ -204,6 +259,7 @@ class AdmissionLedger:
     def _forget_gone(self, uid: str) -> None:
         gone = self._gone.pop(uid, None)
         if gone is not None:
+            self._touch(gone.node)
             on_node = self._gone_by_node.get(gone.node)
             if on_node is not None:
                 on_node.pop(uid, None)
@@ -219,6 +275,7 @@ class AdmissionLedger:
             self._forget_gone(next(iter(self._gone)))
         gone = _Gone(uid, key, node, self._clock())
         self._gone[uid] = gone
+        self._touch(node)
         if node:
             self._gone_by_node.setdefault(node, {})[uid] = gone
 
@@ -238,6 +295,7 @@ class AdmissionLedger:
                 return
             self._live[facts.uid] = facts
             self._live_since.setdefault(facts.uid, self._clock())
+            self._touch_pod(facts.uid, facts.node)
             self._live_by_node.setdefault(facts.node, set()).add(facts.uid)
         elif known is not None:
             self._forget_live(facts.uid)
@@ -300,94 +358,124 @@ class AdmissionLedger:
             rooms = card_rooms(state)
         if not state.cards or any(card.pods is None for card in state.cards):
             held = self.pending_use(node, state.generation, exclude_pod)
-            return Occupancy(subtract(rooms, held), self.pending_pods(node, exclude_pod), 0)
-        self._expire()
-        now = self._clock()
-        unconfirmable_after = now - self.timeout_seconds
-        truncated = any(card.pods_truncated for card in state.cards)
-        live = {uid: self._live[uid] for uid in self._live_by_node.get(node, ())}
-        gone = self._gone_by_node.get(node, {})
-        live_names: dict[str, int] = {}
-        for facts in live.values():
-            live_names[facts.key] = live_names.get(facts.key, 0) + 1
-        gone_names = {g.key for g in gone.values()}
-
-        def live_of(key: str) -> str | None:
-            """The live pod a listed key names, if exactly one."""
-            if key in live:
-                return key
-            if "/" in key and live_names.get(key) == 1 and key not in gone_names:
-                return next(uid for uid, facts in live.items() if facts.key == key)
-            return None
-
-        def ended(key: str) -> bool:
-            if key in gone or key in self._gone:
-                return True
-            return "/" in key and key in gone_names and not live_names.get(key)
-
-        listed = {key for card in state.cards for key, _m, _c in card.pods or ()}
-        counted: set[str] = set()  # UIDs of live pods the state counts
-        for key in listed:
-            uid = live_of(key)
-            if uid is not None:
-                counted.add(uid)
-        # 1. Ended pods the state still counts: their units are free.
-        released: dict[str, tuple[int, int]] = {}
-        released_pods: set[str] = set()
-        for card in state.cards:
-            for key, memory, core in card.pods or ():
-                if ended(key):
-                    released_pods.add(key)
-                    held_memory, held_core = released.get(card.uuid, (0, 0))
-                    released[card.uuid] = (held_memory + memory, held_core + core)
-        if released:
-            rooms = tuple(_give(room, released.get(room.uuid, (0, 0))) for room in rooms)
-        # 2. The extender's own holds, until the state counts the pod.
-        pending = 0
-        holding: set[str] = set()
-        for entry in list(self._by_node.get(node, {}).values()):
-            by_name = (
-                entry.pod_key
-                and entry.pod_key in listed
-                and live_names.get(entry.pod_key, 0) <= 1
-                and entry.pod_key not in gone_names
+            entries = self._by_node.get(node, {})
+            return Occupancy(
+                subtract(rooms, held),
+                self.pending_pods(node, exclude_pod),
+                0,
+                touched=frozenset(entries),
+                oldest=min((entry.admitted_at for entry in entries.values()), default=_NEVER),
             )
-            if entry.confirmed_in is not None and state.generation >= entry.confirmed_in:
+        return _count(self, node, state, policy, exclude_pod, rooms)
+
+
+def _count(
+    ledger: AdmissionLedger,
+    node: str,
+    state: NodeGpuState,
+    policy: str,
+    exclude_pod: str,
+    rooms: tuple[CardRoom, ...],
+) -> Occupancy:
+    """:meth:`AdmissionLedger.occupancy` for a state that lists its pods."""
+    ledger._expire()
+    now = ledger._clock()
+    unconfirmable_after = now - ledger.timeout_seconds
+    truncated = any(card.pods_truncated for card in state.cards)
+    live = {uid: ledger._live[uid] for uid in ledger._live_by_node.get(node, ())}
+    gone = ledger._gone_by_node.get(node, {})
+    live_names: dict[str, int] = {}
+    for facts in live.values():
+        live_names[facts.key] = live_names.get(facts.key, 0) + 1
+    gone_names = {g.key for g in gone.values()}
+
+    def live_of(key: str) -> str | None:
+        """The live pod a listed key names, if exactly one."""
+        if key in live:
+            return key
+        if "/" in key and live_names.get(key) == 1 and key not in gone_names:
+            return next(uid for uid, facts in live.items() if facts.key == key)
+        return None
+
+    def ended(key: str) -> bool:
+        if key in gone or key in ledger._gone:
+            return True
+        return "/" in key and key in gone_names and not live_names.get(key)
+
+    listed = {key for card in state.cards for key, _m, _c in card.pods or ()}
+    counted: set[str] = set()  # UIDs of live pods the state counts
+    for key in listed:
+        uid = live_of(key)
+        if uid is not None:
+            counted.add(uid)
+    # 1. Ended pods the state still counts: their units are free.
+    released: dict[str, tuple[int, int]] = {}
+    released_pods: set[str] = set()
+    for card in state.cards:
+        for key, memory, core in card.pods or ():
+            if ended(key):
+                released_pods.add(key)
+                held_memory, held_core = released.get(card.uuid, (0, 0))
+                released[card.uuid] = (held_memory + memory, held_core + core)
+    if released:
+        rooms = tuple(_give(room, released.get(room.uuid, (0, 0))) for room in rooms)
+    # 2. The extender's own holds, until the state counts the pod.
+    pending = 0
+    holding: set[str] = set()
+    oldest = _NEVER  # the answer changes once ``unconfirmable_after`` passes this
+    for entry in list(ledger._by_node.get(node, {}).values()):
+        by_name = (
+            entry.pod_key
+            and entry.pod_key in listed
+            and live_names.get(entry.pod_key, 0) <= 1
+            and entry.pod_key not in gone_names
+        )
+        if entry.confirmed_in is not None and state.generation >= entry.confirmed_in:
+            continue
+        if entry.pod_uid in listed or entry.pod_uid in counted or by_name:
+            # Confirmed: the counts include it. Once the watch knows the pod, it
+            # covers older states too; until then the hold does, for them.
+            if entry.pod_uid in ledger._live:
+                ledger._drop(entry.pod_uid)
+            elif entry.confirmed_in is None or state.generation < entry.confirmed_in:
+                ledger._confirm(entry, state.generation)
+            continue
+        if truncated or not ledger.watching:
+            if entry.admitted_at < unconfirmable_after:
+                ledger._drop(entry.pod_uid)
                 continue
-            if entry.pod_uid in listed or entry.pod_uid in counted or by_name:
-                # Confirmed: the counts include it. Once the watch knows the pod, it
-                # covers older states too; until then the hold does, for them.
-                if entry.pod_uid in self._live:
-                    self._drop(entry.pod_uid)
-                elif entry.confirmed_in is None or state.generation < entry.confirmed_in:
-                    self._confirm(entry, state.generation)
+            oldest = min(oldest, entry.admitted_at)
+        holding.add(entry.pod_uid)
+        if entry.pod_uid == exclude_pod:
+            continue
+        rooms = subtract(rooms, entry.use_by_card)
+        pending += 1
+    # 3. Live pods bound here by anyone that the state does not count yet.
+    touched = set(holding)
+    if ledger.watching:
+        for uid, facts in sorted(live.items(), key=lambda item: ledger._live_since[item[0]]):
+            if uid in holding or uid in counted or facts.need is None:
                 continue
-            if (truncated or not self.watching) and entry.admitted_at < unconfirmable_after:
-                self._drop(entry.pod_uid)
+            touched.add(uid)
+            if uid == exclude_pod:
                 continue
-            holding.add(entry.pod_uid)
-            if entry.pod_uid == exclude_pod:
-                continue
-            rooms = subtract(rooms, entry.use_by_card)
+            if truncated:
+                if ledger._live_since[uid] < unconfirmable_after:
+                    continue
+                oldest = min(oldest, ledger._live_since[uid])
+            planned = _planned_use(rooms, facts)
+            fit = fit_pod(rooms, facts.need, policy) if planned is None else None
+            if planned is not None:
+                rooms = subtract(rooms, planned)
+            elif fit is not None and fit.placement is not None:
+                rooms = subtract(rooms, fit.placement.use_by_card())
+            else:  # it fits nowhere that we know: count it everywhere
+                need = (facts.need.memory_units, facts.need.core_units)
+                rooms = subtract(rooms, {room.uuid: need for room in rooms})
             pending += 1
-        # 3. Live pods bound here by anyone that the state does not count yet.
-        if self.watching:
-            for uid, facts in sorted(live.items(), key=lambda item: self._live_since[item[0]]):
-                if uid in holding or uid in counted or uid == exclude_pod or facts.need is None:
-                    continue
-                if truncated and self._live_since[uid] < unconfirmable_after:
-                    continue
-                planned = _planned_use(rooms, facts)
-                fit = fit_pod(rooms, facts.need, policy) if planned is None else None
-                if planned is not None:
-                    rooms = subtract(rooms, planned)
-                elif fit is not None and fit.placement is not None:
-                    rooms = subtract(rooms, fit.placement.use_by_card())
-                else:  # it fits nowhere that we know: count it everywhere
-                    need = (facts.need.memory_units, facts.need.core_units)
-                    rooms = subtract(rooms, {room.uuid: need for room in rooms})
-                pending += 1
-        return Occupancy(rooms, pending, len(released_pods))
+    return Occupancy(
+        rooms, pending, len(released_pods), frozenset(touched), oldest, frozenset(listed)
+    )
 
 
 def _planned_use(rooms: Iterable[CardRoom], facts: PodFacts) -> dict[str, tuple[int, int]] | None:

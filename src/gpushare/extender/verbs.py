@@ -36,8 +36,9 @@ from gpushare.extender.fit import (
     pod_need,
     score,
 )
-from gpushare.extender.ledger import AdmissionLedger
+from gpushare.extender.ledger import AdmissionLedger, Occupancy
 from gpushare.extender.nodecache import NodeCache, node_name, read_node_state
+from gpushare.extender.verdictcache import VerdictCache
 from gpushare.kube import nodestate
 from gpushare.share.gputype import CardChoice
 
@@ -90,6 +91,8 @@ class ExtenderState:
     clock: Callable[[], float] = time.time
     #: the node watch's cache, for requests by name (None: no watch, names refused)
     node_cache: NodeCache | None = None
+    #: each node's occupancy and verdict per pod shape, while they hold
+    verdicts: VerdictCache[Judged] = field(default_factory=VerdictCache)
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,15 @@ class NodeVerdict:
     code: str = "fits"
 
 
+@dataclass
+class Judged:
+    """A verdict kept for one node and pod shape (``verdictcache.py``), and its score
+    under the policy once asked."""
+
+    verdict: NodeVerdict
+    score: int | None = None
+
+
 def judge_state(
     name: str,
     state: nodestate.NodeGpuState,
@@ -183,10 +195,32 @@ def judge_state(
     exclude_pod: str = "",
     choice: CardChoice | None = None,
     rooms: tuple[CardRoom, ...] | None = None,
+    cache: VerdictCache[Judged] | None = None,
+    shape: int = -1,
 ) -> NodeVerdict:
     """Fit the pod on the node's cards as the ledger counts them (the published state,
     less pods bound since, plus pods ended since) less the cards the pod's annotations
-    exclude."""
+    exclude. With a ``cache`` and the pod's ``shape`` (``cache.shape((need, choice))``)
+    the occupancy and the verdict are kept while they hold (``verdictcache.py``)."""
+    verdict, _judged = judge_kept(
+        name, state, need, policy, ledger, exclude_pod, choice, rooms, cache, shape
+    )
+    return verdict
+
+
+def judge_kept(
+    name: str,
+    state: nodestate.NodeGpuState,
+    need: PodNeed,
+    policy: ExtenderPolicy,
+    ledger: AdmissionLedger,
+    exclude_pod: str = "",
+    choice: CardChoice | None = None,
+    rooms: tuple[CardRoom, ...] | None = None,
+    cache: VerdictCache[Judged] | None = None,
+    shape: int = -1,
+) -> tuple[NodeVerdict, Judged | None]:
+    """:func:`judge_state`, and the cache's record of the verdict (None: not kept)."""
     if state.kubelet_restarted:
         reason = (
             f"the node's kubelet restarted at {state.kubelet_restarted[:40]} and does not list "
@@ -194,14 +228,35 @@ def judge_state(
             "deleted before the restart); the gpushare daemon says when it does, and the "
             "pod is retried"
         )
-        return NodeVerdict(name, Fit(None, reason), state.generation, "kubelet_restart")
+        return NodeVerdict(name, Fit(None, reason), state.generation, "kubelet_restart"), None
     if ledger.awaiting_list:
         reason = (
             "the extender has not read the cluster's pods yet (it counts the pods bound "
             "to each node); the pod is retried"
         )
-        return NodeVerdict(name, Fit(None, reason), state.generation, "not_ready")
-    occupancy = ledger.occupancy(name, state, policy.placement, exclude_pod, rooms)
+        return NodeVerdict(name, Fit(None, reason), state.generation, "not_ready"), None
+    if cache is None or shape < 0:
+        occupancy = ledger.occupancy(name, state, policy.placement, exclude_pod, rooms)
+        return fit_verdict(name, state, occupancy, need, policy, choice), None
+    occupancy, memo = cache.occupancy(ledger, name, state, policy.placement, exclude_pod, rooms)
+    if memo is None:
+        return fit_verdict(name, state, occupancy, need, policy, choice), None
+    judged = memo.get(shape)
+    if judged is None:
+        judged = memo[shape] = Judged(fit_verdict(name, state, occupancy, need, policy, choice))
+    return judged.verdict, judged
+
+
+def fit_verdict(
+    name: str,
+    state: nodestate.NodeGpuState,
+    occupancy: Occupancy,
+    need: PodNeed,
+    policy: ExtenderPolicy,
+    choice: CardChoice | None,
+) -> NodeVerdict:
+    """The pod's fit on the node's cards as counted (``occupancy``), less the cards its
+    choice excludes."""
     rooms, excluded = excluded_rooms(occupancy.rooms, state, choice)
     if excluded and len(excluded) == len(rooms):
         reason = f"the pod's card choice excludes every card: {', '.join(excluded)}"
@@ -220,42 +275,45 @@ def judge_state(
     return NodeVerdict(name, fit, state.generation, "no_room")
 
 
+@dataclass(frozen=True)
+class Question:
+    """What one filter or prioritize asks of every node it names: the pod's need, its
+    card choice, the pod left out of the counts (prioritize: its own hold), and the
+    shape's number in the verdict cache (-1: nothing kept)."""
+
+    need: PodNeed
+    choice: CardChoice | None = None
+    exclude_pod: str = ""
+    shape: int = -1
+
+
 def judge_node(
-    node: Mapping[str, Any],
-    need: PodNeed,
-    policy: ExtenderPolicy,
-    state: ExtenderState,
-    exclude_pod: str = "",
-    choice: CardChoice | None = None,
-) -> NodeVerdict:
+    node: Mapping[str, Any], question: Question, policy: ExtenderPolicy, state: ExtenderState
+) -> tuple[NodeVerdict, Judged | None]:
     """Read one Node's published cards, remember them, and fit the pod on them less the
-    cards the pod's annotations exclude (``choice``)."""
+    cards the pod's annotations exclude (``question.choice``); the verdict, and the
+    cache's record of it (None: not kept)."""
     name = node_name(node)
     cache = state.node_cache
     if cache is not None and name in cache.objects:
         kept = cache.get(name)  # the node's state object: what the Node carries is not read
         if kept is not None and kept.state is not None:
-            return judge_published(name, kept.state, need, policy, state, exclude_pod, choice)
+            return judge_published(name, kept.state, question, policy, state, kept.rooms)
     published, code, reason = read_node_state(node, policy.resource_prefix)
     if published is None:
-        return NodeVerdict(name, Fit(None, reason), None, code)
+        return NodeVerdict(name, Fit(None, reason), None, code), None
     seen = state.nodes.get(name)
     doubt = implausible(seen, published, state.clock())
     if doubt:
         if seen is None:
-            return NodeVerdict(name, Fit(None, doubt), None, "bad_annotation")
+            return NodeVerdict(name, Fit(None, doubt), None, "bad_annotation"), None
         published = seen  # the request's copy is not believed: what was seen stands
-    return judge_published(name, published, need, policy, state, exclude_pod, choice)
+    return judge_published(name, published, question, policy, state)
 
 
 def judge_name(
-    name: str,
-    need: PodNeed,
-    policy: ExtenderPolicy,
-    state: ExtenderState,
-    exclude_pod: str = "",
-    choice: CardChoice | None = None,
-) -> NodeVerdict:
+    name: str, question: Question, policy: ExtenderPolicy, state: ExtenderState
+) -> tuple[NodeVerdict, Judged | None]:
     """Like :func:`judge_node` for a node named only: its cards come from the node
     watch's cache."""
     cache = state.node_cache
@@ -264,35 +322,42 @@ def judge_name(
             "the extender has not read the cluster's Nodes yet (it keeps their cards from "
             "its own watch); the pod is retried"
         )
-        return NodeVerdict(name, Fit(None, reason), None, "not_ready")
+        return NodeVerdict(name, Fit(None, reason), None, "not_ready"), None
     record = cache.get(name)
     if record is None:
         reason = "the extender's node watch has not seen this node yet; the pod is retried"
-        return NodeVerdict(name, Fit(None, reason), None, "unseen")
+        return NodeVerdict(name, Fit(None, reason), None, "unseen"), None
     if record.state is None:
-        return NodeVerdict(name, Fit(None, record.reason), None, record.code)
-    return judge_published(
-        name, record.state, need, policy, state, exclude_pod, choice, record.rooms
-    )
+        return NodeVerdict(name, Fit(None, record.reason), None, record.code), None
+    return judge_published(name, record.state, question, policy, state, record.rooms)
 
 
 def judge_published(
     name: str,
     published: nodestate.NodeGpuState,
-    need: PodNeed,
+    question: Question,
     policy: ExtenderPolicy,
     state: ExtenderState,
-    exclude_pod: str = "",
-    choice: CardChoice | None = None,
     rooms: tuple[CardRoom, ...] | None = None,
-) -> NodeVerdict:
+) -> tuple[NodeVerdict, Judged | None]:
     """Remember the node's newest state seen and fit the pod on it (``rooms``: the
     given state's ``card_rooms``, if known)."""
     chosen = newest(state.nodes.get(name), published)
     state.nodes.put(name, chosen)
     if chosen is not published:
         rooms = None
-    return judge_state(name, chosen, need, policy, state.ledger, exclude_pod, choice, rooms)
+    return judge_kept(
+        name,
+        chosen,
+        question.need,
+        policy,
+        state.ledger,
+        question.exclude_pod,
+        question.choice,
+        rooms,
+        state.verdicts,
+        question.shape,
+    )
 
 
 #: How far a node's ``updated`` may be ahead of the extender's clock (clock skew).
@@ -381,12 +446,12 @@ def filter_verb(body: Any, policy: ExtenderPolicy, state: ExtenderState) -> dict
     state.pods.put(args.pod_uid, need)
     kept: list[Mapping[str, Any]] = []
     failed: dict[str, str] = {}
-    choice = card_choice_of(args.pod, policy.resource_prefix)
+    question = _question(args, need, policy, state, exclude_pod="")
     codes: dict[str, int] = {}
     if args.names is not None:
         kept_names: list[str] = []
         for name in args.names:
-            verdict = judge_name(name, need, policy, state, choice=choice)
+            verdict, _judged = judge_name(name, question, policy, state)
             codes[verdict.code] = codes.get(verdict.code, 0) + 1
             if verdict.fit.placement is None:
                 failed[name] = verdict.fit.reason
@@ -400,7 +465,7 @@ def filter_verb(body: Any, policy: ExtenderPolicy, state: ExtenderState) -> dict
             VERDICTS_KEY: codes,
         }
     for node in args.nodes:
-        verdict = judge_node(node, need, policy, state, choice=choice)
+        verdict, _judged = judge_node(node, question, policy, state)
         codes[verdict.code] = codes.get(verdict.code, 0) + 1
         if verdict.fit.placement is None:
             failed[verdict.name] = verdict.fit.reason
@@ -428,17 +493,37 @@ def prioritize_verb(
     the state it is scored against."""
     args = read_args(body, state)
     need = _need(args, policy)
+    question = _question(args, need, policy, state, exclude_pod=args.pod_uid)
     scores = []
-    choice = card_choice_of(args.pod, policy.resource_prefix)
     if args.names is not None:
         for name in args.names:
-            verdict = judge_name(name, need, policy, state, exclude_pod=args.pod_uid, choice=choice)
-            scores.append({"Host": name, "Score": score(verdict.fit, policy.placement)})
+            verdict, judged = judge_name(name, question, policy, state)
+            scores.append({"Host": name, "Score": _score(verdict, judged, policy)})
         return scores
     for node in args.nodes:
-        verdict = judge_node(node, need, policy, state, exclude_pod=args.pod_uid, choice=choice)
-        scores.append({"Host": verdict.name, "Score": score(verdict.fit, policy.placement)})
+        verdict, judged = judge_node(node, question, policy, state)
+        scores.append({"Host": verdict.name, "Score": _score(verdict, judged, policy)})
     return scores
+
+
+def _score(verdict: NodeVerdict, judged: Judged | None, policy: ExtenderPolicy) -> int:
+    """``score(verdict.fit)``, computed once per kept verdict."""
+    if judged is None:
+        return score(verdict.fit, policy.placement)
+    if judged.score is None:
+        judged.score = score(verdict.fit, policy.placement)
+    return judged.score
+
+
+def _question(
+    args: ExtenderArgs,
+    need: PodNeed,
+    policy: ExtenderPolicy,
+    state: ExtenderState,
+    exclude_pod: str,
+) -> Question:
+    choice = card_choice_of(args.pod, policy.resource_prefix)
+    return Question(need, choice, exclude_pod, state.verdicts.shape((need, choice)))
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,8 @@ class Policy(StrEnum):
 
     @classmethod
     def parse(cls, value: str | Policy) -> Policy:
+        if isinstance(value, Policy):
+            return value
         try:
             return cls(str(value).lower())
         except ValueError:
@@ -127,6 +129,9 @@ def place_containers(
     gets the best-ranked card from which the others still fit, and so on. Placing the
     first container and calling again for the rest gives the same remaining cards.
     """
+    if len(needs) == 1:  # what the search below finds for one container, without it
+        ranked = rank(rooms, needs[0], policy)
+        return (ranked[0].uuid,) if ranked else None
     trials = 0
 
     def search(current: Sequence[Room], position: int) -> list[str] | None:

@@ -645,8 +645,12 @@ class NodeAgent:
                     prefix = flags[i + 1]
                 elif flag.startswith("--resource-prefix="):
                     prefix = flag.split("=", 1)[1]
-            memory = f"{prefix}/vcuda-memory"
-            self.cluster.wait_allocatable(self.name, lambda a: int(a.get(memory, "0")) > 0)
+            # each resource registers on its own and the kubelet may write the Node's status
+            # between the two: wait for both, or a caller reads a status without vcuda-core
+            memory, core = f"{prefix}/vcuda-memory", f"{prefix}/vcuda-core"
+            self.cluster.wait_allocatable(
+                self.name, lambda a: int(a.get(memory, "0")) > 0 and int(a.get(core, "0")) > 0
+            )
         return self.daemon
 
     def kill_daemon(self, sig: int = signal.SIGKILL) -> None:

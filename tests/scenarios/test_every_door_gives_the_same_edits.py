@@ -108,7 +108,8 @@ def test_a_share_is_the_same_edits_from_the_two_allocates_and_from_a_claim(
     assert claim_env.pop("CUDA_DEVICE_MEMORY_LIMIT") == f"{4 * node.settings.memory_unit_mib}m"
     # and, since its container's own env is not checked (the admission policy cannot
     # tell a gpushare claim), every index HAMi-core reads and its switches at the
-    # values that behave as if unset (issue 32 item 1); a device-plugin container's env is checked instead
+    # values that behave as if unset (issue 32 item 1); a device-plugin container's env
+    # is checked instead
     for i in range(16):
         assert claim_env.pop(f"CUDA_DEVICE_SM_LIMIT_{i}") == "30"
         if i:

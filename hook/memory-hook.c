@@ -20,7 +20,22 @@
  * nvml.h of CUDA 13.4 (cuda-nvml-dev-13-4) declares them; read through the search tool in
  * go-nvml's nvml.h as copied into a public mock header, and in a public project quoting
  * the header from the cuda-nvml-dev-13-4_13.4.92 package. Check against the driver's own
- * nvml.h before relying on it: `make gpu-proof` does, on a GPU. */
+ * nvml.h before relying on it: `make gpu-proof` does, on a GPU.
+ *
+ * The same program checks a DRA claim's limits (docs/dra.md, docs/security.md row 32.2):
+ *
+ *   gpushare-memory-hook --check-limits [--memory-mib N] [--cores C] [--neutral NAME=VALUE]...
+ *
+ * named in the CDI spec of every claim share whose limits HAMi-core holds, with that
+ * claim's share. It reads the container's final env from `<bundle>/config.json` (the bundle
+ * from the OCI state; config.json at most 16 MiB, a regular file, never followed if a link
+ * stands there), and refuses the container (exit 1, one line) if any occurrence of
+ * CUDA_DEVICE_MEMORY_LIMIT or CUDA_DEVICE_MEMORY_LIMIT_<i> (i 0-15, the names HAMi-core
+ * reads) is above N MiB, of CUDA_DEVICE_SM_LIMIT(_<i>) above C, or is not a plain decimal
+ * with an optional k/m/g (HAMi-core reads 0 and junk as "no limit"), if one of them is not
+ * set at all, or if a --neutral name is not at its value. Two claims of unequal shares in
+ * one container: whichever spec the runtime applied last, the smaller claim's check sees
+ * the larger share and nothing starts. It reads, never writes, and loads no library. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
@@ -52,10 +67,19 @@ typedef int nvmlReturn_t;
 typedef struct nvmlDevice_st *nvmlDevice_t;
 
 enum { STATE_MAX = 64 << 10, CGROUP_FILE_MAX = 16 << 10, DEPTH_MAX = 32, TIMEOUT_S = 10 };
+#define CONFIG_MAX (16u << 20) /* a bundle's config.json */
 #define CGROUP2_SUPER_MAGIC 0x63677270
 #define DEFAULT_CGROUP_ROOT "/sys/fs/cgroup"
 
 static void fail(const char *fmt, ...) __attribute__((noreturn, format(printf, 1, 2)));
+static void usage(void) __attribute__((noreturn));
+static void usage(void) {
+    fputs("usage: gpushare-memory-hook --gpu GPU-<uuid> --limit-mib N [--nvml-lib PATH] "
+          "[--cgroup-root DIR] [--proc-root DIR] < OCI state; or gpushare-memory-hook "
+          "--check-limits [--memory-mib N] [--cores C] [--neutral NAME=VALUE]... < OCI state\n",
+          stderr);
+    exit(2);
+}
 #include <stdarg.h>
 static void fail(const char *fmt, ...) {
     va_list ap;
@@ -67,12 +91,22 @@ static void fail(const char *fmt, ...) {
     exit(1);
 }
 
-/* ------------------------------------------------------------------ the OCI state */
+/* ------------------------------------------------------------------ JSON */
+
+/* A bounded JSON validator that keeps what it is asked for: the OCI state's top-level
+ * "pid" and "bundle", or a bundle config's "process" -> "env" strings. Keys are decoded
+ * and compared ASCII case-insensitively where a Go runtime's decoder would match them
+ * (encoding/json), and a key that occurs twice where it matters is refused. */
+enum role { R_NONE, R_TOP, R_PID, R_BUNDLE, R_PROCESS, R_ENV, R_ENV_ITEM };
 
 struct scan {
-    const char *p, *end;
-    long pid;   /* -1: not seen */
-    int pids;   /* how many top-level "pid" keys */
+    char *p, *end;
+    int config;  /* 1: a bundle's config.json; 0: the OCI state */
+    long pid;    /* -1: not seen */
+    int pids;    /* how many top-level "pid" keys */
+    char *bundle; /* decoded, NUL-terminated in place */
+    int bundles, processes, envs;
+    void (*on_env)(char *entry, size_t n); /* each decoded string of process.env */
 };
 
 static void ws(struct scan *s) {
@@ -80,10 +114,56 @@ static void ws(struct scan *s) {
         s->p++;
 }
 
+static int hex4(const char *p) {
+    int v = 0;
+    for (int i = 0; i < 4; i++) {
+        char c = p[i];
+        v = v * 16 + (c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                                                                           : c - 'A' + 10);
+    }
+    return v;
+}
+
+/* Decode a string body (already validated by string()) in place, as UTF-8; returns the
+ * decoded length, or -1 for a lone surrogate (not text a runtime would pass on). */
+static long decode(char *b, size_t n) {
+    char *out = b;
+    for (size_t i = 0; i < n;) {
+        if (b[i] != '\\') { *out++ = b[i++]; continue; }
+        char e = b[i + 1];
+        i += 2;
+        if (e != 'u') {
+            *out++ = e == 'b' ? '\b' : e == 'f' ? '\f' : e == 'n' ? '\n' : e == 'r' ? '\r'
+                   : e == 't' ? '\t' : e;
+            continue;
+        }
+        long cp = hex4(b + i);
+        i += 4;
+        if (cp >= 0xD800 && cp <= 0xDBFF) {
+            if (i + 6 > n || b[i] != '\\' || b[i + 1] != 'u') return -1;
+            long lo = hex4(b + i + 2);
+            if (lo < 0xDC00 || lo > 0xDFFF) return -1;
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+            i += 6;
+        } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
+            return -1;
+        }
+        if (cp < 0x80) *out++ = (char)cp;
+        else if (cp < 0x800) *out++ = (char)(0xC0 | cp >> 6), *out++ = (char)(0x80 | (cp & 63));
+        else if (cp < 0x10000)
+            *out++ = (char)(0xE0 | cp >> 12), *out++ = (char)(0x80 | (cp >> 6 & 63)),
+            *out++ = (char)(0x80 | (cp & 63));
+        else
+            *out++ = (char)(0xF0 | cp >> 18), *out++ = (char)(0x80 | (cp >> 12 & 63)),
+            *out++ = (char)(0x80 | (cp >> 6 & 63)), *out++ = (char)(0x80 | (cp & 63));
+    }
+    return (long)(out - b);
+}
+
 /* A JSON string; returns 0 on success and the raw (still escaped) body in *b, *n. */
-static int string(struct scan *s, const char **b, size_t *n) {
+static int string(struct scan *s, char **b, size_t *n) {
     if (s->p >= s->end || *s->p != '"') return -1;
-    const char *start = ++s->p;
+    char *start = ++s->p;
     while (s->p < s->end) {
         unsigned char c = (unsigned char)*s->p;
         if (c == '"') {
@@ -140,14 +220,30 @@ static int number(struct scan *s, long *out) {
     return 0;
 }
 
-static int value(struct scan *s, int depth, long *num);
+static int value(struct scan *s, int depth, enum role role);
 
-static int object(struct scan *s, int depth) {
+static int key_is(const char *key, long n, const char *word, int fold) {
+    if (n != (long)strlen(word)) return 0;
+    return fold ? strncasecmp(key, word, (size_t)n) == 0 : memcmp(key, word, (size_t)n) == 0;
+}
+
+/* What the value under ``key`` is, inside an object that is ``role``. */
+static enum role child(struct scan *s, enum role role, const char *key, long n) {
+    if (role == R_TOP && !s->config) {
+        if (key_is(key, n, "pid", 0)) return R_PID;
+        if (key_is(key, n, "bundle", 0)) return R_BUNDLE;
+    }
+    if (role == R_TOP && s->config && key_is(key, n, "process", 1)) return R_PROCESS;
+    if (role == R_PROCESS && key_is(key, n, "env", 1)) return R_ENV;
+    return R_NONE;
+}
+
+static int object(struct scan *s, int depth, enum role role) {
     s->p++; /* { */
     ws(s);
     if (s->p < s->end && *s->p == '}') return s->p++, 0;
     for (;;) {
-        const char *key;
+        char *key;
         size_t n;
         ws(s);
         if (string(s, &key, &n)) return -1;
@@ -155,13 +251,9 @@ static int object(struct scan *s, int depth) {
         if (s->p >= s->end || *s->p != ':') return -1;
         s->p++;
         ws(s);
-        int is_pid = depth == 1 && n == 3 && memcmp(key, "pid", 3) == 0;
-        long num = -2;
-        if (value(s, depth, is_pid ? &num : NULL)) return -1;
-        if (is_pid) {
-            s->pids++;
-            s->pid = num;
-        }
+        long len = decode(key, n);
+        if (len < 0) return -1;
+        if (value(s, depth, child(s, role, key, len))) return -1;
         ws(s);
         if (s->p < s->end && *s->p == ',') { s->p++; continue; }
         if (s->p < s->end && *s->p == '}') return s->p++, 0;
@@ -169,13 +261,13 @@ static int object(struct scan *s, int depth) {
     }
 }
 
-static int array(struct scan *s, int depth) {
+static int array(struct scan *s, int depth, enum role role) {
     s->p++; /* [ */
     ws(s);
     if (s->p < s->end && *s->p == ']') return s->p++, 0;
     for (;;) {
         ws(s);
-        if (value(s, depth, NULL)) return -1;
+        if (value(s, depth, role == R_ENV ? R_ENV_ITEM : R_NONE)) return -1;
         ws(s);
         if (s->p < s->end && *s->p == ',') { s->p++; continue; }
         if (s->p < s->end && *s->p == ']') return s->p++, 0;
@@ -190,43 +282,82 @@ static int literal(struct scan *s, const char *word) {
     return 0;
 }
 
-/* num: where the value of a top-level "pid" goes (-2: not a number, -1: not a small
- * non-negative integer). */
-static int value(struct scan *s, int depth, long *num) {
+static int text(struct scan *s, enum role role) {
+    char *b;
+    size_t n;
+    if (string(s, &b, &n)) return -1;
+    if (role != R_BUNDLE && role != R_ENV_ITEM) return 0;
+    long len = decode(b, n);
+    if (len < 0) return -1;
+    if (role == R_ENV_ITEM) {
+        s->on_env(b, (size_t)len);
+    } else {
+        s->bundles++;
+        if (memchr(b, 0, (size_t)len)) return -1;
+        b[len] = 0; /* over the closing quote, already passed */
+        s->bundle = b;
+    }
+    return 0;
+}
+
+/* A value that is ``role`` (a "pid" that is not a small non-negative integer: -1). */
+static int value(struct scan *s, int depth, enum role role) {
     if (depth >= DEPTH_MAX) return -1;
     if (s->p >= s->end) return -1;
+    if (role == R_PROCESS && ++s->processes > 1) fail("the bundle's config has two \"process\"");
+    if (role == R_ENV && ++s->envs > 1) fail("the bundle's config has two \"process.env\"");
+    if (role == R_PID) s->pids++, s->pid = -2;
+    if (role == R_ENV_ITEM && *s->p != '"') fail("the bundle's config has a non-string env entry");
+    if (role == R_ENV && *s->p != '[' && *s->p != 'n')
+        fail("the bundle's process.env is not a list");
     switch (*s->p) {
-    case '{': return object(s, depth + 1);
-    case '[': return array(s, depth + 1);
-    case '"': { const char *b; size_t n; return string(s, &b, &n); }
+    case '{': return object(s, depth + 1, role == R_PID ? R_NONE : role);
+    case '[': return array(s, depth + 1, role);
+    case '"': return text(s, role);
     case 't': return literal(s, "true");
     case 'f': return literal(s, "false");
     case 'n': return literal(s, "null");
-    default: return number(s, num);
+    default: return number(s, role == R_PID ? &s->pid : NULL);
     }
 }
 
-static long state_pid(void) {
-    static char buf[STATE_MAX + 1];
+/* Read all of ``fd`` into ``buf`` (``max`` bytes at most); the length. */
+static size_t slurp(int fd, char *buf, size_t max, const char *what) {
     size_t got = 0;
     for (;;) {
-        ssize_t r = read(0, buf + got, sizeof buf - got);
+        ssize_t r = read(fd, buf + got, max + 1 - got);
         if (r < 0 && errno == EINTR) continue;
-        if (r < 0) fail("cannot read the OCI state on stdin: %s", strerror(errno));
+        if (r < 0) fail("cannot read %s: %s", what, strerror(errno));
         if (r == 0) break;
         got += (size_t)r;
-        if (got > STATE_MAX) fail("the OCI state on stdin is larger than %d bytes", STATE_MAX);
+        if (got > max) fail("%s is larger than %zu bytes", what, max);
     }
-    struct scan s = {buf, buf + got, -1, 0};
-    ws(&s);
-    if (s.p >= s.end || *s.p != '{') fail("the OCI state on stdin is not a JSON object");
-    if (value(&s, 0, NULL)) fail("the OCI state on stdin is not valid JSON");
-    ws(&s);
-    if (s.p != s.end) fail("the OCI state on stdin has data after its JSON object");
-    if (s.pids != 1) fail("the OCI state has %s \"pid\"", s.pids ? "more than one" : "no");
-    if (s.pid <= 0 || s.pid > 4194304) fail("the OCI state's pid is not a process id");
-    return s.pid;
+    return got;
 }
+
+static void parse(struct scan *s, const char *what) {
+    ws(s);
+    if (s->p >= s->end || *s->p != '{') fail("%s is not a JSON object", what);
+    if (value(s, 0, R_TOP)) fail("%s is not valid JSON", what);
+    ws(s);
+    if (s->p != s->end) fail("%s has data after its JSON object", what);
+}
+
+/* The OCI state on stdin: its top-level "pid" (``need_pid``) and "bundle" (or NULL). */
+static struct scan read_state(int need_pid) {
+    static char buf[STATE_MAX + 1];
+    size_t got = slurp(0, buf, STATE_MAX, "the OCI state on stdin");
+    struct scan s = {buf, buf + got, 0, -1, 0, NULL, 0, 0, 0, NULL};
+    parse(&s, "the OCI state on stdin");
+    if (need_pid) {
+        if (s.pids != 1) fail("the OCI state has %s \"pid\"", s.pids ? "more than one" : "no");
+        if (s.pid <= 0 || s.pid > 4194304) fail("the OCI state's pid is not a process id");
+    }
+    if (s.bundles > 1) fail("the OCI state has more than one \"bundle\"");
+    return s;
+}
+
+static long state_pid(void) { return read_state(1).pid; }
 
 /* ------------------------------------------------------------------ the cgroup */
 
@@ -352,13 +483,181 @@ static void set_limit(const char *nvml_lib, const char *uuid, const char *ns,
     shutdown();
 }
 
+/* ------------------------------------------------------------------ --check-limits */
+
+/* HAMi-core reads per card index 0-15 (its CUDA_DEVICE_MAX_COUNT), each name falling back
+ * to the un-indexed one: every one of them must be no larger than this claim's share. */
+enum { INDEXES = 16, NAMES = INDEXES + 1, NEUTRAL_MAX = 16 };
+struct limit {
+    const char *prefix;        /* CUDA_DEVICE_MEMORY_LIMIT or CUDA_DEVICE_SM_LIMIT */
+    unsigned long long most;   /* in the unit HAMi-core reads: bytes, or percent */
+    int on;                    /* asked for */
+    int seen[NAMES];           /* [0]: un-indexed, [1 + i]: _<i> */
+};
+static struct limit memory_limit = {"CUDA_DEVICE_MEMORY_LIMIT", 0, 0, {0}};
+static struct limit core_limit = {"CUDA_DEVICE_SM_LIMIT", 0, 0, {0}};
+static struct {
+    const char *name, *value;
+    size_t name_n;
+    int seen;
+} neutral[NEUTRAL_MAX];
+static int neutrals;
+
+/* A value for the error line: at most 40 bytes, anything unprintable shown as '?'. */
+static const char *shown(const char *v, size_t n) {
+    static char out[48];
+    size_t k = 0;
+    for (; k < n && k < 40; k++) out[k] = v[k] >= 0x20 && v[k] < 0x7f ? v[k] : '?';
+    if (n > 40) out[k++] = '.', out[k++] = '.', out[k++] = '.';
+    out[k] = 0;
+    return out;
+}
+
+/* Which name of ``l`` this is: 0 un-indexed, 1 + i for _<i> as HAMi-core writes it ("%d"),
+ * -1 none. */
+static int which(const struct limit *l, const char *name, size_t n) {
+    size_t p = strlen(l->prefix);
+    if (n < p || memcmp(name, l->prefix, p)) return -1;
+    if (n == p) return 0;
+    if (name[p] != '_' || n == p + 1 || n > p + 3) return -1;
+    if (name[p + 1] == '0') return n == p + 2 ? 1 : -1;
+    int i = 0;
+    for (size_t k = p + 1; k < n; k++) {
+        if (name[k] < '0' || name[k] > '9') return -1;
+        i = i * 10 + (name[k] - '0');
+    }
+    return i < INDEXES ? 1 + i : -1;
+}
+
+/* The value as HAMi-core reads it (strtoul, then a k/m/g suffix scales it), accepted only
+ * in the one form whose reading is plain: a decimal number without sign, space or leading
+ * zero, with an optional k/K/m/M/g/G. 0 when it is not in that form or overflows (HAMi-core
+ * reads 0, or junk, as "no limit", and the runtime's reading of other forms is not ours
+ * to guess). */
+static unsigned long long reading(const char *v, size_t n) {
+    unsigned long long scale = 1;
+    if (n && strchr("kKmMgG", v[n - 1])) {
+        char c = (char)(v[n - 1] | 0x20);
+        scale = c == 'k' ? 1ULL << 10 : c == 'm' ? 1ULL << 20 : 1ULL << 30;
+        n--;
+    }
+    if (n == 0 || n > 15 || v[0] < '1' || v[0] > '9') return 0;
+    unsigned long long x = 0;
+    for (size_t k = 0; k < n; k++) {
+        if (v[k] < '0' || v[k] > '9') return 0;
+        x = x * 10 + (unsigned long long)(v[k] - '0');
+    }
+    return x > ~0ULL / scale ? 0 : x * scale; /* HAMi-core reads an overflow as none */
+}
+
+static void check_limit(struct limit *l, const char *name, size_t n, const char *v, size_t vn) {
+    int at = which(l, name, n);
+    if (at < 0 || !l->on) return;
+    l->seen[at] = 1;
+    unsigned long long got = reading(v, vn);
+    if (got == 0)
+        fail("%.*s=%s is not a limit HAMi-core reads plainly (it could mean none): refusing",
+             (int)n, name, shown(v, vn));
+    if (got > l->most)
+        fail("%.*s=%s is above this claim's share (%llu%s): another claim or the pod's env "
+             "sets it, and the card it lands on would run above its charge; give the claims "
+             "of one container equal shares",
+             (int)n, name, shown(v, vn), l == &memory_limit ? l->most >> 20 : l->most,
+             l == &memory_limit ? " MiB" : " %");
+}
+
+/* One entry of process.env: every occurrence of a watched name is checked, so it does not
+ * matter which duplicate a runtime applies (runc keeps the last, getenv finds the first). */
+static void check_entry(char *entry, size_t n) {
+    if (memchr(entry, 0, n)) fail("an env entry of the bundle's config holds a NUL byte");
+    char *eq = memchr(entry, '=', n);
+    if (!eq) return; /* not NAME=VALUE: no process sees it as a variable */
+    size_t name_n = (size_t)(eq - entry), vn = n - name_n - 1;
+    check_limit(&memory_limit, entry, name_n, eq + 1, vn);
+    check_limit(&core_limit, entry, name_n, eq + 1, vn);
+    for (int k = 0; k < neutrals; k++) {
+        if (neutral[k].name_n != name_n || memcmp(neutral[k].name, entry, name_n)) continue;
+        neutral[k].seen = 1;
+        if (strlen(neutral[k].value) != vn || memcmp(neutral[k].value, eq + 1, vn))
+            fail("%.*s=%s, not %s as this claim's spec sets it: refusing", (int)name_n, entry,
+                 shown(eq + 1, vn), neutral[k].value);
+    }
+}
+
+static void all_seen(const struct limit *l) {
+    if (!l->on) return;
+    for (int at = 0; at < NAMES; at++)
+        if (!l->seen[at]) {
+            if (at) fail("%s_%d is not set: a card would run without this claim's limit",
+                         l->prefix, at - 1);
+            fail("%s is not set: a card would run without this claim's limit", l->prefix);
+        }
+}
+
+static unsigned long long positive(const char *flag, const char *arg, unsigned long long most) {
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(arg, &end, 10);
+    if (errno || *end || !*arg || arg[0] < '0' || arg[0] > '9' || v == 0 || v > most)
+        fail("%s %.40s is not a number from 1 to %llu", flag, arg, most);
+    return v;
+}
+
+/* gpushare-memory-hook --check-limits [--memory-mib N] [--cores C] [--neutral NAME=VALUE]...
+ * Refuses the container (exit 1, one line) when its final env, read from the bundle's
+ * config.json, lets HAMi-core give any card index more than N MiB or C % of the cores, or
+ * leaves a switch at other than its neutral value. */
+static int check_limits(int argc, char **argv) {
+    for (int i = 1; i < argc; i++) {
+        if (i + 1 >= argc) usage();
+        const char *flag = argv[i], *arg = argv[++i];
+        if (!strcmp(flag, "--memory-mib")) {
+            memory_limit.most = positive(flag, arg, 1ULL << 40) << 20;
+            memory_limit.on = 1;
+        } else if (!strcmp(flag, "--cores")) {
+            core_limit.most = positive(flag, arg, 100);
+            core_limit.on = 1;
+        } else if (!strcmp(flag, "--neutral")) {
+            const char *eq = strchr(arg, '=');
+            if (!eq || eq == arg || neutrals == NEUTRAL_MAX)
+                fail("--neutral %.40s is not NAME=VALUE (at most %d)", arg, NEUTRAL_MAX);
+            neutral[neutrals].name = arg;
+            neutral[neutrals].name_n = (size_t)(eq - arg);
+            neutral[neutrals++].value = eq + 1;
+        } else {
+            usage();
+        }
+    }
+    struct scan state = read_state(0);
+    if (!state.bundle) fail("the OCI state has no \"bundle\"");
+    if (state.bundle[0] != '/' || strlen(state.bundle) >= PATH_MAX - 16)
+        fail("the OCI state's bundle is not an absolute path");
+    /* The bundle is the runtime's own directory; config.json in it is never followed if a
+     * link stands there, and must be a regular file (a FIFO would hold the container). */
+    int dir = open(state.bundle, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir < 0) fail("cannot open the bundle %.200s: %s", state.bundle, strerror(errno));
+    int fd = openat(dir, "config.json", O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) fail("cannot open %.200s/config.json: %s", state.bundle, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) || !S_ISREG(st.st_mode))
+        fail("%.200s/config.json is not a regular file", state.bundle);
+    static char config[CONFIG_MAX + 1];
+    size_t got = slurp(fd, config, CONFIG_MAX, "the bundle's config.json");
+    close(fd);
+    close(dir);
+    struct scan s = {config, config + got, 1, -1, 0, NULL, 0, 0, 0, check_entry};
+    parse(&s, "the bundle's config.json");
+    all_seen(&memory_limit);
+    all_seen(&core_limit);
+    for (int k = 0; k < neutrals; k++)
+        if (!neutral[k].seen)
+            fail("%.*s is not set, not %s as this claim's spec sets it: refusing",
+                 (int)neutral[k].name_n, neutral[k].name, neutral[k].value);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ main */
 
-static void usage(void) {
-    fputs("usage: gpushare-memory-hook --gpu GPU-<uuid> --limit-mib N [--nvml-lib PATH] "
-          "[--cgroup-root DIR] [--proc-root DIR] < OCI state\n", stderr);
-    exit(2);
-}
 
 static int good_uuid(const char *u) {
     size_t n = strlen(u);
@@ -375,6 +674,7 @@ int main(int argc, char **argv) {
     const char *cgroup_root = DEFAULT_CGROUP_ROOT, *proc_root = "/proc";
     int custom_root = 0;
     alarm(TIMEOUT_S); /* a hung driver call must not hold the container's creation */
+    if (argc > 1 && !strcmp(argv[1], "--check-limits")) return check_limits(argc - 1, argv + 1);
     for (int i = 1; i < argc; i++) {
         if (i + 1 >= argc) usage();
         const char *flag = argv[i], *arg = argv[++i];

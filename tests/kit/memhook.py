@@ -98,3 +98,26 @@ def tree(base: Path) -> dict[str, tuple[int, int]]:
             st = path.lstat()
             found[str(path.relative_to(base))] = (st.st_size, st.st_mtime_ns)
     return found
+
+
+def run_check(
+    hook: Path, bundle: Path, env: list[str] | None, args: list[str], config: bytes | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The hook's ``--check-limits`` mode run as a runtime runs a createRuntime hook: the
+    OCI state naming ``bundle`` on stdin, whose ``config.json`` holds ``env`` as its
+    ``process.env`` (or ``config``, the whole file, as given)."""
+    bundle.mkdir(parents=True, exist_ok=True)
+    if config is None:
+        config = json.dumps({"ociVersion": "1.2.0", "process": {"env": env}}).encode()
+    target = bundle / "config.json"
+    if target.is_symlink() or target.exists():
+        target.unlink()
+    target.write_bytes(config)
+    state = json.dumps(oci_state(4242, bundle=str(bundle))).encode()
+    result = subprocess.run(
+        [str(hook), "--check-limits", *args], input=state, capture_output=True, env={},
+        timeout=60,
+    )  # fmt: skip
+    return subprocess.CompletedProcess(
+        result.args, result.returncode, result.stdout.decode(), result.stderr.decode()
+    )

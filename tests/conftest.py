@@ -17,6 +17,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
+from kit.memhook import shared_hook
 
 from gpushare.config import Settings
 from gpushare.daemon import Daemon
@@ -72,6 +73,7 @@ class Node:
             library=str(self.library),
             host_lib_dir=str(root / "vgpu"),
             dra_cdi_dir=str(root / "cdi-own"),  # the daemon's own CDI specs (grants, claims)
+            memory_hook=str(shared_hook()),  # the driver hook and DRA claims' limit check
             metrics_port=0,
         )
         self.kubelet = SimulatedKubelet(

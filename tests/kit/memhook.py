@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,3 +122,24 @@ def run_check(
     return subprocess.CompletedProcess(
         result.args, result.returncode, result.stdout.decode(), result.stderr.decode()
     )
+
+
+_SHARED: list[Path] = []
+
+
+def shared_hook() -> Path:
+    """The hook program for daemons under test to install (``--memory-hook``): built once
+    per test process with gcc, or, without gcc, a placeholder file (installed and named in
+    specs like the real one; the tests that run it skip without gcc)."""
+    if not _SHARED:
+        out = Path(tempfile.mkdtemp(prefix="gs-hook-"))
+        if HAVE_GCC:
+            hook, _nvml = build(out)
+        else:
+            hook = out / "gpushare-memory-hook"
+            hook.write_bytes(
+                b"#!/bin/sh\necho 'gpushare-memory-hook: not built (no gcc)' >&2\nexit 1\n"
+            )
+            hook.chmod(0o755)
+        _SHARED.append(hook)
+    return _SHARED[0]

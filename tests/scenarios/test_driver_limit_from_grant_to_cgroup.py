@@ -71,7 +71,7 @@ def run_hooks(spec: dict[str, Any], proc: Path, pid: int) -> list[subprocess.Com
     stand-in /proc given where the real one would be read)."""
     results = []
     for device in spec["devices"]:
-        for hook in device["containerEdits"].get("hooks", []):
+        for hook in driver_hooks(device["containerEdits"]):
             assert hook["hookName"] == "createRuntime"
             env = dict(e.split("=", 1) for e in hook.get("env", []))
             results.append(
@@ -85,6 +85,17 @@ def run_hooks(spec: dict[str, Any], proc: Path, pid: int) -> list[subprocess.Com
                 )
             )
     return results
+
+
+def driver_hooks(edits: dict[str, Any]) -> list[dict[str, Any]]:
+    """The hooks that set a driver limit (a DRA claim's spec has the limit check too)."""
+    return [h for h in edits.get("hooks", []) if "--gpu" in h["args"]]
+
+
+def limit_check(edits: dict[str, Any]) -> list[str]:
+    """The limit check's arguments after ``--check-limits`` (the one such hook)."""
+    (check,) = [h for h in edits.get("hooks", []) if "--check-limits" in h["args"]]
+    return list(check["args"][2:])
 
 
 def container(node: Node, pid: int, path: str) -> str:
@@ -135,8 +146,10 @@ def test_a_claim_on_a_driver_card_gets_its_limit_on_its_own_cgroup(
     spec_b = prepare(node, api, "b", "1Gi")
     (edits,) = [d["containerEdits"] for d in spec_a["devices"]]
     assert "CUDA_DEVICE_MEMORY_LIMIT_0=2048m" not in edits.get("env", [])  # not libvgpu's
-    (hook,) = edits["hooks"]
+    (hook,) = driver_hooks(edits)
     assert hook["args"][1:5] == ["--gpu", gpu_uuid(0), "--limit-mib", "2048"]  # in the args
+    # compute stays with the interposer: the claim's check holds the switches, not memory
+    assert "--memory-mib" not in limit_check(edits) and "--neutral" in limit_check(edits)
 
     a = container(node, 101, "/kubepods/pod-a/ctr")
     b = container(node, 102, "/kubepods/pod-b/ctr")
@@ -175,7 +188,8 @@ def test_a_card_that_fails_its_self_test_is_not_driver(
     assert "self-test failed" in choice.memory_reason
     spec = prepare(node, api, "a", "2Gi")
     (edits,) = [d["containerEdits"] for d in spec["devices"]]
-    assert "hooks" not in edits and "CUDA_DEVICE_MEMORY_LIMIT_0=2048m" in edits["env"]
+    assert driver_hooks(edits) == [] and "CUDA_DEVICE_MEMORY_LIMIT_0=2048m" in edits["env"]
+    assert limit_check(edits)[:2] == ["--memory-mib", "2048"]  # the interposer's, checked
 
 
 def test_pinned_driver_on_a_device_plugin_card_stops_the_start(

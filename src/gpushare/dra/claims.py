@@ -302,6 +302,15 @@ class ClaimPreparer:
                 )
             request = str(result.get("request") or "")
             plan.append((request, device, result))
+        if self.enforcement.limit_check is None and any(
+            device.shared and self.enforcement.interposer_holds_a_limit(device.uuid)
+            for _, device, _ in plan
+        ):
+            raise ClaimRefused(
+                f"claim {claim.describe()}: the limit check (the memory hook, --memory-hook) "
+                "is not installed on this node, and a share's limit could not be held against "
+                "a larger one in its container (the daemon logged limit_check_unavailable)"
+            )
         keys = [
             claim_cache_key(claim.uid, request, device.name)
             for request, device, _ in plan
@@ -327,7 +336,9 @@ class ClaimPreparer:
                 {
                     "device": device.name,
                     "memory": answer.envs.get(answers.MEMORY_LIMIT, "")
-                    or (f"{memory_mib}m (driver)" if answer.hooks else ""),
+                    or (
+                        f"{memory_mib}m (driver)" if self.enforcement.by_driver(device.uuid) else ""
+                    ),
                     "cores": answer.envs.get(answers.CORE_LIMIT, ""),
                 }
             )

@@ -230,7 +230,8 @@ def build_core(
         uses_cdi=DEVICE_PLUGIN_HOOKS and listing.uses_cdi,
     )
     backends = decide_backends(settings, found.backend, traits)
-    enforcement = with_backends(enforcement, settings, backends, found.backend)
+    serves_dra = any(mode is CardMode.DRA for mode in modes.values())
+    enforcement = with_backends(enforcement, settings, backends, found.backend, serves_dra)
     # The cards' own health; a card in MIG mode given to DRA brings its MIG devices too
     # (the DRA driver publishes each, and an XID naming its GPU instance is its alone).
     dra_mig_of = {card.uuid: card.mig_devices for card in found.dra_mig_cards}

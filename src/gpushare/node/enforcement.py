@@ -73,11 +73,17 @@ def prepare_enforcement(settings: Settings) -> Enforcement:
 
 
 def with_backends(
-    enforcement: Enforcement, settings: Settings, choices: Mapping[str, Choice], gpus: object
+    enforcement: Enforcement,
+    settings: Settings,
+    choices: Mapping[str, Choice],
+    gpus: object,
+    serves_dra: bool = False,
 ) -> Enforcement:
     """``enforcement`` with each card's backends (:mod:`gpushare.node.backends`) and, where
     a card's memory is the driver's, the memory hook installed on the host. ``gpus``: the
-    GPU backend (a simulated one adds the stand-in NVML to the hook's arguments)."""
+    GPU backend (a simulated one adds the stand-in NVML to the hook's arguments). Where the
+    DRA driver serves a card (``serves_dra``) and the interposer is on, the same program is
+    installed as the claims' limit check (:func:`install_limit_check`)."""
     memory = {
         uuid: c.memory.value
         for uuid, c in choices.items()
@@ -91,6 +97,9 @@ def with_backends(
     hook = None
     if MemoryBackend.DRIVER.value in memory.values():
         hook = install_driver_hook(settings, gpus)
+    check = None
+    if serves_dra and enforcement.library is not None:
+        check = hook.path if hook is not None else install_limit_check(settings)
     mps_pipe = mps_shm = None
     if ComputeBackend.MPS.value in compute.values():  # without namespaces: its own pipes
         mps_pipe, _logs = mps_dirs(Path(settings.host_lib_dir))
@@ -100,6 +109,7 @@ def with_backends(
         memory=memory,
         compute=compute,
         driver_hook=hook,
+        limit_check=check,
         mps_pipe=mps_pipe,
         mps_shm=mps_shm,
     )
@@ -120,6 +130,28 @@ def install_driver_hook(settings: Settings, gpus: object) -> DriverHook:
         more_args, env = extras()
         args = (*more_args, "--cgroup-root", settings.cgroup_root)
     return DriverHook(str(path), args, env)
+
+
+def install_limit_check(settings: Settings) -> str | None:
+    """Install the memory hook for its ``--check-limits`` mode, which every DRA claim share
+    the interposer holds names in its CDI spec (issue 32 item 2). Where it cannot be
+    installed the daemon still starts (the device plugin and the other DRA devices work),
+    logs ``limit_check_unavailable`` and refuses those shares at prepare with the reason:
+    fail closed, as a missing check would let a container of two claims of unequal shares
+    run the smaller one's card above its charge."""
+    try:
+        path = install_hook(Path(settings.memory_hook), Path(settings.host_lib_dir))
+    except LibraryError as exc:
+        log.error(
+            "limit_check_unavailable",
+            error=str(exc),
+            detail="DRA claim shares whose limits the interposer holds are refused until "
+            "--memory-hook names the hook program (the image's "
+            "/opt/gpushare/lib/gpushare-memory-hook)",
+        )
+        return None
+    log.info("limit_check_installed", path=str(path))
+    return str(path)
 
 
 def device_listing(

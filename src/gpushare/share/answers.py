@@ -5,9 +5,9 @@ A :class:`Grant` says what one container (or one claim's result) gets: which dev
 (memory, cores), and the card's :class:`Enforcement`. :func:`container_edits` turns it
 into :class:`Answer`, the edits the runtime applies: environment, mounts, device
 nodes (``device_specs``), the devices' names (``NVIDIA_VISIBLE_DEVICES`` and/or CDI
-names, as the node's :class:`DeviceListing` says) and OCI hooks (:class:`Hook`, none
-yet). Every front door calls it (shared units and whole cards in
-``deviceplugin/binding.py`` and ``deviceplugin/exclusive.py``, MIG devices in
+names, as the node's :class:`DeviceListing` says) and OCI hooks (:class:`Hook`: the
+driver memory hook, the limit check). Every front door calls it (shared units and whole
+cards in ``deviceplugin/binding.py`` and ``deviceplugin/exclusive.py``, MIG devices in
 ``deviceplugin/migserve.py``, DRA claims in ``dra/claims.py``); a door only chooses
 the grant and translates the edits to its wire format (``deviceplugin/plugin.py``'s
 ``answer_to_proto``, ``host/cdi.py``'s ``claim_device``). ``tests/test_layout.py``
@@ -39,6 +39,9 @@ for them, ``CUDA_DEVICE_MEMORY_LIMIT_<i>`` and ``CUDA_DEVICE_SM_LIMIT_<i>`` for 
 to 15, and ``GPU_CORE_UTILIZATION_POLICY=default``, ``CUDA_DISABLE_CONTROL=false``: its
 container's own env is not checked (issue 32 item 1), and its CDI spec, applied last,
 replaces exactly the names it sets.
+It also carries the createRuntime hook :func:`limit_check` with its share: another claim
+of the same container may set every index to a larger one (the runtime applies the specs
+in turn), and the check refuses that container before it runs.
 """
 
 from __future__ import annotations
@@ -143,8 +146,8 @@ class Answer:
     annotations: dict[str, str] = field(default_factory=dict)
     cdi_devices: list[str] = field(default_factory=list)  # fully qualified CDI names
     device_specs: list[DeviceSpec] = field(default_factory=list)
-    #: OCI hooks; none today. The device-plugin API has no field for them: a door that
-    #: carries them does so through CDI (``host/cdi.py``).
+    #: OCI hooks (the driver memory hook, the limit check). The device-plugin API has no
+    #: field for them: a door that carries them does so through CDI (``host/cdi.py``).
     hooks: list[Hook] = field(default_factory=list)
 
 
@@ -182,6 +185,10 @@ class Enforcement:
     compute: Mapping[str, str] = field(default_factory=dict)
     #: the hook that sets a ``driver`` card's limit; needed when a card is ``driver``
     driver_hook: DriverHook | None = None
+    #: the same program installed on the host, run with ``--check-limits`` by every
+    #: ``every_index`` share whose limits the interposer holds (:func:`limit_check`); None
+    #: where it is not installed: such a share is refused (``container_edits`` raises)
+    limit_check: str | None = None
     #: the MPS control daemon's own pipe directory (host), for cards whose compute is
     #: ``mps`` on a node without namespaces (every client shares it)
     mps_pipe: Path | None = None
@@ -207,6 +214,13 @@ class Enforcement:
     def compute_by_interposer(self, uuid: str) -> bool:
         return self.compute.get(uuid, "interposer") == "interposer"
 
+    def interposer_holds_a_limit(self, uuid: str) -> bool:
+        """A share of this card has a limit the interposer holds (its memory or its
+        compute): its container loads HAMi-core with limits from the env."""
+        if self.library is None or self.by_mps(uuid):
+            return False
+        return not self.by_driver(uuid) or self.compute_by_interposer(uuid)
+
 
 def driver_hook(enforcement: Enforcement, uuid: str, memory_mib: int) -> Hook:
     """The createRuntime hook that sets card ``uuid``'s hard limit to ``memory_mib`` on
@@ -217,6 +231,29 @@ def driver_hook(enforcement: Enforcement, uuid: str, memory_mib: int) -> Hook:
         raise ValueError(f"card {uuid} is enforced by the driver, but no hook is installed")
     args = (Path(hook.path).name, "--gpu", uuid, "--limit-mib", str(memory_mib), *hook.args)
     return Hook(CREATE_RUNTIME, hook.path, args, hook.env)
+
+
+def limit_check(enforcement: Enforcement, memory_mib: int | None, cores: int | None) -> Hook:
+    """The createRuntime hook that refuses the container when its final env (the bundle's
+    ``config.json``) lets HAMi-core give any card index more than ``memory_mib`` MiB or
+    ``cores`` % (None: that limit is not this share's to hold), or leaves a switch of
+    :data:`NEUTRAL_SWITCHES` at another value. An ``every_index`` share sets every index:
+    in a container that uses two claims the runtime applies one spec's values last, and
+    the smaller claim's check then sees the larger share (docs/dra.md, issue 32 item 2)."""
+    path = enforcement.limit_check
+    if path is None:
+        raise ValueError(
+            "the limit check (the memory hook, --memory-hook) is not installed on this "
+            "node: a claim's share could not be held against a larger one in its container"
+        )
+    args = [Path(path).name, "--check-limits"]
+    if memory_mib is not None:
+        args += ["--memory-mib", str(memory_mib)]
+    if cores is not None:
+        args += ["--cores", str(cores)]
+    for name, value in NEUTRAL_SWITCHES.items():
+        args += ["--neutral", f"{name}={value}"]
+    return Hook(CREATE_RUNTIME, path, tuple(args))
 
 
 def lock_mount(enforcement: Enforcement) -> Mount:
@@ -349,10 +386,13 @@ def container_edits(grant: Grant, listing: DeviceListing | None = None) -> Answe
                 annotations[ANNOTATION_NO_ENFORCEMENT] = (
                     "disabled: gpushare runs with --no-enforcement, limits are advisory"
                 )
-        elif not by_driver or compute_capped:  # the interposer holds some limit here
+        elif enforcement.interposer_holds_a_limit(uuid):
             mounts = _interposer(envs, enforcement)
             if grant.every_index:
                 _seal_every_index(envs)
+                memory = grant.memory_mib if not by_driver else None
+                capped = compute_capped and grant.cores is not None and 0 < grant.cores < 100
+                hooks.append(limit_check(enforcement, memory, grant.cores if capped else None))
             if grant.memory_mib is not None and grant.cache_dir is not None and not by_driver:
                 envs[SHARED_CACHE] = CONTAINER_CACHE_FILE
                 mounts.append(Mount(CONTAINER_CACHE_DIR, str(grant.cache_dir), read_only=False))

@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 import pytest
+from kit.memhook import shared_hook
 
 from gpushare._proto.drahealth.v1alpha1 import api_pb2 as health_pb2
 from gpushare._proto.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
@@ -28,7 +29,7 @@ from gpushare.dra.part import DraPart, build_dra_part
 from gpushare.gpu.gpus import Gpu
 from gpushare.gpu.health import HealthBoard
 from gpushare.host.elf import stand_in
-from gpushare.host.library import cache_root, ensure_lock_dir, install_library
+from gpushare.host.library import cache_root, ensure_lock_dir, install_hook, install_library
 from gpushare.kube.stdlibclient import ApiClient, kubeconfig_endpoint
 from gpushare.share.answers import CDI_CRI, DeviceListing, Enforcement
 from gpushare.sim.apidouble import KubeApiDouble
@@ -68,6 +69,7 @@ class DraNode:
             preload_file=None,
             use_ld_preload_env=True,
             lock_dir=ensure_lock_dir(host),
+            limit_check=str(install_hook(shared_hook(), host)),
         )
         self.host = host
         self.cdi = root / "cdi"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -167,6 +168,7 @@ def test_an_every_index_share_sets_each_limit_it_holds_for_every_index(
         memory={} if memory_backend == "interposer" else {UUID: memory_backend},
         compute={} if compute_backend == "interposer" else {UUID: compute_backend},
         driver_hook=answers.DriverHook("/h/hook"),
+        limit_check="/h/gpushare-memory-hook.abc",
     )
     grant = answers.share(
         UUID, enforcement=enforcement, memory_mib=memory, cores=cores, every_index=True
@@ -194,3 +196,22 @@ def test_an_every_index_share_sets_each_limit_it_holds_for_every_index(
     )
     # a device-plugin share (not every_index) is unchanged: its env is checked instead
     assert not any(k in plain for k in (*switches, "CUDA_DEVICE_SM_LIMIT_0"))
+    # the limit check with this share: what it holds, its switches; none where it holds none
+    checks = [h for h in container_edits(grant).hooks if "--check-limits" in h.args]
+    if not loaded:
+        assert checks == []
+        return
+    (check,) = checks
+    assert check.hook_name == "createRuntime" and check.path == "/h/gpushare-memory-hook.abc"
+    args = list(check.args)
+    assert args[:2] == ["gpushare-memory-hook.abc", "--check-limits"]
+    limits = dict(zip(args[2::2], args[3::2], strict=True))
+    assert limits.get("--memory-mib") == (str(memory) if memory_held else None)
+    capped = cores_held and cores is not None and cores < 100
+    assert limits.get("--cores") == (str(cores) if capped else None)
+    neutral = [args[i + 1] for i in range(2, len(args), 2) if args[i] == "--neutral"]
+    assert neutral == [f"{k}={v}" for k, v in switches.items()]
+    assert not [h for h in container_edits(replace(grant, every_index=False)).hooks
+                if "--check-limits" in h.args]  # fmt: skip
+    with pytest.raises(ValueError, match=r"the limit check .* is not installed"):
+        container_edits(replace(grant, enforcement=replace(enforcement, limit_check=None)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,3 +57,31 @@ def final(
         if edits.get("mounts"):
             result.sort(key=lambda m: os.path.normpath(m[0]).count("/"))
     return merged, result
+
+
+def create_runtime_hooks(
+    devices: Sequence[Mapping[str, Any]], env: Mapping[str, str], bundle: Path
+) -> list[subprocess.CompletedProcess[str]]:
+    """The ``createRuntime`` hooks of these CDI devices (in their order), run as a runtime
+    runs them once the container's final ``env`` is in ``<bundle>/config.json``: the OCI
+    state on stdin, the hook's args as its argv, its env as its environment. The first
+    that fails stops the rest, and the container is not created."""
+    bundle.mkdir(parents=True, exist_ok=True)
+    config = {"ociVersion": "1.2.0", "process": {"env": [f"{k}={v}" for k, v in env.items()]}}
+    (bundle / "config.json").write_text(json.dumps(config))
+    state = json.dumps({"ociVersion": "1.2.0", "id": "c1", "status": "creating", "pid": 1,
+                        "bundle": str(bundle)})  # fmt: skip
+    results = []
+    for device in devices:
+        for hook in device.get("containerEdits", {}).get("hooks", []):
+            if hook["hookName"] != "createRuntime":
+                continue
+            result = subprocess.run(
+                hook.get("args") or [hook["path"]], executable=hook["path"], input=state,
+                capture_output=True, text=True,
+                env=dict(e.split("=", 1) for e in hook.get("env", [])), timeout=60,
+            )  # fmt: skip
+            results.append(result)
+            if result.returncode != 0:
+                return results
+    return results

@@ -46,6 +46,10 @@ class ClaimLimits:
     memory_mib: int | None = None
     cores: int | None = None
     cards: tuple[str, ...] = ()  # the claim's cards in the node's order, when several
+    #: what the claim itself was charged, before ``hold``: its smallest memory share and
+    #: core share (None: no core limit asked), the most its limit check lets any card index
+    #: of its container have (``share/answers.limit_check``)
+    charged: tuple[int, int | None] | None = None
 
 
 def check_ref(claim: ClaimRef) -> None:
@@ -131,6 +135,7 @@ def claim_limits(
         cards.append((device.card_index, device.uuid))
     if not memory:
         return ClaimLimits()
+    charged = (min(memory), min(cores) if min(cores) < FULL_CORES else None)
     if hold is not None:
         memory.append(hold.memory_mib)
         cores.append(hold.cores)
@@ -139,6 +144,7 @@ def claim_limits(
         min(memory),
         core_cap if core_cap < FULL_CORES else None,
         tuple(dict.fromkeys(uuid for _i, uuid in sorted(cards))) if len(set(cards)) > 1 else (),
+        charged,
     )
 
 

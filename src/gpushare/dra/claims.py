@@ -402,6 +402,7 @@ class ClaimPreparer:
             every_index=True,
             companions=limits.cards,
             mps_pipe=mps_pipe,
+            charged=limits.charged,
         )
         answer = answers.container_edits(grant, self.listing)
         return answer, share.memory_mib, share.cores

@@ -308,6 +308,10 @@ class Grant:
     #: runtime applies last, every card stays visible and limited.
     every_index: bool = False
     companions: tuple[str, ...] = ()
+    #: An ``every_index`` share's charge, (MiB, cores or None), where its limits were held
+    #: below it (a DRA claim held to the smallest share of its containers): the most its
+    #: limit check lets any card index of the container have. None: its own limits.
+    charged: tuple[int, int | None] | None = None
 
     @property
     def ids(self) -> list[str]:
@@ -325,9 +329,10 @@ def share(
     mps_pipe: Path | None = None,
     every_index: bool = False,
     companions: Sequence[str] = (),
+    charged: tuple[int, int | None] | None = None,
 ) -> Grant:
     """A share of card ``uuid``: these limits, enforced as ``enforcement`` says
-    (``every_index``, ``companions``: see :class:`Grant`)."""
+    (``every_index``, ``companions``, ``charged``: see :class:`Grant`)."""
     return Grant(
         (GrantedDevice(uuid, cdi_id=cdi_id),),
         memory_mib=memory_mib,
@@ -337,6 +342,7 @@ def share(
         mps_pipe=mps_pipe,
         every_index=every_index,
         companions=tuple(companions),
+        charged=charged,
     )
 
 
@@ -390,9 +396,7 @@ def container_edits(grant: Grant, listing: DeviceListing | None = None) -> Answe
             mounts = _interposer(envs, enforcement)
             if grant.every_index:
                 _seal_every_index(envs)
-                memory = grant.memory_mib if not by_driver else None
-                capped = compute_capped and grant.cores is not None and 0 < grant.cores < 100
-                hooks.append(limit_check(enforcement, memory, grant.cores if capped else None))
+                hooks.append(_limit_check_of(grant, enforcement, uuid))
             if grant.memory_mib is not None and grant.cache_dir is not None and not by_driver:
                 envs[SHARED_CACHE] = CONTAINER_CACHE_FILE
                 mounts.append(Mount(CONTAINER_CACHE_DIR, str(grant.cache_dir), read_only=False))
@@ -474,6 +478,19 @@ def _seal_every_index(envs: dict[str, str]) -> None:
         if cores is not None:
             envs[core_limit_env(i)] = cores
     envs.update(NEUTRAL_SWITCHES)
+
+
+def _limit_check_of(grant: Grant, enforcement: Enforcement, uuid: str) -> Hook:
+    """The limit check of an ``every_index`` share of card ``uuid``: at most its charge
+    (:attr:`Grant.charged`, else its own limits) on every index, for each limit the
+    interposer holds; cores only where a limit below 100 % is set."""
+    memory, cores = grant.charged or (grant.memory_mib, grant.cores)
+    if grant.memory_mib is None or enforcement.by_driver(uuid):
+        memory = None
+    capped = grant.cores is not None and enforcement.compute_by_interposer(uuid)
+    if not capped or cores is None or not 0 < cores < 100:
+        cores = None
+    return limit_check(enforcement, memory, cores)
 
 
 def _interposer(envs: dict[str, str], enforcement: Enforcement) -> list[Mount]:

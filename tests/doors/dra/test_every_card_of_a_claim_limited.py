@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from kit.cdi_runtime import create_runtime_hooks
+from kit.memhook import HAVE_GCC
 from test_dra_plugin import NODE, DraNode, env_of
 
 from gpushare.sim.apidouble import KubeApiDouble
@@ -172,6 +174,52 @@ def test_a_mate_prepared_before_with_a_larger_limit_refuses_the_claim(node: DraN
     node.kubelet.unprepare([big])
     (answer,) = node.kubelet.prepare([tiny]).values()
     assert answer.error == ""
+
+
+def _created(node: DraNode, refs: list[Any]) -> list[str]:
+    """The container that uses these claims, as the runtime creates it in every order it
+    may apply their CDI devices: per distinct final env, "" when every createRuntime hook
+    let it through, else the failing hook's one line."""
+    devices = [d for r in refs for d in node.spec(r[2])["devices"]]
+    envs = {tuple(sorted(_apply(list(o)).items())) for o in itertools.permutations(devices)}
+    verdicts = []
+    for env in sorted(envs):
+        results = create_runtime_hooks(devices, dict(env), node.root / "bundle")
+        failed = [r for r in results if r.returncode != 0]
+        verdicts.append(failed[0].stderr.strip() if failed else "")
+    return verdicts
+
+
+@pytest.mark.skipif(not HAVE_GCC, reason="needs gcc (the limit check is C)")
+def test_a_container_of_claims_all_prepared_for_other_pods_is_refused_by_the_check(
+    node: DraNode,
+) -> None:
+    """The case prepare cannot see (docs/security.md row 32.2): two shared claims of
+    unequal shares, each prepared for a pod of its own, then both used by one container of
+    a third pod. The kubelet does not call the driver for a claim already prepared, so
+    nothing is refused at prepare; the runtime applies both specs, and whichever comes
+    last, the smaller claim's limit check sees the larger share and the container is not
+    created. Claims of equal shares start in every order."""
+    own_small = _pod(node, "own-small", {"main": ["small"]})
+    own_big = _pod(node, "own-big", {"main": ["big"]})
+    small = _one_card(node, "small", "gpu-0", "1Gi", ("own-small", own_small))
+    big = _one_card(node, "big", "gpu-1", "4Gi", ("own-big", own_big))
+    same = _one_card(node, "same", "gpu-1", "1Gi", ("own-big", own_big))
+    for ref in (small, big, same):
+        assert next(iter(node.kubelet.prepare([ref]).values())).error == ""
+    both = _pod(node, "both", {"main": ["small", "big"]})
+    _reserve(node, "small", ("both", both))
+    _reserve(node, "big", ("both", both))
+    verdicts = _created(node, [small, big])
+    assert len(verdicts) == 2  # the one order where the small claim came last starts
+    assert "" in verdicts
+    (refused,) = [v for v in verdicts if v]
+    assert refused.startswith("gpushare-memory-hook: CUDA_DEVICE_MEMORY_LIMIT")
+    assert "=4096m is above this claim's share (1024 MiB)" in refused
+    # ... and the order that starts is within every card's charge
+    devices = [node.spec(r[2])["devices"][0] for r in (big, small)]
+    assert _hami_limit(_apply(devices), 0) == _hami_limit(_apply(devices), 1) == 1024 * MIB
+    assert set(_created(node, [small, same])) == {""}  # equal shares: every order starts
 
 
 def test_a_claim_prepared_from_a_read_older_than_a_pod_keeps_its_mates_record(
@@ -365,9 +413,11 @@ def test_a_pod_joining_prepared_claims_is_refused_or_within_its_charge(
     node: DraNode, world: dict[str, Any]
 ) -> None:
     """The second pod reserves claims after they were prepared for the first. It may be
-    refused (the reason names the mate prepared before), and a container of it is limited
-    above a charge only when every claim it uses was prepared before the pod reserved
-    it, so the kubelet never asked the driver (docs/security.md, row 32.2)."""
+    refused at prepare (the reason names the mate prepared before); a container of it
+    whose claims were all prepared before the pod reserved them (the kubelet never asks
+    the driver) is refused by the claims' limit checks when the runtime creates it with
+    any card above its charge, and any container the checks let through is within every
+    charge (docs/security.md, row 32.2)."""
     _run(node, world)
 
 
@@ -432,10 +482,19 @@ def _run(node: DraNode, world: dict[str, Any]) -> None:
             if not all(j in prepared for c in pod for j in c):
                 continue  # not started: a claim of it was refused
             for used in pod:
-                if used and not _container_safe(node, shares, refs, used):
-                    # the one case the driver is never asked about
+                if not used:
+                    continue
+                if HAVE_GCC:  # the runtime runs the claims' limit checks
+                    verdicts = _created(node, [refs[j] for j in used])
+                    if all(v == "" for v in verdicts):
+                        assert _container_safe(node, shares, refs, used)
+                        continue
+                    # refused: only where the driver is never asked about the container
                     assert world["late"] and len(used) > 1 and not asked[i] & set(used)
-                    event("a container of claims all prepared before its pod: over its charge")
+                    assert all("is above this claim's share" in v for v in verdicts if v)
+                    event("a container of claims all prepared before its pod: refused")
+                elif not _container_safe(node, shares, refs, used):
+                    assert world["late"] and len(used) > 1 and not asked[i] & set(used)
         event(f"refused: {len(errors)}")
     finally:
         node.kubelet.unprepare([refs[j] for j in sorted(prepared)])

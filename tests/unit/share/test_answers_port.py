@@ -215,3 +215,23 @@ def test_an_every_index_share_sets_each_limit_it_holds_for_every_index(
                 if "--check-limits" in h.args]  # fmt: skip
     with pytest.raises(ValueError, match=r"the limit check .* is not installed"):
         container_edits(replace(grant, enforcement=replace(enforcement, limit_check=None)))
+
+
+def test_a_held_share_is_checked_against_its_charge() -> None:
+    """A DRA claim held below its own share (a smaller claim in one of its containers)
+    sets the held limits, and its limit check lets any index have up to what the claim
+    was charged: a container of claims that were all held to its smallest share passes
+    every check, whatever share each was charged."""
+    enforcement = Enforcement(Path("/h/libvgpu.so.1"), None, True, limit_check="/h/check")
+    grant = answers.share(
+        UUID, enforcement=enforcement, memory_mib=512, cores=20, every_index=True,
+        charged=(2048, None),
+    )  # fmt: skip
+    edits = container_edits(grant)
+    assert edits.envs["CUDA_DEVICE_MEMORY_LIMIT_7"] == "512m"
+    assert edits.envs["CUDA_DEVICE_SM_LIMIT_7"] == "20"
+    (check,) = edits.hooks
+    assert list(check.args[:4]) == ["check", "--check-limits", "--memory-mib", "2048"]
+    assert "--cores" not in check.args  # charged no core limit: any index may have any
+    (check,) = container_edits(replace(grant, charged=(2048, 40))).hooks
+    assert list(check.args[2:6]) == ["--memory-mib", "2048", "--cores", "40"]

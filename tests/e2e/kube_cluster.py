@@ -618,6 +618,13 @@ class NodeAgent:
         )
         library = self.dir / "libvgpu.so"
         stub_library(library)
+        hook = self.dir / "gpushare-memory-hook"
+        if not hook.exists():  # the DRA claims' limit check (and the driver hook) names it
+            subprocess.run(
+                ["gcc", "-O2", "-Wall", "-Wextra", "-Werror", "-o", str(hook),
+                 str(REPO / "hook" / "memory-hook.c"), "-ldl"],
+                check=True, timeout=120,
+            )  # fmt: skip
         self.daemon_metrics_port = free_port()
         command = [*record["command"], *record["args"]]
         command[0] = str(SCRIPTS / Path(command[0]).name)
@@ -633,6 +640,8 @@ class NodeAgent:
             str(self.daemon_metrics_port),
             "--host-lib-dir",
             str(self.vgpu),
+            "--memory-hook",  # a test's own --memory-hook, after it, wins
+            str(hook),
             *self.spec.daemon_args,
             *extra,
         ]

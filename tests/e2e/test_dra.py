@@ -578,3 +578,73 @@ def test_two_claims_in_one_container_are_held_to_the_smaller(
             cluster.api.delete(
                 f"{RESOURCE}/namespaces/default/resourceclaimtemplates/dra-two-{part}"
             )
+
+
+def test_a_container_of_claims_prepared_for_other_pods_is_refused_by_the_limit_check(
+    cluster: Cluster, workload: Workload
+) -> None:
+    """Issue 32 item 2, the case prepare cannot see, on the real kubelet: two shared
+    ResourceClaims of unequal shares, each prepared for a pod of its own, then both used by
+    one container of a third pod. The kubelet's DRA manager does not call the driver for
+    claims already prepared; the runtime (the CRI fake, applying the specs as the CDI
+    library does and running their createRuntime hooks on the bundle's config.json)
+    refuses the container: the smaller claim's limit check sees the larger share."""
+    node = DRA_NODES[0]
+    sizes = {"dra-sh-small": "1Gi", "dra-sh-large": "3Gi"}
+    for name, memory in sizes.items():
+        claim = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {
+                "devices": {
+                    "requests": [
+                        {
+                            "name": "gpu",
+                            "exactly": {
+                                "deviceClassName": "gpushare.io",
+                                "capacity": {"requests": {"memory": memory}},
+                            },
+                        }
+                    ]
+                }
+            },
+        }
+        reply = cluster.api.create(claim)
+        assert reply.status_code == 201, reply.text[:400]
+
+    def pod_of(name: str, claims: list[str]) -> dict[str, Any]:
+        _, pod = claim_pod(name, None)
+        pod["spec"]["resourceClaims"] = [{"name": c, "resourceClaimName": c} for c in claims]
+        pod["spec"]["containers"][0]["resources"]["claims"] = [{"name": c} for c in claims]
+        pod["spec"]["nodeSelector"] = {"kubernetes.io/hostname": node}
+        return pod
+
+    try:
+        for name in sizes:  # each claim prepared for a pod of its own
+            cluster.create_pod(pod_of(f"{name}-own", [name]))
+            workload.names.append(f"{name}-own")
+        for name in sizes:
+            cluster.wait_pod("default", f"{name}-own", "Running", timeout=120)
+        cluster.create_pod(pod_of("dra-sh-both", list(sizes)))
+        workload.names.append("dra-sh-both")
+
+        def create_error() -> dict[str, Any] | None:
+            pod = cluster.pod("default", "dra-sh-both") or {}
+            for status in pod.get("status", {}).get("containerStatuses", []):
+                waiting = status.get("state", {}).get("waiting") or {}
+                if waiting.get("reason") == "CreateContainerError":
+                    return waiting
+            return None
+
+        waiting = wait_for("dra-sh-both's CreateContainerError", create_error, 120, step=0.5)
+        assert "gpushare-memory-hook: CUDA_DEVICE_MEMORY_LIMIT" in waiting["message"], waiting
+        assert "=3072m is above this claim's share (1024 MiB)" in waiting["message"], waiting
+        assert cluster.pod("default", "dra-sh-both")["status"]["phase"] == "Pending"
+        # the pods of one claim each run on, with their own limits
+        for name in sizes:
+            assert cluster.wait_pod("default", f"{name}-own", "Running")
+    finally:
+        workload.cleanup()
+        for name in sizes:
+            cluster.api.delete(f"{RESOURCE}/namespaces/default/resourceclaims/{name}")

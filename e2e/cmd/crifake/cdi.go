@@ -14,7 +14,7 @@ package main
 //   - a name that no spec in the CDI directories defines fails the container's creation.
 //
 // The createRuntime hooks are then run as a runtime runs them: after the container's process
-// exists, with the OCI state on stdin ({ociVersion, id, status "creating", pid, bundle}), the
+// exists and <bundle>/config.json holds the final env as process.env, with the OCI state on stdin ({ociVersion, id, status "creating", pid, bundle}), the
 // hook's args as its argv and its env as its environment; a hook that exits non-zero or outlives
 // its timeout fails CreateContainer. The process is a real child (sleep) placed in a cgroup v2
 // directory of its own under --cgroup-root when the machine has cgroup v2 there, otherwise it
@@ -278,6 +278,27 @@ func startWorkload(cgroupRoot, id string) (*workload, error) {
 		}
 	}
 	return w, nil
+}
+
+// writeConfig writes <bundle>/config.json as a runtime does before its hooks run, with the
+// container's final env as process.env (NAME=VALUE, in the container's order); the hooks read
+// it from the bundle named in the OCI state (the limit check of DRA claims does).
+func writeConfig(bundle string, env []envVar) error {
+	entries := make([]string, 0, len(env))
+	for _, kv := range env {
+		entries = append(entries, kv.Name+"="+kv.Value)
+	}
+	data, err := json.Marshal(map[string]any{
+		"ociVersion": "1.2.0",
+		"process":    map[string]any{"env": entries},
+	})
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(bundle, "config.json"), data, 0o644); err != nil {
+		return fmt.Errorf("writing the bundle's config.json: %w", err)
+	}
+	return nil
 }
 
 // runHooks runs the createRuntime hooks in order with the OCI state on stdin; the first that

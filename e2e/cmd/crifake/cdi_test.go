@@ -89,3 +89,25 @@ func TestHooksSeeTheStateAndFailClosed(t *testing.T) {
 		t.Fatalf("a failing hook must fail: %v %+v", err, results)
 	}
 }
+
+// The bundle's config.json holds the final env, in order, as process.env.
+func TestConfigHoldsTheFinalEnv(t *testing.T) {
+	dir := t.TempDir()
+	env := []envVar{{"A", "1"}, {"CUDA_DEVICE_MEMORY_LIMIT_0", "1024m"}, {"B", "x=y"}}
+	if err := writeConfig(dir, env); err != nil {
+		t.Fatal(err)
+	}
+	var config struct {
+		Process struct {
+			Env []string `json:"env"`
+		} `json:"process"`
+	}
+	data, _ := os.ReadFile(filepath.Join(dir, "config.json"))
+	if err := json.Unmarshal(data, &config); err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"A=1", "CUDA_DEVICE_MEMORY_LIMIT_0=1024m", "B=x=y"}
+	if strings.Join(config.Process.Env, "\n") != strings.Join(want, "\n") {
+		t.Fatalf("env %v, want %v", config.Process.Env, want)
+	}
+}

@@ -194,7 +194,9 @@ func (r *recorder) CreateContainer(ctx context.Context, req *kubeapi.CreateConta
 		rec.Pid, rec.Cgroup = proc.cmd.Process.Pid, proc.cgroup
 		bundle := filepath.Join(r.bundles, rec.ContainerID)
 		_ = os.MkdirAll(bundle, 0o755)
-		rec.Hooks, failure = runHooks(final.Hooks, rec.ContainerID, bundle, rec.Pid)
+		if failure = writeConfig(bundle, final.Env); failure == nil {
+			rec.Hooks, failure = runHooks(final.Hooks, rec.ContainerID, bundle, rec.Pid)
+		}
 		if rec.Hooks == nil {
 			rec.Hooks = []hookResult{}
 		}

@@ -68,7 +68,9 @@ FROM interposer-${INTERPOSER} AS interposer
 
 # The driver memory hook (hook/memory-hook.c): an OCI createRuntime hook the daemon
 # installs on the host beside libvgpu.so for cards whose memory backend is `driver`
-# (docs/choosing.md). Plain C, libc and dlopen only; checked to print its usage.
+# (docs/choosing.md) and, where DRA is served, as the claims' limit check
+# (--check-limits, docs/dra.md). Plain C, libc and dlopen only; checked to print its
+# usage and to refuse an OCI state without a bundle in its check mode.
 FROM quay.io/pypa/manylinux2014_x86_64:${MANYLINUX_TAG} AS hook-builder-amd64
 FROM quay.io/pypa/manylinux2014_aarch64:${MANYLINUX_TAG} AS hook-builder-arm64
 FROM hook-builder-${TARGETARCH} AS memory-hook
@@ -76,6 +78,8 @@ COPY hook/memory-hook.c /src/memory-hook.c
 RUN set -eu; mkdir -p /out; \
     gcc -O2 -std=c11 -Wall -Wextra -Werror -o /out/gpushare-memory-hook /src/memory-hook.c -ldl; \
     if /out/gpushare-memory-hook 2>/tmp/usage; then exit 1; fi; grep -q '^usage:' /tmp/usage; \
+    if echo '{}' | /out/gpushare-memory-hook --check-limits 2>/tmp/check; then exit 1; fi; \
+    grep -q 'has no "bundle"' /tmp/check; \
     chmod 0755 /out/gpushare-memory-hook
 
 # Build as an unprivileged user, into a virtual environment copied whole to the final

@@ -206,7 +206,8 @@ class Settings:
     memory_hook: str = _opt(
         "/opt/gpushare/lib/gpushare-memory-hook",
         "the driver memory-limit hook program (an OCI createRuntime hook) to install on the "
-        "host beside the interposer, for cards whose memory backend is driver",
+        "host beside the interposer, for cards whose memory backend is driver and, where "
+        "DRA is served, as the claims' limit check (--check-limits)",
         pattern=ABSOLUTE_PATH,
         shape="an absolute path",
     )

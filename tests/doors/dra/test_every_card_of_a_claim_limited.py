@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +221,26 @@ def test_a_container_of_claims_all_prepared_for_other_pods_is_refused_by_the_che
     devices = [node.spec(r[2])["devices"][0] for r in (big, small)]
     assert _hami_limit(_apply(devices), 0) == _hami_limit(_apply(devices), 1) == 1024 * MIB
     assert set(_created(node, [small, same])) == {""}  # equal shares: every order starts
+
+
+def test_without_the_limit_check_a_share_is_refused_at_prepare(
+    short_tmp: Path, api: KubeApiDouble
+) -> None:
+    """Where the hook could not be installed, a claim share the interposer would hold is
+    refused with the reason, before anything is made for it (fail closed)."""
+    dra = DraNode(short_tmp, api)
+    dra.enforcement = replace(dra.enforcement, limit_check=None)
+    dra.start()
+    try:
+        ref = dra.claim(
+            "unchecked", {"request": "r", "device": "gpu-0", "consumedCapacity": {"memory": "1Gi"}}
+        )
+        (answer,) = dra.kubelet.prepare([ref]).values()
+        assert "the limit check (the memory hook, --memory-hook) is not installed" in answer.error
+        assert not (dra.cdi / f"gpu.gpushare.io-claim_{ref[2]}.json").exists()
+        assert not list((dra.host / "containers").glob("d-*"))
+    finally:
+        dra.stop()
 
 
 def test_a_claim_prepared_from_a_read_older_than_a_pod_keeps_its_mates_record(

@@ -148,6 +148,33 @@ def _applied(leftovers: Leftovers, uid: str) -> Shares | None:
     return applied_limits(entry, FULL_CORES)
 
 
+def _shown(
+    answer: Answer, device: Offered, memory_mib: int, enforcement: Enforcement
+) -> dict[str, str]:
+    """One share of a prepared claim as ``claim_prepared`` logs it: its limits."""
+    driver = f"{memory_mib}m (driver)" if enforcement.by_driver(device.uuid) else ""
+    return {
+        "device": device.name,
+        "memory": answer.envs.get(answers.MEMORY_LIMIT, "") or driver,
+        "cores": answer.envs.get(answers.CORE_LIMIT, ""),
+    }
+
+
+def _needs_no_missing_check(
+    enforcement: Enforcement, claim: ClaimRef, devices: Sequence[Offered]
+) -> None:
+    """Refuses the claim (before anything is made for it) when a share of it would name
+    the limit check and the check is not installed (``node/enforcement.py``)."""
+    if enforcement.limit_check is None and any(
+        d.shared and enforcement.interposer_holds_a_limit(d.uuid) for d in devices
+    ):
+        raise ClaimRefused(
+            f"claim {claim.describe()}: the limit check (the memory hook, --memory-hook) "
+            "is not installed on this node, and a share's limit could not be held against "
+            "a larger one in its container (the daemon logged limit_check_unavailable)"
+        )
+
+
 class ClaimPreparer:
     """Prepares claims of this node's pool from the checkpoint and the API server."""
 
@@ -302,15 +329,7 @@ class ClaimPreparer:
                 )
             request = str(result.get("request") or "")
             plan.append((request, device, result))
-        if self.enforcement.limit_check is None and any(
-            device.shared and self.enforcement.interposer_holds_a_limit(device.uuid)
-            for _, device, _ in plan
-        ):
-            raise ClaimRefused(
-                f"claim {claim.describe()}: the limit check (the memory hook, --memory-hook) "
-                "is not installed on this node, and a share's limit could not be held against "
-                "a larger one in its container (the daemon logged limit_check_unavailable)"
-            )
+        _needs_no_missing_check(self.enforcement, claim, [d for _, d, _ in plan])
         keys = [
             claim_cache_key(claim.uid, request, device.name)
             for request, device, _ in plan
@@ -332,16 +351,7 @@ class ClaimPreparer:
             cdi_devices.append(claim_device(cdi_name, answer))
             ids = [f"{self.cdi_kind}={cdi_name}", *answer.cdi_devices]
             prepared.append(_held_device(request, self.pool, device, ids, memory_mib, cores))
-            shares.append(
-                {
-                    "device": device.name,
-                    "memory": answer.envs.get(answers.MEMORY_LIMIT, "")
-                    or (
-                        f"{memory_mib}m (driver)" if self.enforcement.by_driver(device.uuid) else ""
-                    ),
-                    "cores": answer.envs.get(answers.CORE_LIMIT, ""),
-                }
-            )
+            shares.append(_shown(answer, device, memory_mib, self.enforcement))
         if cdi_devices:
             write_spec(self.cdi_dir, self.cdi_kind, claim.uid, cdi_devices)
         entry = ClaimEntry(

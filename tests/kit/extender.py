@@ -63,13 +63,18 @@ def node(
         state = nodestate.NodeGpuState(generation, "2026-11-22T13:00:00Z", 256, tuple(cards))
         annotations[nodestate.annotation_key(PREFIX)] = nodestate.encode(state)
     units = sum(c.memory_units for c in cards) or 32
+    labels = {
+        "kubernetes.io/hostname": name,
+        # one of the labels the daemon writes on its node (nodestate.label_keys)
+        nodestate.label_key(PREFIX, "count"): str(max(len(cards), 1)),
+    }
     return {
         "kind": "Node",
         "apiVersion": "v1",
         "metadata": {
             "name": name,
             "uid": f"uid-node-{name}",
-            "labels": {"kubernetes.io/hostname": name},
+            "labels": labels,
             "annotations": annotations,
         },
         "spec": {},

@@ -21,6 +21,7 @@ from gpushare.extender.bindingclient import BindingClient
 from gpushare.extender.ledger import AdmissionLedger
 from gpushare.extender.server import ExtenderSettings, build_app, start
 from gpushare.kube import nodestate
+from gpushare.sim.apidouble import KubeApiDouble
 
 PREFIX = "gpushare.io"
 MEMORY = f"{PREFIX}/vcuda-memory"
@@ -179,6 +180,16 @@ def extender_factory() -> Iterator[Callable[..., RunningExtender]]:
     yield make
     for server in running:
         server.__exit__()
+
+
+@pytest.fixture
+def api() -> Iterator[KubeApiDouble]:
+    """A bare API-server double for the extender's watches and binds (no Node in it,
+    unlike the suite's ``api``: each test adds the nodes it needs)."""
+    double = KubeApiDouble()
+    double.start()
+    yield double
+    double.stop()
 
 
 @pytest.fixture

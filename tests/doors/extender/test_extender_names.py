@@ -10,7 +10,7 @@ state reaches the answers through the watch alone.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,6 +20,7 @@ from kit.extender import (
     CORE,
     MEMORY,
     RunningExtender,
+    api,
     args,
     card,
     container,
@@ -36,15 +37,7 @@ from gpushare.extender.podfeed import endpoint_of
 from gpushare.kube import nodestate
 from gpushare.kube.stdlibclient import ApiClient
 
-__all__ = ["extender_factory"]  # fixture
-
-
-@pytest.fixture
-def api() -> Iterator[KubeApiDouble]:
-    double = KubeApiDouble()
-    double.start()
-    yield double
-    double.stop()
+__all__ = ["api", "extender_factory"]  # fixture
 
 
 def names_args(the_pod: dict[str, Any], *names: str) -> dict[str, Any]:

@@ -230,6 +230,11 @@ static int key_is(const char *key, long n, const char *word, int fold) {
 
 /* What the value under ``key`` is, inside an object that is ``role``. */
 static enum role child(struct scan *s, enum role role, const char *key, long n) {
+    /* Go's decoder also folds some non-ASCII letters onto ASCII ones ("ſ" onto "s"): a
+     * config's own keys are ASCII, so any other is refused where it could match. */
+    if (s->config && (role == R_TOP || role == R_PROCESS))
+        for (long k = 0; k < n; k++)
+            if ((unsigned char)key[k] >= 0x80) fail("the bundle's config has a non-ASCII key");
     if (role == R_TOP && !s->config) {
         if (key_is(key, n, "pid", 0)) return R_PID;
         if (key_is(key, n, "bundle", 0)) return R_BUNDLE;

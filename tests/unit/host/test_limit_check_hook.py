@@ -244,6 +244,8 @@ def test_two_claims_of_unequal_shares_refuse_the_container_in_either_order(
         (b'{"process": {"env": ["A=\\u0000"]}}', "holds a NUL byte"),
         (b'{"process": {"env": ["A=\\ud800"]}}', "is not valid JSON"),
         (b'{"process": {"env": []}} x', "data after its JSON object"),
+        ('{"proce\u017fs": {}}'.encode(), "non-ASCII key"),  # Go folds it onto "process"
+        (b'{"process": {"\\u212anv": []}}', "non-ASCII key"),
         (b'{"process": null}', "CUDA_DEVICE_MEMORY_LIMIT is not set"),
         (b'{"a": ' * 40 + b"1" + b"}" * 40, "is not valid JSON"),
         # names as a Go runtime decodes them: escapes and the key's case

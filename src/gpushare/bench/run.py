@@ -414,7 +414,7 @@ def _dra_rounds(
     from gpushare.config import Settings
     from gpushare.dra.part import build_dra_part
     from gpushare.gpu.health import HealthBoard
-    from gpushare.host.library import ensure_lock_dir, install_library
+    from gpushare.host.library import ensure_lock_dir, install_hook, install_library
     from gpushare.share.answers import DeviceListing, Enforcement
     from gpushare.sim.drakubeletdouble import allocated_claim
 
@@ -432,7 +432,15 @@ def _dra_rounds(
         library = root / "libvgpu.so"
         library.write_bytes(stand_in(b"bench interposer\n"))
         host = root / "vgpu"
-        enforcement = Enforcement(install_library(library, host), None, True, ensure_lock_dir(host))
+        hook = root / "gpushare-memory-hook"  # named by the claims' specs, never run here
+        hook.write_bytes(stand_in(b"bench memory hook\n"))
+        enforcement = Enforcement(
+            install_library(library, host),
+            None,
+            True,
+            ensure_lock_dir(host),
+            limit_check=str(install_hook(hook, host)),
+        )
         settings = Settings(host_lib_dir=str(host), dra_cdi_dir=str(root / "cdi"))
         part = build_dra_part(
             settings,

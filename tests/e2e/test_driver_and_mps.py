@@ -242,11 +242,13 @@ def refuse_limits(node_dir: Path, uuid: str, mode: str) -> None:
 
 
 def hook_args(node_dir: Path, record: dict[str, Any]) -> dict[str, str]:
-    """The flags of the container's one hook (the program the daemon installed in its host
-    directory), which ran and exited 0."""
-    (hook,) = record["hooks"]
-    assert hook["exit_code"] == 0, hook
-    assert hook["path"].startswith(f"{node_dir}/vgpu/gpushare-memory-hook"), hook
+    """The flags of the container's one driver hook (the program the daemon installed in
+    its host directory), which ran and exited 0; a DRA claim's container runs the claim's
+    limit check too (``--check-limits``, the same program), which passed."""
+    hooks = record["hooks"]
+    assert all(h["exit_code"] == 0 for h in hooks), hooks
+    assert all(h["path"].startswith(f"{node_dir}/vgpu/gpushare-memory-hook") for h in hooks)
+    (hook,) = [h for h in hooks if "--check-limits" not in h["args"]]
     args = hook["args"][1:]
     return dict(zip(args[::2], args[1::2], strict=True))
 

@@ -17,7 +17,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -62,8 +62,16 @@ class ControlPlane:
     """etcd, kube-apiserver and (optionally) kube-scheduler on loopback."""
 
     def __init__(
-        self, root: Path, gates: dict[str, bool], bin_dir: Path = BIN, node: str = "node-1"
+        self,
+        root: Path,
+        gates: dict[str, bool],
+        bin_dir: Path = BIN,
+        node: str = "node-1",
+        etcd_flags: Sequence[str] = (),
+        apiserver_flags: Sequence[str] = (),
     ) -> None:
+        """``etcd_flags`` and ``apiserver_flags``: more flags for each (``make scale``
+        raises etcd's storage quota)."""
         self.root = root
         self.bin = bin_dir
         self.node = node
@@ -85,6 +93,7 @@ class ControlPlane:
                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
                 "--initial-cluster", f"default=http://127.0.0.1:{peer}",
                 "--unsafe-no-fsync", "--log-level", "warn",
+                *etcd_flags,
             ],
         )  # fmt: skip
         key = root / "sa.key"
@@ -114,6 +123,7 @@ class ControlPlane:
                 "--service-cluster-ip-range", "10.96.0.0/16",
                 "--enable-admission-plugins", "NodeRestriction",
                 "--feature-gates", gate_text, "--profiling=false",
+                *apiserver_flags,
             ],
         )  # fmt: skip
         self.ca = certs / "apiserver.crt"

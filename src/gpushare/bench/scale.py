@@ -88,7 +88,8 @@ class Extender:
     """``gpushare-scheduler-extender`` as a process against ``api``; its JSON log in
     ``log``."""
 
-    def __init__(self, api: ApiTarget, log: Path) -> None:
+    def __init__(self, api: ApiTarget, log: Path, src: str = "") -> None:
+        """``src``: run the extender of another checkout's ``src/`` (a baseline)."""
         self.port = _free_port()
         self.log = log
         command = [
@@ -115,8 +116,11 @@ class Extender:
         log.parent.mkdir(parents=True, exist_ok=True)
         self._out = log.open("wb")
         self.started = time.perf_counter()
+        env = dict(os.environ)
+        if src:
+            env["PYTHONPATH"] = src
         self.proc = subprocess.Popen(
-            command, stdout=self._out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            command, stdout=self._out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
         )
 
     def pod_lists(self) -> int:
@@ -263,13 +267,15 @@ def _kept(answer: dict[str, Any]) -> int:
     return len(items) if isinstance(items, list) else 0
 
 
-def measure_start(api: ApiTarget, work: Path, pods: int) -> dict[str, Any]:
+def measure_start(api: ApiTarget, work: Path, pods: int, src: str = "") -> dict[str, Any]:
     """The extender's start against ``api`` holding ``pods`` pods."""
-    extender = Extender(api, work / f"extender-start-{pods}.log")
+    name = f"extender-start-{pods}{'-baseline' if src else ''}.log"
+    extender = Extender(api, work / name, src)
     try:
         ready = extender.wait_ready()
         return {
             "pods": pods,
+            "extender": "baseline" if src else "",
             "ready_s": ready,
             "rss_mb": _peak_rss_mb(extender.proc.pid),
             "cpu_s": _cpu_seconds(extender.proc.pid),
@@ -324,6 +330,7 @@ def run_real(
     pods: list[int],
     requests: int,
     pod_status: bool,
+    baseline_src: str = "",
 ) -> Results:
     """One real cluster, grown: the nodes step by step (the verbs at each size), then
     the pods over the largest (the start at each count)."""
@@ -355,6 +362,9 @@ def run_real(
             seconds = cluster.grow_pods(count, pod_status)
             results.setup.append({"what": "pods", "total": count, "seconds": seconds})
             print(json.dumps(results.setup[-1]), flush=True)
+            if baseline_src:
+                results.starts.append(measure_start(api, work, count, baseline_src))
+                print(json.dumps(results.starts[-1]), flush=True)
             results.starts.append(measure_start(api, work, count))
             print(json.dumps(results.starts[-1]), flush=True)
     finally:
@@ -410,12 +420,13 @@ def table(results: Results, command: str = "") -> Iterator[str]:
             f"{p['p50_ms']:.1f} / {p['p99_ms']:.1f} | {p['cpu_ms']:.1f} |"
         )
     yield ""
-    yield "| pods in the cluster | ready s | peak RSS MB | CPU s | pod lists |"
-    yield "|---|---|---|---|---|"
+    yield "| pods in the cluster | ready s | peak RSS MB | CPU s | pod lists | extender |"
+    yield "|---|---|---|---|---|---|"
     for row in results.starts:
+        which = "baseline (--baseline-src)" if row.get("extender") else "this checkout"
         yield (
             f"| {row['pods']} | {row['ready_s']:.1f} | {row['rss_mb']:.0f} | "
-            f"{row['cpu_s']:.1f} | {row['pod_lists']} |"
+            f"{row['cpu_s']:.1f} | {row['pod_lists']} | {which} |"
         )
 
 
@@ -442,6 +453,12 @@ def main(argv: list[str] | None = None) -> int:
         help="real API: also write each pod's status as a kubelet would (one more write "
         "per pod; the set-up then takes about 4x as long)",
     )
+    parser.add_argument(
+        "--baseline-src",
+        default="",
+        help="real API: also start the extender of this other checkout's src/ at each pod "
+        "count (before/after on the same cluster)",
+    )
     parser.add_argument("--work", default="", help="where the cluster and logs go (kept)")
     parser.add_argument("--out", default="bench-out/scale.md")
     parser.add_argument("--write", default="", help="also replace the ## Scale tables here")
@@ -453,7 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gsscale-", dir="/tmp"))
     try:
         if real:
-            results = run_real(work, counts, full, pods, args.requests, args.pod_status)
+            results = run_real(
+                work, counts, full, pods, args.requests, args.pod_status, args.baseline_src
+            )
         else:
             results = run_stand_in(work, counts, full, pods, args.requests)
     finally:

@@ -93,6 +93,7 @@ class Recorded:
     authorization: str = ""
     client_cert: bool = False  # a TLS client certificate was presented
     at: float = field(default_factory=time.monotonic)  # when it arrived
+    port: int = 0  # the client's port: one per connection
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -602,6 +603,7 @@ class KubeApiDouble(CollectionReads, Faults):
                     body,
                     request.headers.get("Authorization", ""),
                     bool(peer),
+                    port=int(request.client_address[1]),
                 )
             )
             failure = self._next_failure(parsed.path)

@@ -596,12 +596,14 @@ def _nesting(text: str, limit: int) -> int:
     """How deep ``text``'s arrays and objects nest (strings skipped), stopping past
     ``limit``; linear, never recursive. The brackets are peeled in C, one level (every
     innermost ``[]`` and ``{}``) per pass, so a state of a few levels costs a few passes;
-    brackets that do not pair up (text that is not JSON) are counted one by one."""
+    text nested past ``limit`` or whose brackets do not pair up (not JSON) is counted one
+    token at a time."""
     skeleton = _brackets(text)
     depth = 0
-    while skeleton and depth <= limit:
+    while skeleton:
         peeled = _INNERMOST.sub("", skeleton)
-        if len(peeled) == len(skeleton):
+        if depth > limit or len(peeled) == len(skeleton):
+            # deeper than asked (stop early, one by one) or not pairing up
             return _nesting_by_token(text, limit)
         skeleton = peeled
         depth += 1

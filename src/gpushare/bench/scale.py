@@ -123,15 +123,23 @@ class Extender:
             command, stdout=self._out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
         )
 
-    def pod_lists(self) -> int:
-        """The pod lists the extender read (one ``pods_listed`` event with ``pods`` each)."""
-        count = 0
+    def events(self, name: str, key: str) -> list[Any]:
+        """``key`` of each ``name`` event the extender logged so far."""
+        found = []
         for line in self.log.read_text(errors="replace").splitlines():
             with contextlib.suppress(ValueError):
                 event = json.loads(line)
-                if isinstance(event, dict) and event.get("event") == "pods_listed":
-                    count += "pods" in event
-        return count
+                if isinstance(event, dict) and event.get("event") == name and key in event:
+                    found.append(event[key])
+        return found
+
+    def wait_logged(self, name: str, key: str, limit: float = 60.0) -> list[Any]:
+        """The ``name`` events once one is logged (its feed thread logs it just after
+        the ready state it reports, so it may come a moment after /readyz)."""
+        deadline = time.monotonic() + limit
+        while not (found := self.events(name, key)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return found
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -267,19 +275,29 @@ def _kept(answer: dict[str, Any]) -> int:
     return len(items) if isinstance(items, list) else 0
 
 
-def measure_start(api: ApiTarget, work: Path, pods: int, src: str = "") -> dict[str, Any]:
-    """The extender's start against ``api`` holding ``pods`` pods."""
+def measure_start(
+    api: ApiTarget, work: Path, pods: int, src: str = "", state_objects: bool = False
+) -> dict[str, Any]:
+    """The extender's start against ``api`` holding ``pods`` pods (``state_objects``:
+    the API server serves the nodes' state objects; their count is read too)."""
     name = f"extender-start-{pods}{'-baseline' if src else ''}.log"
     extender = Extender(api, work / name, src)
     try:
         ready = extender.wait_ready()
+        rss, cpu = _peak_rss_mb(extender.proc.pid), _cpu_seconds(extender.proc.pid)
+        lists = extender.wait_logged("pods_listed", "pods")
+        objects = (
+            extender.wait_logged("node_state_objects_listed", "objects") if state_objects else []
+        )
         return {
             "pods": pods,
             "extender": "baseline" if src else "",
             "ready_s": ready,
-            "rss_mb": _peak_rss_mb(extender.proc.pid),
-            "cpu_s": _cpu_seconds(extender.proc.pid),
-            "pod_lists": extender.pod_lists(),
+            "rss_mb": rss,
+            "cpu_s": cpu,
+            "pod_lists": len(lists),
+            "gpu_pods": lists,
+            "state_objects": objects,
         }
     finally:
         extender.stop()
@@ -363,9 +381,9 @@ def run_real(
             results.setup.append({"what": "pods", "total": count, "seconds": seconds})
             print(json.dumps(results.setup[-1]), flush=True)
             if baseline_src:
-                results.starts.append(measure_start(api, work, count, baseline_src))
+                results.starts.append(measure_start(api, work, count, baseline_src, True))
                 print(json.dumps(results.starts[-1]), flush=True)
-            results.starts.append(measure_start(api, work, count))
+            results.starts.append(measure_start(api, work, count, state_objects=True))
             print(json.dumps(results.starts[-1]), flush=True)
     finally:
         cluster.stop()

@@ -17,7 +17,7 @@ from gpushare.kube import nodestate
 
 
 def eventually(check: Callable[[], Any]) -> Any:
-    return procs.eventually(check, timeout=15.0, step=0.05)
+    return procs.eventually(check, timeout=30.0, step=0.05)
 
 
 def node_annotation(api: KubeApiDouble) -> nodestate.NodeGpuState | None:

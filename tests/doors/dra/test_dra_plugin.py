@@ -561,7 +561,7 @@ def test_a_refused_registration_offers_nothing(short_tmp: Path, api: KubeApiDoub
         node.part = part
         with pytest.raises(RegistrationRefused):
             node.kubelet.register(versions=["v2.DRAPlugin"])
-        assert part.publisher.wait_passes(2, 10)
+        assert part.publisher.wait_passes(2, 30)
         assert _slice_keys(api) == []
         assert "the kubelet refused the plugin" in part.ready()[1]
     finally:

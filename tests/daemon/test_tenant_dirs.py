@@ -253,7 +253,7 @@ def test_a_tree_deeper_than_the_recursion_limit_costs_nobody_anything(node: Node
         root = cache_root(Path(node.settings.host_lib_dir))
         assert poll(
             lambda: not any(p.name.startswith("c-") for p in root.iterdir()) and not buried(node),
-            20.0,
+            30.0,
         ), sorted(p.name for p in root.iterdir())
         assert not cache_dir(other).exists()
         assert daemon.core.refresher is not None and daemon.core.refresher._thread is not None

@@ -38,7 +38,7 @@ def plugin(node: Node) -> Iterator[Plugin]:
     gpus[2]["xid"] = 79
     node.write_gpus(gpus)
     assert node.kubelet.wait_for(
-        lambda k: k.healthy_count(node.memory) == 2 * UNITS[Resource.MEMORY], 2.0
+        lambda k: k.healthy_count(node.memory) == 2 * UNITS[Resource.MEMORY], 30.0
     )
     channels = {
         resource: grpc.insecure_channel(

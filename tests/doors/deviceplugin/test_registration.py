@@ -106,7 +106,7 @@ def test_a_socket_path_it_cannot_bind_is_retried_not_fatal(node: Node) -> None:
     assert daemon.plugin.link.alive()
     socket.rmdir()
     assert node.kubelet.wait_for(
-        lambda k: len(k.registrations) >= count + 2 and k.healthy_count(node.core) == 100, 5.0
+        lambda k: len(k.registrations) >= count + 2 and k.healthy_count(node.core) == 100, 30.0
     )
     assert node.kubelet.admit("p", "c", {node.core: 5}).envs["CUDA_DEVICE_SM_LIMIT"] == "5"
 

@@ -195,6 +195,12 @@ WORKLOADS = {"random": random_sizes(), "fragmenting": FRAGMENTING}
 REFUSED: dict[tuple[str, str], str] = {}
 
 
+#: PodScheduled False for a claim the scheduler could not see yet: the resourceclaim
+#: controller has not made it ("ResourceClaim not created yet"), or the scheduler's informer
+#: has not got it ("... not found"). The pod is tried again once it has; not a refusal.
+CLAIM_NOT_SEEN = ("not created yet", "not found")
+
+
 def settled(cluster: Cluster, names: list[str]) -> dict[str, dict[str, Any]] | None:
     """Every pod Running, refused by the scheduler, or failed by the kubelet's admission."""
     pods = {n: cluster.pod("default", n) or {} for n in names}
@@ -203,7 +209,9 @@ def settled(cluster: Cluster, names: list[str]) -> dict[str, dict[str, Any]] | N
         if status.get("phase") in ("Running", "Failed"):
             continue
         if any(
-            c["type"] == "PodScheduled" and c["status"] == "False"
+            c["type"] == "PodScheduled"
+            and c["status"] == "False"
+            and not any(word in c.get("message", "") for word in CLAIM_NOT_SEEN)
             for c in status.get("conditions", [])
         ):
             continue

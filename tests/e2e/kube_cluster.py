@@ -576,23 +576,23 @@ class NodeAgent:
     def restart_kubelet(self) -> None:
         """Stop the kubelet (SIGTERM, KILL after a deadline) and start it again: it deletes
         and re-creates kubelet.sock, and a device plugin must register again."""
+        daemon = self.daemon if self.daemon is not None and self.daemon.alive() else None
+        shown = self.cluster.allocatable(self.name)
+        served = [r for r in self.shared_resources() if int(shown.get(r, "0")) > 0]
         self.stop_kubelet()
         self.start_kubelet()
         self.cluster.wait_node_ready(self.name)
-        if self.daemon is not None and self.daemon.alive():
+        if daemon is not None and served:
             # Ready is not re-registered: until the daemon registers with the new kubelet,
             # the kubelet knows no healthy device of it (its checkpoint restores none) and
             # refuses a pod the scheduler binds ("requested number of devices unavailable"),
-            # while the Node still shows the old allocatable. Both shared resources must be
-            # listed by the new kubelet's PodResources GetAllocatableResources.
-            memory, core = self.shared_resources()
-            daemon = self.daemon
-
+            # while the Node still shows the old allocatable. Each shared resource it served
+            # must be listed by the new kubelet's PodResources GetAllocatableResources.
             def registered() -> bool:
                 if not daemon.alive():
                     raise E2EError(f"{self.name}: the daemon exited:\n{daemon.tail()}")
                 listed = self.allocatable_devices()
-                return listed.get(memory, 0) > 0 and listed.get(core, 0) > 0
+                return all(listed.get(r, 0) > 0 for r in served)
 
             wait_for(f"{self.name}'s daemon registered with the new kubelet", registered, 90, 0.5)
 

@@ -636,7 +636,6 @@ class KubeApiDouble(CollectionReads, Faults):
             body = yaml.safe_load(raw) if "yaml" in content_type else json.loads(raw)
         query = parse_qs(parsed.query)
         with self._lock:
-            peer = getattr(request.connection, "getpeercert", lambda: None)()
             self.requests.append(
                 Recorded(
                     request.command,
@@ -645,7 +644,7 @@ class KubeApiDouble(CollectionReads, Faults):
                     content_type,
                     body,
                     request.headers.get("Authorization", ""),
-                    bool(peer),
+                    bool(getattr(request.connection, "getpeercert", lambda: None)()),
                     accept=request.headers.get("Accept", ""),
                     port=int(request.client_address[1]),
                 )

@@ -628,8 +628,7 @@ class KubeApiDouble(CollectionReads, Faults):
                 self.held_paths.append(urlparse(request.path).path)
         self._open.wait()
         parsed = urlparse(request.path)
-        length = int(request.headers.get("Content-Length") or 0)
-        raw = request.rfile.read(length) if length else b""
+        raw = request.rfile.read(int(request.headers.get("Content-Length") or 0))
         content_type = request.headers.get("Content-Type", "")
         body: Any = None
         if raw:

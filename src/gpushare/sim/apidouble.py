@@ -94,6 +94,7 @@ class Recorded:
     client_cert: bool = False  # a TLS client certificate was presented
     at: float = field(default_factory=time.monotonic)  # when it arrived
     accept: str = ""
+    port: int = 0  # the client's port: one per connection
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -627,15 +628,13 @@ class KubeApiDouble(CollectionReads, Faults):
                 self.held_paths.append(urlparse(request.path).path)
         self._open.wait()
         parsed = urlparse(request.path)
-        length = int(request.headers.get("Content-Length") or 0)
-        raw = request.rfile.read(length) if length else b""
+        raw = request.rfile.read(int(request.headers.get("Content-Length") or 0))
         content_type = request.headers.get("Content-Type", "")
         body: Any = None
         if raw:
             body = yaml.safe_load(raw) if "yaml" in content_type else json.loads(raw)
         query = parse_qs(parsed.query)
         with self._lock:
-            peer = getattr(request.connection, "getpeercert", lambda: None)()
             self.requests.append(
                 Recorded(
                     request.command,
@@ -644,8 +643,9 @@ class KubeApiDouble(CollectionReads, Faults):
                     content_type,
                     body,
                     request.headers.get("Authorization", ""),
-                    bool(peer),
+                    bool(getattr(request.connection, "getpeercert", lambda: None)()),
                     accept=request.headers.get("Accept", ""),
+                    port=int(request.client_address[1]),
                 )
             )
             failure = self._next_failure(parsed.path)

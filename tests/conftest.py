@@ -126,7 +126,7 @@ class Node:
         assert self.wait_registered(), "the plugin did not register both resources"
         return self.daemon
 
-    def wait_registered(self, timeout: float = 5.0) -> bool:
+    def wait_registered(self, timeout: float = 30.0) -> bool:
         return self.kubelet.wait_for(
             lambda k: bool(k.devices(self.memory)) and bool(k.devices(self.core)), timeout
         )

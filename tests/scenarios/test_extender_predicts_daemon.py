@@ -95,11 +95,10 @@ def _orders(sim: Node, needs: Sequence[ContainerNeed], first: Resource) -> list[
 
 
 #: How long the daemon's binder waits here for the kubelet's PodResources records. The
-#: extender models the daemon deciding from facts; the daemon's own wait (RECORDS_WAIT,
-#: 0.2 s) can pass before the stand-in answers on a loaded machine, and then the binder
-#: pairs by the fallback and refuses a container the facts would admit (see
-#: test_records_later_than_the_binders_wait_cost_a_refusal_never_a_split). A wait, not
-#: a sleep: the binder goes on as soon as the records arrive.
+#: extender models the daemon deciding from facts; past the daemon's own wait
+#: (RECORDS_WAIT) the binder pairs by the fallback and refuses a container the facts
+#: would admit (see test_records_later_than_the_binders_wait_cost_a_refusal_never_a_split).
+#: A wait, not a sleep: the binder goes on as soon as the records arrive.
 PATIENT = 120.0
 
 
@@ -208,17 +207,18 @@ def test_a_kept_pod_of_core_heavy_containers_is_admitted(node: Node) -> None:
 
 
 def _two_container_pod_split_over_both_cards(
-    node: Node, *, list_delay: float, patient: bool
+    node: Node, *, list_delay: float, records_wait: float | None
 ) -> list[str]:
     """Two 10-unit containers on two 16-unit cards, memory first: the extender keeps
     the pod with c0 on GPU0 and c1 on GPU1 (GPU0 has 6 units left after c0). The
-    kubelet stand-in answers PodResources ``List`` after ``list_delay`` seconds."""
+    kubelet stand-in answers PodResources ``List`` after ``list_delay`` seconds; the
+    binder waits ``records_wait`` for it (None: the daemon's own wait)."""
     specs = node.with_pod_specs()
     gpus = cards(CARD_4GIB, 2)
-    if patient:
-        _start(node, gpus)
-    else:
-        node.start(gpus)
+    daemon = node.start(gpus)
+    assert daemon.plugin is not None
+    if records_wait is not None:
+        daemon.plugin.binder.records_wait = records_wait
     node.kubelet.list_delay = list_delay
     needs = (ContainerNeed("c0", 10, 5), ContainerNeed("c1", 10, 5))
     fit = fit_pod(_rooms(node, [g["uuid"] for g in gpus]), PodNeed(needs), Policy.BINPACK)
@@ -231,26 +231,29 @@ def _two_container_pod_split_over_both_cards(
     return got
 
 
-def test_records_later_than_the_binders_wait_cost_a_refusal_never_a_split(node: Node) -> None:
+def test_a_list_slower_than_the_old_wait_admits_where_the_extender_predicted(
+    node: Node,
+) -> None:
     """The interleaving a loaded machine produced (one failure of the differential test
-    above under ``make test`` at load 12): the kubelet's List answers after the binder
-    stopped waiting for it (``RECORDS_WAIT``, 0.2 s). Without records, c1's memory
-    request is taken for the partner of c0's core binding made just before (the
-    fallback), steered to GPU0, which lacks room, and refused: the message the failure
-    showed. The container is refused, never split."""
+    above under ``make test`` at load 12, and 11 of 2 000 pods of ``make simulate``):
+    the kubelet's List answered after 0.2 s, the binder's wait then, and c1's memory
+    request, taken without records for the partner of c0's core binding made just
+    before (the fallback), was steered to GPU0, which lacks room, and refused. The
+    kubelet waits for the plugin without a deadline; the daemon now waits for a List
+    that answers (``RECORDS_WAIT``, issue 32.18): the records show c0 complete, c1 is
+    nobody's partner, and lands on GPU1 as the extender predicted."""
+    got = _two_container_pod_split_over_both_cards(node, list_delay=0.5, records_wait=None)
+    assert got[0] != got[1]
+
+
+def test_records_later_than_the_binders_wait_cost_a_refusal_never_a_split(node: Node) -> None:
+    """A kubelet slower than even the binder's wait: without records, c1's memory
+    request is taken for the partner of c0's core binding (the fallback), steered to
+    GPU0, which lacks room, and refused. The container is refused, never split."""
     refused = r"vcuda-core units were just bound to GPU0 .*but its vcuda-memory units are on GPU1"
     with pytest.raises(AdmissionError, match=refused):
-        _two_container_pod_split_over_both_cards(node, list_delay=0.5, patient=False)
+        _two_container_pod_split_over_both_cards(node, list_delay=0.5, records_wait=0.1)
     for admitted in node.kubelet.admitted.values():
         assert {d.split("::")[0] for ids in admitted.devices.values() for d in ids} == {
             admitted.card()
         }
-
-
-def test_a_binder_that_waits_for_late_records_admits_where_the_extender_predicted(
-    node: Node,
-) -> None:
-    """The same late List with the binder waiting for it, as the differential test
-    runs: the records show c0 complete, c1 is nobody's partner, and lands on GPU1."""
-    got = _two_container_pod_split_over_both_cards(node, list_delay=0.5, patient=True)
-    assert got[0] != got[1]

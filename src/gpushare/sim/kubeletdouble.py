@@ -54,6 +54,11 @@ from gpushare._proto.podresources.v1 import api_pb2 as pr_pb2
 from gpushare._proto.podresources.v1 import api_pb2_grpc as pr_pb2_grpc
 
 DIAL_TIMEOUT = 10.0
+#: The kubelet sets no deadline on GetPreferredAllocation and Allocate (v1.36
+#: ``ManagerImpl.Allocate`` passes ``context.TODO()``): a plugin may take its time. The
+#: stand-in bounds them only so a wedged plugin fails a test instead of hanging it,
+#: far past any wait of the daemon's own (``binding.RECORDS_WAIT``).
+ADMISSION_CALL_TIMEOUT = 120.0
 #: The kubelet's PodResources limit (``podresources.DefaultQPS``/``DefaultBurstTokens``).
 LIST_RATE = 100.0
 LIST_BURST = 10
@@ -539,7 +544,9 @@ class SimulatedKubelet(PluginRegistry, PodResourcesLister):
                     ]
                 )
                 started = clock()
-                reply = endpoint.stub.GetPreferredAllocation(request, timeout=DIAL_TIMEOUT)
+                reply = endpoint.stub.GetPreferredAllocation(
+                    request, timeout=ADMISSION_CALL_TIMEOUT
+                )
                 if self.observe is not None:
                     self.observe(resource, "GetPreferredAllocation", clock() - started)
                 offered = set(offer)
@@ -557,7 +564,8 @@ class SimulatedKubelet(PluginRegistry, PodResourcesLister):
                 container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=chosen)]
             )
             started = clock()
-            response = endpoint.stub.Allocate(allocate, timeout=DIAL_TIMEOUT).container_responses[0]
+            reply_all = endpoint.stub.Allocate(allocate, timeout=ADMISSION_CALL_TIMEOUT)
+            response = reply_all.container_responses[0]
             if self.observe is not None:
                 self.observe(resource, "Allocate", clock() - started)
         except grpc.RpcError as exc:

@@ -28,6 +28,10 @@ from gpushare.sim.kubeletdouble import AdmissionError, ContainerSpec, SimulatedK
 #: in a simulation.
 _LIBRARY = stand_in(b"placeholder interposer for the simulation\n")
 
+#: How long a node's daemon may take to register both resources (a loaded machine
+#: starting a dozen daemons at once takes seconds).
+REGISTER_WAIT = 60.0
+
 
 class DaemonNode:
     """Start with :meth:`start`, stop with :meth:`stop` (removes its directory)."""
@@ -74,7 +78,11 @@ class DaemonNode:
         self.daemon = Daemon(self.settings, specs=self.specs)
         self.daemon.start()
         memory, core = self.settings.memory_resource, self.settings.core_resource
-        if not self.kubelet.wait_for(lambda k: bool(k.devices(memory)) and bool(k.devices(core))):
+
+        def registered(kubelet: SimulatedKubelet) -> bool:
+            return bool(kubelet.devices(memory)) and bool(kubelet.devices(core))
+
+        if not self.kubelet.wait_for(registered, REGISTER_WAIT):
             raise RuntimeError(f"the daemon of {self.name} did not register")
 
     def stop(self) -> None:

@@ -221,6 +221,19 @@ class PodSpecBook:
                     return uid
         return None
 
+    def live(self, namespace: str, name: str) -> bool:
+        """Whether a pod of that name is on record and not being deleted (the book keeps
+        no terminal pod)."""
+        with self._lock:
+            return any(
+                (entry.namespace, entry.name) == (namespace, name) and not entry.deleting
+                for entry in self._pods.values()
+            )
+
+    def holder_live(self, holder: Holder) -> bool:
+        """:meth:`live` for the holder's pod."""
+        return self.live(holder.namespace, holder.pod)
+
     def requests_of(self, holder: Holder) -> dict[Resource, int] | None:
         """Units of each resource the named container asks for; None if the book
         cannot tell.

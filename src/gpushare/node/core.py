@@ -130,15 +130,15 @@ class NodeCore:
         )
 
     def records_read_after_restart(self, snapshot: Snapshot) -> None:
-        """Feed :attr:`restart` each records read (a pod the spec book no longer holds
-        is gone)."""
+        """Feed :attr:`restart` each records read (a pod the spec book no longer holds,
+        or holds as being deleted, is gone)."""
         specs = self.specs
         alive = None
         if specs is not None:
             book = specs
 
             def alive(holder: Holder) -> bool:
-                return book.uid_of(holder.namespace, holder.pod) is not None
+                return book.live(holder.namespace, holder.pod)
 
         kubelet = _identity(self.settings.kubelet_socket)
         given_up = self.restart.records_read(snapshot.holders_by_card(), alive, kubelet)

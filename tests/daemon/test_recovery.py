@@ -275,3 +275,29 @@ def test_pods_ending_during_an_admission_leave_their_card_to_it(
     record = node.kubelet.admit("late", "main", limits, order=[node.core, node.memory])
     assert record.card() == gpu_uuid(2)
     assert {card_of(d) for ids in record.devices.values() for d in ids} == {gpu_uuid(2)}
+
+
+def test_the_restart_is_cleared_once_the_kubelet_lists_everyone_with_no_allocate_to_prompt(
+    node: Node,
+) -> None:
+    """Issue 32.14 (b): while the daemon publishes a kubelet restart the extender sends
+    no pod to the node, so no Allocate prompts a read of the records: the daemon read
+    them only at its interval (30 s by default), and the e2e churn test saw a pod wait
+    31 s after a restart. It now reads every second until the records are complete."""
+    node.with_pod_specs()
+    node.start(cards(CARD_4GIB, 2), pod_resources_interval_seconds=3600.0)
+    limits = {node.memory: 4, node.core: 10}
+    node.pod("running", limits)
+    node.kubelet.admit("running", "main", limits)
+    assert node.daemon is not None
+    core = node.daemon.core
+    assert core.refresher.refresh_once()
+    count = len(node.kubelet.registrations)
+    node.kubelet.restart(empty_pod_manager=True)
+    assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 30.0)
+    assert poll(lambda: core.restart.restarted_at() != "", 30.0)  # noticed, published
+    reads = core.refresher.reads
+    assert poll(lambda: core.refresher.reads >= reads + 2, 30.0)  # read again, unprompted
+    assert core.restart.restarted_at() != ""  # the kubelet does not list the pod yet
+    node.kubelet.pods_synced()  # its pod sources are ready: it lists the pod again
+    assert poll(lambda: core.restart.restarted_at() == "", 60.0)

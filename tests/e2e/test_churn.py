@@ -12,9 +12,9 @@ Correctness is asserted: every waiting pod binds and runs, no card ever holds mo
 than its 29 units, and no pod is refused at admission by the daemon in any round; only
 a kubelet that has just restarted refuses, by its own device count (it restores the
 deleted pods' devices from its checkpoint and still counts them at its first
-admissions): a refused pod is replaced, as its controller would, and counted. The timings are written to
-``e2e/logs/churn.log`` (a Markdown table) for docs/benchmarks.md; no test asserts a
-duration.
+admissions): a refused pod is replaced, as its controller would, and counted. The
+timings are written to ``e2e/logs/churn.log`` (a Markdown table) for docs/benchmarks.md;
+no test asserts a duration.
 """
 
 from __future__ import annotations

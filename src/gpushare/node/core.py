@@ -323,6 +323,10 @@ def build_core(
     )
     refresher.after_read = core.after_read
     refresher.read_listeners.append(core.records_read_after_restart)
+    # After a kubelet restart: read at once, then every second until the records list
+    # every container again (the extender keeps pods off the node until then).
+    refresher.hurry = lambda: bool(core.restart.restarted_at())
+    core.restart.listeners.append(refresher.poke)
     card_facts.enforcement = shown_enforcement(backends)
     if ComputeBackend.MPS in {c.compute for c in backends.values()}:
         control = MpsControl(Path(settings.mps_control), Path(settings.host_lib_dir))

@@ -21,6 +21,7 @@ from gpushare.extender.bindingclient import BindingClient
 from gpushare.extender.ledger import AdmissionLedger
 from gpushare.extender.server import ExtenderSettings, build_app, start
 from gpushare.kube import nodestate
+from gpushare.sim.apidouble import KubeApiDouble
 
 PREFIX = "gpushare.io"
 MEMORY = f"{PREFIX}/vcuda-memory"
@@ -63,13 +64,18 @@ def node(
         state = nodestate.NodeGpuState(generation, "2026-11-22T13:00:00Z", 256, tuple(cards))
         annotations[nodestate.annotation_key(PREFIX)] = nodestate.encode(state)
     units = sum(c.memory_units for c in cards) or 32
+    labels = {
+        "kubernetes.io/hostname": name,
+        # one of the labels the daemon writes on its node (nodestate.label_keys)
+        nodestate.label_key(PREFIX, "count"): str(max(len(cards), 1)),
+    }
     return {
         "kind": "Node",
         "apiVersion": "v1",
         "metadata": {
             "name": name,
             "uid": f"uid-node-{name}",
-            "labels": {"kubernetes.io/hostname": name},
+            "labels": labels,
             "annotations": annotations,
         },
         "spec": {},
@@ -174,6 +180,16 @@ def extender_factory() -> Iterator[Callable[..., RunningExtender]]:
     yield make
     for server in running:
         server.__exit__()
+
+
+@pytest.fixture
+def api() -> Iterator[KubeApiDouble]:
+    """A bare API-server double for the extender's watches and binds (no Node in it,
+    unlike the suite's ``api``: each test adds the nodes it needs)."""
+    double = KubeApiDouble()
+    double.start()
+    yield double
+    double.stop()
 
 
 @pytest.fixture

@@ -107,14 +107,18 @@ def test_a_share_is_the_same_edits_from_the_two_allocates_and_from_a_claim(
     # (issue 32 item 2); a device-plugin container sees one card, index 0
     assert claim_env.pop("CUDA_DEVICE_MEMORY_LIMIT") == f"{4 * node.settings.memory_unit_mib}m"
     # and, since its container's own env is not checked (the admission policy cannot
-    # tell a gpushare claim), every index HAMi-core reads and its switches at their
-    # defaults (issue 32 item 1); a device-plugin container's env is checked instead
+    # tell a gpushare claim), every index HAMi-core reads and its switches at the
+    # values that behave as if unset (issue 32 item 1); a device-plugin container's env
+    # is checked instead
     for i in range(16):
         assert claim_env.pop(f"CUDA_DEVICE_SM_LIMIT_{i}") == "30"
         if i:
             assert claim_env.pop(f"CUDA_DEVICE_MEMORY_LIMIT_{i}") == f"{4 * unit}m"
     assert claim_env.pop("GPU_CORE_UTILIZATION_POLICY") == "default"
     assert claim_env.pop("CUDA_DISABLE_CONTROL") == "false"
+    assert claim_env.pop("CUDA_REDIRECT") == ""
+    assert claim_env.pop("ACTIVE_OOM_KILLER") == "true"
+    assert claim_env.pop("CUDA_TASK_PRIORITY") == "1"
     plugin_env = dict(admitted.envs)
     assert plugin_env.pop("NVIDIA_VISIBLE_DEVICES") == gpu_uuid(1)
     assert claim_env == plugin_env

@@ -124,6 +124,13 @@ def _has_resource(node: Mapping[str, Any], resource: str) -> bool:
     return False
 
 
+def _has_daemon_label(meta: Any, prefix: str) -> bool:
+    """Whether the node carries a label only the daemon writes (the node feed reads
+    Nodes as their metadata only: no status to find the resources in)."""
+    labels = meta.get("labels") if isinstance(meta, Mapping) else None
+    return isinstance(labels, Mapping) and any(k in labels for k in nodestate.label_keys(prefix))
+
+
 def read_node_state(
     node: Mapping[str, Any], prefix: str
 ) -> tuple[nodestate.NodeGpuState | None, str, str]:
@@ -133,8 +140,10 @@ def read_node_state(
     annotations = meta.get("annotations") if isinstance(meta, Mapping) else None
     text = annotations.get(key) if isinstance(annotations, Mapping) else None
     if not isinstance(text, str):
-        if _has_resource(node, f"{prefix}/vcuda-memory") or _has_resource(
-            node, f"{prefix}/vcuda-core"
+        if (
+            _has_resource(node, f"{prefix}/vcuda-memory")
+            or _has_resource(node, f"{prefix}/vcuda-core")
+            or _has_daemon_label(meta, prefix)
         ):
             return (
                 None,

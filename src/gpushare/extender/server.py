@@ -225,7 +225,7 @@ def build_app(
         endpoint = endpoint_of(url, settings.token_file, settings.ca_file)
         if state.node_cache is not None:
             nodes = NodeFeed(
-                ApiClient(endpoint),
+                ApiClient(endpoint, metadata_only=True),
                 policy.resource_prefix,
                 state.node_cache,
                 asyncio.get_running_loop(),

@@ -236,6 +236,16 @@ def _error_of(status: int, reason: str, data: bytes) -> ApiStatusError:
     return ApiStatusError(status, reason, message.replace("\n", " ")[:500])
 
 
+JSON = "application/json"
+#: A list's and a watch's objects as their metadata only (``PartialObjectMetadata``:
+#: name, uid, labels, annotations; no spec or status): the server sends each object's
+#: small part, and plain JSON where it cannot (the last choice).
+METADATA_LIST = (
+    "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json"
+)
+METADATA_WATCH = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
+
+
 class ApiClient:
     """A few JSON requests to one API server, over a small pool of kept-alive connections.
 
@@ -243,8 +253,12 @@ class ApiClient:
     when the answer was read in full.
     """
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Endpoint, metadata_only: bool = False) -> None:
+        """``metadata_only``: a client that only lists and watches, and reads no more of
+        each object than its metadata (:data:`METADATA_LIST`, :data:`METADATA_WATCH`)."""
         self.endpoint = endpoint
+        self._accept = METADATA_LIST if metadata_only else JSON
+        self._watch_accept = METADATA_WATCH if metadata_only else JSON
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
 
@@ -254,8 +268,8 @@ class ApiClient:
             return http.client.HTTPSConnection(e.host, e.port, timeout=timeout, context=e.context)
         return http.client.HTTPConnection(e.host, e.port, timeout=timeout)
 
-    def _headers(self, content_type: str | None) -> dict[str, str]:
-        headers = {"Accept": "application/json", "User-Agent": "gpushare-device-plugin"}
+    def _headers(self, content_type: str | None, accept: str = "") -> dict[str, str]:
+        headers = {"Accept": accept or self._accept, "User-Agent": "gpushare-device-plugin"}
         token = self.endpoint.bearer()
         if token:
             headers["Authorization"] = f"Bearer {token}"
@@ -326,7 +340,9 @@ class ApiClient:
         conn = self._connect(read_timeout)
         try:
             conn.request(
-                "GET", self.url(path, {**query, "watch": "1"}), headers=self._headers(None)
+                "GET",
+                self.url(path, {**query, "watch": "1"}),
+                headers=self._headers(None, self._watch_accept),
             )
             response = conn.getresponse()
             if response.status >= 400:

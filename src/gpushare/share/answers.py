@@ -75,12 +75,24 @@ CONTAINER_SHM = "/dev/shm"
 #: HAMi-core's ``CUDA_DEVICE_MAX_COUNT``: it reads the per-index limits of indices 0 to 15
 #: and no more, whatever the node holds, so an ``every_index`` grant sets all of them.
 INTERPOSER_INDEXES = 16
-#: HAMi-core's switches, set to their documented defaults by an ``every_index`` grant:
-#: ``GPU_CORE_UTILIZATION_POLICY`` (default/force/disable; disable drops the core limit)
-#: and ``CUDA_DISABLE_CONTROL`` (default false; true drops every limit).
+#: HAMi-core's switches, set by an ``every_index`` grant to the value that behaves as if
+#: the name were unset (read in HAMi-core's source, the same since its first release):
+#: ``GPU_CORE_UTILIZATION_POLICY`` (default/force/disable; disable drops the core limit),
+#: ``CUDA_DISABLE_CONTROL`` (default false; true drops every limit), ``CUDA_REDIRECT``
+#: (a library its ``dlsym`` resolves into instead of ``/usr/local/vgpu/libvgpu.so``; empty:
+#: that one), ``ACTIVE_OOM_KILLER`` (unset: on) and ``CUDA_TASK_PRIORITY`` (unset: 1).
 CORE_POLICY = "GPU_CORE_UTILIZATION_POLICY"
 DISABLE_CONTROL = "CUDA_DISABLE_CONTROL"
-NEUTRAL_SWITCHES: Mapping[str, str] = {CORE_POLICY: "default", DISABLE_CONTROL: "false"}
+REDIRECT = "CUDA_REDIRECT"
+OOM_KILLER = "ACTIVE_OOM_KILLER"
+TASK_PRIORITY = "CUDA_TASK_PRIORITY"
+NEUTRAL_SWITCHES: Mapping[str, str] = {
+    CORE_POLICY: "default",
+    DISABLE_CONTROL: "false",
+    REDIRECT: "",
+    OOM_KILLER: "true",
+    TASK_PRIORITY: "1",
+}
 
 
 def memory_limit_env(index: int) -> str:
@@ -412,10 +424,9 @@ def _seal_every_index(envs: dict[str, str]) -> None:
     Its container's env is not checked against the reserved names (the admission policy
     cannot tell a gpushare claim from another driver's), and its CDI spec replaces only
     the names it sets: so it sets each limit it holds for every index HAMi-core reads
-    (:data:`INTERPOSER_INDEXES`), and the switches that would drop the limits to their
-    documented defaults (:data:`NEUTRAL_SWITCHES`). ``CUDA_REDIRECT``,
-    ``CUDA_TASK_PRIORITY`` and ``ACTIVE_OOM_KILLER`` have no documented neutral value
-    and are left alone (docs/security.md)."""
+    (:data:`INTERPOSER_INDEXES`), and HAMi-core's switches to the values that behave as
+    if unset (:data:`NEUTRAL_SWITCHES`), so no name the tenant's
+    env sets survives to redirect, reprioritise or disable them (docs/security.md)."""
     memory, cores = envs.get(MEMORY_LIMIT), envs.get(CORE_LIMIT)
     for i in range(INTERPOSER_INDEXES):
         if memory is not None:

@@ -93,6 +93,7 @@ class Recorded:
     authorization: str = ""
     client_cert: bool = False  # a TLS client certificate was presented
     at: float = field(default_factory=time.monotonic)  # when it arrived
+    accept: str = ""
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -274,6 +275,37 @@ class ObjectStore:
         return "namespaces" not in parts or key.rsplit("/", 1)[0] == path.rstrip("/")
 
 
+def _wants_metadata(request: BaseHTTPRequestHandler) -> str:
+    """``PartialObjectMetadataList``/``PartialObjectMetadata`` when the Accept header's
+    first choice asks for objects as their metadata only (``as=...;g=meta.k8s.io``),
+    else ""."""
+    first = (request.headers.get("Accept") or "").split(",")[0]
+    params = dict(p.strip().partition("=")[::2] for p in first.split(";")[1:])
+    if params.get("g") == "meta.k8s.io" and params.get("as", "").startswith("PartialObject"):
+        return params["as"]
+    return ""
+
+
+def _metadata_of(obj: dict[str, Any]) -> dict[str, Any]:
+    """An object as the real server sends it to a metadata-only reader."""
+    return {
+        "kind": "PartialObjectMetadata",
+        "apiVersion": "meta.k8s.io/v1",
+        "metadata": deepcopy(obj.get("metadata") or {}),
+    }
+
+
+def _not_acceptable(asked: str, what: str) -> dict[str, Any]:
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "message": f"you requested {asked}, but the requested object is {what}",
+        "reason": "NotAcceptable",
+        "code": 406,
+    }
+
+
 class CollectionReads(ObjectStore):
     """The double's reads of a collection: lists (label and field selectors, pages with
     ``limit``/``continue``, streamed one item at a time) and watches (events from a
@@ -310,6 +342,11 @@ class CollectionReads(ObjectStore):
             meta["continue"] = f"{version}:{offset + limit}"
         kind = KINDS.get(path.rstrip("/").split("/")[-1], "Object") + "List"
         head = {"kind": kind, "apiVersion": "v1", "metadata": meta}
+        as_metadata = _wants_metadata(request)
+        if as_metadata == "PartialObjectMetadata":
+            return self._reply(request, 406, _not_acceptable(as_metadata, "a list"))
+        if as_metadata:
+            head = {"kind": as_metadata, "apiVersion": "meta.k8s.io/v1", "metadata": meta}
         request.send_response(200)
         request.send_header("Content-Type", "application/json")
         request.send_header("Transfer-Encoding", "chunked")
@@ -325,6 +362,8 @@ class CollectionReads(ObjectStore):
             for key in page:
                 with self._lock:
                     obj = self.objects.get(key)
+                    if obj is not None and as_metadata:
+                        obj = _metadata_of(obj)
                     data = json.dumps(obj).encode() if obj is not None else b""
                 if data:
                     send(data if first else b"," + data)
@@ -347,6 +386,9 @@ class CollectionReads(ObjectStore):
             since = int((query.get("resourceVersion") or ["0"])[0] or 0)
         except ValueError:
             return self._reply(request, 400, self._status(400, "resourceVersion is not a number"))
+        as_metadata = _wants_metadata(request)
+        if as_metadata == "PartialObjectMetadataList":
+            return self._reply(request, 406, _not_acceptable(as_metadata, "not a list"))
         request.send_response(200)
         request.send_header("Content-Type", "application/json")
         request.send_header("Transfer-Encoding", "chunked")
@@ -395,7 +437,8 @@ class CollectionReads(ObjectStore):
                             kind = "ADDED" if now_in else "DELETED"
                             now_in = True
                         if now_in:
-                            pending.append({"type": kind, "object": deepcopy(obj)})
+                            shown = _metadata_of(obj) if as_metadata else deepcopy(obj)
+                            pending.append({"type": kind, "object": shown})
                     if bookmarks and time.monotonic() >= next_bookmark:
                         next_bookmark = time.monotonic() + self.bookmark_seconds
                         pending.append(
@@ -602,6 +645,7 @@ class KubeApiDouble(CollectionReads, Faults):
                     body,
                     request.headers.get("Authorization", ""),
                     bool(peer),
+                    accept=request.headers.get("Accept", ""),
                 )
             )
             failure = self._next_failure(parsed.path)

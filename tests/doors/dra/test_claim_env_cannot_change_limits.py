@@ -8,7 +8,9 @@ set ``CUDA_DEVICE_MEMORY_LIMIT_0``, the un-indexed memory and core limits and no
 else: a pod setting ``CUDA_DEVICE_MEMORY_LIMIT_1=99999m``, ``CUDA_DEVICE_SM_LIMIT_0=100``
 (it outranks ``CUDA_DEVICE_SM_LIMIT``), ``GPU_CORE_UTILIZATION_POLICY=disable`` or
 ``CUDA_DISABLE_CONTROL=true`` kept its value. Now every share result of a claim sets
-every index HAMi-core reads (0-15) and its switches at their defaults. Here the real
+every index HAMi-core reads (0-15) and its switches (the policy, the control switch,
+``CUDA_REDIRECT``, ``ACTIVE_OOM_KILLER``, ``CUDA_TASK_PRIORITY``) at the values that behave
+as if unset. Here the real
 prepare over the real DRA socket, its spec applied over hostile envs as a runtime does.
 """
 
@@ -41,6 +43,19 @@ HOSTILE = {
     "GPU_CORE_UTILIZATION_POLICY": "disable",
     "CUDA_DISABLE_CONTROL": "true",
     "LD_PRELOAD": "",
+    "CUDA_REDIRECT": "/tmp/tenant.so",
+    "ACTIVE_OOM_KILLER": "false",
+    "CUDA_TASK_PRIORITY": "0",
+}
+#: HAMi-core's switches at the values that behave as if unset (its source: an empty
+#: CUDA_REDIRECT loads /usr/local/vgpu/libvgpu.so, unset ACTIVE_OOM_KILLER is on, unset
+#: CUDA_TASK_PRIORITY is 1).
+NEUTRAL = {
+    "GPU_CORE_UTILIZATION_POLICY": "default",
+    "CUDA_DISABLE_CONTROL": "false",
+    "CUDA_REDIRECT": "",
+    "ACTIVE_OOM_KILLER": "true",
+    "CUDA_TASK_PRIORITY": "1",
 }
 
 
@@ -113,8 +128,7 @@ def test_a_hostile_pod_env_is_replaced_by_the_claims_edits(node: DraNode) -> Non
         assert hami_limits(env, index) == (2048 * MIB, 30), index
     assert env["CUDA_DEVICE_MEMORY_LIMIT"] == "2048m"
     assert env["CUDA_DEVICE_SM_LIMIT"] == "30"
-    assert env["GPU_CORE_UTILIZATION_POLICY"] == "default"
-    assert env["CUDA_DISABLE_CONTROL"] == "false"
+    assert {name: env[name] for name in NEUTRAL} == NEUTRAL
     assert env["LD_PRELOAD"] == "/usr/local/vgpu/libvgpu.so"
 
 
@@ -147,5 +161,6 @@ def test_no_hostile_env_of_reserved_names_lifts_a_limit(node: DraNode) -> None:
             memory, cores = hami_limits(env, index)
             assert memory is not None and memory <= 2048 * MIB, (index, env)
             assert cores is not None and cores <= 30, (index, env)
+        assert {name: env[name] for name in NEUTRAL} == NEUTRAL, env
 
     check()

@@ -7,13 +7,14 @@ the API-server test double, and the double's pods say where each pod went.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from kit.extender import (
     MEMORY,
     RunningExtender,
+    api,
     args,
     card,
     container,
@@ -24,15 +25,7 @@ from kit.extender import (
 )
 from kit.kube_double import KubeApiDouble
 
-__all__ = ["extender_factory"]  # fixture
-
-
-@pytest.fixture
-def api() -> Iterator[KubeApiDouble]:
-    double = KubeApiDouble()
-    double.start()
-    yield double
-    double.stop()
+__all__ = ["api", "extender_factory"]  # fixture
 
 
 @pytest.fixture

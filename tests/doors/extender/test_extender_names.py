@@ -10,7 +10,7 @@ state reaches the answers through the watch alone.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,6 +20,7 @@ from kit.extender import (
     CORE,
     MEMORY,
     RunningExtender,
+    api,
     args,
     card,
     container,
@@ -32,17 +33,11 @@ from kit.extender import (
 from kit.kube_double import KubeApiDouble
 from kit.procs import eventually
 
+from gpushare.extender.podfeed import endpoint_of
 from gpushare.kube import nodestate
+from gpushare.kube.stdlibclient import ApiClient
 
-__all__ = ["extender_factory"]  # fixture
-
-
-@pytest.fixture
-def api() -> Iterator[KubeApiDouble]:
-    double = KubeApiDouble()
-    double.start()
-    yield double
-    double.stop()
+__all__ = ["api", "extender_factory"]  # fixture
 
 
 def names_args(the_pod: dict[str, Any], *names: str) -> dict[str, Any]:
@@ -64,6 +59,7 @@ def cluster(
     for amounts in (cpu_only["status"]["capacity"], cpu_only["status"]["allocatable"]):
         amounts.pop(MEMORY)
         amounts.pop(CORE)
+    cpu_only["metadata"]["labels"] = {"kubernetes.io/hostname": "cpu-only"}  # no daemon there
     api.add(cpu_only)
     plain = node("no-state", [card(0)])
     del plain["metadata"]["annotations"][nodestate.annotation_key("gpushare.io")]
@@ -241,3 +237,47 @@ def test_names_answer_as_the_full_nodes_would_for_any_card_state(
         by_object = server.filter(args(the_pod, *stored))
         assert by_name["NodeNames"] == kept(by_object)
         assert by_name["FailedNodes"] == by_object["FailedNodes"]
+
+
+def test_the_node_feed_reads_each_node_as_its_metadata_only(
+    cluster: tuple[KubeApiDouble, RunningExtender],
+) -> None:
+    """A Node's status (11-32 KB at scale, rewritten by its kubelet) is never sent to the
+    extender: its lists and watches ask for ``PartialObjectMetadata`` (labels and
+    annotations hold all it reads), and the double answers as the real server does; a
+    node whose daemon's labels are there but whose state is not is still told apart from
+    a node without gpushare."""
+    api, server = cluster
+    reads = api.calls("GET", "/api/v1/nodes")
+    assert reads, "the extender never read the nodes"
+    for r in reads:
+        watching = (r.query.get("watch") or [""])[0] == "1"
+        asked = "PartialObjectMetadata" if watching else "PartialObjectMetadataList"
+        assert r.accept.startswith(f"application/json;as={asked};g=meta.k8s.io;v=v1,"), r
+    answer = server.filter(names_args(pod("p", container("main", memory=8)), "no-state"))
+    assert "neither a state object nor" in answer["FailedNodes"]["no-state"]
+    answer = server.filter(names_args(pod("p", container("main", memory=8)), "cpu-only"))
+    assert answer["FailedNodes"]["cpu-only"] == "the node has no gpushare GPUs"
+
+
+def test_the_double_answers_metadata_only_reads_as_the_real_server_does(
+    api: KubeApiDouble,
+) -> None:
+    api.add(node("a", [card(0)]))
+    client = ApiClient(endpoint_of(api.url, "", ""), metadata_only=True)
+    listed = client.get("/api/v1/nodes")
+    assert listed["kind"] == "PartialObjectMetadataList"
+    (item,) = listed["items"]
+    assert set(item) == {"kind", "apiVersion", "metadata"}
+    assert item["kind"] == "PartialObjectMetadata"
+    assert item["metadata"]["labels"][nodestate.label_key("gpushare.io", "count")] == "1"
+    version = listed["metadata"]["resourceVersion"]
+    watch = client.watch("/api/v1/nodes", {"resourceVersion": version}, 30)
+    try:
+        api.add(node("b", [card(0)]))
+        kind, obj = next(iter(watch))
+        assert (kind, obj["kind"]) == ("ADDED", "PartialObjectMetadata")
+        assert obj["metadata"]["name"] == "b"
+        assert "status" not in obj
+    finally:
+        watch.close()

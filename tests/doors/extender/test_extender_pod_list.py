@@ -8,7 +8,7 @@ filter held back (``/readyz`` 503) while the same list goes on.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,6 +19,7 @@ from kit.extender import (
     MEMORY,
     PREFIX,
     RunningExtender,
+    api,
     container,
     extender_factory,
     get,
@@ -29,15 +30,7 @@ from kit.procs import eventually
 
 from gpushare.extender import podfeed
 
-__all__ = ["extender_factory"]  # fixture
-
-
-@pytest.fixture
-def api() -> Iterator[KubeApiDouble]:
-    double = KubeApiDouble()
-    double.start()
-    yield double
-    double.stop()
+__all__ = ["api", "extender_factory"]  # fixture
 
 
 def pod_lists(api: KubeApiDouble) -> int:

@@ -5,13 +5,14 @@ it names; over real HTTP against the API-server double."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from kit.extender import (
     PREFIX,
     RunningExtender,
+    api,
     args,
     card,
     container,
@@ -26,18 +27,10 @@ from kit.procs import eventually
 
 from gpushare.kube import nodestate, stateobject
 
-__all__ = ["extender_factory"]  # fixture
+__all__ = ["api", "extender_factory"]  # fixture
 
 NAMESPACE = "gpushare"
 WAIT = 60.0
-
-
-@pytest.fixture
-def api() -> Iterator[KubeApiDouble]:
-    double = KubeApiDouble()
-    double.start()
-    yield double
-    double.stop()
 
 
 def state_text(cards: list[nodestate.CardState], generation: int = 5) -> str:

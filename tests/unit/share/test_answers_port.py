@@ -182,7 +182,13 @@ def test_an_every_index_share_sets_each_limit_it_holds_for_every_index(
         assert envs.get(f"CUDA_DEVICE_MEMORY_LIMIT_{i}") == expected
         assert envs.get(f"CUDA_DEVICE_SM_LIMIT_{i}") == (str(cores) if cores_held else None)
     assert "CUDA_DEVICE_MEMORY_LIMIT_16" not in envs
-    switches = {"GPU_CORE_UTILIZATION_POLICY": "default", "CUDA_DISABLE_CONTROL": "false"}
+    switches = {
+        "GPU_CORE_UTILIZATION_POLICY": "default",
+        "CUDA_DISABLE_CONTROL": "false",
+        "CUDA_REDIRECT": "",
+        "ACTIVE_OOM_KILLER": "true",
+        "CUDA_TASK_PRIORITY": "1",
+    }
     assert {k: envs.get(k) for k in switches} == (
         switches if loaded else dict.fromkeys(switches)
     )

@@ -25,6 +25,7 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -34,7 +35,7 @@ from gpushare.gpu.health import HealthBoard
 from gpushare.host.grantspecs import GrantSpecs, grant_name
 from gpushare.host.library import prepare_cache_dir
 from gpushare.host.mps import MpsError, MpsGrants
-from gpushare.kube.podspecs import PodSpecBook, asking_tampering
+from gpushare.kube.podspecs import PodSpecBook, asking_tampering, holder_live
 from gpushare.share import answers
 from gpushare.share.answers import Answer, DeviceListing, Enforcement
 from gpushare.share.devices import InvalidDeviceIds, Inventory, Resource, format_device_id
@@ -378,7 +379,7 @@ class Binder:
         with self._lock:
             self._decided[resource] = (last, decision, snapshot)
         if snapshot is not None:  # the kubelet's records as of now: exact, unless...
-            alive = self.specs.holder_live if self.specs is not None else None
+            alive = partial(holder_live, self.specs) if self.specs is not None else None
             args = (self.inventory, resource, free, healthy, snapshot, self.restart, alive)
             other_free, unlisted, at_most = other_free_in(*args)
             self._note_unlisted(resource, unlisted)

@@ -221,19 +221,6 @@ class PodSpecBook:
                     return uid
         return None
 
-    def live(self, namespace: str, name: str) -> bool:
-        """Whether a pod of that name is on record and not being deleted (the book keeps
-        no terminal pod)."""
-        with self._lock:
-            return any(
-                (entry.namespace, entry.name) == (namespace, name) and not entry.deleting
-                for entry in self._pods.values()
-            )
-
-    def holder_live(self, holder: Holder) -> bool:
-        """:meth:`live` for the holder's pod."""
-        return self.live(holder.namespace, holder.pod)
-
     def requests_of(self, holder: Holder) -> dict[Resource, int] | None:
         """Units of each resource the named container asks for; None if the book
         cannot tell.
@@ -454,6 +441,12 @@ def asking_tampering(
                 if container.tampers:
                     return holder, container.tampers
     return None
+
+
+def holder_live(book: PodSpecBook, holder: Holder) -> bool:
+    """Whether the holder's pod is on record and not being deleted (the book keeps no
+    terminal pod)."""
+    return any(not entry.deleting for _uid, entry in book.named(holder.namespace, holder.pod))
 
 
 def only_uid_of(book: PodSpecBook, namespace: str, name: str) -> str | None:

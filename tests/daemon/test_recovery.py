@@ -118,7 +118,7 @@ def test_kubelet_restart_loops_end_registered_with_both_resources(node: Node) ->
             node.kubelet.restart()
         assert node.kubelet.wait_for(
             lambda k: k.healthy_count(node.memory) == 58 and k.healthy_count(node.core) == 200,
-            5.0,
+            30.0,
         ), f"not registered after restart {i}"
     assert node.kubelet.admit("p", "main", {node.memory: 2, node.core: 10}).card()
 
@@ -132,7 +132,7 @@ def test_a_kubelet_back_from_a_long_outage_gets_one_registration_not_two(node: N
     count = len(node.kubelet.registrations)
     node.kubelet.start()
     assert node.kubelet.wait_for(
-        lambda k: k.healthy_count(node.memory) == 29 and k.healthy_count(node.core) == 100, 5.0
+        lambda k: k.healthy_count(node.memory) == 29 and k.healthy_count(node.core) == 100, 30.0
     )
     # The streams that closed with the outage must not count against the new kubelet.
     assert len(node.kubelet.registrations) == count + 2, node.kubelet.registrations[count:]
@@ -188,7 +188,7 @@ def test_a_pod_unlisted_after_a_kubelet_restart_still_fills_its_card(
     node.kubelet.restart(empty_pod_manager=True)
     assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 30.0)
     assert node.kubelet.wait_for(
-        lambda k: k.healthy_count(node.memory) == 32 and k.healthy_count(node.core) == 200, 5.0
+        lambda k: k.healthy_count(node.memory) == 32 and k.healthy_count(node.core) == 200, 30.0
     )
     node.pod("held-after", limits)
     second = node.kubelet.admit("held-after", "main", limits, order=[node.core, node.memory])
@@ -216,7 +216,7 @@ def test_a_memory_only_pod_unlisted_after_a_kubelet_restart_keeps_its_card_full(
     node.kubelet.restart(empty_pod_manager=True)
     assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 30.0)
     assert node.kubelet.wait_for(
-        lambda k: k.healthy_count(node.memory) == 32 and k.healthy_count(node.core) == 200, 5.0
+        lambda k: k.healthy_count(node.memory) == 32 and k.healthy_count(node.core) == 200, 30.0
     )
     both = {node.memory: 8, node.core: 50}
     node.pod("after", both)

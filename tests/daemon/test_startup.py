@@ -43,7 +43,7 @@ def test_starting_the_daemon_does_not_import_the_kubernetes_client(node: Node) -
     # ListAndWatch: what the kubelet must have seen is the two registrations.
     resources = {node.memory, node.core}
     assert node.kubelet.wait_for(
-        lambda k: {resource for resource, _ in k.registrations} == resources, 5.0
+        lambda k: {resource for resource, _ in k.registrations} == resources, 30.0
     )
 
 

@@ -387,11 +387,11 @@ def daemon_api_verbs() -> set[tuple[str, str]]:
         daemon = node.start(cards(TESLA_P4, 1), node_name="n")
         node.kubelet.admit("a", "main", {node.memory: 2})
         assert daemon.core.api_link is not None
-        assert poll(lambda: bool(double.calls("PATCH", "/pods/a")), 15.0)
-        assert poll(lambda: bool(double.calls("GET", "/api/v1/pods")), 15.0)
-        assert poll(lambda: any("watch" in r.query for r in double.requests), 15.0)
+        assert poll(lambda: bool(double.calls("PATCH", "/pods/a")), 30.0)
+        assert poll(lambda: bool(double.calls("GET", "/api/v1/pods")), 30.0)
+        assert poll(lambda: any("watch" in r.query for r in double.requests), 30.0)
         # the state object: created, then patched with the admitted pod's use
-        assert poll(lambda: bool(double.calls("PATCH", "/configmaps/gpushare-node-n")), 15.0)
+        assert poll(lambda: bool(double.calls("PATCH", "/configmaps/gpushare-node-n")), 30.0)
     finally:
         node.stop()
         double.stop()

@@ -85,6 +85,16 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def _accepts(path: Path) -> bool:
+    """Whether something listens on the unix socket ``path`` (a connect succeeds)."""
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
 def wait_for(what: str, probe: Callable[[], T | None], timeout: float, step: float = 0.1) -> T:
     """Re-run ``probe`` until it returns something truthy or ``timeout`` passes (then fail,
     naming ``what`` and the last exception the probe raised, if any)."""
@@ -368,6 +378,7 @@ class NodeAgent:
         self.daemon: Proc | None = None
         self.daemon_metrics_port = 0
         self.daemon_pod = f"gpushare-{self.name}"
+        self.daemon_extra: list[str] = []  # the running daemon's extra flags
         self.extra: list[Proc] = []  # what spawn() started
 
     # ---- the namespace
@@ -375,6 +386,10 @@ class NodeAgent:
         for d in (self.root, self.vgpu, self.cwd, self.cgroup):
             d.mkdir(parents=True, exist_ok=True)
         ready = self.dir / "namespace-ready"
+        # A node of this name may have run before in this cluster (test_dra's node-3, then
+        # test_whole_and_mig's): its marker would end the wait below before this namespace's
+        # mounts are made, and the kubelet would start on the host's /var/lib.
+        ready.unlink(missing_ok=True)
         # With cgroup2: the kernel's cgroup v2 hierarchy on <node>/cgroup, seen only in the
         # namespace (a private mount, gone with it); its directories are the machine's.
         script = (
@@ -402,7 +417,7 @@ class NodeAgent:
             ],
             self.dir / "namespace.log",
         )
-        wait_for(f"{self.name}'s mount namespace", lambda: ready.exists() or self._dead(), 20)
+        wait_for(f"{self.name}'s mount namespace", lambda: ready.exists() or self._dead(), 60)
         if not self.holder.alive():
             raise E2EError(f"{self.name}: the mount namespace did not start:\n{self.holder.tail()}")
 
@@ -466,8 +481,15 @@ class NodeAgent:
         ]
         if self.spec.cgroup2:  # in the namespace, where <node>/cgroup is cgroup v2
             argv = self._in_namespace([*argv, "--cgroup-root", str(self.cgroup)])
+        # a socket left by an earlier node of this name is no sign of this one listening
+        self.cri_socket.unlink(missing_ok=True)
         self.cri = Proc("crifake", argv, self.dir / "crifake.log")
-        wait_for(f"{self.name}'s CRI fake", self.cri_socket.exists, 20)
+        cri = self.cri
+        wait_for(
+            f"{self.name}'s CRI fake",
+            lambda: self.cluster._alive(cri) and _accepts(self.cri_socket),
+            60,
+        )
 
     def _write_kubelet_config(self) -> Path:
         endpoint = f"unix://{self.cri_socket}"
@@ -554,9 +576,36 @@ class NodeAgent:
     def restart_kubelet(self) -> None:
         """Stop the kubelet (SIGTERM, KILL after a deadline) and start it again: it deletes
         and re-creates kubelet.sock, and a device plugin must register again."""
+        daemon = self.daemon if self.daemon is not None and self.daemon.alive() else None
+        shown = self.cluster.allocatable(self.name)
+        served = [r for r in self.shared_resources() if int(shown.get(r, "0")) > 0]
         self.stop_kubelet()
         self.start_kubelet()
         self.cluster.wait_node_ready(self.name)
+        if daemon is not None and served:
+            # Ready is not re-registered: until the daemon registers with the new kubelet,
+            # the kubelet knows no healthy device of it (its checkpoint restores none) and
+            # refuses a pod the scheduler binds ("requested number of devices unavailable"),
+            # while the Node still shows the old allocatable. Each shared resource it served
+            # must be listed by the new kubelet's PodResources GetAllocatableResources.
+            def registered() -> bool:
+                if not daemon.alive():
+                    raise E2EError(f"{self.name}: the daemon exited:\n{daemon.tail()}")
+                listed = self.allocatable_devices()
+                return all(listed.get(r, 0) > 0 for r in served)
+
+            wait_for(f"{self.name}'s daemon registered with the new kubelet", registered, 90, 0.5)
+
+    def shared_resources(self) -> tuple[str, str]:
+        """(vcuda-memory, vcuda-core) with the daemon's resource prefix (its flags')."""
+        flags = [*self.spec.daemon_args, *self.daemon_extra]
+        prefix = PREFIX
+        for i, flag in enumerate(flags):
+            if flag == "--resource-prefix" and i + 1 < len(flags):
+                prefix = flags[i + 1]
+            elif flag.startswith("--resource-prefix="):
+                prefix = flag.split("=", 1)[1]
+        return f"{prefix}/vcuda-memory", f"{prefix}/vcuda-core"
 
     # ---- the daemon
     def write_gpus(self, gpus: list[dict[str, Any]]) -> None:
@@ -637,17 +686,11 @@ class NodeAgent:
             *extra,
         ]
         self.daemon = Proc("daemon", self._in_namespace(argv), self.dir / "daemon.log", env=env)
+        self.daemon_extra = list(extra)
         if wait:
-            flags = [*self.spec.daemon_args, *extra]
-            prefix = PREFIX
-            for i, flag in enumerate(flags):
-                if flag == "--resource-prefix" and i + 1 < len(flags):
-                    prefix = flags[i + 1]
-                elif flag.startswith("--resource-prefix="):
-                    prefix = flag.split("=", 1)[1]
             # each resource registers on its own and the kubelet may write the Node's status
             # between the two: wait for both, or a caller reads a status without vcuda-core
-            memory, core = f"{prefix}/vcuda-memory", f"{prefix}/vcuda-core"
+            memory, core = self.shared_resources()
             self.cluster.wait_allocatable(
                 self.name, lambda a: int(a.get(memory, "0")) > 0 and int(a.get(core, "0")) > 0
             )
@@ -677,6 +720,19 @@ class NodeAgent:
     def pod_resources(self) -> list[dict[str, Any]]:
         """The kubelet's PodResources List answer, as JSON (protobuf's field names)."""
         return self.cluster.pod_resources(self.root / "pod-resources" / "kubelet.sock")
+
+    def allocatable_devices(self) -> dict[str, int]:
+        """How many devices of each resource the kubelet's PodResources
+        GetAllocatableResources lists (the healthy devices of the plugins registered with
+        this kubelet, allocated or not)."""
+        reply = self.cluster.pod_resources_call(
+            self.root / "pod-resources" / "kubelet.sock", "allocatable"
+        )
+        counts: dict[str, int] = {}
+        for dev in reply.get("devices", []):
+            name = dev["resource_name"]
+            counts[name] = counts.get(name, 0) + len(dev.get("device_ids", []))
+        return counts
 
     def daemon_metrics(self) -> str:
         reply = requests.get(f"http://127.0.0.1:{self.daemon_metrics_port}/metrics", timeout=5)
@@ -1069,12 +1125,19 @@ class Cluster:
         self.wait_policies_in_force()
 
     def wait_policies_in_force(self) -> None:
-        """Policies work once the API server's policy informer has them; nothing reports that.
-        A sentinel policy of the harness, created after the project's, refuses pods labelled
-        ``e2e.gpushare.io/sentinel``: once it refuses one, the policies before it are loaded
-        too (one informer, events in order). The project's own policies are not used as the
-        probe, so that a broken policy fails its tests, not the cluster's start."""
+        """Policies work once the API server's policy plugin has them; nothing reports that
+        (it reads its informers' objects and recompiles about once a second). A sentinel
+        policy of the harness, applied after the project's, refuses pods labelled
+        ``e2e.gpushare.io/sentinel``: once it refuses one, the policies and bindings written
+        before it are loaded too (policies and bindings each come through one informer,
+        events in order). Each call writes the sentinel anew, its policy's message and its
+        binding's selector naming a fresh nonce, and waits for a refusal carrying that nonce:
+        a sentinel left as it was by an earlier call would prove nothing about a binding put
+        back since (test_pod_env's policy_off). The project's own policies are not used as
+        the probe, so that a broken policy fails its tests, not the cluster's start."""
         sentinel = "e2e-sentinel"
+        nonce = secrets.token_hex(4)
+        label = "e2e.gpushare.io/sentinel"
         self.api.apply_all(
             [
                 {
@@ -1096,8 +1159,8 @@ class Cluster:
                         "validations": [
                             {
                                 "expression": "!has(object.metadata.labels) || "
-                                "!('e2e.gpushare.io/sentinel' in object.metadata.labels)",
-                                "message": "e2e sentinel",
+                                f"!('{label}' in object.metadata.labels)",
+                                "message": f"e2e sentinel {nonce}",
                             }
                         ],
                     },
@@ -1106,16 +1169,20 @@ class Cluster:
                     "apiVersion": "admissionregistration.k8s.io/v1",
                     "kind": "ValidatingAdmissionPolicyBinding",
                     "metadata": {"name": sentinel},
-                    "spec": {"policyName": sentinel, "validationActions": ["Deny"]},
+                    "spec": {
+                        "policyName": sentinel,
+                        "validationActions": ["Deny"],
+                        "matchResources": {"objectSelector": {"matchLabels": {label: nonce}}},
+                    },
                 },
             ]
         )
         probe_pod = pod_manifest("policy-probe", {})
-        probe_pod["metadata"]["labels"] = {"e2e.gpushare.io/sentinel": "true"}
+        probe_pod["metadata"]["labels"] = {label: nonce}
 
         def refused() -> bool:
             reply = self.api.create(probe_pod, dry_run=True)
-            return reply.status_code in (403, 422) and "e2e sentinel" in reply.text
+            return reply.status_code in (403, 422) and f"e2e sentinel {nonce}" in reply.text
 
         wait_for("the admission policies to be in force", refused, 60, step=0.25)
 
@@ -1146,6 +1213,14 @@ class Cluster:
             f"/api/v1/namespaces/kube-system/pods/{agent.daemon_pod}", gracePeriodSeconds=0
         )
         self.api.delete(f"/api/v1/nodes/{name}")
+        # A node added later under this name starts on a directory of its own, as a new
+        # machine would (no kubelet checkpoints, plugin sockets, CRI records or markers of
+        # this one); this one's logs are kept beside it for copy_logs.
+        if agent.dir.exists():
+            n = 1
+            while (aside := agent.dir.with_name(f"{name}.removed-{n}")).exists():
+                n += 1
+            agent.dir.rename(aside)
 
     # ---- waits
     def wait_service_account(self, ns: str, name: str) -> None:
@@ -1284,6 +1359,10 @@ class Cluster:
 
     # ---- PodResources, read in a separate interpreter (no gpushare module loaded there)
     def pod_resources(self, socket_path: Path) -> list[dict[str, Any]]:
+        return list(self.pod_resources_call(socket_path, "list").get("pod_resources", []))
+
+    def pod_resources_call(self, socket_path: Path, call: str) -> dict[str, Any]:
+        """The kubelet's PodResources ``list`` or ``allocatable`` answer, as JSON."""
         if self._protos is None:
             out = self.dir / "protos"
             out.mkdir(exist_ok=True)
@@ -1308,13 +1387,14 @@ class Cluster:
                 str(Path(__file__).parent / "podresources_list.py"),
                 str(self._protos),
                 str(socket_path),
+                call,
             ],
             check=True,
             capture_output=True,
             text=True,
             timeout=60,
         )
-        return list(json.loads(reply.stdout).get("pod_resources", []))
+        return dict(json.loads(reply.stdout))
 
     # ---- kubectl gpushare, as a user would run it
     def kubectl_gpushare(

@@ -63,8 +63,13 @@ def test_the_daemon_registers_the_prefixed_resources(prefixed: Cluster) -> None:
 
 
 def test_the_daemons_writes_pass_the_charts_policy(prefixed: Cluster) -> None:
-    node = prefixed.node("node-1")
-    state = json.loads(node["metadata"]["annotations"][f"{PREFIX}/gpus"])
+    # the daemon's API link writes the Node's annotation on a thread of its own, after the
+    # resources registered (what the fixture waited for): wait for its first write
+    def published() -> str | None:
+        annotations = prefixed.node("node-1")["metadata"].get("annotations") or {}
+        return annotations.get(f"{PREFIX}/gpus")
+
+    state = json.loads(wait_for("the daemon's state on its Node", published, 60))
     assert len(state["gpus"]) == 2
     prefixed.create_pod(pod_manifest("prefixed", {MEMORY: 4, CORE: 10}, node="node-1"))
     try:

@@ -146,6 +146,18 @@ def node(cluster: Cluster) -> Iterator[Path]:
             cluster.api.delete(cluster.api.path(obj))
 
 
+def node_labels(cluster: Cluster, key: str) -> dict[str, str]:
+    """node-6's labels once ``key`` is among them: the daemon's API link writes them on a
+    thread of its own, after the resources registered and the slice went out (what the
+    fixture waited for)."""
+
+    def labelled() -> dict[str, str] | None:
+        labels = dict(cluster.node(NODE)["metadata"].get("labels") or {})
+        return labels if key in labels else None
+
+    return wait_for(f"{NODE}'s label {key}", labelled, 60)
+
+
 def slice_devices(cluster: Cluster) -> list[dict[str, Any]]:
     items = cluster.api.get(f"{RESOURCE}/resourceslices", fieldSelector=f"spec.nodeName={NODE}")
     return [d for s in items["items"] for d in s["spec"].get("devices", [])]
@@ -263,7 +275,7 @@ def own_cgroup(node_dir: Path, record: dict[str, Any]) -> str:
 def test_every_container_gets_its_grant_as_its_own_limit_before_it_starts(
     cluster: Cluster, node: Path, pods: Pods
 ) -> None:
-    labels = cluster.node(NODE)["metadata"]["labels"]
+    labels = node_labels(cluster, f"{PREFIX}/memory-enforcement")
     assert labels[f"{PREFIX}/memory-enforcement"] == "driver", labels
     (published,) = slice_devices(cluster)
     assert published["attributes"]["memoryEnforcement"] == {"string": "driver"}
@@ -351,7 +363,7 @@ def test_a_failing_hook_fails_that_container_and_nothing_else(
 def test_each_container_on_the_mps_card_runs_under_its_own_capped_namespace(
     cluster: Cluster, node: Path, pods: Pods
 ) -> None:
-    labels = cluster.node(NODE)["metadata"]["labels"]
+    labels = node_labels(cluster, f"{PREFIX}/compute-enforcement.mps")
     assert labels[f"{PREFIX}/compute-enforcement.mps"] == "1", labels
     shares = {"a": 30, "b": 55}
     pods.shared("mps-two", {name: {MEMORY: 2, CORE: cores} for name, cores in shares.items()})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from kube_cluster import MEMORY, Api, Cluster, pod_manifest, wait_for
@@ -94,7 +95,16 @@ def test_rbac_gives_the_daemon_nothing_else(daemon_api: Api) -> None:
 def test_the_daemons_own_writes_pass_the_policy(cluster: Cluster) -> None:
     """What the daemon writes with that token gets through the real policy: the per-card
     state on its Node, and the card annotation on a pod it served."""
-    node = cluster.node("node-1")
+
+    # written by the daemon's API link on a thread of its own, after its registration:
+    # with this test run alone (or first) the cluster has just started
+    def published() -> dict[str, Any] | None:
+        node = cluster.node("node-1")
+        meta = node["metadata"]
+        labelled = "gpushare.io/gpu.count" in (meta.get("labels") or {})
+        return node if labelled and "gpushare.io/gpus" in (meta.get("annotations") or {}) else None
+
+    node = wait_for("the daemon's state and labels on its Node", published, 60)
     state = json.loads(node["metadata"]["annotations"]["gpushare.io/gpus"])
     assert len(state["gpus"]) == 3
     assert node["metadata"]["labels"]["gpushare.io/gpu.count"] == "3"

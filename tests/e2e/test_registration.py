@@ -18,7 +18,12 @@ def expected_units(node: str) -> tuple[int, int]:
 def test_the_daemon_registers_both_resources_with_the_kubelet(cluster: Cluster) -> None:
     for node in ("node-1", "node-2"):
         memory, core = expected_units(node)
-        alloc = cluster.allocatable(node)
+        # the Node's status is the kubelet's, written every 2 s: an earlier test's kubelet
+        # restart or daemon restart may still show (each resource registers on its own)
+        alloc = cluster.wait_allocatable(
+            node,
+            lambda a, m=memory, c=core: int(a.get(MEMORY, "0")) == m and int(a.get(CORE, "0")) == c,
+        )
         assert int(alloc[MEMORY]) == memory, alloc
         assert int(alloc[CORE]) == core, alloc
         capacity = cluster.node(node)["status"]["capacity"]

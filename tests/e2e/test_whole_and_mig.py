@@ -115,10 +115,16 @@ def test_kubectl_gpushare_inspect_reads_the_real_server(
     cluster: Cluster, node3: str, pods: list[str]
 ) -> None:
     start(cluster, pods, "inspect-me", {MEMORY: 8, CORE: 20})
-    reply = cluster.kubectl_gpushare("inspect", "-o", "json")
-    assert reply.returncode == 0, reply.stderr
-    report = json.loads(reply.stdout)
-    text = json.dumps(report)
+
+    # node-3's state is written by its daemon's API link on a thread of its own (with this
+    # test run alone, just after the node was added): wait until the report shows it
+    def report() -> str | None:
+        reply = cluster.kubectl_gpushare("inspect", "-o", "json")
+        assert reply.returncode == 0, reply.stderr
+        text = json.dumps(json.loads(reply.stdout))
+        return text if all(n in text for n in ("node-1", "node-2", NODE)) else None
+
+    text = wait_for("inspect to report the three nodes", report, 60, step=0.5)
     for node in ("node-1", "node-2", NODE):
         assert node in text
 

@@ -140,7 +140,7 @@ class RunningExtender:
 
     def __enter__(self) -> RunningExtender:
         self._thread.start()
-        assert self._ready.wait(10), "the extender did not start"
+        assert self._ready.wait(60), "the extender did not start"
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -123,7 +123,7 @@ def test_a_claim_on_a_driver_card_gets_its_limit_on_its_own_cgroup(
     registrar = DraKubelet(node.root / "kubelet")  # slices follow the registration
     assert registrar.register() == "v1.DRAPlugin"
     registrar.close()
-    assert poll(lambda: "dra" not in node.daemon.readiness()[1], 10)  # type: ignore[union-attr]
+    assert poll(lambda: "dra" not in node.daemon.readiness()[1], 30)  # type: ignore[union-attr]
 
     # published for claims to select (CEL: device.attributes[...].memoryEnforcement)
     found = api.get("ResourceSlice", f"{NODE}-{DRIVER}-0", api_version="resource.k8s.io/v1")

@@ -177,7 +177,7 @@ def test_a_mig_device_is_the_same_edits_from_both_doors(node: Node, api: KubeApi
     node.settings = replace(node.settings, card_modes="", metrics_port=port)
     node.daemon = Daemon(node.settings, specs=node.specs)
     node.daemon.start()
-    assert node.kubelet.wait_for(lambda k: bool(k.devices(MIG_1G)), 10.0)
+    assert node.kubelet.wait_for(lambda k: bool(k.devices(MIG_1G)), 30.0)
     admitted = node.kubelet.admit("p", "main", {MIG_1G: 1})
     (device,) = admitted.devices[MIG_1G]
     assert device in (mig_uuid(2), mig_uuid(3))  # the two 1g.5gb devices
@@ -194,7 +194,7 @@ def test_whole_card_calls_are_timed_and_counted(node: Node) -> None:
     port = free_port()
     node.start(cards(TESLA_P4, 2), whole_cards=True, metrics_port=port, metrics_address="127.0.0.1")
     gpu = f"{PREFIX}/gpu"
-    assert node.kubelet.wait_for(lambda k: bool(k.devices(gpu)), 10.0)
+    assert node.kubelet.wait_for(lambda k: bool(k.devices(gpu)), 30.0)
     node.kubelet.admit("train", "main", {gpu: 2})
     _, text = scrape(port)
     assert counted(text, gpu, "Allocate") == 1

@@ -157,7 +157,7 @@ def test_a_dra_claim_on_an_mps_card_gets_its_own_capped_namespace(
     registrar = DraKubelet(node.root / "kubelet")  # slices follow the registration
     assert registrar.register() == "v1.DRAPlugin"
     registrar.close()
-    assert poll(lambda: "dra" not in node.daemon.readiness()[1], 10)  # type: ignore[union-attr]
+    assert poll(lambda: "dra" not in node.daemon.readiness()[1], 30)  # type: ignore[union-attr]
     result = {
         "request": "r",
         "device": "gpu-0",

@@ -334,7 +334,7 @@ class RealNode(RuleBasedStateMachine):
     def restart_kubelet(self) -> None:
         count = len(self.node.kubelet.registrations)
         self.node.kubelet.restart()
-        assert self.node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 10.0)
+        assert self.node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 30.0)
         assert self.node.wait_registered(10.0)
 
     @rule(pace=st.sampled_from(["prompt", "slow", "past the wait"]))

@@ -635,7 +635,6 @@ class KubeApiDouble(CollectionReads, Faults):
             body = yaml.safe_load(raw) if "yaml" in content_type else json.loads(raw)
         query = parse_qs(parsed.query)
         with self._lock:
-            peer = getattr(request.connection, "getpeercert", lambda: None)()
             self.requests.append(
                 Recorded(
                     request.command,
@@ -644,7 +643,7 @@ class KubeApiDouble(CollectionReads, Faults):
                     content_type,
                     body,
                     request.headers.get("Authorization", ""),
-                    bool(peer),
+                    bool(getattr(request.connection, "getpeercert", lambda: None)()),
                     accept=request.headers.get("Accept", ""),
                 )
             )

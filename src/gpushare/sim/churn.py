@@ -200,8 +200,16 @@ class Churn:
         running = []
         for _ in range(3 * len(self.node.cards)):
             name = self.pod(UNITS)
-            if not self.try_schedule(name):
-                raise RuntimeError(f"{name} does not fit an empty node")
+            # A refusal may be the extender counting a pod bound a moment ago twice, by its
+            # hold and by the daemon's state that shows the pod's units before it lists the
+            # pod (a loaded machine stretches that moment): the safe side, and a scheduler
+            # tries the pod again as the Node's state moves on. Filling an empty node must
+            # succeed once the state has caught up, not at the first try.
+            deadline = time.monotonic() + 60
+            while not self.try_schedule(name):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} does not fit an empty node")
+                time.sleep(0.05)
             self.admit(name)
             running.append(name)
         return running

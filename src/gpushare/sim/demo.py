@@ -104,7 +104,7 @@ def run_demo(workdir: Path) -> int:
         if not kubelet.wait_for(
             lambda k: bool(k.devices(memory)) and bool(k.devices(core)) and bool(k.devices(whole))
         ):
-            print("the plugin did not register within 5 s", file=sys.stderr)
+            print("the plugin did not register within 30 s", file=sys.stderr)
             return 1
         print("\nregistered with the kubelet:")
         for resource, endpoint in kubelet.registrations:

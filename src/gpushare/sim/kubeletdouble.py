@@ -214,7 +214,7 @@ class PluginRegistry(api_pb2_grpc.RegistrationServicer):
         if endpoint.channel is not None:
             endpoint.channel.close()
 
-    def wait_for(self, predicate: Any, timeout: float = 5.0) -> bool:
+    def wait_for(self, predicate: Any, timeout: float = 30.0) -> bool:
         """Wait until ``predicate(self)`` holds; re-checked on every plugin update."""
         with self._lock:
             return bool(self._lock.wait_for(lambda: predicate(self), timeout))

@@ -8,6 +8,9 @@ a Node update that shows freed units.
 
 from __future__ import annotations
 
+import math
+import time
+
 import pytest
 from conftest import NODE, TESLA_P4, Node, cards, gpu_uuid
 from kit.kube_double import KubeApiDouble
@@ -107,12 +110,17 @@ def test_a_burst_of_endings_is_coalesced_into_few_node_writes(
     link = node.daemon.core.api_link if node.daemon and node.daemon.core else None
     assert link is not None
     before = link.publishes
+    began = time.monotonic()
     for name in names:
         node.kubelet.release(name)
         api.delete("Pod", name, "default")
     eventually(lambda: (s := published(api)) and not pods_on(s))
-    # Eight endings, one after the other: a handful of Node updates, not one each.
-    assert link.publishes - before <= 4
+    spread = time.monotonic() - began
+    # Eight endings, one after the other: a handful of Node updates, not one each. Writes
+    # are kept MIN_PUBLISH_INTERVAL apart, so a loaded machine that spreads the endings'
+    # watch events over more intervals may write once per interval, never once per ending.
+    bound = max(4, 1 + math.ceil(spread / apilink.MIN_PUBLISH_INTERVAL))
+    assert link.publishes - before <= min(bound, len(names) - 1), spread
 
 
 def test_an_unchanged_state_is_not_written_again(

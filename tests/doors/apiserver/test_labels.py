@@ -132,7 +132,7 @@ def test_the_daemon_labels_its_node_from_the_simulated_cards(
     def labels() -> dict[str, str]:
         return dict(api.get("Node", NODE)["metadata"].get("labels") or {})
 
-    assert poll(lambda: "gpushare.io/gpu.product" in labels(), 10.0)
+    assert poll(lambda: "gpushare.io/gpu.product" in labels(), 30.0)
     assert labels() == {
         "gpushare.io/gpu.product": "Tesla-P4",
         "gpushare.io/gpu.count": "2",  # the exclusive-only card counts too

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,11 +15,11 @@ from conftest import CARD_4GIB, NODE, TESLA_P4, Node, cards, gpu_uuid
 from kit import procs
 from kit.kube_double import KubeApiDouble
 
-from gpushare.kube import nodestate
+from gpushare.kube import apilink, nodestate
 
 
 def eventually(check: Callable[[], Any]) -> Any:
-    return procs.eventually(check, timeout=15.0, step=0.05)
+    return procs.eventually(check, timeout=30.0, step=0.05)
 
 
 def node_annotation(api: KubeApiDouble) -> nodestate.NodeGpuState | None:
@@ -64,9 +66,11 @@ def test_admitted_pods_are_annotated_and_use_is_published(node: Node, api: KubeA
     patches_before = len(api.calls("PATCH", f"/nodes/{NODE}"))
     for name in ("a", "b", "c"):
         add_pod(api, node, name, {node.memory: 5, node.core: 10})
+    began = time.monotonic()
     admitted = {
         n: node.kubelet.admit(n, "main", {node.memory: 5, node.core: 10}) for n in ("a", "b", "c")
     }
+    burst = time.monotonic() - began
     for name, record in admitted.items():
         eventually(
             lambda n=name: (api.get("Pod", n, "default")["metadata"].get("annotations") or {}).get(
@@ -81,8 +85,12 @@ def test_admitted_pods_are_annotated_and_use_is_published(node: Node, api: KubeA
         )
     )
     assert sum(c.core_units_used for c in state.cards) == 30
-    # Six allocations in a burst: debounced into far fewer Node updates.
-    assert len(api.calls("PATCH", f"/nodes/{NODE}")) - patches_before <= 3
+    # Six allocations in a burst: debounced into far fewer Node updates. Writes are kept
+    # MIN_PUBLISH_INTERVAL apart: at most one per interval the burst spans, and one after
+    # it; 3 where the burst takes under an interval (a quiet machine). A loaded machine
+    # stretches the burst (each admission is gRPC calls), not the rule.
+    bound = max(3, 2 + math.ceil(burst / apilink.MIN_PUBLISH_INTERVAL))
+    assert len(api.calls("PATCH", f"/nodes/{NODE}")) - patches_before <= bound, burst
     # ...and each container annotated once, not once per resource.
     link = node.daemon.core.api_link if node.daemon is not None else None
     assert link is not None

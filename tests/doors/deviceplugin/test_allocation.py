@@ -295,7 +295,7 @@ def allocate(stub: api_pb2_grpc.DevicePluginStub, *groups: list[str]) -> api_pb2
         api_pb2.AllocateRequest(
             container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids) for ids in groups]
         ),
-        timeout=5,
+        timeout=30,
     )
 
 
@@ -363,7 +363,7 @@ def test_preferred_allocation_validates_its_input(
                     )
                 ]
             ),
-            timeout=5,
+            timeout=30,
         )
         return list(reply.container_responses[0].deviceIDs)
 

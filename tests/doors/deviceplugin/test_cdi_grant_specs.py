@@ -35,7 +35,7 @@ ISSUE_ENV = [
 ]
 
 
-def reads_after(daemon: Daemon, count: int, timeout: float = 3.0) -> bool:
+def reads_after(daemon: Daemon, count: int, timeout: float = 30.0) -> bool:
     """Wait for ``count`` more successful PodResources reads (each may collect)."""
     assert daemon.core.refresher is not None
     refresher = daemon.core.refresher

@@ -63,7 +63,7 @@ def seen(node: Node, expected: dict[tuple[str, str], int]) -> bool:
         node.daemon.core.refresher.refresh_once()
         return node.kubelet.wait_for(lambda _k: matches(), 0.05)
 
-    return poll(refreshed, 10.0)
+    return poll(refreshed, 30.0)
 
 
 def start(node: Node, count: int = 1, **overrides: Any) -> None:
@@ -77,7 +77,7 @@ def restart_daemon(node: Node) -> None:
     node.daemon.stop()
     node.daemon = Daemon(node.settings, specs=node.specs)
     node.daemon.start()
-    assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 3, 10.0)
+    assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 3, 30.0)
 
 
 # ------------------------------------------------------------------ the two directions
@@ -121,7 +121,7 @@ def allocate(node: Node, socket: str, ids: list[str]) -> api_pb2.AllocateRespons
             api_pb2.AllocateRequest(
                 container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids)]
             ),
-            timeout=5,
+            timeout=30,
         )
 
 

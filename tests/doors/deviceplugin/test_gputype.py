@@ -135,7 +135,7 @@ def known(node: Node, name: str) -> bool:
         link.refresh_pods_now()  # rate-limited; the next look may find it
         return False
 
-    return poll(read, 10.0)
+    return poll(read, 30.0)
 
 
 def recorded(node: Node, pod_name: str) -> bool:
@@ -150,7 +150,7 @@ def recorded(node: Node, pod_name: str) -> bool:
         held = [h for ids in last.exclusive.values() for h in ids.values()] if last else []
         return any(h.pod == pod_name for h in held)
 
-    return poll(read, 10.0)
+    return poll(read, 30.0)
 
 
 def test_shared_units_go_to_the_card_type_the_pod_names(node: Node, api: KubeApiDouble) -> None:

@@ -38,7 +38,7 @@ def plugin(node: Node) -> Iterator[Plugin]:
     gpus[2]["xid"] = 79
     node.write_gpus(gpus)
     assert node.kubelet.wait_for(
-        lambda k: k.healthy_count(node.memory) == 2 * UNITS[Resource.MEMORY], 2.0
+        lambda k: k.healthy_count(node.memory) == 2 * UNITS[Resource.MEMORY], 30.0
     )
     channels = {
         resource: grpc.insecure_channel(
@@ -89,7 +89,7 @@ def check_status(error: grpc.RpcError) -> None:
 
 def check_still_serving(plugin: Plugin) -> None:
     for stub in plugin.stubs.values():
-        options = stub.GetDevicePluginOptions(api_pb2.Empty(), timeout=5)
+        options = stub.GetDevicePluginOptions(api_pb2.Empty(), timeout=30)
         assert options.get_preferred_allocation_available
 
 
@@ -162,7 +162,7 @@ def test_allocate_binds_only_checked_healthy_single_cards(
                     api_pb2.ContainerAllocateRequest(devices_ids=ids) for ids in requests
                 ]
             ),
-            timeout=10,
+            timeout=30,
         )
     except grpc.RpcError as error:
         check_status(error)
@@ -198,13 +198,13 @@ def test_huge_lists_get_an_answer_or_a_short_status(plugin: Plugin) -> None:
                             )
                         ]
                     ),
-                    timeout=20,
+                    timeout=30,
                 ),
                 lambda ids=ids, stub=stub: stub.Allocate(
                     api_pb2.AllocateRequest(
                         container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids)]
                     ),
-                    timeout=20,
+                    timeout=30,
                 ),
             ):
                 try:
@@ -222,7 +222,7 @@ def test_huge_lists_get_an_answer_or_a_short_status(plugin: Plugin) -> None:
                 )
             ]
         ),
-        timeout=5,
+        timeout=30,
     )
     check_preferred(Resource.MEMORY, valid, 3, reply.container_responses[0].deviceIDs)
     check_still_serving(plugin)
@@ -251,11 +251,11 @@ def test_ten_thousand_allocations_leak_no_descriptors(plugin: Plugin) -> None:
     ]
     for i in range(500):  # warm up: worker threads and caches exist from here on
         stub, request = calls[i % len(calls)]
-        stub.Allocate(request, timeout=10)
+        stub.Allocate(request, timeout=30)
     before = open_descriptors()
     for i in range(10_000):
         stub, request = calls[i % len(calls)]
-        stub.Allocate(request, timeout=10)
+        stub.Allocate(request, timeout=30)
     after = open_descriptors()
     assert after <= before, f"open descriptors grew from {before} to {after}"
     check_still_serving(plugin)
@@ -313,7 +313,7 @@ def test_non_ascii_digits_in_requests_are_invalid_not_internal(plugin: Plugin) -
                     api_pb2.AllocateRequest(
                         container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids)]
                     ),
-                    timeout=10,
+                    timeout=30,
                 )
             assert allocate.value.code() == grpc.StatusCode.INVALID_ARGUMENT, resource
             with pytest.raises(grpc.RpcError) as preferred:
@@ -325,7 +325,7 @@ def test_non_ascii_digits_in_requests_are_invalid_not_internal(plugin: Plugin) -
                             )
                         ]
                     ),
-                    timeout=10,
+                    timeout=30,
                 )
             assert preferred.value.code() == grpc.StatusCode.INVALID_ARGUMENT, resource
     check_still_serving(plugin)

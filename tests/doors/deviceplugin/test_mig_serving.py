@@ -180,7 +180,7 @@ def test_all_mig_node_says_so_and_stays_not_ready(node: Node, strategy: str) -> 
     gpus = [{**reference_a100(), "mig_pending": strategy == "mixed"}]
     daemon = start(node, gpus, mig_strategy=strategy)
     assert node.kubelet.wait_for(lambda k: node.memory in k.endpoints)
-    assert daemon.plugin.link is not None and daemon.plugin.link.registered.wait(5)
+    assert daemon.plugin.link is not None and daemon.plugin.link.registered.wait(30)
     ready, why = daemon.readiness()
     assert not ready
     assert "every GPU on this node (1) is in MIG mode" in why

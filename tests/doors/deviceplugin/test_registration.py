@@ -61,8 +61,8 @@ def test_reregisters_on_the_new_kubelet_socket_after_a_kubelet_restart(node: Nod
     for _ in range(3):
         count = len(node.kubelet.registrations)
         node.kubelet.restart()  # deletes every socket, our two included
-        assert node.kubelet.wait_for(lambda k, c=count: len(k.registrations) >= c + 2, 10.0)
-        assert node.wait_registered(10.0)
+        assert node.kubelet.wait_for(lambda k, c=count: len(k.registrations) >= c + 2, 30.0)
+        assert node.wait_registered(30.0)
     assert link.unwatched_retries == 0
     assert Path(node.settings.kubelet_dir, Resource.MEMORY.socket_name).exists()
     assert node.kubelet.admit("p", "c", {node.memory: 2}).card() == gpu_uuid(0)
@@ -71,12 +71,17 @@ def test_reregisters_on_the_new_kubelet_socket_after_a_kubelet_restart(node: Nod
 def test_reregisters_when_only_kubelet_sock_is_replaced(node: Node) -> None:
     """The new kubelet.sock alone (renamed over the old one, never missing) must be
     enough: a kubelet that fails to clean its directory leaves our sockets in place."""
-    node.start(cards(TESLA_P4, 1))
+    daemon = node.start(cards(TESLA_P4, 1))
+    assert daemon.plugin.link is not None
+    link = daemon.plugin.link
     count = len(node.kubelet.registrations)
     node.kubelet.restart(remove_sockets=False)
-    # Well inside the 2 s grace after which a closed stream alone would re-register.
-    assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 1.5)
-    assert node.wait_registered(1.5)
+    assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 30.0)
+    assert node.wait_registered(30.0)
+    # Answered because kubelet.sock changed, not by the fallback for a closed stream (which
+    # waits out a grace of 2 s first): asserted by the cause, not by a clock that a loaded
+    # machine stretches.
+    assert link.unwatched_retries == 0
     assert node.kubelet.admit("p", "c", {node.memory: 2}).card() == gpu_uuid(0)
 
 
@@ -85,7 +90,7 @@ def test_serves_again_when_its_own_socket_disappears(node: Node) -> None:
     count = len(node.kubelet.registrations)
     Path(node.settings.kubelet_dir, Resource.CORE.socket_name).unlink()
     assert node.kubelet.wait_for(
-        lambda k: len(k.registrations) >= count + 2 and k.healthy_count(node.core) == 100, 2.0
+        lambda k: len(k.registrations) >= count + 2 and k.healthy_count(node.core) == 100, 30.0
     )
     assert node.kubelet.admit("p", "c", {node.core: 5}).envs["CUDA_DEVICE_SM_LIMIT"] == "5"
 
@@ -101,7 +106,7 @@ def test_a_socket_path_it_cannot_bind_is_retried_not_fatal(node: Node) -> None:
     assert daemon.plugin.link.alive()
     socket.rmdir()
     assert node.kubelet.wait_for(
-        lambda k: len(k.registrations) >= count + 2 and k.healthy_count(node.core) == 100, 5.0
+        lambda k: len(k.registrations) >= count + 2 and k.healthy_count(node.core) == 100, 30.0
     )
     assert node.kubelet.admit("p", "c", {node.core: 5}).envs["CUDA_DEVICE_SM_LIMIT"] == "5"
 

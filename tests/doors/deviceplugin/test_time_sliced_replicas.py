@@ -168,4 +168,4 @@ def test_replicas_on_the_metrics_endpoint(node: Node) -> None:
             seen.get("gpushare_timeslice_replicas_held", {}),
         )
 
-    assert poll(lambda: figures() == ({gpu_uuid(1): 3}, {gpu_uuid(1): 1}), 10.0), figures()
+    assert poll(lambda: figures() == ({gpu_uuid(1): 3}, {gpu_uuid(1): 1}), 30.0), figures()

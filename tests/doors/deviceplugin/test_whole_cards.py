@@ -88,7 +88,7 @@ def test_allocate_refuses_ids_that_are_not_whole_cards(
         container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids)]
     )
     with pytest.raises(grpc.RpcError) as error:
-        stub(node).Allocate(request, timeout=5)
+        stub(node).Allocate(request, timeout=30)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert text in (error.value.details() or "")
     # Nothing was recorded: both cards are still free.

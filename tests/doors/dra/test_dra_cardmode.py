@@ -39,7 +39,7 @@ def test_a_dra_card_is_in_the_slice_and_in_no_device_plugin_list(
     daemon = node.daemon
     assert daemon is not None
     # no slice before the kubelet has registered the plugin (issue 32.19)
-    assert poll(lambda: "register the DRA plugin" in daemon.readiness()[1], 10)
+    assert poll(lambda: "register the DRA plugin" in daemon.readiness()[1], 30)
     assert slices(api) == []
     register_dra(node)
     assert list(node.kubelet.devices(gpu(node))) == [gpu_uuid(2)]
@@ -52,14 +52,14 @@ def test_a_dra_card_is_in_the_slice_and_in_no_device_plugin_list(
         )
         return [d["name"] for d in (found or {}).get("spec", {}).get("devices", [])]
 
-    assert poll(lambda: slice_devices() == ["gpu-0"], 10)
+    assert poll(lambda: slice_devices() == ["gpu-0"], 30)
     attributes = api.get(
         "ResourceSlice", f"{NODE}-gpu.gpushare.io-0", api_version="resource.k8s.io/v1"
     )
     assert attributes is not None
     (device,) = attributes["spec"]["devices"]
     assert device["attributes"]["uuid"] == {"string": gpu_uuid(0)}
-    assert poll(lambda: "dra" not in daemon.readiness()[1], 10)
+    assert poll(lambda: "dra" not in daemon.readiness()[1], 30)
     kubelet = DraKubelet(node.root / "kubelet")
     assert kubelet.register() == "v1.DRAPlugin"
     kubelet.close()
@@ -121,7 +121,7 @@ def slices(api: KubeApiDouble) -> list[str]:
 def register_dra(node: Node) -> None:
     """Register the DRA plugin as the kubelet's plugin watcher does."""
     kubelet = DraKubelet(node.root / "kubelet")
-    assert poll(lambda: bool(kubelet.registration_sockets()), 10)
+    assert poll(lambda: bool(kubelet.registration_sockets()), 30)
     kubelet.register()
     kubelet.close()
 
@@ -148,7 +148,7 @@ def test_a_mig_card_in_dra_mode_leaves_the_mig_plan_and_its_devices_are_in_the_s
     # the device plugin serves the shared card only: no MIG resource at all
     assert not [name for name in registered(node) if "/mig-" in name]
     assert not daemon.core.found.mig_plan.mig_devices
-    assert poll(lambda: len(_slice_devices(api)) == 4, 10)
+    assert poll(lambda: len(_slice_devices(api)) == 4, 30)
     assert sorted(_slice_devices(api)) == [
         "gpu-0-mig-10-0",
         "gpu-0-mig-2-0",
@@ -174,9 +174,9 @@ def test_a_mig_card_in_dra_mode_leaves_the_mig_plan_and_its_devices_are_in_the_s
     assert env["NVIDIA_VISIBLE_DEVICES"] == mig_uuid(2)  # the 1g.5gb at GPU instance 9
     assert "CUDA_DEVICE_MEMORY_LIMIT_0" not in env  # a MIG device is whole: no interposer
     # the card still counts on the node (gpu.count) and is shown under its index
-    assert poll(lambda: A100_UUID in _whole_uuids(api), 10)
+    assert poll(lambda: A100_UUID in _whole_uuids(api), 30)
     # ...with the claim prepared on its MIG device (the device's memory, no core limit)
-    assert poll(lambda: _dra_claims(api).get(A100_UUID) == [["small", "gpu-0-mig-9-0", 0]], 10)
+    assert poll(lambda: _dra_claims(api).get(A100_UUID) == [["small", "gpu-0-mig-9-0", 0]], 30)
     mib = next(d.memory_mib for d in daemon.core.found.dra_mig_cards[0].mig_devices
                if d.uuid == mig_uuid(2))  # fmt: skip
     assert _dra_claims(api, "memory_mib")[A100_UUID] == [["small", "gpu-0-mig-9-0", mib]]
@@ -226,7 +226,7 @@ def test_a_mig_card_without_a_mode_stays_with_the_device_plugin(
         "gpushare.io/mig-1g.5gb",
     }
     assert len(daemon.core.found.mig_plan.mig_devices) == 4
-    assert poll(lambda: _slice_devices(api) == ["gpu-1"], 10)
+    assert poll(lambda: _slice_devices(api) == ["gpu-1"], 30)
 
 
 @pytest.mark.parametrize("mode", ["shared", "exclusive"])
@@ -254,7 +254,7 @@ def test_single_strategy_looks_only_at_the_mig_cards_it_serves(
     )
     register_dra(node)
     assert node.kubelet.wait_for(lambda k: k.healthy_count("gpushare.io/gpu") == 7)
-    assert poll(lambda: len(_slice_devices(api)) == 4, 10)
+    assert poll(lambda: len(_slice_devices(api)) == 4, 30)
 
 
 def _tainted(api: KubeApiDouble) -> list[str]:
@@ -270,12 +270,12 @@ def test_a_mig_device_of_a_dra_card_is_tainted_alone_and_refused(
     slice entry and its prepares alone (found by review: both were lost, or hit every
     MIG device of the card); an XID on the card reaches all of them."""
     _start_mig_node(node, "0=dra", ignored_xids="13")
-    assert poll(lambda: len(_slice_devices(api)) == 4, 10)
+    assert poll(lambda: len(_slice_devices(api)) == 4, 30)
     assert _tainted(api) == []
     card = reference_a100()
     card["instances"][2]["xid"] = 79  # gi 9: the first 1g.5gb
     node.write_gpus([card, cards(TESLA_P4, 2)[1]])
-    assert poll(lambda: _tainted(api) == ["gpu-0-mig-9-0"], 10)
+    assert poll(lambda: _tainted(api) == ["gpu-0-mig-9-0"], 30)
     kubelet = DraKubelet(node.root / "kubelet")
     kubelet.register()
     refs = []
@@ -292,7 +292,7 @@ def test_a_mig_device_of_a_dra_card_is_tainted_alone_and_refused(
     assert answers[refs[1][2]].error == ""
     del card["instances"][0]  # the 3g.20gb instance is destroyed
     node.write_gpus([card, cards(TESLA_P4, 2)[1]])
-    assert poll(lambda: _tainted(api) == ["gpu-0-mig-2-0", "gpu-0-mig-9-0"], 10)
+    assert poll(lambda: _tainted(api) == ["gpu-0-mig-2-0", "gpu-0-mig-9-0"], 30)
     card["xid"] = 48  # the whole card
     node.write_gpus([card, cards(TESLA_P4, 2)[1]])
-    assert poll(lambda: len(_tainted(api)) == 4, 10)
+    assert poll(lambda: len(_tainted(api)) == 4, 30)

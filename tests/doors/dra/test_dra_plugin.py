@@ -343,14 +343,14 @@ def test_a_second_daemon_holding_the_lock_serialises_prepare(dra: DraNode) -> No
     other = ctx.Process(target=_hold_lock, args=(str(dra.host / "dra"), held, release))
     other.start()
     try:
-        assert held.wait(10)
+        assert held.wait(60)
         answers: dict[str, Any] = {}
         worker = threading.Thread(target=lambda: answers.update(dra.kubelet.prepare([ref])))
         worker.start()
         worker.join(0.3)
         assert worker.is_alive() and not answers  # waits for the other daemon
         release.set()
-        worker.join(10)
+        worker.join(60)
         assert answers[ref[2]].error == ""
     finally:
         release.set()
@@ -561,7 +561,7 @@ def test_a_refused_registration_offers_nothing(short_tmp: Path, api: KubeApiDoub
         node.part = part
         with pytest.raises(RegistrationRefused):
             node.kubelet.register(versions=["v2.DRAPlugin"])
-        assert part.publisher.wait_passes(2, 10)
+        assert part.publisher.wait_passes(2, 30)
         assert _slice_keys(api) == []
         assert "the kubelet refused the plugin" in part.ready()[1]
     finally:

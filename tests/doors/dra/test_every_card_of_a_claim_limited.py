@@ -247,7 +247,9 @@ _NAMES = itertools.count()
 
 
 @settings(
-    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(shares=st.lists(_SHARE, min_size=1, max_size=3))
 def test_any_claim_limits_every_card_it_shows_to_at_most_its_charge(
@@ -341,7 +343,9 @@ def _container_safe(
 
 
 _EXAMPLES = settings(
-    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 
 

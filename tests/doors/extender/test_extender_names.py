@@ -207,7 +207,9 @@ used_st = st.lists(st.integers(min_value=0, max_value=16), min_size=1, max_size=
 
 
 @settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(cards=st.lists(used_st, min_size=1, max_size=5), memory=st.integers(1, 17))
 def test_names_answer_as_the_full_nodes_would_for_any_card_state(

@@ -89,7 +89,7 @@ def test_the_metrics_listener_caps_connections_per_client_and_overall(
     metrics = patient_metrics
     slow = [_connect(metrics.port) for _ in range(3)]  # hold three slots, send nothing
     try:
-        assert poll(lambda: metrics.guard.active == 3, 10)
+        assert poll(lambda: metrics.guard.active == 3, 30)
         # A fourth from the same address: refused at once, without a thread...
         refused = _get(metrics.port, "/metrics")
         assert refused.startswith(b"HTTP/1.1 503"), refused
@@ -101,7 +101,7 @@ def test_the_metrics_listener_caps_connections_per_client_and_overall(
         assert b"# metrics" in _get(metrics.port, "/metrics", source="127.0.0.2")
         more = [_connect(metrics.port, f"127.0.0.{i}") for i in (3, 4, 5)]
         try:
-            assert poll(lambda: metrics.guard.active == 6, 10)
+            assert poll(lambda: metrics.guard.active == 6, 30)
             full = _get(metrics.port, "/metrics", source="127.0.0.9")
             assert full.startswith(b"HTTP/1.1 503"), full
             assert _get(metrics.port, "/readyz", source="127.0.0.9").startswith(b"HTTP/1.1 200")
@@ -111,7 +111,7 @@ def test_the_metrics_listener_caps_connections_per_client_and_overall(
     finally:
         for sock in slow:
             sock.close()
-    assert poll(lambda: metrics.guard.active == 0, 10)
+    assert poll(lambda: metrics.guard.active == 0, 30)
     assert b"# metrics" in _get(metrics.port, "/metrics")
 
 
@@ -138,7 +138,7 @@ def test_a_request_trickled_byte_by_byte_is_cut_at_the_deadline(metrics: Metrics
         closed.set()
         sender.join()
         sock.close()
-    assert poll(lambda: metrics.guard.active == 0, 10)
+    assert poll(lambda: metrics.guard.active == 0, 30)
 
 
 # -- the extender's listeners (aiohttp) ----------------------------------------------

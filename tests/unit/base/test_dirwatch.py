@@ -16,14 +16,14 @@ def test_a_new_file_wakes_a_waiting_thread(tmp_path: Path) -> None:
     woke = threading.Event()
 
     def waiter() -> None:
-        if watch.wait(10.0):
+        if watch.wait(60.0):
             woke.set()
 
     thread = threading.Thread(target=waiter)
     thread.start()
     try:
         (tmp_path / "kubelet.sock").touch()
-        assert woke.wait(5.0)
+        assert woke.wait(30.0)
     finally:
         watch.wake()
         thread.join()
@@ -55,13 +55,13 @@ def test_close_waits_for_a_wake_that_is_writing(
 
     def slow_write(fd: int, data: bytes) -> int:
         writing.set()
-        release.wait(5.0)  # the waking thread is preempted between the check and the write
+        release.wait(30.0)  # the waking thread is preempted between the check and the write
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", slow_write)
     waker = threading.Thread(target=watch.wake)
     waker.start()
-    assert writing.wait(5.0)
+    assert writing.wait(30.0)
     closer = threading.Thread(target=watch.close)
     closer.start()
     closer.join(0.2)

@@ -65,7 +65,7 @@ def test_republished_after_the_kubelet_deletes_them_with_a_new_generation(dra: D
     assert wait_until(lambda: published(dra))
     first = slices(dra.api)[0]["spec"]["pool"]["generation"]
     writes = dra.part.publisher.writes if dra.part else 0
-    assert dra.part is not None and dra.part.publisher.wait_passes(3, 10)
+    assert dra.part is not None and dra.part.publisher.wait_passes(3, 30)
     assert dra.part.publisher.writes == writes  # nothing changed: nothing written
     # the kubelet at its start: DeleteCollection of the node's slices
     dra.client.request("DELETE", SLICES, query={"fieldSelector": f"spec.nodeName={NODE}"})
@@ -175,7 +175,7 @@ def test_a_restarted_daemon_rewrites_nothing_that_did_not_change(dra: DraNode) -
     generation = slices(dra.api)[0]["spec"]["pool"]["generation"]
     dra.stop()
     part = dra.start()
-    assert part.publisher.wait_passes(3, 10)
+    assert part.publisher.wait_passes(3, 30)
     assert part.publisher.writes == 0
     assert slices(dra.api)[0]["spec"]["pool"]["generation"] == generation
     # and when the kubelet deletes them, the new instance's slices are newer still

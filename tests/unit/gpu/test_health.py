@@ -114,7 +114,7 @@ def test_fatal_xid_makes_one_card_unhealthy_the_other_stays_usable(
     node.start(gpus)
     gpus[0]["xid"] = 79
     write(node, gpus)
-    assert wait_health(node, A, "Unhealthy", 10.0)
+    assert wait_health(node, A, "Unhealthy", 30.0)
     assert health_of(node, B) == {"Healthy"}
     # every device of the bad card is still listed: the kubelet keeps its bookkeeping
     assert len(node.kubelet.devices(node.memory)) == 2 * 29
@@ -129,7 +129,7 @@ def test_ignored_xids_change_nothing(node: Node) -> None:
     gpus[0]["xid"] = 13  # ignored by default; delivered before the marker below
     gpus[1]["xid"] = 94  # not ignored: the marker that both events were handled
     write(node, gpus)
-    assert wait_health(node, B, "Unhealthy", 1.0)
+    assert wait_health(node, B, "Unhealthy", 30.0)
     assert health_of(node, A) == {"Healthy"}
 
 
@@ -138,7 +138,7 @@ def test_ignored_xids_all_ignores_even_fatal_ones(node: Node) -> None:
     node.start(gpus, ignored_xids="all")
     gpus[0]["xid"] = 79
     write(node, gpus[:1])  # card B leaves: a lost card is not an XID, so it still counts
-    assert wait_health(node, B, "Unhealthy", 1.0)
+    assert wait_health(node, B, "Unhealthy", 30.0)
     assert health_of(node, A) == {"Healthy"}
 
 
@@ -149,10 +149,10 @@ def test_non_fatal_xid_recovers_after_the_quiet_time_but_79_does_not(node: Node)
     gpus[0]["xid"] = 79
     gpus[1]["xid"] = 94
     write(node, gpus)
-    assert wait_health(node, B, "Unhealthy", 1.0)
+    assert wait_health(node, B, "Unhealthy", 30.0)
     unhealthy_at = time.monotonic()
     assert health_of(node, A) == {"Unhealthy"}
-    assert wait_health(node, B, "Healthy", recovery + 2.0)
+    assert wait_health(node, B, "Healthy", 30.0)
     assert time.monotonic() - unhealthy_at >= recovery * 0.9
     assert health_of(node, A) == {"Unhealthy"}  # fatal: no recovery by quiet time
 
@@ -163,16 +163,16 @@ def test_a_removed_card_goes_unhealthy_and_comes_back_when_seen_again(node: Node
     assert node.daemon is not None and node.daemon.core.health is not None
     gpus[0]["xid"] = 79
     write(node, gpus)
-    assert wait_health(node, A, "Unhealthy", 10.0)
+    assert wait_health(node, A, "Unhealthy", 30.0)
     gpus[1]["xid"] = 94  # marker: handled after card A's departure in the same read
     write(node, gpus[1:])  # card A falls off the bus
-    assert wait_health(node, B, "Unhealthy", 10.0)
+    assert wait_health(node, B, "Unhealthy", 30.0)
     assert health_of(node, A) == {"Unhealthy"}
     assert "no longer visible" in node.daemon.core.health.reason(A)
     assert len(node.kubelet.devices(node.memory)) == 2 * 29  # listed, not dropped
     del gpus[0]["xid"]
     write(node, gpus)  # seen again (after a reset): the fatal XID is forgotten
-    assert wait_health(node, A, "Healthy", 1.0)
+    assert wait_health(node, A, "Healthy", 30.0)
 
 
 class FakeNvml:

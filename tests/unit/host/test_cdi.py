@@ -163,7 +163,7 @@ def test_unresolved_names_are_logged_once_and_cleared_when_a_spec_appears(tmp_pa
 def test_readyz_says_which_cdi_names_do_not_resolve(node: Node) -> None:
     start(node, "cdi-cri")
     assert node.daemon is not None and node.daemon.plugin.link is not None
-    assert node.daemon.plugin.link.registered.wait(5.0)
+    assert node.daemon.plugin.link.registered.wait(30.0)
     ready, message = node.daemon.readiness()
     assert not ready
     assert f"nvidia.com/gpu={gpu_uuid(0)}" in message and f"nvidia.com/gpu={gpu_uuid(1)}" in message
@@ -176,7 +176,7 @@ def test_readyz_says_which_cdi_names_do_not_resolve(node: Node) -> None:
 def test_envvar_alone_never_looks_at_cdi_specs(node: Node) -> None:
     start(node, "envvar")
     assert node.daemon is not None and node.daemon.plugin.cdi is None
-    assert node.daemon.plugin.link is not None and node.daemon.plugin.link.registered.wait(5.0)
+    assert node.daemon.plugin.link is not None and node.daemon.plugin.link.registered.wait(30.0)
     assert node.daemon.readiness()[0]
 
 

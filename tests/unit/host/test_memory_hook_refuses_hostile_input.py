@@ -215,7 +215,9 @@ JSON_ATOMS = st.recursive(
 
 
 @settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(
     extra=st.dictionaries(st.text(max_size=6).filter(lambda k: k != "pid"), JSON_ATOMS, max_size=4)
@@ -231,7 +233,9 @@ def test_any_json_state_with_the_pid_is_read_alike(
 
 
 @settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(raw=st.binary(max_size=64) | st.text(alphabet='{}[]":,0123456789pid \\', max_size=40))
 def test_arbitrary_input_sets_nothing_unless_it_is_a_state(

@@ -88,11 +88,11 @@ def test_restarted_when_it_dies_and_caps_reapplied(control: MpsControl, short_tm
         first = control.pid
         assert first is not None
         os.kill(first, signal.SIGKILL)
-        assert control.wait_started(2, timeout=20)
+        assert control.wait_started(2, timeout=60)
         assert control.pid != first and pid_alive(control.pid or 0)
         # the new daemon knows the namespace again, with its cap, from its configuration
         want = {"pipe": str(pipe), "percent": 30, "mib": 1024}
-        assert poll(lambda: standin_state(control.pipe_dir)["namespaces"].get("c-a") == want, 20)
+        assert poll(lambda: standin_state(control.pipe_dir)["namespaces"].get("c-a") == want, 60)
     finally:
         control.stop()
 

@@ -225,7 +225,7 @@ def test_https_with_inline_ca_and_client_certificate(short_tmp: Path) -> None:
 # --------------------------------------------------------------------------- watch
 
 
-def eventually(check: Callable[[], Any], timeout: float = 10.0) -> None:
+def eventually(check: Callable[[], Any], timeout: float = 30.0) -> None:
     assert poll(lambda: bool(check()), timeout), f"not true within {timeout} s"
 
 

@@ -53,8 +53,11 @@ bench: $(VENV)/.installed-test  ## measure latency, start time and footprint (be
 
 SCALE_NODES ?= 100,1000,5000
 SCALE_PODS ?= 10000,50000,150000
+# SCALE_API: real (kube-apiserver + etcd from e2e/bin, make e2e-build), stand-in, or auto
+# (real where the binaries are; the table says which)
+SCALE_API ?= auto
 scale: $(VENV)/.installed-test  ## the extender at 100/1 000/5 000 nodes and 10k-150k pods (DOCS=1: into docs/benchmarks.md)
-	$(BIN)/python -m gpushare.bench.scale --nodes $(SCALE_NODES) \
+	$(BIN)/python -m gpushare.bench.scale --api $(SCALE_API) --nodes $(SCALE_NODES) \
 	  --pods $(SCALE_PODS) --out bench-out/scale.md \
 	  $(if $(DOCS),--write docs/benchmarks.md)
 	$(BIN)/python -m gpushare.bench.writes --out bench-out/writes.md \

@@ -2,8 +2,10 @@
 
 Everything here talks to the components through their public interfaces only: the API
 server's REST API, the kubelet's device-plugin directory and PodResources socket (through the
-real gpushare daemon, a console script), and the CRI fake's record of created containers. No
-gpushare module is imported: the daemon, the extender and kubectl-gpushare run as processes.
+real gpushare daemon, a console script), and the CRI fake's record of created containers. The
+daemon, the extender and kubectl-gpushare run as processes; the one gpushare module imported
+is gpushare.sim.controlplane, for the etcd and kube-apiserver command lines (the same ones
+the DRA tests, make bench and make scale start).
 
 Layout of one cluster (all under one short temporary directory, so sockets fit in 108 bytes):
 
@@ -37,6 +39,8 @@ from typing import Any, TypeVar
 import requests
 import urllib3
 import yaml
+
+from gpushare.sim import controlplane
 
 REPO = Path(__file__).resolve().parents[2]
 #: The Kubernetes minor the suite runs on: 1.36 (e2e/bin) or 1.37 (e2e/bin-1.37), as
@@ -858,26 +862,7 @@ class Cluster:
         self.etcd_url = f"http://127.0.0.1:{client}"
         self.procs["etcd"] = Proc(
             "etcd",
-            [
-                str(BIN / "etcd"),
-                "--name",
-                "e2e",
-                "--data-dir",
-                str(self.dir / "etcd"),
-                "--listen-client-urls",
-                self.etcd_url,
-                "--advertise-client-urls",
-                self.etcd_url,
-                "--listen-peer-urls",
-                f"http://127.0.0.1:{peer}",
-                "--initial-advertise-peer-urls",
-                f"http://127.0.0.1:{peer}",
-                "--initial-cluster",
-                f"e2e=http://127.0.0.1:{peer}",
-                "--log-level",
-                "warn",
-                "--unsafe-no-fsync",
-            ],
+            controlplane.etcd_argv(BIN, self.dir / "etcd", client, peer),
             self.dir / "etcd.log",
         )
         wait_for(
@@ -901,55 +886,23 @@ class Cluster:
         d = self.dir / "apiserver"
         d.mkdir(parents=True, exist_ok=True)
         key = self.dir / "sa.key"
-        subprocess.run(
-            ["openssl", "genrsa", "-out", str(key), "2048"], check=True, capture_output=True
-        )
+        controlplane.make_key(key)
         tokens = [f'{self.admin_token},admin,admin,"system:masters"']
         for name, token in self.node_tokens.items():
             tokens.append(f'{token},system:node:{name},node-{name},"system:nodes"')
         (self.dir / "tokens.csv").write_text("\n".join(tokens) + "\n")
-        gates = ",".join(f"{k}={str(v).lower()}" for k, v in FEATURE_GATES.items())
+        argv = controlplane.apiserver_argv(
+            BIN, self.etcd_url, self.api_port, d, self.dir / "tokens.csv", key, FEATURE_GATES
+        )
         self.procs["kube-apiserver"] = Proc(
             "kube-apiserver",
             [
-                str(BIN / "kube-apiserver"),
-                "--etcd-servers",
-                self.etcd_url,
-                "--bind-address",
-                "127.0.0.1",
-                "--advertise-address",
-                "127.0.0.1",
-                "--secure-port",
-                str(self.api_port),
-                "--cert-dir",
-                str(d),
-                "--token-auth-file",
-                str(self.dir / "tokens.csv"),
-                "--authorization-mode",
-                "Node,RBAC",
-                "--service-account-issuer",
-                "https://kubernetes.default.svc.cluster.local",
-                "--service-account-key-file",
-                str(key),
-                "--service-account-signing-key-file",
-                str(key),
-                "--service-cluster-ip-range",
-                "10.96.0.0/16",
-                "--enable-admission-plugins",
-                "NodeRestriction",
+                *argv,
                 "--allow-privileged",
-                "--feature-gates",
-                gates,
                 "--runtime-config",
                 # resource.k8s.io/v1 is on by default; MutatingAdmissionPolicy is GA (v1) in
                 # 1.36, its v1beta1 is off by default: on for the manifests written for it.
                 "resource.k8s.io/v1=true,admissionregistration.k8s.io/v1beta1=true",
-                "--profiling=false",
-                # The `kubernetes` Service's endpoints would be the advertise address, here
-                # loopback: 1.36 logs "may not be in the loopback range" every 10 s, 1.37 refuses
-                # to start with it. Nothing in the harness reaches the API server through the
-                # Service (every client has a kubeconfig), so no endpoint reconciler.
-                "--endpoint-reconciler-type=none",
             ],
             self.dir / "kube-apiserver.log",
         )

@@ -76,7 +76,6 @@ class Report:
         return "\n".join(lines)
 
 
-
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100) of a non-empty sample."""
     ordered = sorted(values)

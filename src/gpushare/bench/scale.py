@@ -8,370 +8,60 @@ What it measures, against a real ``gpushare-scheduler-extender`` process:
 - the same with full Node objects (the older configuration) where the body fits,
   and the body size both ways;
 - the extender's start at P pods: time from launch to ``/readyz`` 200, the pod lists
-  it made, and its peak RSS (``VmHWM``).
+  it made (its ``pods_listed`` log events), its CPU and peak RSS (``VmHWM``).
 
-The API side is a stand-in: a small HTTP server that answers the extender's paged pod
-and node lists from pre-built JSON (realistic objects: a ~6 KB Pod with managed fields
-and status, a Node with a realistic status and 8 cards in the daemon's annotation,
-``nodestate.encode``) and holds its watches open. It is not kube-apiserver: it measures
-the extender's side (parsing, memory, the verbs), not the API server's. The table goes
-to ``bench-out/scale.md`` and, with ``--write FILE``, replaces the ``## Scale`` section
-of FILE.
+The API server (``--api``): ``real`` is etcd and kube-apiserver from ``e2e/bin`` (the
+binaries ``make e2e`` builds), loaded by :mod:`gpushare.bench.scaleload` with fake Nodes
+(realistic status, 8 A100s in the daemon's annotation and state object) and bound Pods,
+no kubelets; the time each load step took is in the table. ``stand-in`` is
+:mod:`gpushare.bench.scalestandin` (pre-built JSON, not kube-apiserver); ``auto`` (the
+default) takes the real one where the binaries are, and says which in the table. The
+table goes to ``bench-out/scale.md`` and, with ``--write FILE``, replaces the
+``## Scale`` tables of FILE.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import platform
+import shutil
 import statistics
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlparse
 
-from gpushare.kube import nodestate
+from gpushare.bench.scaleobjects import gpu_node, node_name, pending_pod
+from gpushare.bench.scalestandin import ListStandIn
+from gpushare.sim import controlplane
 
-PREFIX = "gpushare.io"
-CARDS = 8
-PAGE_LIMIT = 500
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def gpu_node(index: int) -> dict[str, Any]:
-    """A Node as the API server sends it: labels, a realistic status, and the daemon's
-    card state for 8 A100s with a few pods counted per card."""
-    name = f"node-{index:05d}"
-    cards = tuple(
-        nodestate.CardState(
-            uuid=f"GPU-{index:05d}-{c:02d}-5f2a-4c3e-9b1d-000000000000",
-            index=c,
-            name="NVIDIA A100-SXM4-80GB",
-            memory_mib=81920,
-            memory_units=320,
-            memory_units_used=64 * (c % 4),
-            core_units=100,
-            core_units_used=25 * (c % 4),
-            healthy=True,
-            pods=tuple((f"default/pod-{index}-{c}-{p}", 64, 25) for p in range(c % 4)),
-        )
-        for c in range(CARDS)
-    )
-    state = nodestate.NodeGpuState(7, "2026-11-27T05:00:00Z", 256, cards)
-    images = [
-        {"names": [f"registry.example.com/team/image-{i}@sha256:{'ab' * 32}"], "sizeBytes": 10**9}
-        for i in range(20)
-    ]
-    amounts = {
-        "cpu": "96",
-        "memory": "1056561908Ki",
-        "pods": "110",
-        "ephemeral-storage": "3750000000Ki",
-        f"{PREFIX}/vcuda-memory": str(320 * CARDS),
-        f"{PREFIX}/vcuda-core": str(100 * CARDS),
-    }
-    return {
-        "kind": "Node",
-        "apiVersion": "v1",
-        "metadata": {
-            "name": name,
-            "uid": f"7d1c{index:08d}-0000-4000-8000-000000000000",
-            "resourceVersion": "1",
-            "labels": {
-                "kubernetes.io/hostname": name,
-                "kubernetes.io/os": "linux",
-                "node.kubernetes.io/instance-type": "p4d.24xlarge",
-                "topology.kubernetes.io/zone": "zone-a",
-                f"{PREFIX}/gpu": "true",
-            },
-            "annotations": {
-                nodestate.annotation_key(PREFIX): nodestate.encode(state),
-                "node.alpha.kubernetes.io/ttl": "0",
-                "volumes.kubernetes.io/controller-managed-attach-detach": "true",
-            },
-        },
-        "spec": {"podCIDR": "10.0.0.0/24", "providerID": f"aws:///zone-a/i-{index:017d}"},
-        "status": {
-            "capacity": amounts,
-            "allocatable": amounts,
-            "conditions": [
-                {
-                    "type": kind,
-                    "status": "False" if kind != "Ready" else "True",
-                    "lastHeartbeatTime": "2026-11-27T05:00:00Z",
-                    "lastTransitionTime": "2026-11-20T05:00:00Z",
-                    "reason": f"Kubelet{kind}",
-                    "message": f"kubelet reports {kind}",
-                }
-                for kind in ("MemoryPressure", "DiskPressure", "PIDPressure", "Ready")
-            ],
-            "addresses": [
-                {"type": "InternalIP", "address": "10.0.0.1"},
-                {"type": "Hostname", "address": name},
-            ],
-            "nodeInfo": {
-                "kubeletVersion": "v1.36.3",
-                "containerRuntimeVersion": "containerd://2.1.0",
-                "osImage": "Ubuntu 24.04 LTS",
-                "kernelVersion": "6.8.0",
-                "architecture": "amd64",
-            },
-            "images": images,
-        },
-    }
+@dataclass(frozen=True)
+class ApiTarget:
+    """Where the extender finds its API server, and with which credentials."""
+
+    url: str
+    token_file: str = ""
+    ca_file: str = ""
 
 
-def a_pod(index: int, gpu: bool, node: str = "") -> dict[str, Any]:
-    """A ~6 KB Pod as the API server lists it (managed fields, env, status)."""
-    name = f"pod-{index:06d}"
-    limits: dict[str, str] = {"cpu": "2", "memory": "4Gi"}
-    if gpu:
-        limits[f"{PREFIX}/vcuda-memory"] = "16"
-        limits[f"{PREFIX}/vcuda-core"] = "10"
-    env = [{"name": f"SETTING_{i}", "value": "x" * 40} for i in range(12)]
-    return {
-        "metadata": {
-            "name": name,
-            "namespace": f"team-{index % 50}",
-            "uid": f"{index:08d}-1111-4000-8000-000000000000",
-            "resourceVersion": str(1000 + index),
-            "creationTimestamp": "2026-11-27T05:00:00Z",
-            "labels": {"app": f"app-{index % 300}", "pod-template-hash": "5d8f7c9b6d"},
-            "ownerReferences": [
-                {
-                    "apiVersion": "apps/v1",
-                    "kind": "ReplicaSet",
-                    "name": f"app-{index % 300}",
-                    "uid": "0000",
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
-            "managedFields": [
-                {
-                    "manager": "kube-controller-manager",
-                    "operation": "Update",
-                    "apiVersion": "v1",
-                    "time": "2026-11-27T05:00:00Z",
-                    "fieldsType": "FieldsV1",
-                    "fieldsV1": {
-                        "f:metadata": {"f:labels": {"f:app": {}}},
-                        "f:spec": {
-                            "f:containers": {
-                                'k:{"name":"main"}': {
-                                    ".": {},
-                                    "f:env": {},
-                                    "f:image": {},
-                                    "f:resources": {},
-                                }
-                            }
-                        },
-                    },
-                },
-                {
-                    "manager": "kubelet",
-                    "operation": "Update",
-                    "apiVersion": "v1",
-                    "time": "2026-11-27T05:00:01Z",
-                    "fieldsType": "FieldsV1",
-                    "subresource": "status",
-                    "fieldsV1": {
-                        "f:status": {
-                            "f:conditions": {},
-                            "f:containerStatuses": {},
-                            "f:hostIP": {},
-                            "f:phase": {},
-                            "f:podIP": {},
-                        }
-                    },
-                },
-            ],
-        },
-        "spec": {
-            "containers": [
-                {
-                    "name": "main",
-                    "image": "registry.example.com/team/app:1.2.3",
-                    "env": env,
-                    "resources": {"limits": limits, "requests": limits},
-                    "volumeMounts": [
-                        {
-                            "name": "kube-api-access",
-                            "readOnly": True,
-                            "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
-                        }
-                    ],
-                    "terminationMessagePath": "/dev/termination-log",
-                    "imagePullPolicy": "IfNotPresent",
-                }
-            ],
-            "nodeName": node,
-            "restartPolicy": "Always",
-            "schedulerName": "gpushare-scheduler" if gpu else "default-scheduler",
-            "serviceAccountName": "default",
-            "tolerations": [
-                {
-                    "key": "node.kubernetes.io/not-ready",
-                    "operator": "Exists",
-                    "effect": "NoExecute",
-                    "tolerationSeconds": 300,
-                }
-            ],
-            "volumes": [
-                {
-                    "name": "kube-api-access",
-                    "projected": {
-                        "sources": [
-                            {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}}
-                        ]
-                    },
-                }
-            ],
-        },
-        "status": {
-            "phase": "Running",
-            "hostIP": "10.0.0.1",
-            "podIP": "10.1.0.1",
-            "startTime": "2026-11-27T05:00:00Z",
-            "conditions": [
-                {"type": t, "status": "True", "lastTransitionTime": "2026-11-27T05:00:00Z"}
-                for t in ("Initialized", "Ready", "ContainersReady", "PodScheduled")
-            ],
-            "containerStatuses": [
-                {
-                    "name": "main",
-                    "ready": True,
-                    "restartCount": 0,
-                    "image": "registry.example.com/team/app:1.2.3",
-                    "imageID": f"registry.example.com/team/app@sha256:{'cd' * 32}",
-                    "containerID": f"containerd://{'ef' * 32}",
-                    "state": {"running": {"startedAt": "2026-11-27T05:00:01Z"}},
-                }
-            ],
-        },
-    }
-
-
-def _pod_template(gpu: bool) -> str:
-    """:func:`a_pod` as a %-template of what varies with the index (one json.dumps, not
-    one per pod: the stand-in shares the cores with the extender it measures)."""
-    pod = a_pod(0, gpu, "@node@")
-    meta = pod["metadata"]
-    meta.update(name="@name@", namespace="@namespace@", uid="@uid@", resourceVersion="@rv@")
-    meta["labels"]["app"] = "@app@"
-    meta["ownerReferences"][0]["name"] = "@app@"
-    text = json.dumps(pod).replace("%", "%%")
-    for field in ("node", "name", "namespace", "uid", "rv", "app"):
-        text = text.replace(f"@{field}@", f"%({field})s")
-    return text
-
-
-def _pod_fields(index: int, node: str) -> dict[str, str]:
-    return {
-        "node": node,
-        "name": f"pod-{index:06d}",
-        "namespace": f"team-{index % 50}",
-        "uid": f"{index:08d}-1111-4000-8000-000000000000",
-        "rv": str(1000 + index),
-        "app": f"app-{index % 300}",
-    }
-
-
-_POD_TEXT = {gpu: _pod_template(gpu) for gpu in (False, True)}
-
-
-class ListStandIn:
-    """Answers ``GET /api/v1/pods`` and ``/api/v1/nodes`` lists in pages of pre-built
-    JSON, and holds every watch open (no events) until :meth:`stop`."""
-
-    def __init__(self, nodes: int, pods: int, gpu_every: int = 4, prerender: bool = False) -> None:
-        self.nodes = nodes
-        self.pods = pods
-        self.gpu_every = gpu_every
-        self.lists: dict[str, int] = {"pods": 0, "nodes": 0}
-        self._stop = threading.Event()
-        self._server: ThreadingHTTPServer | None = None
-        #: pages of pods rendered before the extender starts (its start then measures the
-        #: extender, not this process building JSON on the same cores)
-        self._pages: dict[tuple[int, int], bytes] = {}
-        if prerender:
-            for start in range(0, pods, PAGE_LIMIT):
-                self._pages[(start, PAGE_LIMIT)] = self.page("pods", start, PAGE_LIMIT)
-
-    def _node(self, index: int) -> bytes:
-        return json.dumps(gpu_node(index)).encode()
-
-    def _pod(self, index: int) -> bytes:
-        gpu = index % self.gpu_every == 0
-        node = f"node-{index % max(self.nodes, 1):05d}"
-        return (_POD_TEXT[gpu] % _pod_fields(index, node)).encode()
-
-    def page(self, kind: str, start: int, limit: int) -> bytes:
-        ready = self._pages.get((start, limit)) if kind == "pods" else None
-        if ready is not None:
-            return ready
-        total = self.pods if kind == "pods" else self.nodes
-        end = min(total, start + limit)
-        build = self._pod if kind == "pods" else self._node
-        items = b",".join(build(i) for i in range(start, end))
-        meta: dict[str, str] = {"resourceVersion": "5000"}
-        if end < total:
-            meta["continue"] = str(end)
-        head = f'{{"kind":"List","apiVersion":"v1","metadata":{json.dumps(meta)},"items":['
-        return head.encode() + items + b"]}"
-
-    def start(self) -> str:
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                parsed = urlparse(self.path)
-                query = parse_qs(parsed.query)
-                kind = parsed.path.rstrip("/").rsplit("/", 1)[-1]
-                if kind not in ("pods", "nodes"):
-                    self.send_error(404)
-                    return
-                if (query.get("watch") or [""])[0] in ("1", "true"):
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Transfer-Encoding", "chunked")
-                    self.end_headers()
-                    self.wfile.flush()
-                    outer._stop.wait()
-                    return
-                start = int((query.get("continue") or ["0"])[0])
-                if start == 0:
-                    outer.lists[kind] += 1
-                limit = int((query.get("limit") or [str(PAGE_LIMIT)])[0])
-                body = outer.page(kind, start, limit)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+@dataclass
+class Results:
+    api: str = ""
+    verbs: list[dict[str, Any]] = field(default_factory=list)
+    starts: list[dict[str, Any]] = field(default_factory=list)
+    setup: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -395,10 +85,13 @@ def _free_port() -> int:
 
 
 class Extender:
-    """``gpushare-scheduler-extender`` as a process against the stand-in."""
+    """``gpushare-scheduler-extender`` as a process against ``api``; its JSON log in
+    ``log``."""
 
-    def __init__(self, api: str) -> None:
+    def __init__(self, api: ApiTarget, log: Path, src: str = "") -> None:
+        """``src``: run the extender of another checkout's ``src/`` (a baseline)."""
         self.port = _free_port()
+        self.log = log
         command = [
             sys.executable,
             "-m",
@@ -408,16 +101,45 @@ class Extender:
             "--port",
             str(self.port),
             "--api-server",
-            api,
+            api.url,
             "--token-file",
-            "",
+            api.token_file,
             "--ca-file",
-            "",
+            api.ca_file,
+            "--state-namespace",
+            "kube-system",
+            "--log-format",
+            "json",
             "--log-level",
-            "warning",
+            "info",
         ]
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._out = log.open("wb")
         self.started = time.perf_counter()
-        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        env = dict(os.environ)
+        if src:
+            env["PYTHONPATH"] = src
+        self.proc = subprocess.Popen(
+            command, stdout=self._out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
+
+    def events(self, name: str, key: str) -> list[Any]:
+        """``key`` of each ``name`` event the extender logged so far."""
+        found = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                if isinstance(event, dict) and event.get("event") == name and key in event:
+                    found.append(event[key])
+        return found
+
+    def wait_logged(self, name: str, key: str, limit: float = 60.0) -> list[Any]:
+        """The ``name`` events once one is logged (its feed thread logs it just after
+        the ready state it reports, so it may come a moment after /readyz)."""
+        deadline = time.monotonic() + limit
+        while not (found := self.events(name, key)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return found
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -426,7 +148,8 @@ class Extender:
         """Seconds from launch to /readyz 200."""
         while time.perf_counter() - self.started < limit:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the extender exited: {self.proc.stderr.read()[-2000:]!r}")  # type: ignore[union-attr]
+                tail = self.log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"the extender exited: {tail}")
             try:
                 with urllib.request.urlopen(self.url("/readyz"), timeout=5) as answer:
                     if answer.status == 200:
@@ -436,8 +159,8 @@ class Extender:
             time.sleep(0.05)
         raise RuntimeError("the extender was not ready in time")
 
-    def post(self, verb: str, body: bytes) -> tuple[int, float, float]:
-        """(status, wall seconds, the extender's CPU seconds) of one request."""
+    def post(self, verb: str, body: bytes) -> tuple[int, float, float, dict[str, Any]]:
+        """(status, wall seconds, the extender's CPU seconds, its answer) of one request."""
         request = urllib.request.Request(
             self.url(f"/gpushare/{verb}"),
             data=body,
@@ -446,14 +169,20 @@ class Extender:
         )
         cpu = _cpu_seconds(self.proc.pid)
         started = time.perf_counter()
+        data = b""
         try:
             with urllib.request.urlopen(request, timeout=60) as answer:
-                answer.read()
+                data = answer.read()
                 status = answer.status
         except urllib.error.HTTPError as error:
             status = error.code
         wall = time.perf_counter() - started
-        return status, wall, _cpu_seconds(self.proc.pid) - cpu
+        cpu = _cpu_seconds(self.proc.pid) - cpu
+        try:
+            parsed = json.loads(data) if data else {}
+        except ValueError:
+            parsed = {}
+        return status, wall, cpu, parsed if isinstance(parsed, dict) else {}
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -462,6 +191,7 @@ class Extender:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self._out.close()
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -479,33 +209,28 @@ def scheduler_sends(nodes: int) -> int:
     return max(100, int(nodes * percentage / 100))
 
 
-def _pending_pod(index: int, memory_units: int = 16) -> dict[str, Any]:
-    pod = a_pod(index, gpu=True)
-    pod["spec"]["nodeName"] = ""
-    pod["status"] = {"phase": "Pending"}
-    limits = pod["spec"]["containers"][0]["resources"]["limits"]
-    limits[f"{PREFIX}/vcuda-memory"] = str(memory_units)
-    return pod
-
-
 def measure_verbs(
-    nodes: int, requests: int, full_nodes: bool, sent: int | None = None, shapes: bool = False
+    api: ApiTarget,
+    work: Path,
+    nodes: int,
+    requests: int,
+    full_nodes: bool,
+    sent: int | None = None,
+    shapes: bool = False,
 ) -> dict[str, Any]:
-    """Filter and prioritize in a cluster of ``nodes`` nodes, over ``sent`` of them
-    (all by default), by names (or full Nodes). The same pod every request, or with
-    ``shapes`` a pod of a shape not asked before in each (every node's verdict is then
-    computed, none is taken from the extender's verdict cache)."""
+    """Filter and prioritize in a cluster of ``nodes`` nodes (served by ``api``), over
+    ``sent`` of them (all by default), by names (or full Nodes). The same pod every
+    request, or with ``shapes`` a pod of a shape not asked before in each (every node's
+    verdict is then computed, none is taken from the extender's verdict cache)."""
     sent = nodes if sent is None else sent
-    stand_in = ListStandIn(nodes, pods=0)
-    api = stand_in.start()
-    extender = Extender(api)
+    extender = Extender(api, work / f"extender-verbs-{nodes}-{sent}.log")
     try:
         extender.wait_ready()
-        body: dict[str, Any] = {"Pod": _pending_pod(999_999)}
+        body: dict[str, Any] = {"Pod": pending_pod(999_999)}
         if full_nodes:
             body["Nodes"] = {"items": [gpu_node(i) for i in range(sent)]}
         else:
-            body["NodeNames"] = [f"node-{i:05d}" for i in range(sent)]
+            body["NodeNames"] = [node_name(i) for i in range(sent)]
         raw = json.dumps(body).encode()
         way = f"{sent} {'full Nodes' if full_nodes else 'names'}"
         row: dict[str, Any] = {
@@ -515,68 +240,216 @@ def measure_verbs(
         }
         asked = 0
         for verb in ("filter", "prioritize"):
-            walls, cpus, statuses = [], [], set()
+            walls, cpus, statuses, kept = [], [], set(), set()
             for _ in range(requests):
                 if shapes:  # 17, 18, ... units: every node still holds it
                     asked += 1
-                    body["Pod"] = _pending_pod(asked, 16 + asked)
+                    body["Pod"] = pending_pod(asked, 16 + asked)
                     raw = json.dumps(body).encode()
-                status, wall, cpu = extender.post(verb, raw)
+                status, wall, cpu, answer = extender.post(verb, raw)
                 statuses.add(status)
                 walls.append(wall)
                 cpus.append(cpu)
+                if verb == "filter" and status == 200:
+                    kept.add(_kept(answer))
             row[verb] = {
                 "status": sorted(statuses),
                 "p50_ms": 1000 * statistics.median(walls),
                 "p99_ms": 1000 * _pct(walls, 0.99),
                 "cpu_ms": 1000 * sum(cpus) / len(cpus),
             }
+            if verb == "filter":
+                row["kept"] = sorted(kept)
         return row
     finally:
         extender.stop()
-        stand_in.stop()
 
 
-def measure_start(pods: int, nodes: int) -> dict[str, Any]:
-    stand_in = ListStandIn(nodes, pods, prerender=True)
-    api = stand_in.start()
-    extender = Extender(api)
+def _kept(answer: dict[str, Any]) -> int:
+    """How many nodes a filter answer keeps (by names or as Nodes)."""
+    names = answer.get("NodeNames")
+    if isinstance(names, list):
+        return len(names)
+    nodes = answer.get("Nodes")
+    items = nodes.get("items") if isinstance(nodes, dict) else None
+    return len(items) if isinstance(items, list) else 0
+
+
+def measure_start(
+    api: ApiTarget, work: Path, pods: int, src: str = "", state_objects: bool = False
+) -> dict[str, Any]:
+    """The extender's start against ``api`` holding ``pods`` pods (``state_objects``:
+    the API server serves the nodes' state objects; their count is read too)."""
+    name = f"extender-start-{pods}{'-baseline' if src else ''}.log"
+    extender = Extender(api, work / name, src)
     try:
         ready = extender.wait_ready()
+        rss, cpu = _peak_rss_mb(extender.proc.pid), _cpu_seconds(extender.proc.pid)
+        lists = extender.wait_logged("pods_listed", "pods")
+        objects = (
+            extender.wait_logged("node_state_objects_listed", "objects") if state_objects else []
+        )
         return {
             "pods": pods,
+            "extender": "baseline" if src else "",
             "ready_s": ready,
-            "rss_mb": _peak_rss_mb(extender.proc.pid),
-            "cpu_s": _cpu_seconds(extender.proc.pid),
-            "pod_lists": stand_in.lists["pods"],
+            "rss_mb": rss,
+            "cpu_s": cpu,
+            "pod_lists": len(lists),
+            "gpu_pods": lists,
+            "state_objects": objects,
         }
     finally:
         extender.stop()
-        stand_in.stop()
 
 
-def table(verbs: list[dict[str, Any]], starts: list[dict[str, Any]]) -> Iterator[str]:
+def verb_plans(nodes: int, full: list[int]) -> list[tuple[bool, int, bool]]:
+    """(full Nodes?, nodes sent, a new shape each request?) measured at ``nodes``."""
+    default = scheduler_sends(nodes)
+    plans = [(True, default, False)] if nodes in full else []
+    plans += [(False, default, False), (False, default, True)]
+    if default != nodes:
+        plans += [(False, nodes, False), (False, nodes, True)]
+    return plans
+
+
+def run_stand_in(
+    work: Path, counts: list[int], full: list[int], pods: list[int], requests: int
+) -> Results:
+    results = Results(
+        api="the stand-in list server (gpushare.bench.scalestandin), not kube-apiserver"
+    )
+    for nodes in counts:
+        stand_in = ListStandIn(nodes, pods=0)
+        api = ApiTarget(stand_in.start())
+        try:
+            for as_full, sent, shapes in verb_plans(nodes, full):
+                results.verbs.append(
+                    measure_verbs(api, work, nodes, requests, as_full, sent, shapes)
+                )
+                print(json.dumps(results.verbs[-1]), flush=True)
+        finally:
+            stand_in.stop()
+    for count in pods:
+        stand_in = ListStandIn(max(counts), count, prerender=True)
+        api = ApiTarget(stand_in.start())
+        try:
+            results.starts.append(measure_start(api, work, count))
+            print(json.dumps(results.starts[-1]), flush=True)
+        finally:
+            stand_in.stop()
+    return results
+
+
+def run_real(
+    work: Path,
+    counts: list[int],
+    full: list[int],
+    pods: list[int],
+    requests: int,
+    pod_status: bool,
+    baseline_src: str = "",
+) -> Results:
+    """One real cluster, grown: the nodes step by step (the verbs at each size), then
+    the pods over the largest (the start at each count)."""
+    from gpushare.bench.scaleload import RealCluster
+
+    version = subprocess.run(
+        [str(controlplane.BIN / "kube-apiserver"), "--version"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    results = Results(
+        api=f"kube-apiserver + etcd ({version or 'e2e/bin'}; gpushare.bench.scaleload), "
+        "fake Nodes and bound Pods, no kubelets"
+    )
+    cluster = RealCluster(work / "cluster")
+    try:
+        api = ApiTarget(cluster.server, str(cluster.token_file), str(cluster.ca))
+        for nodes in sorted(counts):
+            seconds = cluster.grow_nodes(nodes)
+            results.setup.append({"what": "nodes", "total": nodes, "seconds": seconds})
+            print(json.dumps(results.setup[-1]), flush=True)
+            for as_full, sent, shapes in verb_plans(nodes, full):
+                results.verbs.append(
+                    measure_verbs(api, work, nodes, requests, as_full, sent, shapes)
+                )
+                print(json.dumps(results.verbs[-1]), flush=True)
+        for count in sorted(pods):
+            seconds = cluster.grow_pods(count, pod_status)
+            results.setup.append({"what": "pods", "total": count, "seconds": seconds})
+            print(json.dumps(results.setup[-1]), flush=True)
+            if baseline_src:
+                results.starts.append(measure_start(api, work, count, baseline_src, True))
+                print(json.dumps(results.starts[-1]), flush=True)
+            results.starts.append(measure_start(api, work, count, state_objects=True))
+            print(json.dumps(results.starts[-1]), flush=True)
+    finally:
+        cluster.stop()
+    return results
+
+
+def _load() -> str:
+    try:
+        return " / ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def _machine() -> str:
+    model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{model or platform.machine()}, {os.cpu_count()} cores"
+
+
+def table(results: Results, command: str = "") -> Iterator[str]:
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    yield f"API server: {results.api}. Machine: {_machine()}; load average at the end "
+    yield f"{_load()} (1/5/15 min); {when}." + (f" Command: `{command}`." if command else "")
+    yield ""
+    if results.setup:
+        yield "| set-up step | objects in the cluster | seconds | objects/s |"
+        yield "|---|---|---|---|"
+        previous = {"nodes": 0, "pods": 0}
+        for step in results.setup:
+            made = step["total"] - previous[step["what"]]
+            previous[step["what"]] = step["total"]
+            rate = made / step["seconds"] if step["seconds"] > 0 else 0.0
+            what = "Nodes (+ state ConfigMaps)" if step["what"] == "nodes" else "bound Pods"
+            yield f"| {what} | {step['total']} | {step['seconds']:.1f} | {rate:.0f} |"
+        yield ""
     yield (
         "| cluster nodes | nodes in the request | body KB | filter p50 / p99 ms | "
-        "filter CPU ms | prioritize p50 / p99 ms | prioritize CPU ms |"
+        "filter CPU ms | nodes kept | prioritize p50 / p99 ms | prioritize CPU ms |"
     )
-    yield "|---|---|---|---|---|---|---|"
-    for row in verbs:
+    yield "|---|---|---|---|---|---|---|---|"
+    for row in results.verbs:
         f, p = row["filter"], row["prioritize"]
         bad = "" if f["status"] == [200] else f" (HTTP {f['status']})"
+        kept = ",".join(str(k) for k in row.get("kept", [])) or "-"
         yield (
             f"| {row['nodes']} | {row['way']}{bad} | {row['body_kb']:.0f} | "
-            f"{f['p50_ms']:.1f} / {f['p99_ms']:.1f} | {f['cpu_ms']:.1f} | "
+            f"{f['p50_ms']:.1f} / {f['p99_ms']:.1f} | {f['cpu_ms']:.1f} | {kept} | "
             f"{p['p50_ms']:.1f} / {p['p99_ms']:.1f} | {p['cpu_ms']:.1f} |"
         )
     yield ""
-    yield "| pods listed | ready s | peak RSS MB | CPU s | pod lists |"
-    yield "|---|---|---|---|---|"
-    for row in starts:
+    yield "| pods in the cluster | ready s | peak RSS MB | CPU s | pod lists | extender |"
+    yield "|---|---|---|---|---|---|"
+    for row in results.starts:
+        which = "baseline (--baseline-src)" if row.get("extender") else "this checkout"
         yield (
             f"| {row['pods']} | {row['ready_s']:.1f} | {row['rss_mb']:.0f} | "
-            f"{row['cpu_s']:.1f} | {row['pod_lists']} |"
+            f"{row['cpu_s']:.1f} | {row['pod_lists']} | {which} |"
         )
+
+
+def _ints(text: str) -> list[int]:
+    return [int(n) for n in text.split(",") if n]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -585,26 +458,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full-nodes", default="100", help="node counts also sent as full Nodes")
     parser.add_argument("--pods", default="10000,50000,150000", help="pod counts for the start")
     parser.add_argument("--requests", type=int, default=30)
+    parser.add_argument(
+        "--api",
+        choices=("auto", "real", "stand-in"),
+        default="auto",
+        help="kube-apiserver + etcd from e2e/bin (real), the stand-in list server, or the "
+        "real one where its binaries are (auto)",
+    )
+    parser.add_argument(
+        "--pod-status",
+        action="store_true",
+        help="real API: also write each pod's status as a kubelet would (one more write "
+        "per pod; the set-up then takes about 4x as long)",
+    )
+    parser.add_argument(
+        "--baseline-src",
+        default="",
+        help="real API: also start the extender of this other checkout's src/ at each pod "
+        "count (before/after on the same cluster)",
+    )
+    parser.add_argument("--work", default="", help="where the cluster and logs go (kept)")
     parser.add_argument("--out", default="bench-out/scale.md")
-    parser.add_argument("--write", default="", help="also replace the ## Scale section here")
+    parser.add_argument("--write", default="", help="also replace the ## Scale tables here")
     args = parser.parse_args(argv)
-    counts = [int(n) for n in args.nodes.split(",") if n]
-    full = [int(n) for n in args.full_nodes.split(",") if n]
-    verbs = []
-    for nodes in counts:
-        default = scheduler_sends(nodes)
-        plans = [(True, default, False)] if nodes in full else []
-        plans += [(False, default, False), (False, default, True)]
-        if default != nodes:
-            plans += [(False, nodes, False), (False, nodes, True)]
-        for as_full, sent, shapes in plans:
-            verbs.append(measure_verbs(nodes, args.requests, as_full, sent, shapes))
-            print(json.dumps(verbs[-1]), flush=True)
-    starts = []
-    for pods in [int(p) for p in args.pods.split(",") if p]:
-        starts.append(measure_start(pods, nodes=max(counts)))
-        print(json.dumps(starts[-1]), flush=True)
-    lines = "\n".join(table(verbs, starts)) + "\n"
+    counts, full, pods = _ints(args.nodes), _ints(args.full_nodes), _ints(args.pods)
+    real = args.api == "real" or (args.api == "auto" and controlplane.available())
+    if args.api == "real" and not controlplane.available():
+        parser.error(f"no etcd/kube-apiserver in {controlplane.BIN} (make e2e-build builds them)")
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gsscale-", dir="/tmp"))
+    try:
+        if real:
+            results = run_real(
+                work, counts, full, pods, args.requests, args.pod_status, args.baseline_src
+            )
+        else:
+            results = run_stand_in(work, counts, full, pods, args.requests)
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    command = "python -m gpushare.bench.scale " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    lines = "\n".join(table(results, command.strip())) + "\n"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(lines)
@@ -632,6 +527,10 @@ def _write_section(path: Path, lines: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
 
 
 if __name__ == "__main__":

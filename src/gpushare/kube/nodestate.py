@@ -576,11 +576,42 @@ def _decode_whole(entry: Any, where: str) -> WholeCardState:
 MAX_ANNOTATION_BYTES = 256 * 1024
 MAX_NESTING = 32
 _STRUCTURE = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+#: what :func:`_nesting` drops before counting: whole strings, and runs of anything
+#: that is neither a bracket nor a quote (a lone quote, which starts no string, goes next)
+_NOT_STRUCTURE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[^\[\]{}"]+')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_INNERMOST = re.compile(r"\[\]|\{\}")
+
+
+def _brackets(text: str) -> str:
+    """``text``'s brackets outside its strings, in order. Without a backslash and with
+    an even count of quotes every quote opens or closes a string, so a split finds them
+    (the daemon's state has neither escapes nor a lone quote)."""
+    if "\\" not in text and text.count('"') % 2 == 0:
+        return _NOT_BRACKET.sub("", "".join(text.split('"')[0::2]))
+    return _NOT_STRUCTURE.sub("", text).replace('"', "")
 
 
 def _nesting(text: str, limit: int) -> int:
     """How deep ``text``'s arrays and objects nest (strings skipped), stopping past
-    ``limit``; linear, never recursive."""
+    ``limit``; linear, never recursive. The brackets are peeled in C, one level (every
+    innermost ``[]`` and ``{}``) per pass, so a state of a few levels costs a few passes;
+    text nested past ``limit`` or whose brackets do not pair up (not JSON) is counted one
+    token at a time."""
+    skeleton = _brackets(text)
+    depth = 0
+    while skeleton:
+        peeled = _INNERMOST.sub("", skeleton)
+        if depth > limit or len(peeled) == len(skeleton):
+            # deeper than asked (stop early, one by one) or not pairing up
+            return _nesting_by_token(text, limit)
+        skeleton = peeled
+        depth += 1
+    return depth
+
+
+def _nesting_by_token(text: str, limit: int) -> int:
+    """:func:`_nesting` one token at a time (for brackets that do not pair up)."""
     depth = deepest = 0
     for match in _STRUCTURE.finditer(text):
         token = match.group()

@@ -357,16 +357,41 @@ class ApiClient:
         self, path: str, query: Mapping[str, str], timeout: float
     ) -> Iterator[ListStream]:
         """GET a list and read its items one at a time (:class:`ListStream`): a large
-        answer never sits in memory whole. Raises like :meth:`request` on failure."""
-        conn = self._connect(timeout)
+        answer never sits in memory whole. Raises like :meth:`request` on failure. The
+        connection is a kept-alive one of the pool, and goes back to it once the answer
+        was read to its end (the pages of one list then cost one TLS handshake, not one
+        each: ~3 ms of CPU and, on a loaded machine, up to ~90 ms of wall time apiece)."""
+        url = self.url(path, query)
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        reused = conn is not None
+        conn = conn or self._connect(timeout)
+        kept = False
         try:
-            conn.request("GET", self.url(path, query), headers=self._headers(None))
-            response = conn.getresponse()
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout)
+            conn.timeout = timeout
+            try:
+                conn.request("GET", url, headers=self._headers(None))
+                response = conn.getresponse()
+            except (OSError, http.client.HTTPException):
+                if not reused:
+                    raise
+                conn.close()  # the server closed a kept-alive connection: once more, fresh
+                conn = self._connect(timeout)
+                conn.request("GET", url, headers=self._headers(None))
+                response = conn.getresponse()
             if response.status >= 400:
                 raise _error_of(response.status, response.reason, response.read(64 << 10))
             yield ListStream(response.read)
+            response.read(64 << 10)  # what follows the list's last brace (a newline)
+            kept = response.isclosed() and not response.will_close
+            if kept:
+                with self._lock:
+                    self._idle.append(conn)
         finally:
-            conn.close()
+            if not kept:
+                conn.close()
 
     def close(self) -> None:
         with self._lock:

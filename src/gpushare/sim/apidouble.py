@@ -94,6 +94,7 @@ class Recorded:
     client_cert: bool = False  # a TLS client certificate was presented
     at: float = field(default_factory=time.monotonic)  # when it arrived
     accept: str = ""
+    port: int = 0  # the client's port: one per connection
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -627,8 +628,7 @@ class KubeApiDouble(CollectionReads, Faults):
                 self.held_paths.append(urlparse(request.path).path)
         self._open.wait()
         parsed = urlparse(request.path)
-        length = int(request.headers.get("Content-Length") or 0)
-        raw = request.rfile.read(length) if length else b""
+        raw = request.rfile.read(int(request.headers.get("Content-Length") or 0))
         content_type = request.headers.get("Content-Type", "")
         body: Any = None
         if raw:
@@ -645,6 +645,7 @@ class KubeApiDouble(CollectionReads, Faults):
                     request.headers.get("Authorization", ""),
                     bool(getattr(request.connection, "getpeercert", lambda: None)()),
                     accept=request.headers.get("Accept", ""),
+                    port=int(request.client_address[1]),
                 )
             )
             failure = self._next_failure(parsed.path)

@@ -17,7 +17,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -58,64 +58,105 @@ def poll(what: str, probe: Callable[[], T | None], timeout: float = 60.0) -> T:
         time.sleep(0.1)
 
 
+def gate_flag(gates: dict[str, bool]) -> str:
+    """``--feature-gates``' value for ``gates``."""
+    return ",".join(f"{k}={str(v).lower()}" for k, v in gates.items())
+
+
+def etcd_argv(bin_dir: Path, data_dir: Path, client: int, peer: int) -> list[str]:
+    """etcd for one API server on loopback: client on ``client``, peer on ``peer``,
+    no fsync (test data)."""
+    url = f"http://127.0.0.1:{client}"
+    return [
+        str(bin_dir / "etcd"),
+        "--name", "e2e",
+        "--data-dir", str(data_dir),
+        "--listen-client-urls", url,
+        "--advertise-client-urls", url,
+        "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+        "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+        "--initial-cluster", f"e2e=http://127.0.0.1:{peer}",
+        "--unsafe-no-fsync", "--log-level", "warn",
+    ]  # fmt: skip
+
+
+def apiserver_argv(
+    bin_dir: Path,
+    etcd_url: str,
+    port: int,
+    cert_dir: Path,
+    tokens: Path,
+    key: Path,
+    gates: dict[str, bool],
+) -> list[str]:
+    """kube-apiserver on 127.0.0.1:``port`` over ``etcd_url``: its serving certificate
+    made in ``cert_dir`` (``apiserver.crt`` is the CA a client trusts), static tokens
+    from ``tokens`` (``token,user,uid,"groups"`` lines), the service-account key
+    ``key``, Node and RBAC authorization with NodeRestriction. Shared by the e2e
+    cluster (tests/e2e/kube_cluster.py), the DRA tests, ``make bench`` and ``make scale``."""
+    return [
+        str(bin_dir / "kube-apiserver"),
+        "--etcd-servers", etcd_url,
+        "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1",
+        "--secure-port", str(port), "--cert-dir", str(cert_dir),
+        "--token-auth-file", str(tokens),
+        "--authorization-mode", "Node,RBAC",
+        "--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
+        "--service-account-key-file", str(key),
+        "--service-account-signing-key-file", str(key),
+        "--service-cluster-ip-range", "10.96.0.0/16",
+        "--enable-admission-plugins", "NodeRestriction",
+        "--feature-gates", gate_flag(gates),
+        "--profiling=false",
+        # The `kubernetes` Service's endpoints would be the advertise address, here
+        # loopback: 1.36 logs "may not be in the loopback range" every 10 s, 1.37 refuses
+        # to start with it. Nothing here reaches the API server through the Service
+        # (every client has a kubeconfig), so no endpoint reconciler.
+        "--endpoint-reconciler-type=none",
+    ]  # fmt: skip
+
+
+def make_key(path: Path) -> None:
+    """The service-account signing key (RSA 2048, openssl)."""
+    subprocess.run(
+        ["openssl", "genrsa", "-out", str(path), "2048"], check=True, capture_output=True
+    )
+
+
 class ControlPlane:
     """etcd, kube-apiserver and (optionally) kube-scheduler on loopback."""
 
     def __init__(
-        self, root: Path, gates: dict[str, bool], bin_dir: Path = BIN, node: str = "node-1"
+        self,
+        root: Path,
+        gates: dict[str, bool],
+        bin_dir: Path = BIN,
+        node: str = "node-1",
+        etcd_flags: Sequence[str] = (),
+        apiserver_flags: Sequence[str] = (),
     ) -> None:
+        """``etcd_flags`` and ``apiserver_flags``: more flags for each (``make scale``
+        raises etcd's storage quota)."""
         self.root = root
         self.bin = bin_dir
         self.node = node
         self.procs: list[subprocess.Popen[bytes]] = []
         self.admin_token = secrets.token_hex(16)
         self.node_token = secrets.token_hex(16)
-        gate_text = ",".join(f"{k}={str(v).lower()}" for k, v in gates.items())
-        self.gates = gate_text
+        self.gates = gate_flag(gates)
         client, peer = free_port(), free_port()
         etcd = f"http://127.0.0.1:{client}"
-        self._spawn(
-            "etcd",
-            [
-                str(self.bin / "etcd"),
-                "--data-dir", str(root / "etcd"),
-                "--listen-client-urls", etcd,
-                "--advertise-client-urls", etcd,
-                "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                "--initial-cluster", f"default=http://127.0.0.1:{peer}",
-                "--unsafe-no-fsync", "--log-level", "warn",
-            ],
-        )  # fmt: skip
+        self._spawn("etcd", [*etcd_argv(self.bin, root / "etcd", client, peer), *etcd_flags])
         key = root / "sa.key"
-        subprocess.run(
-            ["openssl", "genrsa", "-out", str(key), "2048"], check=True, capture_output=True
-        )
+        make_key(key)
         (root / "tokens.csv").write_text(
             f'{self.admin_token},admin,admin,"system:masters"\n'
             f'{self.node_token},system:node:{node},node-{node},"system:nodes"\n'
         )
         self.port = free_port()
         certs = root / "certs"
-        self._spawn(
-            "kube-apiserver",
-            [
-                str(self.bin / "kube-apiserver"),
-                "--etcd-servers", etcd,
-                "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1",
-                # no `kubernetes` Service endpoints: 1.37 refuses a loopback address for them
-                "--endpoint-reconciler-type=none",
-                "--secure-port", str(self.port), "--cert-dir", str(certs),
-                "--token-auth-file", str(root / "tokens.csv"),
-                "--authorization-mode", "Node,RBAC",
-                "--service-account-issuer", "https://kubernetes.default.svc",
-                "--service-account-key-file", str(key),
-                "--service-account-signing-key-file", str(key),
-                "--service-cluster-ip-range", "10.96.0.0/16",
-                "--enable-admission-plugins", "NodeRestriction",
-                "--feature-gates", gate_text, "--profiling=false",
-            ],
-        )  # fmt: skip
+        argv = apiserver_argv(self.bin, etcd, self.port, certs, root / "tokens.csv", key, gates)
+        self._spawn("kube-apiserver", [*argv, *apiserver_flags])
         self.ca = certs / "apiserver.crt"
         poll("the API server's certificate", lambda: self.ca.exists(), 60)
         self.admin = ApiClient(kubeconfig_endpoint(self.kubeconfig("admin", self.admin_token)))

@@ -382,3 +382,31 @@ def test_the_daemon_with_its_api_link_never_imports_kubernetes(
     result = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "True True True []"
+
+
+def test_the_pages_of_a_list_share_one_kept_alive_connection(
+    api: KubeApiDouble, short_tmp: Path
+) -> None:
+    for index in range(7):
+        api.add(pod(f"p{index}"))
+    client = client_of(api, short_tmp)
+    names, token = [], ""
+    while True:
+        query = {"limit": "2", **({"continue": token} if token else {})}
+        with client.stream_list("/api/v1/pods", query, 10.0) as stream:
+            names += [item["metadata"]["name"] for item in stream.items()]
+            token = str(stream.fields["metadata"].get("continue") or "")
+        if not token:
+            break
+    assert sorted(names) == [f"p{index}" for index in range(7)]
+    lists = [r for r in api.requests if r.path == "/api/v1/pods"]
+    assert len(lists) == 4
+    assert len({r.port for r in lists}) == 1  # one connection for the four pages
+    # a list whose reader failed half-way is not handed back: the next request opens
+    # a fresh connection
+    with pytest.raises(ValueError), client.stream_list("/api/v1/pods", {"limit": "5"}, 10.0) as s:
+        next(s.items())
+        raise ValueError("the reader gave up")
+    assert client.get(f"/api/v1/nodes/{NODE}")["metadata"]["name"] == NODE
+    ports = [r.port for r in api.requests if r.path in ("/api/v1/pods", f"/api/v1/nodes/{NODE}")]
+    assert ports[-1] != ports[-2]

@@ -66,8 +66,12 @@ scale: $(VENV)/.installed-test  ## the extender at 100/1 000/5 000 nodes and 10k
 churn: $(VENV)/.installed  ## freed room to binding: the churn scenario against the stand-ins
 	$(BIN)/python -m gpushare.sim.churn --rounds 8 --legacy
 
+# SIMULATE_ARGS: more options of python -m gpushare.sim.trace, e.g. "--pods 600 --list-delay 0.3"
+# (every node's kubelet answers PodResources List 0.3 s late).
+SIMULATE_ARGS ?=
+
 simulate: $(VENV)/.installed  ## trace-driven placement simulation (bench-out/; UPDATE_DOCS=1: docs too)
-	$(BIN)/python -m gpushare.sim.trace --write $(BENCH_OUT)/simulate.md \
+	$(BIN)/python -m gpushare.sim.trace $(SIMULATE_ARGS) --write $(BENCH_OUT)/simulate.md \
 	  $(if $(UPDATE_DOCS),--section docs/benchmarks.md)
 
 # The version is written once, in src/gpushare/__init__.py; the image tag follows it.

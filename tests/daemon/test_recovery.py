@@ -224,3 +224,80 @@ def test_a_memory_only_pod_unlisted_after_a_kubelet_restart_keeps_its_card_full(
     assert second.card() != first.card()
     assert {card_of(d) for ids in second.devices.values() for d in ids} == {second.card()}
     node.kubelet.pods_synced()
+
+
+@pytest.mark.parametrize("placement", ["binpack", "spread"])
+@pytest.mark.parametrize("restarted", [False, True], ids=["steady", "kubelet-restarted"])
+def test_pods_ending_during_an_admission_leave_their_card_to_it(
+    node: Node, restarted: bool, placement: str
+) -> None:
+    """Issue 32.14 (a), as the e2e churn test saw it on a real kubelet v1.36.3 after a
+    restart: three Tesla P4 of 29 units, three pods of 9 units and 10 cores on each;
+    the pods of GPU2 are being deleted and their termination completes while the kubelet
+    admits a fourth such pod, cores first. The core offer still counts their cores; the
+    daemon's own ``List`` (which runs the kubelet's ``UpdateAllocatedDevices``) frees
+    them, so the records list nobody there: GPU2's memory looked "held by someone
+    unlisted", every card full, and the cores went to GPU0 by the policy, where the
+    memory was then refused ("no single card holds both requests"). Two faults: the
+    holders listed before the restart were counted on top of the fresh records that list
+    them again, and a card whose room the records cannot tell was ranked with cards
+    known to be full. It is tried first now, and a pod being deleted holds nothing."""
+    specs = node.with_pod_specs()
+    node.start(cards(TESLA_P4, 3), placement=placement)
+    limits = {node.memory: 9, node.core: 10}
+    pods: dict[str, dict[str, object]] = {}
+    for i in range(9):
+        pods[f"p{i}"] = node.pod(f"p{i}", limits)
+        node.kubelet.admit(f"p{i}", "main", limits)
+        specs.update(pods[f"p{i}"] | {"status": {"phase": "Running"}})
+    by_card: dict[str, list[str]] = {}
+    for (_ns, pod, _c), record in node.kubelet.admitted.items():
+        by_card.setdefault(record.card(), []).append(pod)
+    assert sorted(len(v) for v in by_card.values()) == [3, 3, 3]
+    assert node.daemon is not None
+    assert node.daemon.core.refresher.refresh_once()  # the records list all nine
+    if restarted:
+        count = len(node.kubelet.registrations)
+        node.kubelet.restart()
+        assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 30.0)
+        assert node.kubelet.wait_for(
+            lambda k: k.healthy_count(node.memory) == 87 and k.healthy_count(node.core) == 300,
+            30.0,
+        )
+    ending = by_card[gpu_uuid(2)]
+    for name in ending:
+        deleting = dict(pods[name])
+        meta = dict(pods[name]["metadata"])  # type: ignore[call-overload]
+        deleting["metadata"] = meta | {"deletionTimestamp": "2026-11-27T11:13:16Z"}
+        specs.update(deleting | {"status": {"phase": "Running"}})
+        node.kubelet.end(name)
+    node.pod("late", limits)
+    record = node.kubelet.admit("late", "main", limits, order=[node.core, node.memory])
+    assert record.card() == gpu_uuid(2)
+    assert {card_of(d) for ids in record.devices.values() for d in ids} == {gpu_uuid(2)}
+
+
+def test_the_restart_is_cleared_once_the_kubelet_lists_everyone_with_no_allocate_to_prompt(
+    node: Node,
+) -> None:
+    """Issue 32.14 (b): while the daemon publishes a kubelet restart the extender sends
+    no pod to the node, so no Allocate prompts a read of the records: the daemon read
+    them only at its interval (30 s by default), and the e2e churn test saw a pod wait
+    31 s after a restart. It now reads every second until the records are complete."""
+    node.with_pod_specs()
+    node.start(cards(CARD_4GIB, 2), pod_resources_interval_seconds=3600.0)
+    limits = {node.memory: 4, node.core: 10}
+    node.pod("running", limits)
+    node.kubelet.admit("running", "main", limits)
+    assert node.daemon is not None
+    core = node.daemon.core
+    assert core.refresher.refresh_once()
+    count = len(node.kubelet.registrations)
+    node.kubelet.restart(empty_pod_manager=True)
+    assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 30.0)
+    assert poll(lambda: core.restart.restarted_at() != "", 30.0)  # noticed, published
+    reads = core.refresher.reads
+    assert poll(lambda: core.refresher.reads >= reads + 2, 30.0)  # read again, unprompted
+    assert core.restart.restarted_at() != ""  # the kubelet does not list the pod yet
+    node.kubelet.pods_synced()  # its pod sources are ready: it lists the pod again
+    assert poll(lambda: core.restart.restarted_at() == "", 60.0)

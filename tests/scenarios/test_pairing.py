@@ -38,6 +38,7 @@ from kit.pairing_world import (
     pod_object,
 )
 
+from gpushare.deviceplugin.binding import RECORDS_WAIT
 from gpushare.share.placement import Policy
 from gpushare.sim.kubeletdouble import AdmissionError, ContainerSpec
 
@@ -336,11 +337,16 @@ class RealNode(RuleBasedStateMachine):
         assert self.node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 30.0)
         assert self.node.wait_registered(10.0)
 
-    @rule(slow=st.booleans())
-    def slow_pod_resources(self, slow: bool) -> None:
-        """A kubelet that answers List after 300 ms: past the binder's wait."""
-        self.node.kubelet.list_delay = 0.3 if slow else 0.0
-        self.facts_degraded = slow
+    @rule(pace=st.sampled_from(["prompt", "slow", "past the wait"]))
+    def slow_pod_resources(self, pace: str) -> None:
+        """A kubelet that answers List at once, after 300 ms (past the 0.2 s the binder
+        waited before issue 32.18: no refusal is needless), or later than a binder told
+        to wait 0.1 s (the fallback: refusals allowed, never a split)."""
+        assert self.node.daemon is not None and self.node.daemon.plugin is not None
+        binder = self.node.daemon.plugin.binder
+        self.node.kubelet.list_delay = 0.0 if pace == "prompt" else 0.3
+        binder.records_wait = 0.1 if pace == "past the wait" else RECORDS_WAIT
+        self.facts_degraded = pace == "past the wait"
 
 
 class RealNodeWithoutSpecs(RealNode):
@@ -422,10 +428,14 @@ def test_the_spec_of_a_running_pod_holding_the_last_binding_is_used(
     assert record.card() != held.card()
 
 
-def test_a_slow_kubelet_costs_refusals_never_a_split(node: Node) -> None:
+def test_a_kubelet_slower_than_the_binders_wait_costs_refusals_never_a_split(
+    node: Node,
+) -> None:
     """PodResources answering after the binder's wait: the fallback steers."""
     node.with_pod_specs()
-    node.start(cards(TESLA_P4, 2))
+    daemon = node.start(cards(TESLA_P4, 2))
+    assert daemon.plugin is not None
+    daemon.plugin.binder.records_wait = 0.1
     node.kubelet.list_delay = 0.3
     admitted = refused = 0
     for i, (memory, core, memory_first) in enumerate(

@@ -25,6 +25,7 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -34,7 +35,7 @@ from gpushare.gpu.health import HealthBoard
 from gpushare.host.grantspecs import GrantSpecs, grant_name
 from gpushare.host.library import prepare_cache_dir
 from gpushare.host.mps import MpsError, MpsGrants
-from gpushare.kube.podspecs import PodSpecBook, asking_tampering
+from gpushare.kube.podspecs import PodSpecBook, asking_tampering, holder_live
 from gpushare.share import answers
 from gpushare.share.answers import Answer, DeviceListing, Enforcement
 from gpushare.share.devices import InvalidDeviceIds, Inventory, Resource, format_device_id
@@ -156,21 +157,35 @@ def other_free_in(
     healthy: Sequence[str],
     snapshot: Snapshot,
     restart: RestartHolders | None = None,
-) -> tuple[dict[str, int], set[str]]:
+    alive: Callable[[Holder], bool] | None = None,
+) -> tuple[dict[str, int], set[str], dict[str, int]]:
     """Per card, the free units of the resource other than ``resource``, from the
-    kubelet's records; and the healthy cards on which the kubelet's offer of
-    ``resource`` (``free``, exact) shows holders the records do not list
-    (:meth:`Snapshot.unlisted_on`). What such a holder has of the other resource is
-    unknown, so it is taken as full there: the card is used only where no card the
-    records vouch for can take the container (found by the e2e suite after a kubelet
-    restart, e2e/README.md). A holder the records listed before a kubelet restart and
-    not since (``restart``) still holds what it held: e.g. memory only, which the core
-    offer cannot show (issue 32.14)."""
+    kubelet's records; the healthy cards on which the kubelet's offer of ``resource``
+    (``free``, exact) shows holders the records do not list
+    (:meth:`Snapshot.unlisted_on`); and for those cards, the most of the other resource
+    that can be free there.
+
+    What an unlisted holder has of the other resource is unknown, so it is taken as full
+    there: the card is used only where no card the records vouch for can take the
+    container (found by the e2e suite after a kubelet restart, e2e/README.md); the bound
+    lets such a card be tried before cards known to be full. The offer and the records
+    can also disagree the other way round: the offer is made before the request, the
+    records read after it, and the kubelet's ``List`` frees the devices of pods that
+    ended in between (issue 32.14: a restarted kubelet still killing deleted pods).
+
+    A holder the records listed before a kubelet restart and not since (``restart``)
+    still holds what it held: e.g. memory only, which the core offer cannot show (issue
+    32.14); one these records list is counted by them already, one whose pod is gone
+    or being deleted (``alive``, from the pod specs) holds nothing placement can use."""
     other = resource.other
     used = snapshot.used_counts[other]
     other_free = {
         uuid: card.units(other) - used.get(uuid, 0) for uuid, card in inventory.cards.items()
     }
+    if restart is not None:
+        for uuid, units in restart.held(other, snapshot.devices.keys(), alive).items():
+            if uuid in other_free:
+                other_free[uuid] = max(0, other_free[uuid] - units)
     # Only cards the offer names: one it leaves out entirely is full, or held back by
     # the Topology Manager (another NUMA node), and either way cannot take the request.
     taken = {
@@ -179,12 +194,10 @@ def other_free_in(
         if free.get(uuid)
     }
     unlisted = snapshot.unlisted_on(resource, taken)
+    at_most = {uuid: other_free[uuid] for uuid in unlisted}
     for uuid in unlisted:
         other_free[uuid] = 0
-    for uuid, units in (restart.held(other) if restart is not None else {}).items():
-        if uuid in other_free:
-            other_free[uuid] = max(0, other_free[uuid] - units)
-    return other_free, unlisted
+    return other_free, unlisted, at_most
 
 
 def _sealed(
@@ -366,11 +379,12 @@ class Binder:
         with self._lock:
             self._decided[resource] = (last, decision, snapshot)
         if snapshot is not None:  # the kubelet's records as of now: exact, unless...
-            args = (self.inventory, resource, free, healthy, snapshot, self.restart)
-            other_free, unlisted = other_free_in(*args)
+            alive = partial(holder_live, self.specs) if self.specs is not None else None
+            args = (self.inventory, resource, free, healthy, snapshot, self.restart, alive)
+            other_free, unlisted, at_most = other_free_in(*args)
             self._note_unlisted(resource, unlisted)
         else:  # the last offer of the other resource and every Allocate since
-            other_free = self.usage.free_counts(resource.other)
+            other_free, at_most = self.usage.free_counts(resource.other), {}
         cards = [
             CandidateCard(
                 uuid=uuid,
@@ -383,6 +397,7 @@ class Binder:
                 if resource is Resource.CORE
                 else other_free[uuid],
                 healthy=self.health.is_healthy(uuid) and (allowed is None or allowed(uuid)),
+                other_at_most=at_most.get(uuid),
             )
             for uuid, card in self.inventory.cards.items()
         ]

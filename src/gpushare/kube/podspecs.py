@@ -443,6 +443,12 @@ def asking_tampering(
     return None
 
 
+def holder_live(book: PodSpecBook, holder: Holder) -> bool:
+    """Whether the holder's pod is on record and not being deleted (the book keeps no
+    terminal pod)."""
+    return any(not entry.deleting for _uid, entry in book.named(holder.namespace, holder.pod))
+
+
 def only_uid_of(book: PodSpecBook, namespace: str, name: str) -> str | None:
     """The UID of the one pod of that name on record; None if none or several (a pod
     deleted and created again under its name while the old one still goes away)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,7 +34,7 @@ from gpushare.host.mps import MpsControl, MpsError, MpsGrants
 from gpushare.host.tombstones import Reaper
 from gpushare.host.unitguard import UnitSizeChanged, guard_unit_size
 from gpushare.kube.labels import LabelFacts
-from gpushare.kube.podspecs import PodSpecBook
+from gpushare.kube.podspecs import PodSpecBook, holder_live
 from gpushare.node.backends import (
     DEVICE_PLUGIN_HOOKS,
     card_traits,
@@ -60,7 +61,7 @@ from gpushare.share.exclusion import Exclusion
 from gpushare.share.gputype import ChoiceBook
 from gpushare.share.records import Snapshot
 from gpushare.share.restartholders import RestartHolders
-from gpushare.share.usage import Holder, UsageLedger
+from gpushare.share.usage import UsageLedger
 from gpushare.share.whole import (
     TIME_SLICED_RESOURCE,
     ExclusiveDevice,
@@ -130,16 +131,10 @@ class NodeCore:
         )
 
     def records_read_after_restart(self, snapshot: Snapshot) -> None:
-        """Feed :attr:`restart` each records read (a pod the spec book no longer holds
-        is gone)."""
+        """Feed :attr:`restart` each records read (a pod the spec book no longer holds,
+        or holds as being deleted, is gone)."""
         specs = self.specs
-        alive = None
-        if specs is not None:
-            book = specs
-
-            def alive(holder: Holder) -> bool:
-                return book.uid_of(holder.namespace, holder.pod) is not None
-
+        alive = partial(holder_live, specs) if specs is not None else None
         kubelet = _identity(self.settings.kubelet_socket)
         given_up = self.restart.records_read(snapshot.holders_by_card(), alive, kubelet)
         if given_up:
@@ -324,6 +319,10 @@ def build_core(
     )
     refresher.after_read = core.after_read
     refresher.read_listeners.append(core.records_read_after_restart)
+    # After a kubelet restart: read at once, then every second until the records list
+    # every container again (the extender keeps pods off the node until then).
+    refresher.hurry = lambda: bool(core.restart.restarted_at())
+    core.restart.listeners.append(refresher.poke)
     card_facts.enforcement = shown_enforcement(backends)
     if ComputeBackend.MPS in {c.compute for c in backends.values()}:
         control = MpsControl(Path(settings.mps_control), Path(settings.host_lib_dir))

@@ -5,7 +5,10 @@ The kubelet's records are the only truth about allocations. They are read:
 * once when the daemon starts, before it registers, so that a daemon restarted in
   the middle of a busy node (even after ``kill -9``) agrees with the kubelet at once;
 * every ``pod_resources_interval_seconds`` when nothing happens;
-* shortly after an Allocate (debounced: a burst of admissions costs one read).
+* shortly after an Allocate (debounced: a burst of admissions costs one read);
+* every :data:`HURRY_SECONDS` while ``hurry`` says so: after a kubelet restart, until
+  its records list every container again (the node is kept from the scheduler
+  extender meanwhile, so no Allocate comes to prompt a read; issue 32.14).
 
 A socket that is missing or failing is retried with growing delays and never stops
 the daemon. After each fresh read the caller's ``after_read`` hook runs (garbage
@@ -31,6 +34,9 @@ DEBOUNCE_SECONDS = 0.2
 DEBOUNCE_LIMIT_SECONDS = 1.0
 #: Delays between reads while the socket is missing or failing: first, longest.
 RETRY_SECONDS = (0.5, 30.0)
+#: Between reads while ``hurry`` says the records are awaited (one List a second; the
+#: kubelet allows 100).
+HURRY_SECONDS = 1.0
 
 
 class UsageRefresher:
@@ -58,6 +64,8 @@ class UsageRefresher:
         self._poked_last: float | None = None
         #: Also called with every snapshot adopted, after ``after_read``.
         self.read_listeners: list[Callable[[Snapshot], object]] = []
+        #: True while fresh records are awaited: read every HURRY_SECONDS, not the interval
+        self.hurry: Callable[[], bool] | None = None
         self.reads = 0  # successful reads adopted, for tests and metrics
         self.failures = 0
 
@@ -116,6 +124,15 @@ class UsageRefresher:
                 log.exception("after_pod_resources_read_failed")
         return True
 
+    def _next_interval(self) -> float:
+        hurry = self.hurry
+        try:
+            hurried = hurry is not None and hurry()
+        except Exception:  # a hook must not end this thread
+            log.exception("pod_resources_hurry_failed")
+            hurried = False
+        return min(self._interval, HURRY_SECONDS) if hurried else self._interval
+
     def _due_after_poke(self) -> float | None:
         with self._lock:
             if self._poked_first is None or self._poked_last is None:
@@ -145,7 +162,7 @@ class UsageRefresher:
                 self._poked_first = self._poked_last = None
             if self.refresh_once():
                 retry = RETRY_SECONDS[0]
-                next_read = self._clock() + self._interval
+                next_read = self._clock() + self._next_interval()
             else:
                 next_read = self._clock() + min(retry, self._interval)
                 retry = min(retry * 2, longest)

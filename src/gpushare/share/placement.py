@@ -24,7 +24,10 @@ Two levels:
      are eligible.
   2. ``partner``: that card, if eligible (else Allocate will refuse the request).
   3. ``prefer``: that card, if eligible.
-  4. ``other_need`` known: by policy among the eligible cards that hold both.
+  4. ``other_need`` known: by policy among the eligible cards that hold both; if none
+     does, among those whose room of the other resource is not known but may hold it
+     (``other_at_most``: someone the kubelet's records do not list holds units there),
+     before cards known to lack it.
   5. Nothing known: the eligible card with the most free units of the other resource;
      if ANY card could hold both requests, this one can. Policy breaks ties.
   6. No card is eligible: the card with the most free units, so that the kubelet pads
@@ -195,6 +198,9 @@ class CandidateCard:
     memory_free: int
     core_free: int
     healthy: bool = True
+    #: Where the free units of the other resource are not known (its ``memory_free`` or
+    #: ``core_free`` then says 0): the most that can be free. None: they are known.
+    other_at_most: int | None = None
 
 
 @dataclass(frozen=True)
@@ -251,8 +257,10 @@ def choose_card(
             if wanted == request.partner:
                 break  # the partner's card cannot take it: Allocate will say so
     if request.other_need is not None:
-        both = [c for c in eligible if _other_free(c, request.resource) >= request.other_need]
-        return min(both or eligible, key=lambda c: _request_key(c, request, policy))
+        need = request.other_need
+        both = [c for c in eligible if _other_free(c, request.resource) >= need]
+        maybe = [c for c in eligible if c.other_at_most is not None and c.other_at_most >= need]
+        return min(both or maybe or eligible, key=lambda c: _request_key(c, request, policy))
     return min(
         eligible,
         key=lambda c: (-_other_free(c, request.resource), *_request_key(c, request, policy)),

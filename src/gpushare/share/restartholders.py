@@ -14,11 +14,13 @@ are asked first could be bound to that pod's card and then be refused its memory
 (and those listed in the last :data:`RECENT_SECONDS`: the restarted kubelet's first,
 empty records may be read before its new socket is noticed) and, while any of them is
 not listed again, counts their units on their cards as held.
-A holder leaves when the records list it again; one whose pod is gone (the pod specs say
-so) leaves :data:`SOURCES_READY_SECONDS` after the restart, when the kubelet frees the
-devices of deleted pods; every holder leaves after :data:`LONGEST_SECONDS` (logged by the
-caller). While any is left the node's records are incomplete: the daemon publishes the
-restart in its node state and the scheduler extender sends no pod there.
+A holder leaves when the records list it again; one whose pod is gone or being deleted
+(the pod specs say so) leaves at once: the kubelet frees its devices at its next
+``UpdateAllocatedDevices`` (every ``List`` runs one), and while it still counts them it
+refuses by its own count, which no card choice avoids. Every holder leaves after
+:data:`LONGEST_SECONDS` (logged by the caller). While any is left the node's records are
+incomplete: the daemon publishes the restart in its node state and the scheduler
+extender sends no pod there.
 
 Pure: fed with plain data and a clock, no I/O.
 """
@@ -27,14 +29,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from gpushare.share.devices import Resource
 from gpushare.share.usage import Holder
 
-#: How long after a kubelet restart a pod deleted before it may still hold devices in the
-#: kubelet (its pod sources become ready within seconds of reaching the API server).
-SOURCES_READY_SECONDS = 30.0
 #: The longest a holder listed before the restart is waited for.
 LONGEST_SECONDS = 600.0
 #: A holder the records stopped listing this recently is still expected after a restart:
@@ -139,13 +138,27 @@ class RestartHolders:
         for key in [k for k, (_u, at) in self._recent.items() if at < horizon]:
             del self._recent[key]
 
-    def held(self, resource: Resource) -> dict[str, int]:
-        """Per card, the units of ``resource`` the holders not listed again hold."""
+    def held(
+        self,
+        resource: Resource,
+        listed: Collection[Holder] = (),
+        alive: Callable[[Holder], bool] | None = None,
+    ) -> dict[str, int]:
+        """Per card, the units of ``resource`` the holders not listed again hold, leaving
+        out those ``listed`` (the records in the caller's hand, which may be newer than
+        the last read fed here: a holder they list is counted by them already) and those
+        whose pod is gone or being deleted by now (``alive``, as :meth:`records_read`)."""
         with self._lock:
             return {
                 uuid: total
                 for uuid, holders in self._missing.items()
-                if (total := sum(units.get(resource, 0) for units in holders.values()))
+                if (
+                    total := sum(
+                        units.get(resource, 0)
+                        for holder, units in holders.items()
+                        if holder not in listed and (alive is None or alive(holder))
+                    )
+                )
             }
 
     def restarted_at(self) -> str:

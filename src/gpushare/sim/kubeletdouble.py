@@ -22,6 +22,13 @@ everything a plugin can observe:
   kubelet frees a rejected pod's devices in ``UpdateAllocatedDevices``, which runs
   before the next admission allocates anything and at the start of every PodResources
   ``List``: no plugin can observe them in between, so they are freed at once here.
+* **Pods ending mid-admission** (:meth:`SimulatedKubelet.end`). The kubelet frees
+  an ended pod's devices in ``UpdateAllocatedDevices``, which runs at the start of
+  each container's allocation and at the start of every PodResources ``List``: a pod
+  whose termination completes while a container is being admitted (a kubelet that
+  has just restarted and is still killing deleted pods) is counted in the offer of
+  that container's first resource and freed by the plugin's own ``List`` before its
+  second resource is offered.
 * **PodResources** (``server_v1.go``). ``List`` shows active pods only, their app
   containers and restartable init containers (not ordinary init containers), and is
   rate-limited like the kubelet's (``ResourceExhausted`` beyond ``list_rate`` per
@@ -276,6 +283,23 @@ class PodResourcesLister(pr_pb2_grpc.PodResourcesListerServicer):
         self._lock = threading.Condition()
         #: each listed pod's encoded entry of the answer, by what it lists
         self._encoded: dict[_Listed, bytes] = {}
+        #: pods that ended (:meth:`SimulatedKubelet.end`) -> the admissions started
+        #: then; their devices are held until the next ``UpdateAllocatedDevices``
+        self.ended: dict[tuple[str, str], int] = {}
+        self.admissions_started = 0
+
+    def update_allocated_devices(self, *, admission: bool) -> None:
+        """Free the devices of ended pods: at a ``List``, those whose end came during an
+        admission started since; at the start of a container's allocation, those that
+        ended before the previous one began (a pod ending during an admission is still
+        counted at its start)."""
+        with self._lock:
+            for (namespace, pod), started in list(self.ended.items()):
+                if started >= self.admissions_started - (1 if admission else 0):
+                    continue
+                del self.ended[namespace, pod]
+                for key in [k for k in self.admitted if k[:2] == (namespace, pod)]:
+                    del self.admitted[key]
 
     def _take_list_token(self) -> bool:
         with self._lock:
@@ -332,6 +356,7 @@ class PodResourcesLister(pr_pb2_grpc.PodResourcesListerServicer):
             time.sleep(self.list_delay)  # a slow kubelet, for tests of late records
         with self._lock:
             self.lists_served += 1
+        self.update_allocated_devices(admission=False)
         return self.list_response()
 
 
@@ -468,6 +493,9 @@ class SimulatedKubelet(PluginRegistry, PodResourcesLister):
             if other != (namespace, pod):
                 del self._reuse[other]  # devicesToReuse keeps the pod being admitted only
         with self._lock:
+            self.admissions_started += 1
+        self.update_allocated_devices(admission=True)
+        with self._lock:
             if self.pod_manager is not None:
                 self.pod_manager.add((namespace, pod))  # AddPod, then admission
         try:
@@ -592,6 +620,14 @@ class SimulatedKubelet(PluginRegistry, PodResourcesLister):
             for key in list(self.admitted):
                 if key[:2] == (namespace, pod) and container in (None, key[2]):
                     del self.admitted[key]
+
+    def end(self, pod: str, namespace: str = "default") -> None:
+        """The pod's termination completes during the next container's admission: its
+        devices are still counted in the offer of that container's first resource and
+        freed by the first ``List`` once that admission began (or by the allocation
+        after it)."""
+        with self._lock:
+            self.ended[namespace, pod] = self.admissions_started
 
     def release_all(self, pods: Iterable[str]) -> None:
         for pod in pods:

@@ -24,8 +24,11 @@ A pod that no node can take is counted **unschedulable** (a real cluster keeps i
 Pending). The daemons run with the same policy (binpack or spread) as the
 scheduler's node scoring.
 
-``python -m gpushare.sim.trace [--pods N] [--seed S] [--write PATH]`` prints a markdown
-report and exits 1 if any pod failed admission with the extender.
+``python -m gpushare.sim.trace [--pods N] [--seed S] [--list-delay SECONDS] [--write PATH]``
+prints a markdown report and exits 1 if any pod failed admission with the extender.
+``--list-delay`` makes every node's kubelet answer PodResources ``List`` that late (a
+busy node): the daemon waits for its records (``binding.RECORDS_WAIT``), so the
+extender's runs must still see no admission failure.
 """
 
 from __future__ import annotations
@@ -163,8 +166,11 @@ def make_cluster() -> list[SimNode]:
     return nodes
 
 
-def start_daemons(nodes: Sequence[SimNode], placement: str) -> list[DaemonNode]:
-    """The real daemon behind a kubelet stand-in, for each node."""
+def start_daemons(
+    nodes: Sequence[SimNode], placement: str, list_delay: float = 0.0
+) -> list[DaemonNode]:
+    """The real daemon behind a kubelet stand-in, for each node; each kubelet answers
+    PodResources ``List`` after ``list_delay`` seconds."""
     models = {count: (model, mib) for count, model, mib, _ in NODE_SHAPES}
     rigs: list[DaemonNode] = []
     try:
@@ -174,6 +180,7 @@ def start_daemons(nodes: Sequence[SimNode], placement: str) -> list[DaemonNode]:
             rig = DaemonNode(node.name, cards, placement, seed=number)
             rigs.append(rig)
             rig.start()
+            rig.kubelet.list_delay = list_delay
     except BaseException:
         for rig in rigs:
             rig.stop()
@@ -201,9 +208,11 @@ def _totals_score(node: SimNode, pod: PodNeed, placement: str) -> float:
     return -free_after if placement == BINPACK else free_after
 
 
-def simulate(trace: Sequence[TracePod], placement: str, extender: bool) -> RunResult:
+def simulate(
+    trace: Sequence[TracePod], placement: str, extender: bool, list_delay: float = 0.0
+) -> RunResult:
     nodes = make_cluster()
-    rigs = start_daemons(nodes, placement)
+    rigs = start_daemons(nodes, placement, list_delay)
     try:
         result = _simulate(trace, placement, extender, nodes, rigs)
         result.failure_reasons = [reason for rig in rigs for reason in rig.failures]
@@ -292,13 +301,16 @@ def _quantiles(values: Sequence[float]) -> str:
     return f"{100 * cuts[0]:.0f} / {100 * statistics.median(values):.0f} / {100 * cuts[-1]:.0f} %"
 
 
-def render_report(results: Sequence[RunResult], pods: int, seed: int, load: float) -> str:
+def render_report(
+    results: Sequence[RunResult], pods: int, seed: int, load: float, list_delay: float = 0.0
+) -> str:
     shapes = ", ".join(f"{n} x {c}-card {model}" for c, model, _, n in NODE_SHAPES)
     cards = sum(c * n for c, _, _, n in NODE_SHAPES)
+    slow = f"; every PodResources List answered after {list_delay:g} s" if list_delay else ""
     lines = [
         f"Trace: {pods} pods, seed {seed}, offered memory load {load:.2f} of the cluster; "
-        f"{cards} cards on {shapes}. Utilisation is time-averaged per card after a 10 % "
-        "warm-up; p10 / p50 / p90 are across cards.",
+        f"{cards} cards on {shapes}{slow}. Utilisation is time-averaged per card after a "
+        "10 % warm-up; p10 / p50 / p90 are across cards.",
         "",
         "| placement | extender | admitted | unschedulable | admission failures "
         "| card memory use (mean) | card memory use p10 / p50 / p90 | card core use (mean) |",
@@ -334,14 +346,16 @@ def render_report(results: Sequence[RunResult], pods: int, seed: int, load: floa
     return "\n".join(lines) + "\n"
 
 
-def run(pods: int, seed: int, load: float) -> tuple[list[RunResult], str]:
+def run(
+    pods: int, seed: int, load: float, list_delay: float = 0.0
+) -> tuple[list[RunResult], str]:
     trace = make_trace(pods, seed, load)
     results = [
-        simulate(trace, placement, extender)
+        simulate(trace, placement, extender, list_delay)
         for placement in PLACEMENTS
         for extender in (False, True)
     ]
-    return results, render_report(results, pods, seed, load)
+    return results, render_report(results, pods, seed, load, list_delay)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -354,6 +368,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--load", type=float, default=1.0, help="offered memory load (1.0 = the cluster's memory)"
     )
+    parser.add_argument(
+        "--list-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="every kubelet answers PodResources List this late (a busy node; default 0)",
+    )
     parser.add_argument("--write", metavar="PATH", help="also write the markdown report here")
     parser.add_argument(
         "--section",
@@ -362,13 +383,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(e.g. docs/benchmarks.md)",
     )
     args = parser.parse_args(argv)
-    if args.pods < 20 or args.load <= 0:
-        parser.error("--pods must be at least 20 and --load greater than 0")
+    if args.pods < 20 or args.load <= 0 or not 0 <= args.list_delay <= 60:
+        parser.error(
+            "--pods must be at least 20, --load greater than 0, --list-delay 0 to 60 seconds"
+        )
     saved = structlog.get_config()
     configure_logging("console", "error")  # the daemons' own events would drown the report
     started = time.perf_counter()
     try:
-        results, report = run(args.pods, args.seed, args.load)
+        results, report = run(args.pods, args.seed, args.load, args.list_delay)
     finally:
         structlog.configure(**saved)
     print(report, end="")
@@ -386,6 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if args.load != 1.0:
             command += f" --load {args.load}"
+        if args.list_delay:
+            command += f" --list-delay {args.list_delay:g}"
         body = f"Produced by `make simulate` (`{command}`).\n\n{report}"
         replace_section(Path(args.section), "simulate", body)
         print(f"rewrote the simulate section of {args.section}", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -67,6 +68,58 @@ def test_known_second_request_is_packed_among_cards_that_hold_both() -> None:
     cards = [core_card(0, 2, 100), core_card(1, 9, 100), core_card(2, 5, 100)]
     assert choose_card(cards, Request(Resource.CORE, 20, other_need=4), BINPACK) == cards[2]
     assert choose_card(cards, Request(Resource.CORE, 20, other_need=4), SPREAD) == cards[1]
+
+
+def test_a_card_of_unknown_room_is_tried_before_cards_known_to_lack_it() -> None:
+    """Issue 32.14 (a): no card the records vouch for holds the 9 memory units that
+    follow these cores; GPU-2's memory is unknown (its offer shows holders the records
+    do not list) but may be free: it is chosen, whatever the policy, over GPU-0 and
+    GPU-1 (2 units each), where the memory would surely be refused. A card whose bound
+    is too small is no better than a full one."""
+    for policy in Policy:
+        cards = [
+            core_card(0, 2, 70),
+            core_card(1, 2, 70),
+            replace(core_card(2, 0, 70), other_at_most=29),
+        ]
+        request = Request(Resource.CORE, 10, other_need=9)
+        assert choose_card(cards, request, policy) == cards[2]
+        small = [*cards[:2], replace(cards[2], other_at_most=8)]
+        chosen = choose_card(small, request, policy)
+        # nothing may fit: the policy alone, as before (binpack: the fullest)
+        assert chosen is not None and chosen.uuid == ("GPU-2" if policy is BINPACK else "GPU-0")
+        fits = [replace(cards[0], memory_free=9), *cards[1:]]
+        assert choose_card(fits, request, policy) == fits[0]  # a known fit comes first
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 12), st.integers(0, 12), st.none() | st.integers(0, 12)),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(1, 12),
+    st.sampled_from(list(Policy)),
+)
+def test_a_known_fit_then_a_possible_fit_is_chosen_whenever_one_exists(
+    shapes: list[tuple[int, int, int | None]], need: int, policy: Policy
+) -> None:
+    """Cards with (free cores, free memory known, at most free memory where unknown):
+    the container's 10 cores and ``need`` memory units go to a card known to hold both
+    if there is one, else to one that may, else anywhere the cores fit."""
+    cards = [
+        CandidateCard(f"GPU-{i}", i, tuple(range(cores * 10)), 0 if most is not None else mem,
+                      cores * 10, other_at_most=most)
+        for i, (cores, mem, most) in enumerate(shapes)
+    ]  # fmt: skip
+    request = Request(Resource.CORE, 10, other_need=need)
+    chosen = choose_card(cards, request, policy)
+    assert chosen is not None
+    eligible = [c for c in cards if len(c.free_units) >= 10]
+    if any(c.memory_free >= need for c in eligible):
+        assert chosen.memory_free >= need
+    elif any(c.other_at_most is not None and c.other_at_most >= need for c in eligible):
+        assert chosen.other_at_most is not None and chosen.other_at_most >= need
 
 
 def test_must_include_units_pin_the_card_and_come_first() -> None:

@@ -92,6 +92,20 @@ def test_a_deleted_pod_stops_holding_as_soon_as_it_is_known_gone() -> None:
     assert holders.held(Resource.MEMORY) == {} and holders.restarted_at() == ""
 
 
+def test_the_callers_fresher_records_and_deletions_are_not_counted_twice() -> None:
+    """Issue 32.14 (a), seen on a real kubelet: the binder's own records, read after
+    the last read fed here, list A again; counting A's units from them AND from here
+    made every card look full. B's pod is being deleted: it holds nothing to place by."""
+    holders = _holders(Clock())
+    holders.records_read({"GPU-0": {A: MEM_ONLY}, "GPU-1": {B: BOTH}}, kubelet=1)
+    holders.kubelet_restarted()
+    assert holders.held(Resource.MEMORY) == {"GPU-0": 12, "GPU-1": 4}
+    assert holders.held(Resource.MEMORY, listed={A}) == {"GPU-1": 4}
+    assert holders.held(Resource.MEMORY, listed={A}, alive=lambda h: h != B) == {}
+    assert holders.held(Resource.CORE, alive=lambda h: h != B) == {}
+    assert holders.waiting_for() == 2  # held() never changes what is waited for
+
+
 def test_a_holder_never_listed_again_is_given_up_after_the_longest_wait() -> None:
     clock = Clock()
     holders = _holders(clock)

@@ -16,17 +16,16 @@ prepare over the real DRA socket, its spec applied over hostile envs as a runtim
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_dra_plugin import DraNode
+from test_dra_plugin import DraNode, dra
 
 from gpushare.share.reserved import RESERVED_NAMES, RESERVED_PREFIXES, env_reserved
-from gpushare.sim.apidouble import KubeApiDouble
+
+__all__ = ["dra"]  # fixture
 
 MIB = 1 << 20
 #: HAMi-core's CUDA_DEVICE_MAX_COUNT: the indices whose limits it reads.
@@ -96,13 +95,10 @@ def hami_limits(env: dict[str, str], index: int) -> tuple[int | None, int | None
 
 
 @pytest.fixture
-def node(short_tmp: Path, api: KubeApiDouble) -> Iterator[DraNode]:
-    dra = DraNode(short_tmp, api)
-    try:
-        dra.start()
-        yield dra
-    finally:
-        dra.stop()
+def node(dra: DraNode) -> DraNode:
+    """The DRA node of ``test_dra_plugin``'s ``dra``, started (``dra`` stops it)."""
+    dra.start()
+    return dra
 
 
 def _prepared(node: DraNode) -> dict[str, Any]:

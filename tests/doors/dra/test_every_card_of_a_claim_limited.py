@@ -14,7 +14,6 @@ library would build it, in every order the runtime might apply the devices.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,10 +23,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from kit.cdi_runtime import create_runtime_hooks
 from kit.memhook import HAVE_GCC
-from test_dra_plugin import NODE, DraNode, env_of
+from test_dra_plugin import NODE, DraNode, dra, env_of
 
 from gpushare.sim.apidouble import KubeApiDouble
 from gpushare.sim.drakubeletdouble import pod_using_claims
+
+__all__ = ["dra"]  # fixture
 
 MIB = 1 << 20
 
@@ -71,13 +72,10 @@ def _check_every_order(specs: list[dict[str, Any]], grants: dict[str, int]) -> N
 
 
 @pytest.fixture
-def node(short_tmp: Path, api: KubeApiDouble) -> Iterator[DraNode]:
-    dra = DraNode(short_tmp, api)
-    try:
-        dra.start()
-        yield dra
-    finally:
-        dra.stop()
+def node(dra: DraNode) -> DraNode:
+    """The DRA node of ``test_dra_plugin``'s ``dra``, started (``dra`` stops it)."""
+    dra.start()
+    return dra
 
 
 def test_a_claim_on_two_cards_limits_both(node: DraNode) -> None:

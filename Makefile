@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 PROTOS := $(shell find proto -name '*.proto')
 comma  := ,
 
-.PHONY: gpu-proof demo test lint bench scale simulate churn image image-local version manifests clean verify-pairing e2e e2e-build kubectl-plugin
+.PHONY: gpu-proof demo test test-slow lint bench scale simulate churn image image-local version manifests clean verify-pairing e2e e2e-build kubectl-plugin
 
 demo: $(VENV)/.installed  ## run the daemon on a simulated node with a simulated kubelet
 	$(BIN)/gpushare-demo
@@ -35,6 +35,11 @@ lint: $(VENV)/.installed-test
 
 verify-pairing: $(VENV)/.installed-test  ## every admission sequence of up to 5 containers, 3 regimes
 	$(BIN)/pytest -q -m slow tests/scenarios/test_pairing.py
+
+# Every test marked slow: make verify-pairing's runs, and the full sizes of the properties
+# that make test runs quick (fewer hypothesis examples or a smaller world; tests/kit/sizes.py).
+test-slow: $(VENV)/.installed-test  ## the full sizes left out of make test (marker slow; verify-pairing included)
+	$(BIN)/pytest -q -m slow
 
 # On a GPU machine (root): the driver version, memory, MIG mode, cgroup type and
 # dmem.capacity, then the enforcement probe under every memory backend the machine

@@ -5,8 +5,9 @@ only, core only, both in each kubelet order, sizes that fill two small cards) un
 the three regimes of facts (no PodResources; PodResources only; PodResources and pod
 specs) and asserts: no container is ever split; with PodResources and specs, no
 container is refused while one card could hold it. CI runs sequences of up to
-``QUICK_LENGTH`` containers; ``make verify-pairing`` (marker ``slow``) runs up to
-``FULL_LENGTH`` and prints the counts that docs/placement.md quotes.
+``QUICK_LENGTH`` containers of every kind and one more of the six ``LONG_KINDS``;
+``make verify-pairing`` (marker ``slow``) runs up to ``FULL_LENGTH`` and prints the
+counts that docs/placement.md quotes.
 
 The worlds are in-process (``pairing_world.py``): the real servicer and binder, the
 kubelet stand-in without sockets. The state machine at the end runs over real sockets.
@@ -42,7 +43,7 @@ from gpushare.deviceplugin.binding import RECORDS_WAIT
 from gpushare.share.placement import Policy
 from gpushare.sim.kubeletdouble import AdmissionError, ContainerSpec
 
-QUICK_LENGTH = 3  # every kind of container, for make test
+QUICK_LENGTH = 2  # every kind of container, for make test (3: of LONG_KINDS)
 FULL_LENGTH = 4  # every kind of container, for make verify-pairing
 LONG_LENGTH = 5  # the reduced kinds of LONG_KINDS, for make verify-pairing
 CARD_MIB = (1024, 1024)  # two cards of 4 memory units and 100 core units
@@ -151,14 +152,27 @@ def check(results: dict[str, tuple[int, Outcome]]) -> None:
     assert facts.needless == 0, facts.details
 
 
-@pytest.mark.parametrize(("policy", "length"), [(Policy.BINPACK, QUICK_LENGTH), (Policy.SPREAD, 2)])
+@pytest.mark.parametrize(
+    ("policy", "length", "kinds"),
+    [
+        (Policy.BINPACK, QUICK_LENGTH, None),
+        (Policy.BINPACK, QUICK_LENGTH + 1, LONG_KINDS),
+        (Policy.SPREAD, QUICK_LENGTH, None),
+        pytest.param(Policy.BINPACK, FULL_LENGTH - 1, None, marks=pytest.mark.slow),
+    ],
+    ids=["binpack-2", "binpack-3-six-kinds", "spread-2", "binpack-3"],
+)
 def test_every_sequence_never_splits(
-    policy: Policy, length: int, capsys: pytest.CaptureFixture[str]
+    policy: Policy,
+    length: int,
+    kinds: Sequence[Container] | None,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     started = time.perf_counter()
-    results = enumerate_all(length, policy)
+    results = enumerate_all(length, policy, kinds)
+    count = len(kinds) if kinds is not None else len(container_kinds())
     with capsys.disabled():
-        print(f"\n{policy}: " + report(length, results, time.perf_counter() - started))
+        print(f"\n{policy}: " + report(length, results, time.perf_counter() - started, count))
     check(results)
     # The fallback's price is real: without records, some container is refused needlessly.
     assert results["no PodResources"][1].needless > 0
@@ -193,11 +207,16 @@ PRELOADS: tuple[tuple[Container, ...], ...] = (
 )
 
 
-def test_every_two_container_pod_is_placed_as_a_whole() -> None:
+@pytest.mark.parametrize(
+    "kinds",
+    [LONG_KINDS, pytest.param(container_kinds(), marks=pytest.mark.slow)],
+    ids=["six-kinds", "every-kind"],
+)
+def test_every_two_container_pod_is_placed_as_a_whole(kinds: list[Container]) -> None:
     """Every pod of two containers (identical ones included), in every kubelet order,
     after every preload: never split; with records and specs, refused only when no
-    assignment of its containers to cards could hold the pod."""
-    kinds = container_kinds()
+    assignment of its containers to cards could hold the pod. make test pairs the six
+    ``LONG_KINDS``; the pairs of all 12 kinds run under ``slow``."""
     results: dict[str, Outcome] = {}
     for regime in REGIMES:
         total = Outcome()

@@ -22,9 +22,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from gpushare.extender.fit import CardRoom, fit_pod, pod_need
 from gpushare.extender.ledger import AdmissionLedger, PodFacts
@@ -260,5 +267,18 @@ class Occupancy(RuleBasedStateMachine):
         assert seen == self.world.free(), (seen, self.world.free())
 
 
-TestOccupancy = Occupancy.TestCase
-TestOccupancy.settings = settings(max_examples=400, stateful_step_count=40, deadline=None)
+def occupancy_runs(examples: int) -> None:
+    run_state_machine_as_test(
+        Occupancy, settings=settings(max_examples=examples, stateful_step_count=40, deadline=None)
+    )
+
+
+def test_occupancy() -> None:
+    """make test's size: 50 runs of up to 40 steps."""
+    occupancy_runs(50)
+
+
+@pytest.mark.slow
+def test_occupancy_full() -> None:
+    """The full size (make test-slow): 400 runs of up to 40 steps."""
+    occupancy_runs(400)

@@ -9,6 +9,7 @@ import pytest
 from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit.sizes import at_two_sizes
 
 from gpushare._proto.podresources.v1 import api_pb2 as pr
 from gpushare.node.podresources import ListParser, parse_list_response, pod_entries
@@ -60,8 +61,7 @@ def same(a: Snapshot, b: Snapshot) -> bool:
     )
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.lists(answers, min_size=1, max_size=6))
+@at_two_sizes(given(st.lists(answers, min_size=1, max_size=6)), quick=60, full=300, deadline=None)
 def test_each_answer_of_a_sequence_reads_as_decoded_whole(
     sequence: list[pr.ListPodResourcesResponse],
 ) -> None:

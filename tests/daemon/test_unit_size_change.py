@@ -6,8 +6,9 @@ from dataclasses import replace
 
 import pytest
 from conftest import CARD_4GIB, Node, cards, gpu_uuid
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from kit.sizes import at_two_sizes
 
 from gpushare.base.startup import StartupError
 from gpushare.daemon import Daemon
@@ -76,15 +77,19 @@ def snapshot_of(held: dict[str, list[int]]) -> Snapshot:
     return snapshot
 
 
-@given(
-    recorded=st.sampled_from([None, 128, 256, 512, 1024]),
-    configured=st.sampled_from([128, 256, 512, 1024]),
-    held=st.dictionaries(
-        st.sampled_from(["a", "b", "c"]), st.lists(st.integers(0, 31), min_size=1, max_size=4)
+@at_two_sizes(
+    given(
+        recorded=st.sampled_from([None, 128, 256, 512, 1024]),
+        configured=st.sampled_from([128, 256, 512, 1024]),
+        held=st.dictionaries(
+            st.sampled_from(["a", "b", "c"]), st.lists(st.integers(0, 31), min_size=1, max_size=4)
+        ),
+        readable=st.booleans(),
     ),
-    readable=st.booleans(),
+    quick=100,
+    full=400,
+    deadline=None,
 )
-@settings(max_examples=400, deadline=None)
 def test_the_check_never_lets_a_changed_size_meet_held_memory(
     recorded: int | None, configured: int, held: dict[str, list[int]], readable: bool
 ) -> None:

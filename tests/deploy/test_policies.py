@@ -27,6 +27,7 @@ import yaml
 from celpy import celtypes
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit.sizes import at_two_sizes
 from test_deploy_manifests import chart_objects
 
 from gpushare.gpu import mig
@@ -500,17 +501,21 @@ KEYS = [
 ]
 
 
-@settings(max_examples=150, deadline=None)
-@given(
-    resource=st.sampled_from(["nodes", "pods"]),
-    where=st.sampled_from(["n1", "n2", None]),
-    annotation_changes=st.dictionaries(
-        st.sampled_from(KEYS), st.one_of(st.none(), st.sampled_from(["a", "b"])), max_size=3
+@at_two_sizes(
+    given(
+        resource=st.sampled_from(["nodes", "pods"]),
+        where=st.sampled_from(["n1", "n2", None]),
+        annotation_changes=st.dictionaries(
+            st.sampled_from(KEYS), st.one_of(st.none(), st.sampled_from(["a", "b"])), max_size=3
+        ),
+        label_changes=st.dictionaries(
+            st.sampled_from(KEYS), st.one_of(st.none(), st.sampled_from(["a", "b"])), max_size=2
+        ),
+        spec_change=st.booleans(),
     ),
-    label_changes=st.dictionaries(
-        st.sampled_from(KEYS), st.one_of(st.none(), st.sampled_from(["a", "b"])), max_size=2
-    ),
-    spec_change=st.booleans(),
+    quick=40,
+    full=150,
+    deadline=None,
 )
 def test_the_daemon_scope_agrees_with_the_rule_in_plain_words(
     resource: str,
@@ -717,15 +722,19 @@ def _configmap_request(operation: str, name: str) -> dict[str, Any]:
     return request
 
 
-@settings(max_examples=200, deadline=None)
-@given(
-    operation=st.sampled_from(["CREATE", "UPDATE"]),
-    name=st.sampled_from(["gpushare-node-n1", "gpushare-node-n2", "coredns", "gpushare-node-"]),
-    node=st.sampled_from(["n1", "n2", None]),
-    owners=st.lists(
-        st.tuples(st.sampled_from(["v1", "apps/v1"]), st.sampled_from(["n1", "n2"])),
-        max_size=2,
+@at_two_sizes(
+    given(
+        operation=st.sampled_from(["CREATE", "UPDATE"]),
+        name=st.sampled_from(["gpushare-node-n1", "gpushare-node-n2", "coredns", "gpushare-node-"]),
+        node=st.sampled_from(["n1", "n2", None]),
+        owners=st.lists(
+            st.tuples(st.sampled_from(["v1", "apps/v1"]), st.sampled_from(["n1", "n2"])),
+            max_size=2,
+        ),
     ),
+    quick=50,
+    full=200,
+    deadline=None,
 )
 def test_the_daemon_writes_only_its_own_nodes_state_object(
     operation: str, name: str, node: str | None, owners: list[tuple[str, str]]

@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 import yaml
 from conftest import TESLA_P4, Node, cards
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from kit.cdi_runtime import final
+from kit.sizes import at_two_sizes
 from test_deploy_manifests import chart_objects
 from test_policies import CREATE_POD, POLICIES, Policy
 
@@ -302,8 +303,7 @@ def _containers(draw: st.DrawFn) -> dict[str, Any]:
     return container
 
 
-@settings(max_examples=150, deadline=None)
-@given(_containers())
+@at_two_sizes(given(_containers()), quick=40, full=150, deadline=None)
 def test_the_policy_and_the_daemon_agree(container: dict[str, Any]) -> None:
     gpu, claims = _is_guarded(container)
     denials = _refused(RESERVED, _pod(container))
@@ -430,8 +430,7 @@ def test_under_cdi_the_daemon_refuses_what_no_spec_replaces(node: Node, strategy
     assert node.kubelet.admit("honest", "main", {node.memory: 4}).devices[node.memory]
 
 
-@settings(max_examples=150, deadline=None)
-@given(_containers())
+@at_two_sizes(given(_containers()), quick=40, full=150, deadline=None)
 def test_what_the_pod_watch_keeps_gives_the_daemon_the_same_verdict(
     container: dict[str, Any],
 ) -> None:

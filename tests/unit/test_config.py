@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 import yaml
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from kit.sizes import at_two_sizes
 
 from gpushare.config import (
     OPTIONS,
@@ -195,15 +196,19 @@ def test_hostile_config_files_cost_little_and_say_one_short_line(
     assert_refused_in_one_line(tmp_path, text, expected)
 
 
-@given(
-    key=st.sampled_from([yaml_key(o.name) for o in OPTIONS]),
-    value=st.recursive(
-        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=30),
-        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner),
-        max_leaves=8,
+@at_two_sizes(
+    given(
+        key=st.sampled_from([yaml_key(o.name) for o in OPTIONS]),
+        value=st.recursive(
+            st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=30),
+            lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner),
+            max_leaves=8,
+        ),
     ),
+    quick=80,
+    full=300,
+    deadline=None,
 )
-@settings(max_examples=300, deadline=None)
 def test_any_value_for_any_key_loads_or_is_refused_in_one_line(key: str, value: Any) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "c.yaml"

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from kit.sizes import at_two_sizes
 
 from gpushare.extender.fit import BINPACK, ContainerNeed, PodNeed, score
 from gpushare.extender.ledger import AdmissionLedger, PodFacts
@@ -128,15 +129,19 @@ def _apply(ledger: AdmissionLedger, op: tuple[Any, ...]) -> None:
         ledger.watching = op[1]
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    st.fixed_dictionaries(
-        {node: st.lists(published(node), min_size=2, max_size=2) for node in NODES}
+@at_two_sizes(
+    given(
+        st.fixed_dictionaries(
+            {node: st.lists(published(node), min_size=2, max_size=2) for node in NODES}
+        ),
+        st.booleans(),
+        st.sampled_from((BINPACK, SPREAD)),
+        st.tuples(NEEDS, CHOICES, st.sampled_from(UIDS)),
+        st.lists(OPS, max_size=30),
     ),
-    st.booleans(),
-    st.sampled_from((BINPACK, SPREAD)),
-    st.tuples(NEEDS, CHOICES, st.sampled_from(UIDS)),
-    st.lists(OPS, max_size=30),
+    quick=60,
+    full=300,
+    deadline=None,
 )
 def test_the_cache_answers_as_the_computation(
     states: dict[str, list[nodestate.NodeGpuState]],

@@ -11,6 +11,7 @@ import yaml
 from conftest import H200, Node, cards, gpu_uuid
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit.sizes import at_two_sizes
 
 from gpushare.base.startup import NodeConfigurationError
 from gpushare.daemon import Daemon
@@ -124,8 +125,7 @@ def topologies(draw: st.DrawFn) -> tuple[list[str], Topology]:
     return uuids, Topology(nvlinks={pair(a, b): n for (a, b), n in links.items()}, numa=numa)
 
 
-@settings(max_examples=150, deadline=None)
-@given(topologies(), st.data())
+@at_two_sizes(given(topologies(), st.data()), quick=40, full=150, deadline=None)
 def test_every_answer_is_a_valid_set(node_topology: tuple[list[str], Topology], data: Any) -> None:
     uuids, topology = node_topology
     available = data.draw(st.lists(st.sampled_from(uuids), min_size=1, unique=True))

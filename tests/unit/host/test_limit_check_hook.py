@@ -19,12 +19,15 @@ import json
 import os
 import string
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, example, given
 from hypothesis import strategies as st
 from kit.memhook import HAVE_GCC, build, run_check
+from kit.sizes import at_two_sizes
 
 from gpushare.share.answers import NEUTRAL_SWITCHES
 
@@ -145,13 +148,17 @@ def _env_lists(draw: st.DrawFn) -> list[str]:
     return base
 
 
-_PROPERTY = settings(
-    max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+_FIXTURES_ONCE = [HealthCheck.function_scoped_fixture]  # the hook and the bundle directory
 
 
-@_PROPERTY
-@given(env=_env_lists())
+def _property(given_: Callable[[Callable[..., None]], Callable[..., None]]) -> Any:
+    """60 examples (each runs the hook) in make test, 250 under ``slow``."""
+    return at_two_sizes(
+        given_, quick=60, full=250, deadline=None, suppress_health_check=_FIXTURES_ONCE
+    )
+
+
+@_property(given(env=_env_lists()))
 @example(env=_SPEC)
 @example(env=[*_SPEC, "CUDA_DEVICE_MEMORY_LIMIT_3=2g"])
 @example(env=["CUDA_DEVICE_MEMORY_LIMIT_3=2g", *_SPEC])  # first-wins getenv would read 2g
@@ -175,14 +182,15 @@ _PLAIN = st.integers(1, SHARE_MIB).flatmap(
 )
 
 
-@_PROPERTY
-@given(
-    memory=st.lists(_PLAIN, min_size=17, max_size=17),
-    cores=st.lists(st.integers(1, SHARE_CORES), min_size=17, max_size=17),
-    others=st.lists(
-        st.sampled_from(["PATH=/bin", "HOME=/", "NOEQUALS", "X=CUDA_DEVICE_SM_LIMIT=99"])
-    ),
-    order=st.randoms(use_true_random=False),
+@_property(
+    given(
+        memory=st.lists(_PLAIN, min_size=17, max_size=17),
+        cores=st.lists(st.integers(1, SHARE_CORES), min_size=17, max_size=17),
+        others=st.lists(
+            st.sampled_from(["PATH=/bin", "HOME=/", "NOEQUALS", "X=CUDA_DEVICE_SM_LIMIT=99"])
+        ),
+        order=st.randoms(use_true_random=False),
+    )
 )
 def test_an_env_at_or_under_the_share_is_never_refused(
     hook: Path,

@@ -107,9 +107,16 @@ def test_a_missing_pod_resources_socket_is_retried_and_caught_up_with(node: Node
     assert poll(lambda: usage.used_counts(Resource.MEMORY) == wanted, 30.0)
 
 
-def test_kubelet_restart_loops_end_registered_with_both_resources(node: Node) -> None:
+@pytest.mark.parametrize(
+    "restarts", [8, pytest.param(20, marks=pytest.mark.slow)], ids=["8", "20"]
+)
+def test_kubelet_restart_loops_end_registered_with_both_resources(
+    node: Node, restarts: int
+) -> None:
+    """make test restarts the kubelet 8 times (two of them twice in a row, the second
+    right after the plugin registered); the 20 run under ``slow``."""
     node.start(cards(TESLA_P4, 2))
-    for i in range(20):
+    for i in range(restarts):
         count = len(node.kubelet.registrations)
         node.kubelet.restart()
         if i % 3 == 1:

@@ -27,7 +27,12 @@ import pytest
 from conftest import CARD_4GIB, TESLA_P4, Node, cards
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from kit.pairing_world import (
     CORE,
     MEMORY,
@@ -376,14 +381,25 @@ class RealNodeWithoutPodResources(RealNode):
     records_on = False
 
 
-RealNode.TestCase.settings = settings(
-    max_examples=4, stateful_step_count=10, deadline=None, suppress_health_check=list(HealthCheck)
+@pytest.mark.parametrize(
+    "machine",
+    [RealNode, RealNodeWithoutSpecs, RealNodeWithoutPodResources],
+    ids=["facts", "without-specs", "without-pod-resources"],
 )
-RealNodeWithoutSpecs.TestCase.settings = RealNode.TestCase.settings
-RealNodeWithoutPodResources.TestCase.settings = RealNode.TestCase.settings
-TestRealNode = RealNode.TestCase
-TestRealNodeWithoutSpecs = RealNodeWithoutSpecs.TestCase
-TestRealNodeWithoutPodResources = RealNodeWithoutPodResources.TestCase
+@pytest.mark.parametrize(
+    "runs", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["2-runs", "4-runs"]
+)
+def test_real_node(machine: type[RealNode], runs: int) -> None:
+    """Runs of up to 10 steps: 2 in make test, 4 under ``slow`` (make verify-pairing)."""
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=runs,
+            stateful_step_count=10,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
 
 
 # -- the sequences that split containers before, over real sockets --------------------

@@ -16,7 +16,7 @@ from types import FrameType
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 from kit.extender import (
     MEMORY,
@@ -31,6 +31,7 @@ from kit.extender import (
     node,
     pod,
 )
+from kit.sizes import at_two_sizes
 
 from gpushare.extender import verbs
 from gpushare.extender.body import BadRequest, nesting_depth, parse_json
@@ -184,8 +185,13 @@ def _valid_body() -> dict[str, Any]:
     return args(the_pod, node("n0", [card(0), card(1, 4)]), node("n1", [card(0, 15)]))
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(place=st.sampled_from(PLACES), value=json_values, spot=st.integers(0, 40))
+@at_two_sizes(
+    given(place=st.sampled_from(PLACES), value=json_values, spot=st.integers(0, 40)),
+    quick=80,
+    full=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 def test_any_json_anywhere_is_an_answer_or_a_bad_request(
     place: tuple[str, ...], value: Any, spot: int
 ) -> None:

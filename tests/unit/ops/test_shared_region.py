@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 from conftest import TESLA_P4, Node, cards
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
 from kit.procs import free_port
+from kit.sizes import at_two_sizes
 from prometheus_client.parser import text_string_to_metric_families
 from test_node_api import eventually
 
@@ -117,8 +118,13 @@ def test_free_slots_are_skipped_and_utilisation_is_capped() -> None:
     assert region.parse_region(data) == region.RegionUsage(2 << 20, 100, 2)
 
 
-@given(st.binary(max_size=4096), st.integers(0, 2), st.booleans())
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@at_two_sizes(
+    given(st.binary(max_size=4096), st.integers(0, 2), st.booleans()),
+    quick=80,
+    full=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 def test_random_bytes_are_refused_or_read_within_bounds(
     noise: bytes, placement: int, pad: bool
 ) -> None:
@@ -131,8 +137,12 @@ def test_random_bytes_are_refused_or_read_within_bounds(
     _read_or_refuse(data)
 
 
-@given(st.lists(st.tuples(st.integers(0, len(VALID) - 8), st.binary(min_size=1, max_size=8))))
-@settings(max_examples=300, deadline=None)
+@at_two_sizes(
+    given(st.lists(st.tuples(st.integers(0, len(VALID) - 8), st.binary(min_size=1, max_size=8)))),
+    quick=80,
+    full=300,
+    deadline=None,
+)
 def test_hostile_patches_of_a_valid_region(patches: list[tuple[int, bytes]]) -> None:
     data = bytearray(VALID)
     for offset, chunk in patches:
@@ -140,11 +150,15 @@ def test_hostile_patches_of_a_valid_region(patches: list[tuple[int, bytes]]) -> 
     _read_or_refuse(bytes(data))
 
 
-@given(
-    st.integers(0, region.MAX_PROCESSES + 1),
-    st.lists(st.integers(0, 1 << 64 - 1), min_size=1, max_size=4),
+@at_two_sizes(
+    given(
+        st.integers(0, region.MAX_PROCESSES + 1),
+        st.lists(st.integers(0, 1 << 64 - 1), min_size=1, max_size=4),
+    ),
+    quick=60,
+    full=200,
+    deadline=None,
 )
-@settings(max_examples=200, deadline=None)
 def test_hostile_counts_and_values(count: int, values: list[int]) -> None:
     data = _at(VALID, region.PROC_NUM_OFFSET, "i", count)
     for i, value in enumerate(values):

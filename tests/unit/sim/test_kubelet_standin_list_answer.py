@@ -4,8 +4,9 @@ changed or released before (it keeps each pod's encoded entry between answers)."
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from kit.sizes import at_two_sizes
 
 from gpushare._proto.podresources.v1 import api_pb2 as pr
 from gpushare.sim.kubeletdouble import Admitted, PodResourcesLister
@@ -59,8 +60,7 @@ steps = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
-@given(steps)
+@at_two_sizes(given(steps), quick=50, full=200, deadline=None)
 def test_each_answer_lists_what_is_admitted_now(
     sequence: list[tuple[str, tuple[str, str, str], dict[str, list[str]], bool]],
 ) -> None:

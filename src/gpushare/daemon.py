@@ -170,7 +170,9 @@ class Daemon:
         """Stop every part started, in the reverse order, then close the GPUs."""
         self.stopping.set()
         if self.core is not None:
-            for board in (self.core.health, self.core.availability, self.core.mig_health):
+            boards = [self.core.health, self.core.availability, self.core.mig_health]
+            boards += [board for _name, _devices, board in self.core.whole]
+            for board in boards:  # whole cards' and replicas' streams wait on their own
                 board.wake()  # waiters (streams included) see ``stopping`` at once
         self.running.stop_all()
         self.discovery.close()

@@ -98,7 +98,9 @@ def test_nothing_is_written_while_nothing_changes(
 def test_a_use_changes_the_state_once_per_place(node: Node, api: KubeApiDouble) -> None:
     node.start(cards(TESLA_P4, 2), node_name=NODE, pod_resources_interval_seconds=3600)
     link = link_of(node)
-    eventually(lambda: state_object(api), timeout=WAIT)
+    # Both places hold the first state before the use: otherwise the Node's first write
+    # may already carry the use (one Node write, two object writes), a race not a fault.
+    eventually(lambda: state_object(api) and annotation(api), timeout=WAIT)
     node.kubelet.admit("a", "main", {node.memory: 5, node.core: 10})
     state = eventually(
         lambda: (s := object_state(api)) and sum(c.memory_units_used for c in s.cards) == 5 and s,

@@ -230,6 +230,25 @@ class KubeletLink:
 
         return changed
 
+    @staticmethod
+    def _offer_once(server: PluginServer, kubelet: tuple[int, int]) -> None:
+        """Never offer one socket path to one kubelet twice. A kubelet may still hold an
+        endpoint of a path it was offered (an attempt that timed out on our side can have
+        connected on its side), and from 1.37 on it refuses that path again for as long
+        as it runs ("device plugin already connected"): serve on a fresh name first."""
+        server.offered = {p: k for p, k in server.offered.items() if k == kubelet}
+        if server.socket_path in server.offered:
+            old = server.socket_path.name
+            server.restart(fresh=True)
+            log.info(
+                "plugin_socket_renewed",
+                resource=server.servicer.label,
+                old=old,
+                endpoint=server.socket_path.name,
+                reason="this kubelet was offered the old socket already",
+            )
+        server.offered[server.socket_path] = kubelet
+
     def _check_once(self) -> None:
         resurrected = False
         for server, _name in self.servers:
@@ -265,6 +284,7 @@ class KubeletLink:
                 hook()
         self._last_kubelet = kubelet
         for server, name in self.servers:
+            self._offer_once(server, kubelet)
             register(
                 self.kubelet_socket, server.socket_path.name, name, self._changed_since(kubelet)
             )

@@ -163,6 +163,16 @@ def test_a_kubelet_slow_to_watch_is_never_offered_the_same_socket_twice(node: No
     ours = sorted(p.name for p in Path(node.settings.kubelet_dir).glob("gpushare-*.sock"))
     assert len(ours) == 2, ours
     assert node.kubelet.admit("p", "main", {node.memory: 2, node.core: 10}).card()
+    # a new kubelet gets the base names again
+    node.kubelet.watch_delay = 0.0
+    count = len(node.kubelet.registrations)
+    node.kubelet.restart()
+    assert node.kubelet.wait_for(
+        lambda k: {e for _r, e in k.registrations[count:]}
+        >= {"gpushare-vcuda-memory.sock", "gpushare-vcuda-core.sock"},
+        30.0,
+    ), node.kubelet.registrations[count:]
+    assert node.kubelet.wait_for(lambda k: k.healthy_count(node.memory) == 29, 30.0)
 
 
 class FlakyNvml:

@@ -38,6 +38,11 @@ class RegistrationError(Exception):
     pass
 
 
+class NotDelivered(RegistrationError):
+    """The kubelet's socket refused the connection: the kubelet never saw the request
+    (a kubelet.sock bound but not yet listening, or one whose kubelet is gone)."""
+
+
 class RegistrationAbandoned(RegistrationError):
     """Given up half-way because the kubelet or our socket changed: try again at once."""
 
@@ -76,7 +81,10 @@ def register(
                         "the kubelet socket changed while registering"
                     ) from None
             except grpc.RpcError as exc:
-                raise RegistrationError(f"{exc.code().name}: {exc.details()}") from None
+                why = f"{exc.code().name}: {exc.details()}"
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and "connect" in str(exc.details()):
+                    raise NotDelivered(why) from None
+                raise RegistrationError(why) from None
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -237,15 +245,20 @@ class KubeletLink:
         connected on its side), and from 1.37 on it refuses that path again for as long
         as it runs ("device plugin already connected"): serve on a fresh name first."""
         server.offered = {p: k for p, k in server.offered.items() if k == kubelet}
-        if server.socket_path in server.offered:
+        base_free = server.base_path not in server.offered
+        if server.socket_path in server.offered or (
+            base_free and server.socket_path != server.base_path
+        ):
             old = server.socket_path.name
-            server.restart(fresh=True)
+            server.restart(fresh=not base_free)  # back to the base name where it can
             log.info(
                 "plugin_socket_renewed",
                 resource=server.servicer.label,
                 old=old,
                 endpoint=server.socket_path.name,
-                reason="this kubelet was offered the old socket already",
+                reason="this kubelet was offered the old socket already"
+                if old in {p.name for p in server.offered}
+                else "a kubelet not offered the base name yet",
             )
         server.offered[server.socket_path] = kubelet
 
@@ -285,9 +298,16 @@ class KubeletLink:
         self._last_kubelet = kubelet
         for server, name in self.servers:
             self._offer_once(server, kubelet)
-            register(
-                self.kubelet_socket, server.socket_path.name, name, self._changed_since(kubelet)
-            )
+            try:
+                register(
+                    self.kubelet_socket,
+                    server.socket_path.name,
+                    name,
+                    self._changed_since(kubelet),
+                )
+            except NotDelivered:
+                server.offered.pop(server.socket_path, None)  # the kubelet never saw it
+                raise
             log.info("registered", resource=name, endpoint=server.socket_path.name)
         self._registered_with = kubelet
         self._registered_at = time.monotonic()

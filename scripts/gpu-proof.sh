@@ -7,7 +7,9 @@
 #   driver      r615+ with cgroup v2: a scratch cgroup, the limit set by the memory hook
 #               (hook/memory-hook.c, the program the daemon installs) from an OCI state
 #               naming the probe's own process, the probe run in that cgroup
-#   mps         not in this version of gpushare (printed as such)
+#   mps         where nvidia-cuda-mps-control is found and MIG is off: gpushare's own
+#               MpsControl starts the daemon, capped clients run the probe's kernel
+#               (scripts/gpu-proof-mps.py; v3 namespaces only where the driver has them)
 # Options: --dry-run (print the facts that need no GPU and the plan, run nothing),
 # --library PATH (libvgpu.so; default build/gpu-proof/libvgpu.so), --hook PATH (default
 # build/gpu-proof/gpushare-memory-hook, built here with gcc if missing), --limit-mib N
@@ -70,7 +72,8 @@ elif ! [ "$MAJOR" -ge 615 ] 2>/dev/null; then WHY_NOT_DRIVER="driver $DRIVER is 
 elif [ "$CGROUP_FS" != cgroup2fs ]; then WHY_NOT_DRIVER="no cgroup v2 at /sys/fs/cgroup"
 elif [ "$MIG" = Enabled ]; then WHY_NOT_DRIVER="MIG mode is on"
 else PLAN="$PLAN driver"; fi
-say "backends to prove: $PLAN${WHY_NOT_DRIVER:+ (not driver: $WHY_NOT_DRIVER)}; mps: not in this version"
+if [ -n "$MPS_CONTROL" ] && [ "$MIG" != Enabled ]; then PLAN="$PLAN mps"; fi
+say "backends to prove: $PLAN${WHY_NOT_DRIVER:+ (not driver: $WHY_NOT_DRIVER)}"
 if [ "$DRY" = 1 ]; then
   say "dry run: nothing run"
   exit 0
@@ -122,6 +125,15 @@ case " $PLAN " in *" driver "*)
   cat "$OUTDIR/driver.txt"; say "driver: probe exit $code"
   [ $code -eq 0 ] || status=1
   rm -f "$FIFO"; rmdir "$CG" 2>/dev/null
+  ;;
+esac
+case " $PLAN " in *" mps "*)
+  say "--- mps ($MPS_CONTROL)"
+  "$PY" scripts/gpu-proof-mps.py "$MPS_CONTROL" "$UUID" "$(mktemp -d /tmp/gpushare-proof-mps.XXXXXX)" \
+    2>&1 | tee "$OUTDIR/mps.txt"
+  code=${PIPESTATUS[0]}
+  say "mps: exit $code"
+  [ "$code" -eq 0 ] || status=1
   ;;
 esac
 say "done: exit $status"

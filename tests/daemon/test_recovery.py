@@ -145,6 +145,43 @@ def test_a_kubelet_back_from_a_long_outage_gets_one_registration_not_two(node: N
     assert len(node.kubelet.registrations) == count + 2, node.kubelet.registrations[count:]
 
 
+def test_a_kubelet_slow_to_watch_is_never_offered_the_same_socket_twice(node: Node) -> None:
+    """A kubelet that opens no stream within the grace after a registration gets a second
+    one; but it still holds the first path's endpoint, and a 1.37 kubelet refuses that
+    path again for as long as it runs ("device plugin already connected"; the stand-in
+    refuses it the same way). The second offer must come on a fresh socket name."""
+    node.start(cards(TESLA_P4, 1))
+    daemon = node.daemon
+    assert daemon is not None and daemon.plugin.link is not None
+    link = daemon.plugin.link
+    node.kubelet.watch_delay = UNWATCHED_GRACE + 1.0  # dials back after the grace
+    count = len(node.kubelet.registrations)
+    node.kubelet.restart()
+    assert node.kubelet.wait_for(
+        lambda k: k.healthy_count(node.memory) == 29 and k.healthy_count(node.core) == 100,
+        60.0,
+    )
+    assert poll(lambda: link.registered.is_set(), 30.0)
+    assert link.unwatched_retries >= 1  # the grace ran out: the path this test is about
+    assert node.kubelet.refused == []
+    later = node.kubelet.registrations[count:]
+    assert len(later) == len(set(later)), later  # no path offered twice to this kubelet
+    # one socket of ours per resource is left: each renewal removed the one before
+    ours = sorted(p.name for p in Path(node.settings.kubelet_dir).glob("gpushare-*.sock"))
+    assert len(ours) == 2, ours
+    assert node.kubelet.admit("p", "main", {node.memory: 2, node.core: 10}).card()
+    # a new kubelet gets the base names again
+    node.kubelet.watch_delay = 0.0
+    count = len(node.kubelet.registrations)
+    node.kubelet.restart()
+    assert node.kubelet.wait_for(
+        lambda k: {e for _r, e in k.registrations[count:]}
+        >= {"gpushare-vcuda-memory.sock", "gpushare-vcuda-core.sock"},
+        30.0,
+    ), node.kubelet.registrations[count:]
+    assert node.kubelet.wait_for(lambda k: k.healthy_count(node.memory) == 29, 30.0)
+
+
 class FlakyNvml:
     """A simulated node whose GPU listing fails the first ``failures`` times, as NVML
     can after a driver hiccup while its initialisation succeeded."""

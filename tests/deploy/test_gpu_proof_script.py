@@ -28,9 +28,24 @@ def test_the_dry_run_prints_the_facts_and_the_plan(tmp_path: Path) -> None:
     assert "driver version: no nvidia-smi here" in text
     assert "cgroup file system at /sys/fs/cgroup: " in text
     assert "mps control: no nvidia-cuda-mps-control here" in text  # else its -p 3 -h
-    assert "backends to prove: interposer (not driver: no driver); mps: not in this version" in text
+    assert "backends to prove: interposer (not driver: no driver)\n" in text  # and no mps
     assert "dry run: nothing run" in text
     assert os.listdir(tmp_path / "out") == []  # nothing run, nothing written
+
+
+def test_the_plan_proves_mps_where_its_control_daemon_is_found(tmp_path: Path) -> None:
+    control = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    control.parent.mkdir()
+    control.write_text("#!/bin/sh\necho 'nvidia-cuda-mps-control [options] [command]'\n")
+    control.chmod(0o755)
+    result = subprocess.run(
+        [str(SCRIPT), "--dry-run", "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+        env={"PATH": f"{control.parent}:/usr/bin:/bin", "HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"mps control: {control}" in result.stdout
+    assert "backends to prove: interposer mps (not driver: no driver)" in result.stdout
 
 
 def test_a_bad_option_is_a_usage_error() -> None:

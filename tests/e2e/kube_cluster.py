@@ -598,7 +598,28 @@ class NodeAgent:
                 listed = self.allocatable_devices()
                 return all(listed.get(r, 0) > 0 for r in served)
 
-            wait_for(f"{self.name}'s daemon registered with the new kubelet", registered, 90, 0.5)
+            try:
+                wait_for(
+                    f"{self.name}'s daemon registered with the new kubelet", registered, 90, 0.5
+                )
+            except E2EError as exc:  # what each side did, for a failure seen only in CI
+                raise E2EError(f"{exc}\n{self.registration_evidence(daemon)}") from None
+
+    def registration_evidence(self, daemon: Proc) -> str:
+        """The daemon's last log lines and the kubelet's lines about device plugins."""
+        try:
+            kubelet = [
+                line
+                for line in (self.dir / "kubelet.log").read_text(errors="replace").splitlines()
+                if "plugin" in line.lower() or "endpoint" in line.lower()
+            ][-40:]
+        except OSError as exc:
+            kubelet = [f"(no kubelet log: {exc})"]
+        return (
+            f"--- {self.name}: the daemon's last log lines\n{daemon.tail(60)}\n"
+            f"--- {self.name}: the kubelet's lines naming a plugin or endpoint\n"
+            + "\n".join(kubelet)
+        )
 
     def shared_resources(self) -> tuple[str, str]:
         """(vcuda-memory, vcuda-core) with the daemon's resource prefix (its flags')."""

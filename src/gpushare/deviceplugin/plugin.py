@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -293,17 +294,40 @@ class DevicePluginServicer(ListingServicer):
 
 class PluginServer:
     """A gRPC server for one resource, bound to ``<kubelet dir>/<socket name>`` (on the
-    kit's shared loop: see :mod:`gpushare.base.kubeletgrpc`)."""
+    kit's shared loop: see :mod:`gpushare.base.kubeletgrpc`).
+
+    It serves on its base name (``gpushare-vcuda-memory.sock``) until told to serve on a
+    fresh one (:meth:`restart` with ``fresh``): ``<stem>.<token>-<n>.sock``, the token
+    drawn once per process. A kubelet keys each plugin endpoint by its socket path, and
+    from 1.37 on refuses a second registration of a path it still holds an endpoint for
+    ("device plugin already connected"), a refusal that also drops its record of the
+    first client, so that the path stays refused until the kubelet restarts (measured on
+    v1.37.2: docs/restarts.md). :class:`~gpushare.deviceplugin.registration.KubeletLink`
+    therefore offers one path to one kubelet once.
+    """
+
+    #: Drawn once per process: two daemons of one node (a rolling update) never share a
+    #: fresh name.
+    _token = secrets.token_hex(3)
 
     def __init__(
         self, servicer: ListingServicer, socket_path: Path, loop: ServerLoop | None = None
     ) -> None:
         self.servicer = servicer
+        self.base_path = socket_path
         self.socket_path = socket_path
-        self._server = KubeletServer(
+        #: socket path -> the kubelet (its socket's identity) it was last offered to
+        self.offered: dict[Path, object] = {}
+        self._loop = loop
+        self._fresh = 0
+        self._server = self._server_on(socket_path)
+
+    def _server_on(self, path: Path) -> KubeletServer:
+        servicer = self.servicer
+        return KubeletServer(
             [lambda server: api_pb2_grpc.add_DevicePluginServicer_to_server(servicer, server)],
-            [socket_path],
-            loop,
+            [path],
+            self._loop,
         )
 
     def start(self) -> None:
@@ -317,6 +341,16 @@ class PluginServer:
     def stop(self, grace: float = 0.5) -> None:
         self._server.stop(grace)
 
-    def restart(self) -> None:
+    def restart(self, fresh: bool = False) -> None:
+        """Serve again: on a fresh socket name with ``fresh``, else on the base name. The
+        old server stops first (its streams end, its socket goes)."""
         self.stop(grace=0)
+        path = self.base_path
+        if fresh:
+            self._fresh += 1
+            stem = self.base_path.name.removesuffix(".sock")
+            path = self.base_path.with_name(f"{stem}.{self._token}-{self._fresh}.sock")
+        if path != self.socket_path:
+            self.socket_path = path
+            self._server = self._server_on(path)
         self.start()

@@ -38,6 +38,11 @@ class RegistrationError(Exception):
     pass
 
 
+class NotDelivered(RegistrationError):
+    """The kubelet's socket refused the connection: the kubelet never saw the request
+    (a kubelet.sock bound but not yet listening, or one whose kubelet is gone)."""
+
+
 class RegistrationAbandoned(RegistrationError):
     """Given up half-way because the kubelet or our socket changed: try again at once."""
 
@@ -76,7 +81,10 @@ def register(
                         "the kubelet socket changed while registering"
                     ) from None
             except grpc.RpcError as exc:
-                raise RegistrationError(f"{exc.code().name}: {exc.details()}") from None
+                why = f"{exc.code().name}: {exc.details()}"
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and "connect" in str(exc.details()):
+                    raise NotDelivered(why) from None
+                raise RegistrationError(why) from None
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -230,6 +238,30 @@ class KubeletLink:
 
         return changed
 
+    @staticmethod
+    def _offer_once(server: PluginServer, kubelet: tuple[int, int]) -> None:
+        """Never offer one socket path to one kubelet twice. A kubelet may still hold an
+        endpoint of a path it was offered (an attempt that timed out on our side can have
+        connected on its side), and from 1.37 on it refuses that path again for as long
+        as it runs ("device plugin already connected"): serve on a fresh name first."""
+        server.offered = {p: k for p, k in server.offered.items() if k == kubelet}
+        base_free = server.base_path not in server.offered
+        if server.socket_path in server.offered or (
+            base_free and server.socket_path != server.base_path
+        ):
+            old = server.socket_path.name
+            server.restart(fresh=not base_free)  # back to the base name where it can
+            log.info(
+                "plugin_socket_renewed",
+                resource=server.servicer.label,
+                old=old,
+                endpoint=server.socket_path.name,
+                reason="this kubelet was offered the old socket already"
+                if old in {p.name for p in server.offered}
+                else "a kubelet not offered the base name yet",
+            )
+        server.offered[server.socket_path] = kubelet
+
     def _check_once(self) -> None:
         resurrected = False
         for server, _name in self.servers:
@@ -265,9 +297,17 @@ class KubeletLink:
                 hook()
         self._last_kubelet = kubelet
         for server, name in self.servers:
-            register(
-                self.kubelet_socket, server.socket_path.name, name, self._changed_since(kubelet)
-            )
+            self._offer_once(server, kubelet)
+            try:
+                register(
+                    self.kubelet_socket,
+                    server.socket_path.name,
+                    name,
+                    self._changed_since(kubelet),
+                )
+            except NotDelivered:
+                server.offered.pop(server.socket_path, None)  # the kubelet never saw it
+                raise
             log.info("registered", resource=name, endpoint=server.socket_path.name)
         self._registered_with = kubelet
         self._registered_at = time.monotonic()

@@ -1,6 +1,6 @@
 """The node's MPS control daemon (``nvidia-cuda-mps-control``), supervised.
 
-One control daemon per node, started with ``-d`` (and ``-m``, multi-user, so that the
+One control daemon per node, started with ``-d`` (and ``-M``, multi-user, so that the
 servers it spawns are root's, where the executable offers it), its pipe and log
 directories under the daemon's host directory (``<host_lib_dir>/mps/pipe`` and
 ``.../log``). The daemon daemonizes itself and writes its pid into the pipe directory
@@ -10,8 +10,10 @@ back-off, with every cap it had set. Before every start the directories are chec
 cleared of anything a tenant could have planted (:mod:`gpushare.host.mpsdirs`). At stop
 it asks the daemon to quit and waits for the pid to go (SIGTERM, then SIGKILL).
 
-What was checked against NVIDIA's documentation, and where (no GPU has run this code;
-``docs/choosing.md`` keeps the same list):
+What was checked against NVIDIA's documentation, and where (``docs/choosing.md`` keeps
+the same list). On a GPU (an H200, driver r580, 2026-11-27, docs/gpu-proof.md) this class
+started and stopped the legacy (v2) daemon, multi-user (``-M``), and clients' thread caps
+held; v3 (r615+) has not run on a GPU of ours:
 
 * Legacy (v2, the default protocol) commands are lines on the executable's stdin with
   ``CUDA_MPS_PIPE_DIRECTORY`` in its environment (``echo quit | nvidia-cuda-mps-control``):
@@ -109,7 +111,7 @@ class MpsError(Exception):
 
 @dataclass(frozen=True)
 class Capabilities:
-    multi_user: bool  # ``-m``: servers run as root, clients of every uid share them
+    multi_user: bool  # ``-M``: servers run as root, clients of every uid share them
     namespaces: bool  # v3: per-namespace pipe directories and caps
 
 
@@ -168,7 +170,9 @@ def probe(executable: Path, env: Mapping[str, str] | None = None) -> Capabilitie
     usage = help_text("-h")
     v3 = help_text("-p", "3", "-h")
     return Capabilities(
-        multi_user=any(w in ("-m", "-m,") for w in usage.split()),
+        # r580's help: "-M,--multiuser-server    Enable multi-user mode" (read on an H200,
+        # docs/gpu-proof.md)
+        multi_user=bool({"-M", "--multiuser-server"} & set(usage.replace(",", " ").split())),
         namespaces="namespace" in v3,
     )
 
@@ -276,7 +280,7 @@ class MpsControl:
         self._prepare_dirs()  # also removes the dead daemon's pid file and sockets
         args = [str(self.executable), "-d"]
         if self.capabilities.multi_user:
-            args.append("-m")
+            args.append("-M")
         if self.capabilities.namespaces:
             try:
                 args += ["-p", "3", "-a", str(self._config())]

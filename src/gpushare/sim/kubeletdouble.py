@@ -97,6 +97,9 @@ class Endpoint:
     healthy: list[str] = field(default_factory=list)  # IDs of the healthy devices, in order
     updates: int = 0
     stream: Any = None
+    #: the kubelet dropped its record of this client (a refused second registration of
+    #: its path): its stream ending no longer frees the path
+    orphaned: bool = False
 
 
 @dataclass
@@ -132,13 +135,24 @@ class ContainerSpec:
 class PluginRegistry(api_pb2_grpc.RegistrationServicer):
     """The kubelet's device-manager side of registration: ``Register`` dials the plugin
     back, each resource's ListAndWatch stream keeps its device list, and a stream that
-    ends marks the resource's devices unhealthy, as the kubelet does."""
+    ends marks the resource's devices unhealthy, as the kubelet does.
+
+    As the kubelet does from 1.37 on, it holds each endpoint by (resource, socket path)
+    until that endpoint's stream ends, and refuses another registration of a held path
+    ("device plugin already connected: <path>"); the refusal drops its record of the
+    holding client, so that the path stays refused until this kubelet restarts (seen on
+    v1.37.2, docs/restarts.md). Simplified: a registration of another path closes the
+    resource's previous endpoint at once (the real kubelet keeps both until the old
+    stream ends; the daemon ends it itself)."""
 
     def __init__(self, plugin_dir: Path) -> None:
         self.plugin_dir = Path(plugin_dir)
         self.watch_delay = 0.0  # seconds between a registration and its ListAndWatch
         self.endpoints: dict[str, Endpoint] = {}
         self.registrations: list[tuple[str, str]] = []  # (resource, endpoint)
+        #: (resource, socket path) -> the endpoint holding it (1.37's endpoint store)
+        self.held: dict[tuple[str, Path], Endpoint] = {}
+        self.refused: list[tuple[str, str]] = []  # (resource, endpoint) refused as held
         self._lock = threading.Condition()
 
     # ---------------------------------------------------------------- Registration
@@ -161,9 +175,19 @@ class PluginRegistry(api_pb2_grpc.RegistrationServicer):
             channel.close()
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot dial plugin: {exc}")
         endpoint = Endpoint(request.resource_name, socket, channel, stub, options)
+        key = (request.resource_name, socket)
+        with self._lock:
+            holder = self.held.get(key)
+            if holder is not None:
+                holder.orphaned = True
+                self.refused.append((request.resource_name, request.endpoint))
+        if holder is not None:
+            channel.close()
+            context.abort(grpc.StatusCode.UNKNOWN, f"device plugin already connected: {socket}")
         with self._lock:
             old = self.endpoints.get(request.resource_name)
             self.endpoints[request.resource_name] = endpoint
+            self.held[key] = endpoint
             self.registrations.append((request.resource_name, request.endpoint))
         if old is not None:
             self._close(old)
@@ -200,6 +224,9 @@ class PluginRegistry(api_pb2_grpc.RegistrationServicer):
         except ValueError:
             pass  # "Channel closed": the plugin registered again (or we stopped) meanwhile
         with self._lock:
+            key = (endpoint.resource, endpoint.socket) if endpoint.socket else None
+            if key and not endpoint.orphaned and self.held.get(key) is endpoint:
+                del self.held[key]  # the path is free again
             # The real kubelet marks the resource's devices unhealthy when the stream ends.
             if self.endpoints.get(endpoint.resource) is endpoint:
                 for device in endpoint.devices.values():
@@ -417,6 +444,7 @@ class SimulatedKubelet(PluginRegistry, PodResourcesLister):
         with self._lock:
             endpoints = list(self.endpoints.values())
             self.endpoints.clear()
+            self.held.clear()
         for endpoint in endpoints:
             self._close(endpoint)
         if self._server is not None:

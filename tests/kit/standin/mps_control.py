@@ -42,9 +42,13 @@ def pipe_dir() -> Path:
 
 
 def usage() -> int:
-    print("Usage: nvidia-cuda-mps-control [-d | -f] [-p <protocol>]")
+    # the option block of r580's own help (read on an H200, docs/gpu-proof.md)
+    print("nvidia-cuda-mps-control [options] [command]")
+    print("OPTIONS:")
+    print("  -h,--help                Print this message")
+    print("  -d,--daemon              Setup the daemon in the background")
     if not os.environ.get("STANDIN_MPS_NO_MULTIUSER"):
-        print("  -m    multi-user: servers run as root")
+        print("  -M,--multiuser-server    Enable multi-user mode")
     return 0
 
 
@@ -176,7 +180,7 @@ def daemonize(args: list[str]) -> int:
     if os.environ.get("STANDIN_MPS_FAIL_START"):
         print("cannot start: the stand-in was told to fail", file=sys.stderr)
         return 1
-    multi_user = "-m" in args
+    multi_user = "-M" in args
     protocol = int(args[args.index("-p") + 1]) if "-p" in args else 2
     if protocol == 3 and not os.environ.get("STANDIN_MPS_V3"):
         print("unknown protocol 3", file=sys.stderr)

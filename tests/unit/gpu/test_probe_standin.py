@@ -35,7 +35,9 @@ def library(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def run_probe(library: Path, tmp_path: Path, **extra: str) -> tuple[int, list[probe.Check]]:
+def run_probe(
+    library: Path, tmp_path: Path, warmup: float = 0.0, **extra: str
+) -> tuple[int, list[probe.Check]]:
     env = {
         "PATH": os.environ["PATH"],
         "PYTHONPATH": str(ROOT / "src"),
@@ -49,7 +51,7 @@ def run_probe(library: Path, tmp_path: Path, **extra: str) -> tuple[int, list[pr
     }
     result = subprocess.run(
         [sys.executable, "-m", "gpushare.probe", "--library", str(library),
-         "--spin-seconds", "0.3"],
+         "--spin-seconds", "0.3", "--spin-warmup", str(warmup)],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     checks = probe.parse_report(result.stdout)
@@ -89,3 +91,21 @@ def test_what_is_not_enforced_is_named_and_exits_1(
     code, checks = run_probe(library, tmp_path, **switch)
     assert code == 1
     assert failed(checks) == names
+
+
+def test_the_compute_run_is_counted_after_the_limiters_first_burst(
+    library: Path, tmp_path: Path
+) -> None:
+    """HAMi-core lets a process launch unthrottled until its first bucket of tokens is
+    spent (2-3 s on an H200): counted from the first launch, the run measures that burst
+    and calls a working limiter broken; counted after a longer warm-up, it measures the
+    limit."""
+    burst = {"STANDIN_BURST_SECONDS": "0.6"}
+    code, checks = run_probe(library, tmp_path, **burst)
+    assert code == 1
+    assert failed(checks) == ["compute at the core limit"]
+    code, checks = run_probe(library, tmp_path, warmup=1.0, **burst)
+    assert code == 0, failed(checks)
+    assert "counted after 1 s of launches" in {c.name: c for c in checks}[
+        "compute at the core limit"
+    ].detail

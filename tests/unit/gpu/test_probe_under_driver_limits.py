@@ -47,7 +47,8 @@ def run_probe(cuda: Path, world: HookWorld, namespace: str) -> tuple[int, list[p
     }
     result = subprocess.run(
         [sys.executable, "-m", "gpushare.probe", "--library", str(cuda),
-         "--memory-backend", "driver", "--limit-mib", str(LIMIT_MIB), "--spin-seconds", "0.2"],
+         "--memory-backend", "driver", "--limit-mib", str(LIMIT_MIB), "--spin-seconds", "0.2",
+         "--spin-warmup", "0"],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip
     checks = probe.parse_report(result.stdout)

@@ -1,5 +1,5 @@
 """The MPS control daemon's own lifecycle, against a stand-in executable at the edge:
-started with -d (and -m where offered; -p 3 with its configuration where v3 is offered)
+started with -d (and -M where offered; -p 3 with its configuration where v3 is offered)
 with its pipe and log directories under the host directory, commands answered,
 restarted with its caps when it dies, stopped with quit (v3: -q)."""
 
@@ -107,7 +107,7 @@ def test_without_namespaces_a_cap_is_refused(
     control.start()
     try:
         assert not control.capabilities.namespaces
-        assert standin_state(control.pipe_dir)["multi_user"] is False  # no -m where not offered
+        assert standin_state(control.pipe_dir)["multi_user"] is False  # no -M where not offered
         with pytest.raises(MpsError, match="no namespaces"):
             control.cap("c-a", Cap(short_tmp / "x", percent=10))
         assert standin_state(control.pipe_dir)["protocol"] == 2

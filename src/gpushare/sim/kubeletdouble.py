@@ -176,19 +176,19 @@ class PluginRegistry(api_pb2_grpc.RegistrationServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot dial plugin: {exc}")
         endpoint = Endpoint(request.resource_name, socket, channel, stub, options)
         key = (request.resource_name, socket)
-        with self._lock:
+        with self._lock:  # the check and the taking of the path in one step
             holder = self.held.get(key)
             if holder is not None:
                 holder.orphaned = True
                 self.refused.append((request.resource_name, request.endpoint))
+            else:
+                old = self.endpoints.get(request.resource_name)
+                self.endpoints[request.resource_name] = endpoint
+                self.held[key] = endpoint
+                self.registrations.append((request.resource_name, request.endpoint))
         if holder is not None:
             channel.close()
             context.abort(grpc.StatusCode.UNKNOWN, f"device plugin already connected: {socket}")
-        with self._lock:
-            old = self.endpoints.get(request.resource_name)
-            self.endpoints[request.resource_name] = endpoint
-            self.held[key] = endpoint
-            self.registrations.append((request.resource_name, request.endpoint))
         if old is not None:
             self._close(old)
         threading.Thread(target=self._watch, args=(endpoint,), daemon=True).start()

@@ -231,6 +231,8 @@ def test_a_pod_unlisted_after_a_kubelet_restart_still_fills_its_card(
     count = len(node.kubelet.registrations)
     node.kubelet.restart(empty_pod_manager=True)
     assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 30.0)
+    assert node.daemon is not None and node.daemon.plugin.link is not None
+    assert poll(node.daemon.plugin.link.registered_with_current, 30.0)
     assert node.kubelet.wait_for(
         lambda k: k.healthy_count(node.memory) == 32 and k.healthy_count(node.core) == 200, 30.0
     )
@@ -259,6 +261,8 @@ def test_a_memory_only_pod_unlisted_after_a_kubelet_restart_keeps_its_card_full(
     count = len(node.kubelet.registrations)
     node.kubelet.restart(empty_pod_manager=True)
     assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 30.0)
+    assert node.daemon is not None and node.daemon.plugin.link is not None
+    assert poll(node.daemon.plugin.link.registered_with_current, 30.0)
     assert node.kubelet.wait_for(
         lambda k: k.healthy_count(node.memory) == 32 and k.healthy_count(node.core) == 200, 30.0
     )
@@ -304,6 +308,11 @@ def test_pods_ending_during_an_admission_leave_their_card_to_it(
         count = len(node.kubelet.registrations)
         node.kubelet.restart()
         assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 30.0)
+        link = node.daemon.plugin.link
+        assert link is not None
+        # registered with the new kubelet, not only with the socket it replaced: a
+        # registration still to come would move the daemon's sockets once more
+        assert poll(link.registered_with_current, 30.0)
         assert node.kubelet.wait_for(
             lambda k: k.healthy_count(node.memory) == 87 and k.healthy_count(node.core) == 300,
             30.0,
@@ -339,6 +348,8 @@ def test_the_restart_is_cleared_once_the_kubelet_lists_everyone_with_no_allocate
     count = len(node.kubelet.registrations)
     node.kubelet.restart(empty_pod_manager=True)
     assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 30.0)
+    assert node.daemon is not None and node.daemon.plugin.link is not None
+    assert poll(node.daemon.plugin.link.registered_with_current, 30.0)
     assert poll(lambda: core.restart.restarted_at() != "", 30.0)  # noticed, published
     reads = core.refresher.reads
     assert poll(lambda: core.refresher.reads >= reads + 2, 30.0)  # read again, unprompted

@@ -133,6 +133,12 @@ class KubeletLink:
         """True while the watch thread runs."""
         return self._thread is not None and self._thread.is_alive()
 
+    def registered_with_current(self) -> bool:
+        """Registered, with the kubelet whose ``kubelet.sock`` is in place now (not one
+        whose socket was replaced since: a registration with it is still to come)."""
+        kubelet = _identity(self.kubelet_socket)
+        return self.registered.is_set() and kubelet is not None and kubelet == self._registered_with
+
     def unregistered_seconds(self) -> float:
         """Seconds since the registration was lost (or since start); 0 while registered."""
         since = self._unregistered_since

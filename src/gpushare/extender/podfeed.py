@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -36,6 +36,7 @@ from gpushare.extender.feedthread import LIST_TIMEOUT, PAGE, ListWatchFeed
 from gpushare.extender.fit import PodSpecError, pod_need
 from gpushare.extender.ledger import AdmissionLedger, PodFacts
 from gpushare.kube.nodestate import decode_plan, plan_annotation_key
+from gpushare.kube.protolist import PROTOBUF_OR_JSON, ProtoListStream, pod_object
 from gpushare.kube.stdlibclient import ApiClient, Endpoint
 
 log = structlog.get_logger(__name__)
@@ -149,25 +150,37 @@ class PodFeed(ListWatchFeed):
     def list_pods(self) -> tuple[list[PodFacts], str]:
         """Every pod, page by page, read as a stream: (their facts, the list's
         resourceVersion). Each pod is reduced to its facts (or dropped) before the next
-        one is parsed."""
+        one is parsed. The pages are asked for in protobuf (JSON where the server does
+        not speak it): at 150 000 pods that is most of the extender's start."""
         listed: list[PodFacts] = []
         token = ""
+        plan_key, marker = (plan_annotation_key(self.prefix),), self.prefix + "/"
         while True:
             query = {"limit": str(PAGE)}
             if token:
                 query["continue"] = token
-            with self.client.stream_list(PODS, query, LIST_TIMEOUT) as stream:
-                for item in stream.items():
+            with self.client.stream_list(PODS, query, LIST_TIMEOUT, PROTOBUF_OR_JSON) as stream:
+                if isinstance(stream, ProtoListStream):
+                    pods: Iterator[Any] = (
+                        pod_object(raw, plan_key, marker) for raw in stream.items()
+                    )
+                else:
+                    pods = stream.items()
+                for item in pods:
                     if isinstance(item, dict) and _may_matter(item, self.prefix):
                         facts = facts_of(item, self.prefix)
                         if facts.uid and (facts.need is not None or facts.ended):
                             listed.append(facts)
                     del item  # the full object goes before the next is read
-                meta = stream.fields.get("metadata")
-            meta = meta if isinstance(meta, dict) else {}
-            token = str(meta.get("continue") or "")
+                if isinstance(stream, ProtoListStream):
+                    token, version = stream.continue_token, stream.resource_version
+                else:
+                    meta = stream.fields.get("metadata")
+                    meta = meta if isinstance(meta, dict) else {}
+                    token = str(meta.get("continue") or "")
+                    version = str(meta.get("resourceVersion") or "")
             if not token:
-                return listed, str(meta.get("resourceVersion") or "")
+                return listed, version
 
     async def first_list(self, seconds: float | None = None) -> bool:
         """Start the feed (its thread lists first) and wait up to ``seconds`` for that

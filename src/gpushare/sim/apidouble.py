@@ -16,7 +16,9 @@ stops matching the watch's selectors comes as ADDED or DELETED; BOOKMARK every
 ``bookmark_seconds`` when asked with ``allowWatchBookmarks``), from the given
 ``resourceVersion`` on, ended after ``timeoutSeconds``. A resourceVersion older than the
 kept history (see :meth:`KubeApiDouble.compact`) answers an ERROR event with a 410
-Status, as etcd's compaction makes the real server do. Lives in the package so that
+Status, as etcd's compaction makes the real server do. A pod list asked for in protobuf
+first (``Accept: application/vnd.kubernetes.protobuf, ...``) is answered in protobuf, as
+kube-apiserver does, with the fields ``proto/kubeapi`` names. Lives in the package so that
 ``make bench`` can run the daemon against it.
 
 ``resource.k8s.io/v1`` objects (ResourceSlices, ResourceClaims, DeviceClasses) are kept
@@ -30,6 +32,7 @@ False make it drop, silently, what a server with those feature gates off drops
 
 from __future__ import annotations
 
+import contextlib
 import json
 import ssl
 import threading
@@ -43,6 +46,9 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import yaml
+
+from gpushare._proto.kubeapi.v1 import pods_pb2
+from gpushare.kube.protolist import MAGIC, PROTOBUF
 
 KINDS = {
     "nodes": "Node",
@@ -287,6 +293,59 @@ def _wants_metadata(request: BaseHTTPRequestHandler) -> str:
     return ""
 
 
+def _wants_protobuf(request: BaseHTTPRequestHandler) -> bool:
+    """The Accept header's first choice is protobuf (kube-apiserver then answers a
+    built-in type's list in protobuf)."""
+    first = (request.headers.get("Accept") or "").split(",")[0]
+    return first.split(";")[0].strip() == PROTOBUF
+
+
+def _pod_list_protobuf(meta: dict[str, Any], pods: list[dict[str, Any]]) -> bytes:
+    """A page of pods framed as kube-apiserver frames a protobuf answer, each pod
+    encoded with the fields ``proto/kubeapi`` names (the real server sends more; a
+    reader skips what it does not name)."""
+
+    def container(c: dict[str, Any]) -> pods_pb2.Container:
+        resources = c.get("resources") or {}
+        return pods_pb2.Container(
+            name=str(c.get("name") or ""),
+            restartPolicy=str(c.get("restartPolicy") or ""),
+            resources=pods_pb2.ResourceRequirements(
+                limits={
+                    k: pods_pb2.Quantity(string=str(v))
+                    for k, v in (resources.get("limits") or {}).items()
+                },
+                requests={
+                    k: pods_pb2.Quantity(string=str(v))
+                    for k, v in (resources.get("requests") or {}).items()
+                },
+            ),
+        )
+
+    def pod(obj: dict[str, Any]) -> pods_pb2.Pod:
+        m, spec = obj.get("metadata") or {}, obj.get("spec") or {}
+        return pods_pb2.Pod(
+            metadata=pods_pb2.ObjectMeta(
+                name=str(m.get("name") or ""),
+                namespace=str(m.get("namespace") or ""),
+                uid=str(m.get("uid") or ""),
+                annotations={str(k): str(v) for k, v in (m.get("annotations") or {}).items()},
+            ),
+            spec=pods_pb2.PodSpec(
+                nodeName=str(spec.get("nodeName") or ""),
+                containers=[container(c) for c in spec.get("containers") or []],
+                initContainers=[container(c) for c in spec.get("initContainers") or []],
+            ),
+            status=pods_pb2.PodStatus(phase=str((obj.get("status") or {}).get("phase") or "")),
+        )
+
+    listed = pods_pb2.PodList(items=[pod(obj) for obj in pods])
+    listed.metadata.resourceVersion = str(meta.get("resourceVersion") or "")
+    setattr(listed.metadata, "continue", str(meta.get("continue") or ""))
+    wrapped = pods_pb2.Unknown(raw=listed.SerializeToString(), contentType=PROTOBUF)
+    return MAGIC + wrapped.SerializeToString()
+
+
 def _metadata_of(obj: dict[str, Any]) -> dict[str, Any]:
     """An object as the real server sends it to a metadata-only reader."""
     return {
@@ -348,6 +407,17 @@ class CollectionReads(ObjectStore):
             return self._reply(request, 406, _not_acceptable(as_metadata, "a list"))
         if as_metadata:
             head = {"kind": as_metadata, "apiVersion": "meta.k8s.io/v1", "metadata": meta}
+        if kind == "PodList" and not as_metadata and _wants_protobuf(request):
+            with self._lock:
+                pods = [self.objects[key] for key in page if key in self.objects]
+                answer = _pod_list_protobuf(meta, pods)
+            request.send_response(200)
+            request.send_header("Content-Type", PROTOBUF)
+            request.send_header("Content-Length", str(len(answer)))
+            request.end_headers()
+            with contextlib.suppress(OSError):
+                request.wfile.write(answer)
+            return None
         request.send_response(200)
         request.send_header("Content-Type", "application/json")
         request.send_header("Transfer-Encoding", "chunked")

@@ -252,10 +252,14 @@ def measure_verbs(
                 cpus.append(cpu)
                 if verb == "filter" and status == 200:
                     kept.add(_kept(answer))
+            # the first request after the start also builds every node's counts (it
+            # is the slowest once in an extender's life): shown apart
+            warm = walls[1:] or walls
             row[verb] = {
                 "status": sorted(statuses),
-                "p50_ms": 1000 * statistics.median(walls),
-                "p99_ms": 1000 * _pct(walls, 0.99),
+                "first_ms": 1000 * walls[0],
+                "p50_ms": 1000 * statistics.median(warm),
+                "p99_ms": 1000 * _pct(warm, 0.99),
                 "cpu_ms": 1000 * sum(cpus) / len(cpus),
             }
             if verb == "filter":
@@ -424,8 +428,8 @@ def table(results: Results, command: str = "") -> Iterator[str]:
             yield f"| {what} | {step['total']} | {step['seconds']:.1f} | {rate:.0f} |"
         yield ""
     yield (
-        "| cluster nodes | nodes in the request | body KB | filter p50 / p99 ms | "
-        "filter CPU ms | nodes kept | prioritize p50 / p99 ms | prioritize CPU ms |"
+        "| cluster nodes | nodes in the request | body KB | filter first / p50 / p99 ms | "
+        "filter CPU ms | nodes kept | prioritize first / p50 / p99 ms | prioritize CPU ms |"
     )
     yield "|---|---|---|---|---|---|---|---|"
     for row in results.verbs:
@@ -434,8 +438,9 @@ def table(results: Results, command: str = "") -> Iterator[str]:
         kept = ",".join(str(k) for k in row.get("kept", [])) or "-"
         yield (
             f"| {row['nodes']} | {row['way']}{bad} | {row['body_kb']:.0f} | "
-            f"{f['p50_ms']:.1f} / {f['p99_ms']:.1f} | {f['cpu_ms']:.1f} | {kept} | "
-            f"{p['p50_ms']:.1f} / {p['p99_ms']:.1f} | {p['cpu_ms']:.1f} |"
+            f"{f['first_ms']:.1f} / {f['p50_ms']:.1f} / {f['p99_ms']:.1f} | {f['cpu_ms']:.1f} | "
+            f"{kept} | {p['first_ms']:.1f} / {p['p50_ms']:.1f} / {p['p99_ms']:.1f} | "
+            f"{p['cpu_ms']:.1f} |"
         )
     yield ""
     yield "| pods in the cluster | ready s | peak RSS MB | CPU s | pod lists | extender |"

@@ -21,11 +21,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 from gpushare.base.compat import zip_strict
 from gpushare.kube.nodestate import NodeGpuState
-from gpushare.share.placement import BINPACK, Need, Policy, Room, place_containers, rank
+from gpushare.share.placement import BINPACK, Need, Policy, Room, best, place_containers
 
 __all__ = ["BINPACK", "PLACEMENTS", "Policy"]
 
@@ -108,6 +109,12 @@ class CardRoom:
     @property
     def label(self) -> str:
         return f"GPU{self.index}"
+
+    @cached_property
+    def room(self) -> Room:
+        """The card as placement sees it (made once: a node's rooms are kept between
+        requests, and a filter for a new pod shape asks for them on every node)."""
+        return Room(self.uuid, self.index, self.memory_free, self.core_free, self.healthy)
 
 
 @dataclass(frozen=True)
@@ -263,13 +270,13 @@ def subtract(
 
 
 def _rooms(rooms: Sequence[CardRoom]) -> list[Room]:
-    return [Room(r.uuid, r.index, r.memory_free, r.core_free, r.healthy) for r in rooms]
+    return [r.room for r in rooms]
 
 
 def choose_room(rooms: Sequence[CardRoom], need: ContainerNeed, policy: str) -> CardRoom | None:
     """The card the daemon would give this container alone, or None if no card holds it."""
-    ranked = rank(_rooms(rooms), need.need, Policy.parse(policy))
-    return next(r for r in rooms if r.uuid == ranked[0].uuid) if ranked else None
+    chosen = best(_rooms(rooms), need.need, Policy.parse(policy))
+    return next(r for r in rooms if r.uuid == chosen.uuid) if chosen is not None else None
 
 
 def _count(number: int, noun: str) -> str:

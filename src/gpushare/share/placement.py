@@ -122,6 +122,17 @@ def rank(rooms: Sequence[Room], need: Need, policy: Policy) -> list[Room]:
     )
 
 
+def best(rooms: Sequence[Room], need: Need, policy: Policy) -> Room | None:
+    """``rank(rooms, need, policy)[0]`` (None when no card holds ``need``), without
+    sorting the others: the answer for a pod of one container."""
+    uses_memory = need.memory > 0
+    return min(
+        (room for room in rooms if room.holds(need)),
+        key=lambda r: policy_key(r.memory_free, r.core_free, r.index, uses_memory, policy),
+        default=None,
+    )
+
+
 def place_containers(
     rooms: Sequence[Room], needs: Sequence[Need], policy: Policy
 ) -> tuple[str, ...] | None:
@@ -133,8 +144,8 @@ def place_containers(
     first container and calling again for the rest gives the same remaining cards.
     """
     if len(needs) == 1:  # what the search below finds for one container, without it
-        ranked = rank(rooms, needs[0], policy)
-        return (ranked[0].uuid,) if ranked else None
+        chosen = best(rooms, needs[0], policy)
+        return (chosen.uuid,) if chosen is not None else None
     trials = 0
 
     def search(current: Sequence[Room], position: int) -> list[str] | None:

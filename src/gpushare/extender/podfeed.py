@@ -25,18 +25,19 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import structlog
 
+from gpushare._proto.kubeapi.v1 import pods_pb2
 from gpushare.extender.feedthread import LIST_TIMEOUT, PAGE, ListWatchFeed
 from gpushare.extender.fit import PodSpecError, pod_need
 from gpushare.extender.ledger import AdmissionLedger, PodFacts
 from gpushare.kube.nodestate import decode_plan, plan_annotation_key
-from gpushare.kube.protolist import PROTOBUF_OR_JSON, ProtoListStream, pod_object
+from gpushare.kube.protolist import PROTOBUF_OR_JSON, ProtoListStream, pod_object, quantity_names
 from gpushare.kube.stdlibclient import ApiClient, Endpoint
 
 log = structlog.get_logger(__name__)
@@ -62,12 +63,23 @@ def _may_matter(pod: Mapping[str, Any], prefix: str) -> bool:
     """False only for a running or pending pod that names no ``prefix`` resource in any
     container (most of a cluster's pods): the cheap test before :func:`facts_of`."""
     status = pod.get("status")
-    if isinstance(status, Mapping) and status.get("phase") in TERMINAL:
+    phase = status.get("phase") if isinstance(status, Mapping) else None
+    return _matters(phase, _quantity_names(pod), prefix)
+
+
+def _matters(phase: object, names: Iterable[object], prefix: str) -> bool:
+    """The rule of :func:`_may_matter`, over a pod's phase and the names in its
+    containers' limits and requests (read from JSON or protobuf)."""
+    if phase in TERMINAL:
         return True
+    marker = prefix + "/"
+    return any(isinstance(name, str) and name.startswith(marker) for name in names)
+
+
+def _quantity_names(pod: Mapping[str, Any]) -> Iterator[object]:
     spec = pod.get("spec")
     if not isinstance(spec, Mapping):
-        return False
-    marker = prefix + "/"
+        return
     for key in ("containers", "initContainers"):
         containers = spec.get(key)
         if not isinstance(containers, list):
@@ -77,11 +89,8 @@ def _may_matter(pod: Mapping[str, Any], prefix: str) -> bool:
             if not isinstance(resources, Mapping):
                 continue
             for amounts in resources.values():
-                if isinstance(amounts, Mapping) and any(
-                    isinstance(name, str) and name.startswith(marker) for name in amounts
-                ):
-                    return True
-    return False
+                if isinstance(amounts, Mapping):
+                    yield from amounts
 
 
 def facts_of(pod: Mapping[str, Any], prefix: str) -> PodFacts:
@@ -150,37 +159,49 @@ class PodFeed(ListWatchFeed):
     def list_pods(self) -> tuple[list[PodFacts], str]:
         """Every pod, page by page, read as a stream: (their facts, the list's
         resourceVersion). Each pod is reduced to its facts (or dropped) before the next
-        one is parsed. The pages are asked for in protobuf (JSON where the server does
-        not speak it): at 150 000 pods that is most of the extender's start."""
+        one is parsed.
+
+        Asked as kube-scheduler's own informers ask: in protobuf (JSON where the server
+        does not speak it) and from the API server's watch cache (``resourceVersion=0``:
+        any recent version, which the watch from the list's version then brings up to
+        date). kube-apiserver v1.36.3 with 150 000 pods listed them in 3.8 s that way
+        and in 17 to 22 s as consistent pages of 500 from etcd (each page cost ~60 ms
+        there whatever its size)."""
         listed: list[PodFacts] = []
         token = ""
-        plan_key, marker = (plan_annotation_key(self.prefix),), self.prefix + "/"
         while True:
             query = {"limit": str(PAGE)}
             if token:
                 query["continue"] = token
+            else:
+                query["resourceVersion"] = "0"
             with self.client.stream_list(PODS, query, LIST_TIMEOUT, PROTOBUF_OR_JSON) as stream:
                 if isinstance(stream, ProtoListStream):
-                    pods: Iterator[Any] = (
-                        pod_object(raw, plan_key, marker) for raw in stream.items()
-                    )
-                else:
-                    pods = stream.items()
-                for item in pods:
-                    if isinstance(item, dict) and _may_matter(item, self.prefix):
-                        facts = facts_of(item, self.prefix)
-                        if facts.uid and (facts.need is not None or facts.ended):
-                            listed.append(facts)
-                    del item  # the full object goes before the next is read
-                if isinstance(stream, ProtoListStream):
+                    for raw in stream.items():
+                        self._keep_proto(raw, listed)
                     token, version = stream.continue_token, stream.resource_version
                 else:
+                    for item in stream.items():
+                        if isinstance(item, dict) and _may_matter(item, self.prefix):
+                            self._keep(item, listed)
+                        del item  # the full object goes before the next is read
                     meta = stream.fields.get("metadata")
                     meta = meta if isinstance(meta, dict) else {}
                     token = str(meta.get("continue") or "")
                     version = str(meta.get("resourceVersion") or "")
             if not token:
                 return listed, version
+
+    def _keep_proto(self, raw: bytes, listed: list[PodFacts]) -> None:
+        pod = pods_pb2.Pod.FromString(raw)
+        if _matters(pod.status.phase, quantity_names(pod), self.prefix):
+            marker = self.prefix + "/"
+            self._keep(pod_object(pod, (plan_annotation_key(self.prefix),), marker), listed)
+
+    def _keep(self, pod: dict[str, Any], listed: list[PodFacts]) -> None:
+        facts = facts_of(pod, self.prefix)
+        if facts.uid and (facts.need is not None or facts.ended):
+            listed.append(facts)
 
     async def first_list(self, seconds: float | None = None) -> bool:
         """Start the feed (its thread lists first) and wait up to ``seconds`` for that

@@ -165,15 +165,22 @@ def _containers(containers: Iterable[pods_pb2.Container], marker: str) -> list[d
     ]
 
 
+def quantity_names(pod: pods_pb2.Pod) -> Iterator[str]:
+    """The names in every container's limits and requests (init containers too)."""
+    for containers in (pod.spec.containers, pod.spec.initContainers):
+        for container in containers:
+            yield from container.resources.limits
+            yield from container.resources.requests
+
+
 def pod_object(
-    raw: bytes, annotations: Collection[str] = (), resources: str = ""
+    pod: pods_pb2.Pod, annotations: Collection[str] = (), resources: str = ""
 ) -> dict[str, Any]:
-    """One encoded Pod as the JSON object the API server would send, cut to the fields
-    ``proto/kubeapi`` names, of the annotations only the keys in ``annotations`` and of
-    the containers' limits and requests only the names that start with ``resources``:
-    the input the JSON readers of a pod take, so both encodings go through one reading
-    of it."""
-    pod = pods_pb2.Pod.FromString(raw)
+    """A decoded Pod (``pods_pb2.Pod.FromString``) as the JSON object the API server
+    would send, cut to the fields ``proto/kubeapi`` names, of the annotations only the
+    keys in ``annotations`` and of the containers' limits and requests only the names
+    that start with ``resources``: the input the JSON readers of a pod take, so both
+    encodings go through one reading of it."""
     meta, spec = pod.metadata, pod.spec
     return {
         "metadata": {

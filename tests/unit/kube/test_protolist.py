@@ -17,10 +17,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kit.kube_double import KubeApiDouble
 
+from gpushare._proto.kubeapi.v1 import pods_pb2
 from gpushare.extender.ledger import AdmissionLedger
-from gpushare.extender.podfeed import PodFeed, _may_matter, facts_of
+from gpushare.extender.podfeed import PodFeed, _matters, _may_matter, facts_of
 from gpushare.kube.nodestate import plan_annotation_key
-from gpushare.kube.protolist import MAX_ITEM_BYTES, ProtoListStream, pod_object
+from gpushare.kube.protolist import MAX_ITEM_BYTES, ProtoListStream, pod_object, quantity_names
 from gpushare.kube.stdlibclient import ApiClient, kubeconfig_endpoint
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "kubeapi"
@@ -47,7 +48,7 @@ def kept(pod: dict[str, Any]) -> Any:
 
 
 def proto_pod(raw: bytes) -> dict[str, Any]:
-    return pod_object(raw, (plan_annotation_key(PREFIX),), PREFIX + "/")
+    return pod_object(pods_pb2.Pod.FromString(raw), (plan_annotation_key(PREFIX),), PREFIX + "/")
 
 
 @pytest.mark.parametrize("page", [0, 1])
@@ -57,6 +58,15 @@ def test_a_recorded_page_gives_the_facts_and_metadata_of_its_json_twin(page: int
     assert version == twin["metadata"]["resourceVersion"]
     assert token == twin["metadata"].get("continue", "")
     assert [kept(proto_pod(raw)) for raw in items] == [kept(pod) for pod in twin["items"]]
+
+
+def test_the_cheap_test_on_a_decoded_pod_agrees_with_the_one_on_its_json() -> None:
+    for page, twin in zip(PAGES, JSON_PAGES, strict=True):
+        for raw, pod in zip(read_all(page)[0], twin["items"], strict=True):
+            decoded = pods_pb2.Pod.FromString(raw)
+            on_proto = _matters(decoded.status.phase, quantity_names(decoded), PREFIX)
+            assert on_proto == _may_matter(pod, PREFIX)
+            assert on_proto == (pod["metadata"]["name"] != "no-gpu")
 
 
 def test_the_recorded_pods_are_the_cases_the_extender_tells_apart() -> None:
@@ -164,6 +174,8 @@ def test_the_pod_feed_lists_a_server_that_answers_in_protobuf(short_tmp: Path) -
         lists = [r for r in api.requests if r.path == "/api/v1/pods"]
         assert len(lists) == 3
         assert all(r.accept.startswith("application/vnd.kubernetes.protobuf") for r in lists)
+        # the first page from the watch cache, as informers ask; the rest by token
+        assert [r.query.get("resourceVersion") for r in lists] == [["0"], None, None]
     finally:
         api.stop()
     names = sorted(f.key for f in listed)

@@ -175,7 +175,7 @@ class PodFeed(ListWatchFeed):
                 query["continue"] = token
             else:
                 query["resourceVersion"] = "0"
-            with self.client.stream_list(PODS, query, LIST_TIMEOUT, PROTOBUF_OR_JSON) as stream:
+            with self.client.stream_list_as(PODS, query, LIST_TIMEOUT, PROTOBUF_OR_JSON) as stream:
                 if isinstance(stream, ProtoListStream):
                     for raw in stream.items():
                         self._keep_proto(raw, listed)

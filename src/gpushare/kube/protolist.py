@@ -17,10 +17,12 @@ that ends early raises ``ValueError``.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpushare._proto.kubeapi.v1 import pods_pb2
+if TYPE_CHECKING:  # the framing needs no protobuf runtime; the decoded pods do
+    from gpushare._proto.kubeapi.v1 import pods_pb2
 
 PROTOBUF = "application/vnd.kubernetes.protobuf"
 #: What a reader of lists asks for: protobuf where the server speaks it (kube-apiserver
@@ -34,6 +36,7 @@ CHUNK_BYTES = 1 << 16
 _VARINT, _FIXED64, _BYTES, _FIXED32 = 0, 1, 2, 5
 _UNKNOWN_RAW = 2
 _LIST_META, _LIST_ITEMS = 1, 2
+_META_VERSION, _META_CONTINUE = 2, 3
 
 
 class _Reader:
@@ -139,13 +142,27 @@ class ProtoListStream:
             if field == _LIST_ITEMS and wire == _BYTES:
                 yield reader.take(reader.length())
             elif field == _LIST_META and wire == _BYTES:
-                meta = pods_pb2.ListMeta.FromString(reader.take(reader.length()))
-                self.resource_version = meta.resourceVersion
-                self.continue_token = getattr(meta, "continue")
+                self._list_meta(reader.take(reader.length()))
             else:
                 reader.skip(wire)
         if reader.consumed != end:
             raise ValueError("a list item runs past the end of the list")
+
+    def _list_meta(self, data: bytes) -> None:
+        """``ListMeta``'s resourceVersion (2) and continue (3), read here so that this
+        module needs no protobuf runtime (``kubectl gpushare`` runs on the standard
+        library alone)."""
+        reader = _Reader(io.BytesIO(data).read, len(data) or 1)
+        while (tag := reader.varint(at_end=True)) is not None:
+            field, wire = tag >> 3, tag & 7
+            if field in (_META_VERSION, _META_CONTINUE) and wire == _BYTES:
+                text = reader.take(reader.length()).decode("utf-8", errors="replace")
+                if field == _META_VERSION:
+                    self.resource_version = text
+                else:
+                    self.continue_token = text
+            else:
+                reader.skip(wire)
 
 
 def _containers(containers: Iterable[pods_pb2.Container], marker: str) -> list[dict[str, Any]]:

@@ -353,7 +353,18 @@ class ApiClient:
 
     @contextlib.contextmanager
     def stream_list(
-        self, path: str, query: Mapping[str, str], timeout: float, accept: str = ""
+        self, path: str, query: Mapping[str, str], timeout: float
+    ) -> Iterator[ListStream]:
+        """GET a list as JSON and read its items one at a time (:class:`ListStream`;
+        see :meth:`stream_list_as`)."""
+        with self.stream_list_as(path, query, timeout, self._accept) as stream:
+            if not isinstance(stream, ListStream):
+                raise ValueError(f"{path}: a protobuf answer to a request for JSON")
+            yield stream
+
+    @contextlib.contextmanager
+    def stream_list_as(
+        self, path: str, query: Mapping[str, str], timeout: float, accept: str
     ) -> Iterator[ListStream | ProtoListStream]:
         """GET a list and read its items one at a time: a large answer never sits in
         memory whole. A JSON answer comes as a :class:`ListStream`; with ``accept``

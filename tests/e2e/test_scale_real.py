@@ -36,5 +36,6 @@ def test_the_real_api_server_path_at_toy_size(tmp_path: Path) -> None:
     # the daemons' state objects and the GPU pods (one in four) as the API server lists them
     assert start["state_objects"] == [6]
     assert start["gpu_pods"] == [300]
+    assert start["encodings"] == ["protobuf"]  # kube-apiserver answered the list in protobuf
     text = "\n".join(scale.table(results))
     assert "| bound Pods | 1200 |" in text and "| 6 | 6 names |" in text

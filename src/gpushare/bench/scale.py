@@ -290,6 +290,7 @@ def measure_start(
         ready = extender.wait_ready()
         rss, cpu = _peak_rss_mb(extender.proc.pid), _cpu_seconds(extender.proc.pid)
         lists = extender.wait_logged("pods_listed", "pods")
+        encodings = extender.events("pods_listed", "encoding")  # none from an older extender
         objects = (
             extender.wait_logged("node_state_objects_listed", "objects") if state_objects else []
         )
@@ -301,6 +302,7 @@ def measure_start(
             "cpu_s": cpu,
             "pod_lists": len(lists),
             "gpu_pods": lists,
+            "encodings": encodings,
             "state_objects": objects,
         }
     finally:

@@ -138,6 +138,8 @@ class PodFeed(ListWatchFeed):
         self.prefix = prefix
         self.ledger = ledger
         self._listed: asyncio.Event | None = None
+        #: how the API server answered the last list: "protobuf" or "json"
+        self.encoding = ""
 
     # ------------------------------------------------------------------ on the loop
     def _adopt(self, listed: list[PodFacts]) -> None:
@@ -176,6 +178,7 @@ class PodFeed(ListWatchFeed):
             else:
                 query["resourceVersion"] = "0"
             with self.client.stream_list_as(PODS, query, LIST_TIMEOUT, PROTOBUF_OR_JSON) as stream:
+                self.encoding = "protobuf" if isinstance(stream, ProtoListStream) else "json"
                 if isinstance(stream, ProtoListStream):
                     for raw in stream.items():
                         self._keep_proto(raw, listed)
@@ -235,7 +238,7 @@ class PodFeed(ListWatchFeed):
                 self._call(self._attempted)
                 raise
             self._call(self._adopt, listed)
-            log.info("pods_listed", pods=len(listed))
+            log.info("pods_listed", pods=len(listed), encoding=self.encoding)
         self._watch_once()
 
     def _watched(self, kind: str, obj: dict[str, Any]) -> None:

@@ -18,7 +18,8 @@ stops matching the watch's selectors comes as ADDED or DELETED; BOOKMARK every
 kept history (see :meth:`KubeApiDouble.compact`) answers an ERROR event with a 410
 Status, as etcd's compaction makes the real server do. A pod list asked for in protobuf
 first (``Accept: application/vnd.kubernetes.protobuf, ...``) is answered in protobuf, as
-kube-apiserver does, with the fields ``proto/kubeapi`` names. Lives in the package so that
+kube-apiserver does, with the fields ``proto/kubeapi`` names (``protobuf = False``: JSON
+always, as a JSON-only proxy). Lives in the package so that
 ``make bench`` can run the daemon against it.
 
 ``resource.k8s.io/v1`` objects (ResourceSlices, ResourceClaims, DeviceClasses) are kept
@@ -171,6 +172,9 @@ class ObjectStore:
         self._oldest = 1  # watches from before this version answer 410 Gone
         self._stopping = False
         self.bookmark_seconds = 60.0
+        #: Pod lists asked for in protobuf first are answered in protobuf (False: JSON
+        #: always, as a proxy or a server that only speaks JSON would).
+        self.protobuf = True
         #: Container logs by pod object key, served at ``pods/{name}/log`` as text.
         self.logs: dict[str, str] = {}
 
@@ -407,7 +411,7 @@ class CollectionReads(ObjectStore):
             return self._reply(request, 406, _not_acceptable(as_metadata, "a list"))
         if as_metadata:
             head = {"kind": as_metadata, "apiVersion": "meta.k8s.io/v1", "metadata": meta}
-        if kind == "PodList" and not as_metadata and _wants_protobuf(request):
+        if kind == "PodList" and not as_metadata and self.protobuf and _wants_protobuf(request):
             with self._lock:
                 pods = [self.objects[key] for key in page if key in self.objects]
                 answer = _pod_list_protobuf(meta, pods)

@@ -156,14 +156,16 @@ def pod(name: str, memory: int = 0, phase: str = "Running") -> dict[str, Any]:
     }
 
 
-def test_the_pod_feed_lists_a_server_that_answers_in_protobuf(short_tmp: Path) -> None:
+def list_through_the_feed(short_tmp: Path, protobuf: bool) -> tuple[list[Any], str, str, list[Any]]:
+    """The pod feed's list of a double holding 1 203 pods (three pages of 500 and a
+    bit; every third asks for no GPU, one ended): (facts, version, encoding, requests)."""
     api = KubeApiDouble()
+    api.protobuf = protobuf
     api.start()
     try:
-        for index in range(1203):  # three pages of 500 and a bit
-            api.add(
-                pod(f"p{index}", memory=index % 3, phase="Succeeded" if index == 7 else "Running")
-            )
+        for index in range(1203):
+            phase = "Succeeded" if index == 7 else "Running"
+            api.add(pod(f"p{index}", memory=index % 3, phase=phase))
         client = ApiClient(kubeconfig_endpoint(api.kubeconfig(short_tmp / "kubeconfig")))
         loop = asyncio.new_event_loop()
         try:
@@ -171,15 +173,22 @@ def test_the_pod_feed_lists_a_server_that_answers_in_protobuf(short_tmp: Path) -
             listed, version = feed.list_pods()
         finally:
             loop.close()
-        lists = [r for r in api.requests if r.path == "/api/v1/pods"]
-        assert len(lists) == 3
-        assert all(r.accept.startswith("application/vnd.kubernetes.protobuf") for r in lists)
-        # the first page from the watch cache, as informers ask; the rest by token
-        assert [r.query.get("resourceVersion") for r in lists] == [["0"], None, None]
+        return listed, version, feed.encoding, [r for r in api.requests if r.path == "/api/v1/pods"]
     finally:
         api.stop()
+
+
+@pytest.mark.parametrize("protobuf", [True, False], ids=["protobuf", "json-only server"])
+def test_the_pod_feed_lists_in_protobuf_or_in_the_json_a_server_answers(
+    short_tmp: Path, protobuf: bool
+) -> None:
+    listed, version, encoding, lists = list_through_the_feed(short_tmp, protobuf)
+    assert encoding == ("protobuf" if protobuf else "json")
+    assert len(lists) == 3
+    assert all(r.accept.startswith("application/vnd.kubernetes.protobuf") for r in lists)
+    # the first page from the watch cache, as informers ask; the rest by token
+    assert [r.query.get("resourceVersion") for r in lists] == [["0"], None, None]
     names = sorted(f.key for f in listed)
-    wanted = sorted(f"team/p{i}" for i in range(1203) if i % 3 or i == 7)
-    assert names == wanted
+    assert names == sorted(f"team/p{i}" for i in range(1203) if i % 3 or i == 7)
     assert version and int(version) > 0
     assert next(f for f in listed if f.key == "team/p7").ended

@@ -153,6 +153,17 @@ def test_dra_claims_are_published_inspected_and_exported_beside_device_plugin_sh
     }
     assert figures == {one: (2, 3072, 30), two: (1, P4_PUBLISHED, 0)}
     eventually(lambda: (s := node_annotation(api)) and s.cards[0].memory_units_used == 8)
+    # the daemon annotates the pod with its card after it publishes the count: inspect
+    # shows the share only once both agree
+    card_key = nodestate.pod_annotation_key(PREFIX, "main")
+    eventually(
+        lambda: (
+            (api.get("Pod", "dp", "default") or {})
+            .get("metadata", {})
+            .get("annotations", {})
+            .get(card_key)
+        )
+    )
 
     # inspect, from the double's Node and Pod objects
     view = inspect.build_view(*inspect.fetch(None, Cluster()), PREFIX)

@@ -241,7 +241,9 @@ JSON = "application/json"
 #: A list's and a watch's objects as their metadata only (``PartialObjectMetadata``:
 #: name, uid, labels, annotations; no spec or status): the server sends each object's
 #: small part, and plain JSON where it cannot (the last choice).
-METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json"
+METADATA_LIST = (
+    "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json"
+)
 METADATA_WATCH = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
 
 

@@ -36,7 +36,7 @@ Two levels:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpushare.base.compat import StrEnum
@@ -113,23 +113,23 @@ def policy_key(
     return (*key, index)
 
 
+def _order(need: Need, policy: Policy) -> Callable[[Room], tuple[int, ...]]:
+    """The sort key of the cards for ``need`` (:func:`policy_key`): one rule for
+    :func:`rank` and :func:`best`."""
+    uses_memory = need.memory > 0
+    return lambda r: policy_key(r.memory_free, r.core_free, r.index, uses_memory, policy)
+
+
 def rank(rooms: Sequence[Room], need: Need, policy: Policy) -> list[Room]:
     """The cards that hold ``need``, best first."""
-    uses_memory = need.memory > 0
-    return sorted(
-        (room for room in rooms if room.holds(need)),
-        key=lambda r: policy_key(r.memory_free, r.core_free, r.index, uses_memory, policy),
-    )
+    return sorted((room for room in rooms if room.holds(need)), key=_order(need, policy))
 
 
 def best(rooms: Sequence[Room], need: Need, policy: Policy) -> Room | None:
     """``rank(rooms, need, policy)[0]`` (None when no card holds ``need``), without
     sorting the others: the answer for a pod of one container."""
-    uses_memory = need.memory > 0
     return min(
-        (room for room in rooms if room.holds(need)),
-        key=lambda r: policy_key(r.memory_free, r.core_free, r.index, uses_memory, policy),
-        default=None,
+        (room for room in rooms if room.holds(need)), key=_order(need, policy), default=None
     )
 
 

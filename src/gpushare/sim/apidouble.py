@@ -286,11 +286,16 @@ class ObjectStore:
         return "namespaces" not in parts or key.rsplit("/", 1)[0] == path.rstrip("/")
 
 
+def _first_accept(request: BaseHTTPRequestHandler) -> str:
+    """The first media range of the request's Accept header (the client's choice)."""
+    return (request.headers.get("Accept") or "").split(",")[0]
+
+
 def _wants_metadata(request: BaseHTTPRequestHandler) -> str:
     """``PartialObjectMetadataList``/``PartialObjectMetadata`` when the Accept header's
     first choice asks for objects as their metadata only (``as=...;g=meta.k8s.io``),
     else ""."""
-    first = (request.headers.get("Accept") or "").split(",")[0]
+    first = _first_accept(request)
     params = dict(p.strip().partition("=")[::2] for p in first.split(";")[1:])
     if params.get("g") == "meta.k8s.io" and params.get("as", "").startswith("PartialObject"):
         return params["as"]
@@ -300,8 +305,7 @@ def _wants_metadata(request: BaseHTTPRequestHandler) -> str:
 def _wants_protobuf(request: BaseHTTPRequestHandler) -> bool:
     """The Accept header's first choice is protobuf (kube-apiserver then answers a
     built-in type's list in protobuf)."""
-    first = (request.headers.get("Accept") or "").split(",")[0]
-    return first.split(";")[0].strip() == PROTOBUF
+    return _first_accept(request).split(";")[0].strip() == PROTOBUF
 
 
 def _pod_list_protobuf(meta: dict[str, Any], pods: list[dict[str, Any]]) -> bytes:

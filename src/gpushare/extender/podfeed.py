@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -133,10 +133,15 @@ class PodFeed(ListWatchFeed):
         prefix: str,
         ledger: AdmissionLedger,
         loop: asyncio.AbstractEventLoop,
+        on_first_list: Callable[[], None] | None = None,
     ) -> None:
+        """``on_first_list``: called on ``loop`` once the first list is in the ledger,
+        however long it took."""
         super().__init__(client, loop)
         self.prefix = prefix
         self.ledger = ledger
+        self.on_first_list = on_first_list
+        self._plan_keys = (plan_annotation_key(prefix),)  # the annotation a pod's facts keep
         self._listed: asyncio.Event | None = None
         #: how the API server answered the last list: "protobuf" or "json"
         self.encoding = ""
@@ -147,6 +152,8 @@ class PodFeed(ListWatchFeed):
         self.ledger.watching = True
         self.ledger.awaiting_list = False
         self.lists += 1
+        if self.lists == 1 and self.on_first_list is not None:
+            self.on_first_list()
         if self._listed is not None:
             self._listed.set()
 
@@ -198,8 +205,7 @@ class PodFeed(ListWatchFeed):
     def _keep_proto(self, raw: bytes, listed: list[PodFacts]) -> None:
         pod = pods_pb2.Pod.FromString(raw)
         if _matters(pod.status.phase, quantity_names(pod), self.prefix):
-            marker = self.prefix + "/"
-            self._keep(pod_object(pod, (plan_annotation_key(self.prefix),), marker), listed)
+            self._keep(pod_object(pod, self._plan_keys, self.prefix + "/"), listed)
 
     def _keep(self, pod: dict[str, Any], listed: list[PodFacts]) -> None:
         facts = facts_of(pod, self.prefix)

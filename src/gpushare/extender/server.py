@@ -245,11 +245,14 @@ def build_app(
         if not settings.watch_pods:
             return
         feed = PodFeed(
-            ApiClient(endpoint), policy.resource_prefix, state.ledger, asyncio.get_running_loop()
+            ApiClient(endpoint),
+            policy.resource_prefix,
+            state.ledger,
+            asyncio.get_running_loop(),
+            on_first_list=settle_heap,  # also when the list outlasts the start's wait
         )
         feeds.append(feed)
-        if await feed.first_list():
-            settle_heap()
+        await feed.first_list()
 
     async def stop_feed(_app: web.Application) -> None:
         loop = asyncio.get_running_loop()

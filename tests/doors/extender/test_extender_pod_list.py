@@ -8,6 +8,7 @@ filter held back (``/readyz`` 503) while the same list goes on.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -51,15 +52,22 @@ def test_a_slow_first_list_is_not_abandoned_for_a_second_one(
         api.add(placed)
     api.add(pod("cpu", container("main")))
     monkeypatch.setattr(podfeed, "START_LIST_SECONDS", 0.2)
+    gc.unfreeze()
     api.hold()  # the list takes longer than the extender waits
     try:
         server = extender_factory(api_server=api.url, token_file="", ca_file="", watch_nodes=False)
         assert get(server, "/readyz")[0] == 503
+        assert gc.get_freeze_count() == 0  # nothing settled before the list is read
     finally:
         api.release()
-    eventually(lambda: get(server, "/readyz")[0] == 200)
-    assert pod_lists(api) == 1
-    assert server.ledger.live_pods == 3  # the GPU pods only
+    try:
+        eventually(lambda: get(server, "/readyz")[0] == 200)
+        assert pod_lists(api) == 1
+        assert server.ledger.live_pods == 3  # the GPU pods only
+        # what the start built is frozen once the late list is in (server.settle_heap)
+        eventually(lambda: gc.get_freeze_count() > 0)
+    finally:
+        gc.unfreeze()
 
 
 container_st = st.fixed_dictionaries(

@@ -28,9 +28,32 @@ UNLIMITED = (1 << 64) - 1
 #: NVML's return codes used here.
 NVML_ERROR_INVALID_ARGUMENT = 2
 NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NO_PERMISSION = 4
+NVML_ERROR_NOT_FOUND = 6
 NVML_ERROR_FUNCTION_NOT_FOUND = 13
-#: What a simulated card's ``memory_limits`` may say.
-SIM_MODES = ("ok", "broken", "unsupported")
+NVML_ERROR_OPERATING_SYSTEM = 17
+#: What a simulated card's ``memory_limits`` may say: ``ok``; ``broken`` (a set is
+#: accepted and nothing kept: the read-back answers NOT_SUPPORTED); ``unsupported`` (a
+#: set answers NOT_SUPPORTED); ``dmem`` (the kernel's dmem backend: a set needs every
+#: level above the cgroup to enable ``+dmem``, else NOT_FOUND); ``gone`` (a set answers
+#: OPERATING_SYSTEM, as for a cgroup the driver cannot open).
+SIM_MODES = ("ok", "broken", "unsupported", "dmem", "gone")
+
+#: What the NVML reference says each answer of the setter means, in the words the memory
+#: hook (hook/memory-hook.c, ``explain``) prints too: the two must agree.
+MEANINGS = {
+    NVML_ERROR_INVALID_ARGUMENT: "a limit above the card's total memory, or soft above hard",
+    NVML_ERROR_NO_PERMISSION: "setting a limit needs root with CAP_SYS_ADMIN",
+    NVML_ERROR_NOT_FOUND: "the cgroup has no dmem files: a level above it does not enable +dmem",
+    NVML_ERROR_OPERATING_SYSTEM: "the cgroup is gone or not visible to the driver",
+}
+#: A read-back answering NOT_SUPPORTED after a set that succeeded.
+READBACK_UNSUPPORTED = "the limit is not enforced"
+
+
+def explain(code: int) -> str:
+    """What NVML's answer ``code`` to a memory-limit set means ("" for one not listed)."""
+    return MEANINGS.get(code, "")
 
 
 class MemoryLimitError(Exception):
@@ -69,27 +92,44 @@ def fnv1a64(text: str) -> int:
 
 
 class LimitStore:
-    """The simulated driver's limits: ``cards/<uuid>`` (ok | broken | unsupported),
-    ``limits/<uuid>.<fnv1a64 hex>`` ("<namespace>\\n<soft> <hard>\\n"), ``driver_version``.
+    """The simulated driver's limits: ``cards/<uuid>`` (one of :data:`SIM_MODES`),
+    ``memory/<uuid>`` (the card's total, bytes), ``limits/<uuid>.<fnv1a64 hex>``
+    ("<namespace>\\n<soft> <hard>\\n"), ``driver_version``.
 
-    As the driver does: a set needs the namespace to be an existing directory; soft 0
-    and hard :data:`UNLIMITED` clears; a read without a limit is None (NOT_SUPPORTED);
-    a ``broken`` card accepts a set and keeps nothing, an ``unsupported`` one refuses.
+    As the driver does: a set needs the namespace to be an existing directory
+    (OPERATING_SYSTEM otherwise); soft 0 and hard :data:`UNLIMITED` clears; a hard limit
+    above the card's total is INVALID_ARGUMENT; a read without a limit is None
+    (NOT_SUPPORTED); a ``broken`` card accepts a set and keeps nothing, an ``unsupported``
+    one refuses, a ``dmem`` one needs the ``+dmem`` chain (:func:`dmem_chain_broken`).
     """
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
 
-    def publish(self, driver_version: str, cards: dict[str, str]) -> None:
-        """Write the cards and the driver version for the C stand-in to read."""
+    def publish(
+        self, driver_version: str, cards: dict[str, str], totals: dict[str, int] | None = None
+    ) -> None:
+        """Write the cards (and their totals in bytes) and the driver version for the C
+        stand-in to read."""
         (self.path / "cards").mkdir(parents=True, exist_ok=True)
+        (self.path / "memory").mkdir(exist_ok=True)
         (self.path / "limits").mkdir(exist_ok=True)
         _write(self.path / "driver_version", driver_version + "\n")
-        for old in (self.path / "cards").iterdir():
-            if old.name not in cards:
-                old.unlink(missing_ok=True)
+        for folder, known in (("cards", cards), ("memory", totals or {})):
+            for old in (self.path / folder).iterdir():
+                if old.name not in known:
+                    old.unlink(missing_ok=True)
         for uuid, mode in cards.items():
             _write(self.path / "cards" / uuid, mode + "\n")
+        for uuid, total in (totals or {}).items():
+            _write(self.path / "memory" / uuid, f"{total}\n")
+
+    def total(self, uuid: str) -> int | None:
+        """The card's total memory in bytes, where published."""
+        try:
+            return int((self.path / "memory" / uuid).read_text())
+        except (OSError, ValueError):
+            return None
 
     def _mode(self, uuid: str) -> str:
         if "/" in uuid or uuid in ("", ".", ".."):
@@ -110,18 +150,21 @@ class LimitStore:
 
     def set_memory_limits(self, uuid: str, namespace: str, soft: int, hard: int) -> None:
         mode = self._mode(uuid)
-        if not os.path.isdir(namespace):
-            raise MemoryLimitError(f"{namespace} is not a directory", NVML_ERROR_INVALID_ARGUMENT)
+        if mode == "gone" or not os.path.isdir(namespace):
+            raise _refused(NVML_ERROR_OPERATING_SYSTEM, "Operating System Error", namespace)
         if mode == "unsupported":
             raise MemoryLimitError("Not Supported", NVML_ERROR_NOT_SUPPORTED)
+        if mode == "dmem" and dmem_chain_broken(Path(namespace)):
+            raise _refused(NVML_ERROR_NOT_FOUND, "Not Found", namespace)
         if mode == "broken":
             return
         target = self._file(uuid, namespace)
         if soft == 0 and hard == UNLIMITED:
             target.unlink(missing_ok=True)
             return
-        if soft > hard or hard <= 0:
-            raise MemoryLimitError("soft above hard", NVML_ERROR_INVALID_ARGUMENT)
+        total = self.total(uuid)
+        if soft > hard or hard <= 0 or (total is not None and hard > total):
+            raise _refused(NVML_ERROR_INVALID_ARGUMENT, "Invalid Argument", namespace)
         target.parent.mkdir(parents=True, exist_ok=True)
         _write(target, f"{namespace}\n{soft} {hard}\n")
 
@@ -147,6 +190,33 @@ class LimitStore:
             soft, hard = (int(n) for n in numbers.split())
             found[(entry.name.rsplit(".", 1)[0], name)] = Limits(soft, hard)
         return found
+
+
+def _refused(code: int, name: str, namespace: str) -> MemoryLimitError:
+    return MemoryLimitError(
+        f"nvmlDeviceSetMemoryLimits_v1 for {namespace}: {name} ({code}): {explain(code)}", code
+    )
+
+
+def dmem_chain_broken(namespace: Path) -> bool:
+    """Whether a level above ``namespace`` (its parent, up to the cgroup root: the last
+    directory with ``cgroup.controllers`` whose parent has none) fails to enable ``dmem``
+    in its ``cgroup.subtree_control``: then the kernel made no ``dmem.*`` files for it and
+    the driver answers NOT_FOUND. The C stand-in reads the tree the same way."""
+    level = namespace.parent
+    while True:
+        try:
+            control = (level / "cgroup.subtree_control").read_text().split()
+        except OSError:
+            control = []
+        if "dmem" not in control:
+            return True
+        root = (level / "cgroup.controllers").exists() and not (
+            level.parent / "cgroup.controllers"
+        ).exists()
+        if root or level.parent == level:
+            return False
+        level = level.parent
 
 
 def _write(target: Path, text: str) -> None:
@@ -195,7 +265,12 @@ def nvml_set(nvml: Any, handle: Any, namespace: str, soft: int, hard: int) -> No
     limits = _SetLimits(namespace.encode(), soft, hard)
     code = _function(nvml, "nvmlDeviceSetMemoryLimits_v1")(handle, ctypes.byref(limits))
     if code:
-        raise MemoryLimitError(f"nvmlDeviceSetMemoryLimits_v1: {nvml.NVMLError(code)}", code)
+        meaning = explain(code)
+        raise MemoryLimitError(
+            f"nvmlDeviceSetMemoryLimits_v1 for {namespace}: {nvml.NVMLError(code)} ({code})"
+            + (f": {meaning}" if meaning else ""),
+            code,
+        )
 
 
 def nvml_get(nvml: Any, handle: Any, namespace: str) -> Limits | None:

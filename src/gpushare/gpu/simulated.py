@@ -222,8 +222,9 @@ class SimulatedBackend:
         for entry in data.get("gpus", []) if isinstance(data, dict) else []:
             if isinstance(entry, dict) and isinstance(entry.get("uuid"), str):
                 modes[entry["uuid"]] = str(entry.get("memory_limits", "ok"))
+        totals = {card.gpu.uuid: card.gpu.memory_mib << 20 for card in self._cards.values()}
         try:
-            self.limit_store.publish(self.driver_version() or "", modes)
+            self.limit_store.publish(self.driver_version() or "", modes, totals)
         except OSError as exc:
             raise GpuError(f"cannot write the simulated NVML store: {exc}") from None
 

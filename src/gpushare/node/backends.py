@@ -18,9 +18,15 @@ import structlog
 from gpushare.base.startup import NodeConfigurationError
 from gpushare.config import Settings
 from gpushare.gpu.gpus import Gpu
-from gpushare.gpu.memlimits import UNLIMITED, MemoryLimitDriver, MemoryLimitError
+from gpushare.gpu.memlimits import (
+    READBACK_UNSUPPORTED,
+    UNLIMITED,
+    MemoryLimitDriver,
+    MemoryLimitError,
+)
 from gpushare.host.mps import available as mps_available
 from gpushare.kube.nodestate import MAX_REASON, CardEnforcement
+from gpushare.node.podcgroups import dmem_obstacle, pod_cgroups
 from gpushare.share.backends import (
     COMPUTE_PINS,
     MEMORY_PINS,
@@ -59,11 +65,12 @@ def cgroup_type(root: Path) -> str:
     return "none"
 
 
-def self_test(driver: MemoryLimitDriver, uuid: str, root: Path) -> str:
-    """Set, read back and clear a limit on a scratch cgroup under ``root`` for card
+def self_test(driver: MemoryLimitDriver, uuid: str, where: Path) -> str:
+    """Set, read back and clear a limit on a scratch cgroup under ``where`` for card
     ``uuid``; "" when every step held, else why not (one line). The scratch cgroup is
-    removed whatever happened (removing a cgroup clears its limit)."""
-    scratch = root / f"gpushare-selftest-{os.getpid()}"
+    removed whatever happened (removing a cgroup clears its limit). ``where`` is beside
+    the kubelet's pods (:func:`driver_test`), not the cgroup root."""
+    scratch = where / f"gpushare-selftest-{os.getpid()}"
     try:
         scratch.mkdir(mode=0o755)
     except FileExistsError:
@@ -73,8 +80,13 @@ def self_test(driver: MemoryLimitDriver, uuid: str, root: Path) -> str:
     try:
         driver.set_memory_limits(uuid, str(scratch), 0, PROBE_BYTES)
         got = driver.get_memory_limits(uuid, str(scratch))
-        if got is None or (got.soft, got.hard) != (0, PROBE_BYTES):
-            seen = "nothing" if got is None else f"soft {got.soft} hard {got.hard}"
+        if got is None:
+            return (
+                f"set hard {PROBE_BYTES} on a scratch cgroup, read back nothing "
+                f"(NOT_SUPPORTED): {READBACK_UNSUPPORTED}"
+            )
+        if (got.soft, got.hard) != (0, PROBE_BYTES):
+            seen = f"soft {got.soft} hard {got.hard}"
             return f"set hard {PROBE_BYTES} on a scratch cgroup, read back {seen}"
         driver.set_memory_limits(uuid, str(scratch), 0, UNLIMITED)
         cleared = driver.get_memory_limits(uuid, str(scratch))
@@ -86,6 +98,24 @@ def self_test(driver: MemoryLimitDriver, uuid: str, root: Path) -> str:
     finally:
         with contextlib.suppress(OSError):
             scratch.rmdir()
+
+
+def driver_test(driver: MemoryLimitDriver, card: CardTraits, root: Path) -> str:
+    """The ``driver`` test of one card where containers live: on the ``dmem`` backend the
+    kubelet's cgroup levels must carry ``+dmem`` down to the pods
+    (:mod:`gpushare.node.podcgroups`), then the self-test runs on a scratch cgroup beside
+    the pods. "" when it holds, else why not (one line)."""
+    memacct, obstacle = dmem_obstacle(root, card.pci_bus_id)
+    where = pod_cgroups(root).scratch_parent(root)
+    result = obstacle or self_test(driver, card.uuid, where)
+    log.info(
+        "driver_memacct",
+        card=card.uuid,
+        backend=memacct,
+        tested_at=str(where),
+        passed=not result,
+    )
+    return result
 
 
 def card_traits(
@@ -108,6 +138,7 @@ def card_traits(
                 whole_only=mode is CardMode.EXCLUSIVE,
                 cdi=uses_cdi or mode is CardMode.DRA,
                 timeslice=mode is CardMode.TIMESLICE,
+                pci_bus_id=gpu.pci_bus_id,
             )
         )
     traits += [CardTraits(g.uuid, g.index, mig=True) for g in mig_cards]
@@ -145,7 +176,7 @@ def decide_backends(
         memory_pin = memory.for_card(card.uuid, card.index)
         if wants_driver_probe(node, card, memory_pin):
             result = (
-                self_test(limits, card.uuid, Path(settings.cgroup_root))  # type: ignore[arg-type]
+                driver_test(limits, card, Path(settings.cgroup_root))  # type: ignore[arg-type]
                 if limits is not None
                 else "the GPU backend cannot set memory limits"
             )

@@ -156,6 +156,8 @@ class CardTraits:
     #: the driver self-test: None not run, "" passed, otherwise why it failed
     probe: str | None = None
     timeslice: bool = False  # offered as time-sliced replicas (card mode timeslice)
+    #: NVML's PCI address: which ``dmem.capacity`` region is the card's (node/podcgroups.py)
+    pci_bus_id: str = ""
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,11 @@
  * stdin: the OCI state (JSON, at most 64 KiB) with the container's init `pid`. Its cgroup
  * is the `0::` line of /proc/<pid>/cgroup; the path is refused if it is the root, holds
  * `.`/`..` or empty components, or if any component under the cgroup root is a symlink
- * or not a directory. Then: soft 0, hard N MiB, read back with
- * nvmlDeviceGetMemoryLimits_v1. Any failure: exit 1 with one line on stderr, and the
+ * or not a directory. Then: soft 0, hard N MiB (held to the card's total from
+ * nvmlDeviceGetMemoryInfo: the setter refuses more with INVALID_ARGUMENT), read back with
+ * nvmlDeviceGetMemoryLimits_v1 (NOT_SUPPORTED after a set that succeeded: not enforced).
+ * A refused set says what NVML's answer means (explain()). Any failure: exit 1 with one
+ * line on stderr, and the
  * runtime does not create the container (fail closed). It writes nothing itself: the
  * only change it makes is the limit, through NVML. It gives up after 10 s (SIGALRM).
  *
@@ -457,6 +460,21 @@ static void *need(void *lib, const char *name) {
     return f;
 }
 
+/* What the NVML reference says each answer of the setter means; the same words as
+ * gpushare.gpu.memlimits.MEANINGS (tests/unit/host/test_memory_hook_meanings.py holds the
+ * two together). */
+static const char *explain(nvmlReturn_t r) {
+    switch (r) {
+    case 2: return ": a limit above the card's total memory, or soft above hard";
+    case 4: return ": setting a limit needs root with CAP_SYS_ADMIN";
+    case 6: return ": the cgroup has no dmem files: a level above it does not enable +dmem";
+    case 17: return ": the cgroup is gone or not visible to the driver";
+    default: return "";
+    }
+}
+
+typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
+
 static void set_limit(const char *nvml_lib, const char *uuid, const char *ns,
                       unsigned long long bytes) {
     void *lib = dlopen(nvml_lib, RTLD_NOW | RTLD_LOCAL);
@@ -468,6 +486,7 @@ static void set_limit(const char *nvml_lib, const char *uuid, const char *ns,
         need(lib, "nvmlDeviceSetMemoryLimits_v1");
     nvmlReturn_t (*get)(nvmlDevice_t, nvmlGetMemoryLimits_v1_t *) =
         need(lib, "nvmlDeviceGetMemoryLimits_v1");
+    nvmlReturn_t (*memory)(nvmlDevice_t, nvmlMemory_t *) = dlsym(lib, "nvmlDeviceGetMemoryInfo");
     const char *(*error_string)(nvmlReturn_t) = dlsym(lib, "nvmlErrorString");
 #define WHY(r) (error_string ? error_string(r) : "NVML error")
     nvmlReturn_t r = init();
@@ -475,13 +494,25 @@ static void set_limit(const char *nvml_lib, const char *uuid, const char *ns,
     nvmlDevice_t device;
     r = by_uuid(uuid, &device);
     if (r) fail("no GPU %s: %s (%d)", uuid, WHY(r), r);
+    /* The setter refuses a limit above the card's total (INVALID_ARGUMENT): a grant is
+     * never more than the card, so one above it is held to the card (the daemon clamps the
+     * same way, share/answers.py driver_hook). */
+    nvmlMemory_t info = {0, 0, 0};
+    if (memory && memory(device, &info) == 0 && info.total && bytes > info.total) {
+        fprintf(stderr, "gpushare-memory-hook: %llu MiB is above card %s's total %llu MiB: "
+                "limited to the card's total\n", bytes >> 20, uuid, info.total >> 20);
+        bytes = info.total;
+    }
     nvmlSetMemoryLimits_v1_t limits = {ns, 0, bytes};
     r = set(device, &limits);
-    if (r) fail("nvmlDeviceSetMemoryLimits_v1 on %s for %s: %s (%d)", uuid, ns, WHY(r), r);
+    if (r)
+        fail("nvmlDeviceSetMemoryLimits_v1 on %s for %s: %s (%d)%s", uuid, ns, WHY(r), r,
+             explain(r));
     nvmlGetMemoryLimits_v1_t back = {ns, 0, 0, 0};
     r = get(device, &back);
-    if (r == 3) /* NOT_SUPPORTED: no limit there */
-        fail("the limit on %s for %s reads back nothing after it was set", uuid, ns);
+    if (r == 3) /* NOT_SUPPORTED after a set that succeeded: the driver does not hold it */
+        fail("the limit on %s for %s reads back nothing (NOT_SUPPORTED) after it was set: "
+             "the limit is not enforced", uuid, ns);
     if (r) fail("nvmlDeviceGetMemoryLimits_v1 on %s for %s: %s (%d)", uuid, ns, WHY(r), r);
     if (back.hardLimit != bytes || back.softLimit != 0)
         fail("the limit on %s for %s reads back soft %llu hard %llu, not soft 0 hard %llu", uuid,

@@ -226,7 +226,10 @@ def build_core(
     )
     backends = decide_backends(settings, found.backend, traits)
     serves_dra = any(mode is CardMode.DRA for mode in modes.values())
-    enforcement = with_backends(enforcement, settings, backends, found.backend, serves_dra)
+    totals = {g.uuid: g.memory_mib for g in found.gpus}
+    enforcement = with_backends(
+        enforcement, settings, backends, found.backend, serves_dra, totals
+    )
     # The cards' own health; a card in MIG mode given to DRA brings its MIG devices too
     # (the DRA driver publishes each, and an XID naming its GPU instance is its alone).
     dra_mig_of = {card.uuid: card.mig_devices for card in found.dra_mig_cards}

@@ -78,12 +78,14 @@ def with_backends(
     choices: Mapping[str, Choice],
     gpus: object,
     serves_dra: bool = False,
+    totals: Mapping[str, int] | None = None,
 ) -> Enforcement:
     """``enforcement`` with each card's backends (:mod:`gpushare.node.backends`) and, where
     a card's memory is the driver's, the memory hook installed on the host. ``gpus``: the
     GPU backend (a simulated one adds the stand-in NVML to the hook's arguments). Where the
     DRA driver serves a card (``serves_dra``) and the interposer is on, the same program is
-    installed as the claims' limit check (:func:`install_limit_check`)."""
+    installed as the claims' limit check (:func:`install_limit_check`). ``totals``: each
+    card's total memory (MiB), the most a driver hook's limit may say."""
     memory = {
         uuid: c.memory.value
         for uuid, c in choices.items()
@@ -109,6 +111,7 @@ def with_backends(
         memory=memory,
         compute=compute,
         driver_hook=hook,
+        card_memory_mib=dict(totals or {}),
         limit_check=check,
         mps_pipe=mps_pipe,
         mps_shm=mps_shm,

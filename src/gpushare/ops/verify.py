@@ -378,7 +378,7 @@ def _run_one(
 
 def report(checks: list[Check], say: Callable[[str], None]) -> int:
     for check in checks:
-        mark = {True: "ok  ", False: "FAIL", None: "--  "}[check.ok]
+        mark = "GAP " if check.gap else {True: "ok  ", False: "FAIL", None: "--  "}[check.ok]
         say(f"  {mark} {printable(check.name, 120)}: {printable(check.detail, 400)}")
     ok, failed = verdict(checks)
     if ok:

@@ -12,6 +12,10 @@ hold, HAMi-core's ``libvgpu.so`` loaded by the preload. It checks:
   ``cuMemAlloc_v2`` stops with ``CUDA_ERROR_OUT_OF_MEMORY`` at the limit;
   ``cuMemAllocAsync`` and ``cuMemCreate`` (known to bypass some HAMi-core versions)
   cannot take more than the limit either; two processes of the container share one limit;
+  ``cuMemAllocManaged`` (``cudaMallocManaged``) past the limit: under the driver's limit a
+  **known gap** (the driver counts managed memory only in system memory), reported as
+  such, never as a pass; what the grant really lets a program allocate (the grant less
+  this process's context where the limit counts it) and the card's reserved memory;
 * **compute**: a busy kernel's throughput at the core limit against a run in a child
   process with the limiter off (its own accounting file, no SM limit), each counted
   after a warm-up of launches: HAMi-core's limiter starts a process with a full bucket
@@ -55,12 +59,14 @@ SPIN_WARMUP_SECONDS = 4.0
 
 @dataclass(frozen=True)
 class Check:
-    """One finding. ``ok`` None: not measured here (not applicable or not possible)."""
+    """One finding. ``ok`` None: not measured here (not applicable or not possible), or,
+    with ``gap``, a known gap of the backend: documented, neither passed nor failed."""
 
     name: str
     ok: bool | None
     detail: str
     limit: str = ""  # which limit it proves: "memory", "compute" or "" (what is seen)
+    gap: bool = False  # a known gap (docs/choosing.md), shown as GAP
 
 
 def parse_size(text: str) -> int | None:
@@ -134,6 +140,57 @@ def judge_bypass(name: str, code: int, size: int, limit: int, unsupported: bool)
         name, ok, f"one {size // MIB} MiB allocation over the {limit // MIB} MiB limit: {what}",
         "memory",
     )  # fmt: skip
+
+
+MANAGED = "cuMemAllocManaged past the limit"
+
+
+def judge_managed(code: int, size: int, limit: int, backend: str, unsupported: bool) -> Check:
+    """One managed (``cudaMallocManaged``) allocation past the limit. The driver's limit
+    does not count managed memory (only system memory does): granted there is the
+    documented gap, reported as one; under the interposer granted is not enforced."""
+    if unsupported:
+        return Check(MANAGED, None, "managed memory not supported here", "memory")
+    over = f"one {size // MIB} MiB managed allocation over the {limit // MIB} MiB limit"
+    if code != 0:
+        return Check(MANAGED, True, f"{over}: refused", "memory")
+    if backend == "driver":
+        return Check(
+            MANAGED,
+            None,
+            f"KNOWN GAP: {over}: granted. The driver counts managed (UVM) memory only in "
+            "system memory, not against the GPU limit (docs/choosing.md)",
+            "memory",
+            gap=True,
+        )
+    return Check(MANAGED, False, f"{over}: GRANTED", "memory")
+
+
+def judge_allocatable(
+    limit: int, allocated: int, backend: str, total: int | None, reserved: int | None
+) -> Check:
+    """What the grant really gives a program: ``allocated`` before the first OOM, with
+    this process's context open (the driver counts the context inside the limit; the
+    interposer does not), and the card's total and driver-reserved memory where NVML
+    tells them (nvmlMemory_v2). Informational: a report, never a verdict."""
+    lost = max(limit - allocated, 0)
+    where = (
+        "inside the limit (the driver counts it)"
+        if backend == "driver"
+        else "outside the limit, on the card's memory (the interposer does not count it)"
+    )
+    card = ""
+    if total is not None:
+        card = f"; the card: {total // MIB} MiB total"
+        card += f", {reserved // MIB} MiB reserved by the driver" if reserved is not None else ""
+    return Check(
+        "what the grant can allocate",
+        None,
+        f"granted {limit // MIB} MiB, allocated {allocated // MIB} MiB in one process with "
+        f"its context open ({lost // MIB} MiB of the grant not allocatable); the context "
+        f"is {where}{card}",
+        "memory",
+    )
 
 
 def judge_shared(name: str, child: int, parent: int, limit: int) -> Check:
@@ -212,6 +269,18 @@ def _bypass_async(driver: Any, size: int) -> tuple[int, bool]:
         driver.try_call("cuMemFreeAsync", pointer, stream)
     driver.try_call("cuStreamSynchronize", stream)
     driver.try_call("cuStreamDestroy_v2", stream)
+    return code, driver.error_name(code) == "CUDA_ERROR_NOT_SUPPORTED"
+
+
+def _managed(driver: Any, size: int) -> tuple[int, bool]:
+    from gpushare.probe.cuda import CU_MEM_ATTACH_GLOBAL, CUDA_SUCCESS
+
+    pointer = ctypes.c_uint64()
+    code = driver.try_call(
+        "cuMemAllocManaged", ctypes.byref(pointer), ctypes.c_size_t(size), CU_MEM_ATTACH_GLOBAL
+    )
+    if code == CUDA_SUCCESS:
+        driver.try_call("cuMemFree_v2", pointer)
     return code, driver.error_name(code) == "CUDA_ERROR_NOT_SUPPORTED"
 
 
@@ -296,6 +365,29 @@ def _nvml_total() -> int:
         pynvml.nvmlShutdown()
 
 
+def _nvml_card() -> tuple[int | None, int | None]:
+    """(total, reserved) of the visible card from ``nvmlDeviceGetMemoryInfo`` version 2
+    (the driver's reservation is its ``reserved``); None where NVML cannot tell."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no pynvml, or no libnvidia-ml in this container
+        return None, None
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        try:
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+            return int(info.total), int(info.reserved)
+        except (pynvml.NVMLError, AttributeError, TypeError):
+            return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total), None
+    except Exception:
+        return None, None
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+
+
 def run(
     env: Mapping[str, str],
     library: str = "libcuda.so.1",
@@ -328,6 +420,7 @@ def run(
         got, stopped, pointers = _allocate_until_oom(driver, chunk, int(limit * ALLOC_CEILING))
         _free(driver, pointers)
         checks.append(judge_allocation("cuMemAlloc_v2 stops at the limit", got, limit, stopped))
+        checks.append(judge_allocatable(limit, got, memory_backend, *_nvml_card()))
         size = limit + 64 * MIB
         code, unsupported = _bypass_async(driver, size)
         checks.append(judge_bypass("cuMemAllocAsync cannot pass the limit", code, size, limit,
@@ -335,6 +428,9 @@ def run(
         code, size, unsupported = _bypass_create(driver, limit)
         checks.append(judge_bypass("cuMemCreate cannot pass the limit", code, size, limit,
                                    unsupported))  # fmt: skip
+        size = limit + 64 * MIB
+        code, unsupported = _managed(driver, size)
+        checks.append(judge_managed(code, size, limit, memory_backend, unsupported))
         checks.append(_two_processes(driver, env, limit, chunk, library))
     else:
         checks.append(Check("memory limit", None, "no CUDA_DEVICE_MEMORY_LIMIT_0: not limited"))
@@ -437,7 +533,7 @@ def verdict(checks: Sequence[Check]) -> tuple[bool, list[str]]:
 def render(checks: Sequence[Check]) -> str:
     lines = []
     for check in checks:
-        mark = {True: "ok  ", False: "FAIL", None: "--  "}[check.ok]
+        mark = "GAP " if check.gap else {True: "ok  ", False: "FAIL", None: "--  "}[check.ok]
         lines.append(f"{mark} {check.name}: {check.detail}")
     ok, failed = verdict(checks)
     lines.append(
@@ -456,6 +552,7 @@ def _check(raw: Any) -> Check:
         ok if ok is None or isinstance(ok, bool) else False,
         str(raw["detail"]),
         str(raw.get("limit", "")),
+        raw.get("gap") is True and ok is None,
     )
 
 

@@ -89,6 +89,9 @@ C_TYPES: dict[str, Any] = {
     "CUmemAllocationGranularity_flags": ctypes.c_int,
 }
 
+#: ``cuMemAllocManaged``'s flag: memory any stream may reach (cudaMallocManaged's default).
+CU_MEM_ATTACH_GLOBAL = 1
+
 #: Every function the probe calls: name -> (return type, argument types), in C.
 PROTOTYPES: dict[str, tuple[str, tuple[str, ...]]] = {
     "cuInit": ("CUresult", ("unsigned int",)),
@@ -107,6 +110,7 @@ PROTOTYPES: dict[str, tuple[str, tuple[str, ...]]] = {
     "cuStreamDestroy_v2": ("CUresult", ("CUstream",)),
     "cuMemAllocAsync": ("CUresult", ("CUdeviceptr *", "size_t", "CUstream")),
     "cuMemFreeAsync": ("CUresult", ("CUdeviceptr", "CUstream")),
+    "cuMemAllocManaged": ("CUresult", ("CUdeviceptr *", "size_t", "unsigned int")),
     "cuMemGetAllocationGranularity": (
         "CUresult",
         ("size_t *", "const CUmemAllocationProp *", "CUmemAllocationGranularity_flags"),

@@ -185,6 +185,9 @@ class Enforcement:
     compute: Mapping[str, str] = field(default_factory=dict)
     #: the hook that sets a ``driver`` card's limit; needed when a card is ``driver``
     driver_hook: DriverHook | None = None
+    #: card UUID -> its total memory (MiB): the most a driver hook's limit may say (NVML
+    #: refuses a limit above the card's total with INVALID_ARGUMENT)
+    card_memory_mib: Mapping[str, int] = field(default_factory=dict)
     #: the same program installed on the host, run with ``--check-limits`` by every
     #: ``every_index`` share whose limits the interposer holds (:func:`limit_check`); None
     #: where it is not installed: such a share is refused (``container_edits`` raises)
@@ -225,10 +228,13 @@ class Enforcement:
 def driver_hook(enforcement: Enforcement, uuid: str, memory_mib: int) -> Hook:
     """The createRuntime hook that sets card ``uuid``'s hard limit to ``memory_mib`` on
     the container's own cgroup: card and limit in the ARGUMENTS (a tenant writes its
-    pod's env, never a hook's arguments)."""
+    pod's env, never a hook's arguments). A limit above the card's total is held to the
+    total: NVML would refuse it (INVALID_ARGUMENT) and the container would not start,
+    though the card cannot give it more than all it has (the hook clamps the same way)."""
     hook = enforcement.driver_hook
     if hook is None:
         raise ValueError(f"card {uuid} is enforced by the driver, but no hook is installed")
+    memory_mib = min(memory_mib, enforcement.card_memory_mib.get(uuid, memory_mib))
     args = (Path(hook.path).name, "--gpu", uuid, "--limit-mib", str(memory_mib), *hook.args)
     return Hook(CREATE_RUNTIME, hook.path, args, hook.env)
 

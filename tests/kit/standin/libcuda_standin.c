@@ -12,7 +12,10 @@
  * store, src/gpushare/gpu/memlimits.py), STANDIN_GPU and STANDIN_CGROUP (the namespace
  * this process's cgroup stands for), the limit is the hard limit the store holds for that
  * card and cgroup (STANDIN_LIMIT, the card's memory, where it holds none), and every
- * process of that cgroup is counted together, as the driver counts them. */
+ * process of that cgroup is counted together, as the driver counts them; there a context
+ * costs STANDIN_CONTEXT_BYTES inside the limit, and managed memory (cuMemAllocManaged) is
+ * not counted at all (the driver counts it only in system memory). Elsewhere (an
+ * interposer's limit) managed memory is counted like any allocation. */
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdint.h>
@@ -28,6 +31,8 @@ static uint64_t limit, own_used;
 static size_t sizes[SLOTS];
 static int next_slot;
 static int fd = -1;
+static int by_driver; /* the limit is the simulated driver's per-cgroup one */
+static uint64_t context_bytes; /* what this process's context holds inside the limit */
 
 static int env_is(const char *name, const char *value) {
     const char *v = getenv(name);
@@ -102,6 +107,7 @@ CUresult cuInit(unsigned int flags) {
     if (store && getenv("STANDIN_GPU") && getenv("STANDIN_CGROUP")) {
         uint64_t hard = driver_limit(store, getenv("STANDIN_GPU"), getenv("STANDIN_CGROUP"));
         if (hard) limit = hard;
+        by_driver = 1;
     } else if (cache) {
         fd = open(cache, O_RDWR | O_CREAT, 0600);
     }
@@ -117,9 +123,20 @@ CUresult cuGetErrorName(CUresult e, const char **s) {
     return OK;
 }
 CUresult cuCtxCreate_v2(void **ctx, unsigned int flags, int dev) {
-    *ctx = (void *)1; (void)flags; (void)dev; return OK;
+    const char *cost = getenv("STANDIN_CONTEXT_BYTES");
+    *ctx = (void *)1; (void)flags; (void)dev;
+    if (by_driver && cost && !context_bytes) {
+        if (shared_used(0) + strtoull(cost, 0, 10) > limit) return OOM;
+        context_bytes = strtoull(cost, 0, 10);
+        shared_used((int64_t)context_bytes);
+    }
+    return OK;
 }
-CUresult cuCtxDestroy_v2(void *ctx) { (void)ctx; return OK; }
+CUresult cuCtxDestroy_v2(void *ctx) {
+    (void)ctx;
+    if (context_bytes) shared_used(-(int64_t)context_bytes), context_bytes = 0;
+    return OK;
+}
 CUresult cuCtxSynchronize(void) { return OK; }
 CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
     uint64_t used = shared_used(0);
@@ -138,6 +155,11 @@ CUresult cuMemAllocAsync(uint64_t *ptr, size_t n, void *s) {
     return take(ptr, n);
 }
 CUresult cuMemFreeAsync(uint64_t ptr, void *s) { (void)s; give(ptr); return OK; }
+CUresult cuMemAllocManaged(uint64_t *ptr, size_t n, unsigned int flags) {
+    (void)flags;
+    if (by_driver) { *ptr = 1; return OK; } /* system memory only: not against the limit */
+    return take(ptr, n);
+}
 CUresult cuMemGetAllocationGranularity(size_t *g, const void *prop, int option) {
     *g = 2 << 20; (void)prop; (void)option; return OK;
 }

@@ -81,7 +81,7 @@ def test_an_enforcing_driver_gets_the_verdict_enforced(library: Path, tmp_path: 
         ({"STANDIN_LIMIT": str(8 * LIMIT)},
          ["cuMemGetInfo reports the limit", "cuMemAlloc_v2 stops at the limit",
           "cuMemAllocAsync cannot pass the limit", "cuMemCreate cannot pass the limit",
-          "two processes share one limit"]),
+          "cuMemAllocManaged past the limit", "two processes share one limit"]),
         ({"GPU_CORE_UTILIZATION_POLICY": "disable"}, ["compute at the core limit"]),
     ],
 )  # fmt: skip

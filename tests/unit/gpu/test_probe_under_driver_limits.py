@@ -35,8 +35,11 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     return hook, nvml, cuda
 
 
-def run_probe(cuda: Path, world: HookWorld, namespace: str) -> tuple[int, list[probe.Check]]:
+def run_probe(
+    cuda: Path, world: HookWorld, namespace: str, context_mib: int = 0
+) -> tuple[int, list[probe.Check]]:
     env = {
+        "STANDIN_CONTEXT_BYTES": str(context_mib << 20),  # a context's cost in the limit
         "PATH": os.environ["PATH"],
         "PYTHONPATH": str(ROOT / "src"),
         "NVIDIA_VISIBLE_DEVICES": UUID,
@@ -84,3 +87,27 @@ def test_without_the_hooks_limit_the_probe_says_not_enforced(
     failed = probe.verdict(checks)[1]
     assert "cuMemGetInfo reports the limit" in failed
     assert "cuMemAlloc_v2 stops at the limit" in failed
+
+
+def test_managed_memory_is_a_known_gap_and_the_grant_less_the_context_is_printed(
+    built: tuple[Path, Path, Path], tmp_path: Path
+) -> None:
+    """Issue 41 items 5 and 9: the driver counts ``cudaMallocManaged`` only in system
+    memory, so a managed allocation past the limit is granted: the probe reports that as
+    the documented gap (GAP, neither ok nor FAIL); and a context counted inside the limit
+    leaves the grant less the context allocatable, which the probe prints."""
+    hook, nvml, cuda = built
+    world = HookWorld(tmp_path, hook, nvml)
+    namespace = world.container(79, "/kubepods/pod-r/probe")
+    assert world.run(oci_state(79), args=world.args(limit_mib=LIMIT_MIB)).returncode == 0
+    code, checks = run_probe(cuda, world, namespace, context_mib=256)
+    by_name = {c.name: c for c in checks}
+    assert code == 0, probe.verdict(checks)[1]
+    managed = by_name["cuMemAllocManaged past the limit"]
+    assert managed.ok is None and managed.gap and "KNOWN GAP" in managed.detail
+    assert "GAP  cuMemAllocManaged past the limit: KNOWN GAP" in probe.render(checks)
+    allocatable = by_name["what the grant can allocate"]
+    assert "granted 1024 MiB, allocated 768 MiB" in allocatable.detail
+    assert "256 MiB of the grant not allocatable" in allocatable.detail
+    assert "inside the limit" in allocatable.detail
+    assert by_name["cuMemAlloc_v2 stops at the limit"].ok

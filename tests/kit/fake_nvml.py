@@ -41,6 +41,10 @@ class FakeCard:
     migs: list[FakeMig] = field(default_factory=list)
     max_mig: int = 7
     hide_instances: bool = False  # GI/CI lookups refused (fewer capabilities)
+    #: what nvmlDeviceGetMemoryInfo version 2 says the driver reserves; None: the driver
+    #: has only version 1 (a call with a version is refused)
+    reserved_mib: int | None = None
+    persistence: int | None = None  # nvmlDeviceGetPersistenceMode; None: not supported
 
 
 class FakeNvml:
@@ -64,9 +68,20 @@ class FakeNvml:
     def uuid(self, handle: Any) -> str:
         return self.mig(handle).uuid if handle[0] == "mig" else self.card(handle).uuid
 
-    def memory(self, handle: Any) -> Any:
+    def memory(self, handle: Any, version: int | None = None) -> Any:
         mib = self.mig(handle).memory_mib if handle[0] == "mig" else self.card(handle).total_mib
-        return SimpleNamespace(total=mib << 20)
+        if version is None:
+            return SimpleNamespace(total=mib << 20)
+        reserved = None if handle[0] == "mig" else self.card(handle).reserved_mib
+        if reserved is None:
+            raise self.error("NVML_ERROR_FUNCTION_NOT_FOUND")
+        return SimpleNamespace(total=mib << 20, reserved=reserved << 20)
+
+    def persistence_mode(self, handle: Any) -> int:
+        mode = self.card(handle).persistence
+        if mode is None:
+            raise self.error("NVML_ERROR_NOT_SUPPORTED")
+        return mode
 
     def by_uuid(self, uuid: str | bytes) -> Any:
         text = uuid.decode() if isinstance(uuid, bytes) else uuid
@@ -137,6 +152,7 @@ class FakeNvml:
             "nvmlDeviceGetMinorNumber": lambda h: h[1],
             "nvmlDeviceGetName": lambda h: self.card(h).name.encode(),
             "nvmlDeviceGetMemoryInfo": self.memory,
+            "nvmlDeviceGetPersistenceMode": self.persistence_mode,
             "nvmlDeviceGetNumaNodeId": self.numa,
             "nvmlDeviceGetMaxMigDeviceCount": lambda h: self.card(h).max_mig,
             "nvmlDeviceGetMigDeviceHandleByIndex": self.mig_handle,

@@ -88,10 +88,8 @@ def check_message_sizes(inventory: Inventory) -> None:
         unit = inventory.memory_unit_mib
         per_device = size / count
         suggested = 1 << unit.bit_length()  # the next power of two above the unit
-        while (
-            per_device * sum(card.gpu.memory_mib // suggested for card in inventory.cards.values())
-            > allowed
-        ):
+        cards = inventory.cards.values()
+        while per_device * sum(card.gpu.allocatable_mib // suggested for card in cards) > allowed:
             suggested *= 2
         raise ConfigurationTooLarge(
             f"the {resource.value} device list of {len(inventory)} GPUs would be "

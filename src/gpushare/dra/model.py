@@ -257,7 +257,7 @@ def offered_devices(
                     )
                 )
             continue
-        units = gpu.memory_mib // unit_mib
+        units = gpu.allocatable_mib // unit_mib  # the driver's reservation is no one's
         if units < 1:
             continue
         offered.append(

@@ -63,6 +63,17 @@ class Gpu:
     #: card it lives on. Such a "card" has memory units only, no core units.
     parent_uuid: str = ""
     compute_capability: tuple[int, int] | None = None  # (major, minor), for the labels
+    #: What the driver keeps of ``memory_mib`` for itself (NVML's ``nvmlMemory_v2_t``
+    #: ``reserved``; about 450 MiB on a T4): no tenant can ever allocate it. 0 where the
+    #: driver does not tell (the version 1 call) or a simulated node states none.
+    reserved_mib: int = 0
+    #: Whether the driver's persistence mode is on (NVML); None: not known (issue 41 item 6).
+    persistence_mode: bool | None = None
+
+    @property
+    def allocatable_mib(self) -> int:
+        """The memory shares are counted from: the total less the driver's reservation."""
+        return max(self.memory_mib - self.reserved_mib, 0)
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,7 @@ class NvmlBackend:
             minor = int(nvml.nvmlDeviceGetMinorNumber(handle))
         except nvml.NVMLError:
             minor = index
-        total = int(nvml.nvmlDeviceGetMemoryInfo(handle).total)
+        total, reserved = memory_info(nvml, handle, uuid)
         numa = _numa_node(bus_id, self._sysfs)
         if numa is None:  # sysfs does not show the card (a VM, a container without /sys)
             numa = self._nvml_numa_node(handle)
@@ -123,6 +123,8 @@ class NvmlBackend:
             mig_pending=current != pending,
             mig_devices=read_mig_devices(self._nvml, handle, uuid, total) if current else (),
             compute_capability=capability,
+            reserved_mib=reserved // (1 << 20),
+            persistence_mode=persistence_mode(nvml, handle),
         )
         self._handles[uuid] = handle
         self._served[uuid] = gpu
@@ -335,6 +337,36 @@ class NvmlBackend:
     def close(self) -> None:
         with contextlib.suppress(self._nvml.NVMLError):
             self._nvml.nvmlShutdown()
+
+
+def memory_info(nvml: Any, handle: Any, uuid: str) -> tuple[int, int]:
+    """(total, reserved) bytes of a card: ``nvmlDeviceGetMemoryInfo`` version 2, whose
+    ``reserved`` is what the driver keeps for itself (about 450 MiB on a T4); where the
+    driver or nvidia-ml-py has only version 1, the reservation is taken as 0 (the shares
+    are then counted from the nominal total, as before) and ``memory_reserved_unknown``
+    says so."""
+    version = getattr(nvml, "nvmlMemory_v2", None)
+    if version is not None:
+        try:
+            info = nvml.nvmlDeviceGetMemoryInfo(handle, version=version)
+            return int(info.total), int(info.reserved)
+        except (nvml.NVMLError, TypeError, AttributeError):
+            pass
+    log.warning(
+        "memory_reserved_unknown",
+        gpu=uuid,
+        detail="nvmlDeviceGetMemoryInfo version 2 not available: units are counted from "
+        "the card's nominal total, which includes what the driver reserves",
+    )
+    return int(nvml.nvmlDeviceGetMemoryInfo(handle).total), 0
+
+
+def persistence_mode(nvml: Any, handle: Any) -> bool | None:
+    """The card's persistence mode (``nvmlDeviceGetPersistenceMode``); None: unknown."""
+    try:
+        return bool(int(nvml.nvmlDeviceGetPersistenceMode(handle)))
+    except (nvml.NVMLError, AttributeError, TypeError, ValueError):
+        return None
 
 
 def handle_address(handle: Any) -> int | None:

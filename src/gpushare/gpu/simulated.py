@@ -107,6 +107,8 @@ SIMULATED_GPU_KEYS = frozenset(
         "pci_bus_id",
         "compute_capability",
         "memory_limits",
+        "reserved_mib",
+        "persistence_mode",
     }
 )
 
@@ -163,6 +165,17 @@ def _parse_simulated_node(path: Path) -> list[_SimulatedCard]:
         limits_mode = entry.get("memory_limits", "ok")
         if limits_mode not in SIM_MODES:
             raise GpuError(f"{where}: key 'memory_limits' must be one of {', '.join(SIM_MODES)}")
+        reserved = entry.get("reserved_mib", 0)
+        if not isinstance(reserved, int) or isinstance(reserved, bool) or not (
+            0 <= reserved < memory
+        ):
+            raise GpuError(
+                f"{where}: key 'reserved_mib' must be an integer from 0 to below "
+                f"memory_mib, got {reserved!r}"
+            )
+        persistence = entry.get("persistence_mode")
+        if persistence is not None and not isinstance(persistence, bool):
+            raise GpuError(f"{where}: key 'persistence_mode' must be true or false")
         capability = entry.get("compute_capability")
         if capability is not None:
             major, dot, minor = str(capability).partition(".")
@@ -180,6 +193,8 @@ def _parse_simulated_node(path: Path) -> list[_SimulatedCard]:
             mig_pending=bool(entry.get("mig_pending", False)),
             mig_devices=instances,
             compute_capability=(int(major), int(minor)) if capability is not None else None,
+            reserved_mib=reserved,
+            persistence_mode=persistence,
         )
         cards.append(_SimulatedCard(gpu, xid, instance_xids))
     return cards

@@ -95,12 +95,13 @@ class Inventory:
         self.memory_unit_mib = memory_unit_mib
         self.cards: dict[str, Card] = {}
         for gpu in sorted(gpus, key=lambda g: g.index):
-            longest = format_device_id(gpu.uuid, max(gpu.memory_mib // memory_unit_mib, 100))
+            units = gpu.allocatable_mib // memory_unit_mib  # what tenants can really have
+            longest = format_device_id(gpu.uuid, max(units, 100))
             if len(longest) > MAX_DEVICE_ID_LENGTH:
                 raise ValueError(
                     f"GPU UUID {gpu.uuid} makes device IDs longer than {MAX_DEVICE_ID_LENGTH}"
                 )
-            self.cards[gpu.uuid] = Card(gpu, gpu.memory_mib // memory_unit_mib)
+            self.cards[gpu.uuid] = Card(gpu, units)
 
     def __len__(self) -> int:
         return len(self.cards)

@@ -7,6 +7,11 @@
 #   driver      r615+ with cgroup v2: a scratch cgroup, the limit set by the memory hook
 #               (hook/memory-hook.c, the program the daemon installs) from an OCI state
 #               naming the probe's own process, the probe run in that cgroup
+#               The hook's time is printed twice: as it ran (whatever held the driver
+#               open then; the persistence mode is printed among the facts) and again
+#               while a process holds NVML open, as the daemon does on a node (issue 41
+#               item 6). Where the driver has no memory limits, NVML's open alone is
+#               timed the same two ways (what the hook pays before its first call).
 #   mps         where nvidia-cuda-mps-control is found and MIG is off: gpushare's own
 #               MpsControl starts the daemon, capped clients run the probe's kernel
 #               (scripts/gpu-proof-mps.py; v3 namespaces only where the driver has them)
@@ -48,11 +53,14 @@ DRIVER=""
 if command -v nvidia-smi >/dev/null 2>&1; then
   DRIVER=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)
   say "driver version: ${DRIVER:-unknown}"
-  nvidia-smi --query-gpu=index,uuid,name,memory.total,mig.mode.current --format=csv 2>/dev/null \
-    | sed 's/^/gpu-proof:   /'
+  nvidia-smi --query-gpu=index,uuid,name,memory.total,memory.reserved,mig.mode.current,persistence_mode \
+    --format=csv 2>/dev/null | sed 's/^/gpu-proof:   /'
+  say "persistence mode: $(nvidia-smi --query-gpu=persistence_mode --format=csv,noheader 2>/dev/null | tr '\n' ' ')"
 else
   say "driver version: no nvidia-smi here"
+  say "persistence mode: unknown (no nvidia-smi)"
 fi
+say "hook timing: the memory hook (or NVML's open) is timed cold and with NVML held open"
 # MPS v3's command words: what docs/choosing.md lists as not verified without a GPU
 MPS_CONTROL=$(command -v nvidia-cuda-mps-control 2>/dev/null || true)
 if [ -n "$MPS_CONTROL" ]; then
@@ -79,6 +87,24 @@ if [ "$DRY" = 1 ]; then
   exit 0
 fi
 if [ -z "$UUID" ]; then say "no GPU: nothing to prove"; exit 2; fi
+
+# Milliseconds since the epoch (GNU date).
+now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
+# A process holding NVML open until its stdin closes, as the daemon does on a node; its
+# pid in HOLDER, its stdin on fd 9.
+hold_nvml() {
+  coproc NVMLHOLD { "$PY" -c 'import sys, pynvml; pynvml.nvmlInit(); print("held", flush=True); sys.stdin.read()' 2>/dev/null; }
+  HOLDER=$NVMLHOLD_PID
+  read -r _ <&"${NVMLHOLD[0]}"
+  exec 9>&"${NVMLHOLD[1]}"
+}
+release_nvml() { exec 9>&-; wait "$HOLDER" 2>/dev/null; }
+# NVML's open as the hook does it before its first call (where the hook cannot run)
+time_nvml_open() {
+  local t0; t0=$(now_ms)
+  "$PY" -c 'import pynvml; pynvml.nvmlInit(); pynvml.nvmlDeviceGetHandleByIndex(0); pynvml.nvmlShutdown()' \
+    2>/dev/null && echo "$(( $(now_ms) - t0 )) ms" || echo "failed (no NVML here)"
+}
 
 status=0
 run_probe() {  # name, then the command; the report goes to $OUTDIR/<name>.txt
@@ -115,8 +141,14 @@ case " $PLAN " in *" driver "*)
   PROBE=$!
   sleep 0.2
   say "--- driver (cgroup $CG, pid $PROBE)"
-  if echo "{\"ociVersion\":\"1.2.0\",\"id\":\"proof\",\"status\":\"creating\",\"pid\":$PROBE,\"bundle\":\"/\"}" \
-      | "$HOOK" --gpu "$UUID" --limit-mib "$LIMIT"; then
+  STATE="{\"ociVersion\":\"1.2.0\",\"id\":\"proof\",\"status\":\"creating\",\"pid\":$PROBE,\"bundle\":\"/\"}"
+  T0=$(now_ms)
+  if echo "$STATE" | "$HOOK" --gpu "$UUID" --limit-mib "$LIMIT"; then
+    COLD=$(( $(now_ms) - T0 ))
+    hold_nvml
+    T0=$(now_ms); echo "$STATE" | "$HOOK" --gpu "$UUID" --limit-mib "$LIMIT"; HELD=$(( $(now_ms) - T0 ))
+    release_nvml
+    say "hook time: ${COLD} ms as run (persistence mode above), ${HELD} ms with NVML held open (as the daemon holds it)"
     say "hook: limit set; nvidia-smi reads: $(nvidia-smi memory-limits --get -n "$CG" -i "$UUID" 2>&1 | tr '\n' ';')"
     echo go > "$FIFO"; wait $PROBE; code=$?
   else
@@ -125,6 +157,12 @@ case " $PLAN " in *" driver "*)
   cat "$OUTDIR/driver.txt"; say "driver: probe exit $code"
   [ $code -eq 0 ] || status=1
   rm -f "$FIFO"; rmdir "$CG" 2>/dev/null
+  ;;
+esac
+case " $PLAN " in *" driver "*) ;; *)
+  COLD=$(time_nvml_open)
+  hold_nvml; HELD=$(time_nvml_open); release_nvml
+  say "hook time: not run ($WHY_NOT_DRIVER); NVML's open (a Python process, its start included): ${COLD} as run, ${HELD} with NVML held open"
   ;;
 esac
 case " $PLAN " in *" mps "*)

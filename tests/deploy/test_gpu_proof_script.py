@@ -28,6 +28,9 @@ def test_the_dry_run_prints_the_facts_and_the_plan(tmp_path: Path) -> None:
     assert "driver version: no nvidia-smi here" in text
     assert "cgroup file system at /sys/fs/cgroup: " in text
     assert "mps control: no nvidia-cuda-mps-control here" in text  # else its -p 3 -h
+    # issue 41 item 6: the persistence mode among the facts, and the hook's time promised
+    assert "persistence mode: unknown (no nvidia-smi)" in text
+    assert "hook timing: the memory hook (or NVML's open) is timed cold and with NVML held" in text
     assert "backends to prove: interposer (not driver: no driver)\n" in text  # and no mps
     assert "dry run: nothing run" in text
     assert os.listdir(tmp_path / "out") == []  # nothing run, nothing written

@@ -86,6 +86,19 @@ def enforcement_labels(
     return labels
 
 
+def persistence_labels(prefix: str, gpus: Sequence[Gpu]) -> dict[str, str]:
+    """``<prefix>/persistence-mode``: ``on`` or ``off`` where every card NVML tells agrees,
+    else ``mixed``; none where no card's mode is known (a simulated node that states none).
+    Without persistence mode the driver is torn down whenever no process holds it open,
+    and the next open (the memory hook's, per container) pays about 2 s to set it up
+    again: select or taint on this label to keep ``driver`` workloads off such nodes."""
+    modes = {g.persistence_mode for g in gpus if g.persistence_mode is not None}
+    if not modes:
+        return {}
+    value = "mixed" if len(modes) > 1 else ("on" if modes.pop() else "off")
+    return {f"{prefix}/{nodestate.PERSISTENCE_LABEL_NAME}": value}
+
+
 def node_labels(prefix: str, facts: LabelFacts) -> dict[str, str]:
     """The node's labels; the model facts come from its first card (by index)."""
     gpus = sorted(facts.gpus, key=lambda g: g.index)
@@ -108,4 +121,5 @@ def node_labels(prefix: str, facts: LabelFacts) -> dict[str, str]:
         labels[f"{prefix}/{minor_key}"] = str(facts.cuda_driver[1])
     if facts.nvidia_product:
         labels[NVIDIA_PRODUCT_LABEL] = product
+    labels |= persistence_labels(prefix, gpus)
     return labels | enforcement_labels(prefix, facts.enforcement)

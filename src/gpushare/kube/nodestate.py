@@ -376,6 +376,9 @@ DRIVER_LABEL_NAMES = ("cuda.driver.major", "cuda.driver.minor")
 #: ...and ``<prefix>/memory-enforcement`` (the node's one backend, or ``mixed``) with
 #: ``<prefix>/memory-enforcement.<backend>`` (how many cards have it); compute alike.
 ENFORCEMENT_LABEL_NAMES = ("memory-enforcement", "compute-enforcement")
+#: ...and ``<prefix>/persistence-mode``: ``on``, ``off`` or ``mixed`` over the cards whose
+#: driver persistence mode NVML tells (absent where it tells none; issue 41 item 6).
+PERSISTENCE_LABEL_NAME = "persistence-mode"
 MEMORY_BACKENDS = ("driver", "interposer", "soft", "hardware", "none")
 COMPUTE_BACKENDS = ("mps", "interposer", "hardware", "none")
 
@@ -394,6 +397,7 @@ def label_keys(prefix: str) -> list[str]:
         + [f"{prefix}/{memory}", f"{prefix}/{compute}"]
         + [f"{prefix}/{memory}.{b}" for b in MEMORY_BACKENDS]
         + [f"{prefix}/{compute}.{b}" for b in COMPUTE_BACKENDS]
+        + [f"{prefix}/{PERSISTENCE_LABEL_NAME}"]
     )
 
 

@@ -88,6 +88,33 @@ def plan_gpus(gpus: Sequence[Gpu], strategy: str, sharing: bool = False) -> MigP
     return result
 
 
+def report_persistence(gpus: Sequence[Gpu]) -> None:
+    """One ``persistence_mode`` event per card (issue 41 item 6). Without persistence mode
+    the driver sets a card up on the first open and tears it down after the last close; a
+    memory hook opening NVML per container then pays about 2 s each (google/gvisor#9215)
+    unless another process holds the driver open. On a real node the daemon does (its
+    NVML handle stays open while it runs), so the hook pays it only while the daemon is
+    down or restarting; ``nvidia-persistenced`` (persistence mode) closes that gap too."""
+    for gpu in gpus:
+        if gpu.parent_uuid:
+            continue  # a MIG device sliced like a card: its card is reported
+        mode = {True: "on", False: "off", None: "unknown"}[gpu.persistence_mode]
+        log.info(
+            "persistence_mode",
+            card=gpu.uuid,
+            index=gpu.index,
+            mode=mode,
+            detail=(
+                "the driver stays initialised only while a process holds it open: the "
+                "daemon's NVML handle does while it runs; a memory hook started while the "
+                "daemon is down pays the driver's set-up (about 2 s); nvidia-persistenced "
+                "avoids it"
+            )
+            if mode == "off"
+            else "",
+        )
+
+
 class Discovery:
     """One start-up's search for the GPUs; :attr:`waiting_for` says why it is waiting."""
 
@@ -119,6 +146,7 @@ class Discovery:
                 planned = [g for g in found if g.uuid not in {d.uuid for d in dra}]
                 plan = plan_gpus(planned, settings.mig_strategy, settings.mig_sharing)
                 not_served = "" if dra else plan.not_served(planned)
+                report_persistence(found)
                 return Discovered(self.backend, plan.shared_gpus(), plan, not_served, dra)
             except GpuError as exc:
                 if settings.fail_on_init_error:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import string
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -80,7 +81,8 @@ def gpu(
 
 
 def test_every_label_from_the_first_card_and_the_driver() -> None:
-    facts = LabelFacts(gpus=[gpu(1, "Tesla T4", (7, 5)), gpu(0)], cuda_driver=(12, 4))
+    persistent = [replace(g, persistence_mode=True) for g in (gpu(1, "Tesla T4", (7, 5)), gpu(0))]
+    facts = LabelFacts(gpus=persistent, cuda_driver=(12, 4))
     assert node_labels("gpushare.io", facts) == {
         "gpushare.io/gpu.product": "NVIDIA-A100-PCIE-40GB",
         "gpushare.io/gpu.count": "2",
@@ -90,6 +92,7 @@ def test_every_label_from_the_first_card_and_the_driver() -> None:
         "gpushare.io/gpu.compute.minor": "0",
         "gpushare.io/cuda.driver.major": "12",
         "gpushare.io/cuda.driver.minor": "4",
+        "gpushare.io/persistence-mode": "on",
     }
     shown = set(node_labels("gpushare.io", facts))
     enforcement = {k for k in nodestate.label_keys("gpushare.io") if "enforcement" in k}

@@ -86,3 +86,14 @@ def test_a_read_back_of_not_supported_after_a_set_is_not_enforced(
     result = here.run(oci_state(43), args=here.args(limit_mib=512))
     assert result.returncode == 1 and READBACK_UNSUPPORTED in result.stderr
     assert READBACK_UNSUPPORTED in self_test(LimitStore(here.store.path), UUID, here.cgroup)
+
+
+def test_every_meaning_is_the_same_words_in_the_hooks_source() -> None:
+    """Every answer the daemon explains, the hook explains in the same words (its
+    ``explain`` switch), and no other."""
+    import re
+
+    source = (Path(__file__).resolve().parents[3] / "hook" / "memory-hook.c").read_text()
+    body = source.split("static const char *explain(", 1)[1].split("default:", 1)[0]
+    in_c = {int(code): text for code, text in re.findall(r'case (\d+): return ": ([^"]+)";', body)}
+    assert in_c == MEANINGS

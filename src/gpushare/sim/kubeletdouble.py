@@ -303,6 +303,10 @@ class PodResourcesLister(pr_pb2_grpc.PodResourcesListerServicer):
         self.list_refusals = 0
         self.lists_served = 0  # List calls answered (not refused)
         self.list_delay = 0.0  # seconds a List takes to answer (a busy kubelet)
+        #: List calls taken and not answered until this is False again (a hung kubelet:
+        #: the real one's PodResources server accepts calls it never answers)
+        self.lists_hang = False
+        self.lists_received = 0  # List calls taken past the rate limit
         #: the pods the kubelet's pod manager holds, which are all ``List`` looks at
         #: (None: every admitted pod). A restarted kubelet starts empty and adds each
         #: pod of its first batch just before admitting it (see :meth:`restart`).
@@ -379,6 +383,9 @@ class PodResourcesLister(pr_pb2_grpc.PodResourcesListerServicer):
     ) -> pr_pb2.ListPodResourcesResponse:
         if not self._take_list_token():
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate limit exceeded")
+        with self._lock:
+            self.lists_received += 1
+            self._lock.wait_for(lambda: not self.lists_hang)
         if self.list_delay:
             time.sleep(self.list_delay)  # a slow kubelet, for tests of late records
         with self._lock:
@@ -440,7 +447,15 @@ class SimulatedKubelet(PluginRegistry, PodResourcesLister):
             pr_server.start()
             self._pr_server = pr_server
 
+    def hang_lists(self, hang: bool) -> None:
+        """Make ``List`` take calls and never answer them (until called with False)."""
+        with self._lock:
+            self.lists_hang = hang
+            self._lock.notify_all()
+
     def stop(self, *, keep_pod_resources: bool = False) -> None:
+        if not keep_pod_resources:
+            self.hang_lists(False)  # a handler thread must not outlive the server
         with self._lock:
             endpoints = list(self.endpoints.values())
             self.endpoints.clear()

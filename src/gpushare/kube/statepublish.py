@@ -56,6 +56,8 @@ class StatePublisher:
         self.namespace = namespace
         self.mode = mode
         self.node_uid = ""
+        #: the Node's ``status.nodeInfo.kubeletVersion`` when last read ("" unknown)
+        self.kubelet_version = ""
         #: what this publisher last wrote (None: nothing yet) per place
         self._object_text: str | None = None
         self._annotation_text: str | None = None
@@ -102,6 +104,9 @@ class StatePublisher:
         node = self._client().get(self.node_path, timeout=API_TIMEOUT, **CACHED)
         meta = node.get("metadata") or {}
         self.node_uid = str(meta.get("uid") or self.node_uid)
+        info = (node.get("status") or {}).get("nodeInfo") or {}
+        version = info.get("kubeletVersion") if isinstance(info, dict) else None
+        self.kubelet_version = version if isinstance(version, str) else self.kubelet_version
         labels = meta.get("labels")
         self._node_labels = dict(labels) if isinstance(labels, Mapping) else {}
         annotations = meta.get("annotations") or {}

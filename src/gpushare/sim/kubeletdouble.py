@@ -276,8 +276,10 @@ class PluginRegistry(api_pb2_grpc.RegistrationServicer):
     def _ended_by_path(self, endpoint: Endpoint) -> None:
         """1.37's ``PluginDisconnected``: the path is free again; another endpoint of the
         resource still held is promoted, else the devices are marked unhealthy."""
-        key = (endpoint.resource, endpoint.socket)
-        if self.held.get(key) is endpoint:
+        if (
+            endpoint.socket is not None
+            and self.held.get(key := (endpoint.resource, endpoint.socket)) is endpoint
+        ):
             del self.held[key]
         remaining = [e for (r, _path), e in self.held.items() if r == endpoint.resource]
         if remaining:

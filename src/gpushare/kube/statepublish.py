@@ -185,12 +185,15 @@ class StatePublisher:
         return generation
 
     def _not_retired(self, exc: ApiStatusError, generation: int) -> int:
-        """A GET or DELETE of the object to retire failed: gone already (done), changed
-        since it was read (tried again at the next read-back), or not allowed (said once;
-        the object stays and its readers fall back to the annotation once it is older)."""
+        """A GET or DELETE of the object to retire failed: gone already (done), not
+        allowed (said once; the object stays and its readers fall back to the annotation
+        once it is older), or anything else (changed since it was read, a server error:
+        tried again at the next read-back). Never raised: publishing does not wait on it."""
         if exc.status == 404:
             self._retire_pending = False
-        elif exc.status == 403:
+        elif exc.status != 403:
+            log.info("node_state_object_retire_later", node=self.node, error=str(exc)[:200])
+        else:
             self._retire_pending = False
             log.warning(
                 "node_state_object_not_retired",
@@ -200,8 +203,6 @@ class StatePublisher:
                 hint="give the daemon's Role get and delete on configmaps (this release's "
                 "manifests), or delete the object by hand",
             )
-        elif exc.status != 409:
-            raise exc
         return generation
 
     # ------------------------------------------------------------------ writing

@@ -123,7 +123,10 @@ class Node:
         self.write_gpus(gpus)
         self.settings = replace(self.settings, **overrides)
         self.kubelet.start()
-        self.daemon = Daemon(self.settings, specs=self.specs)
+        # the kubelet's version, as the API link would read it from the Node
+        self.daemon = Daemon(
+            self.settings, specs=self.specs, kubelet_version=lambda: self.kubelet.version
+        )
         self.daemon.start()
         assert self.wait_registered(), "the plugin did not register both resources"
         return self.daemon

@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -56,9 +56,12 @@ class Daemon:
         settings: Settings,
         backend: GpuBackend | None = None,
         specs: PodSpecBook | None = None,
+        kubelet_version: Callable[[], str] | None = None,
     ) -> None:
         self.settings = settings
         self.specs = specs
+        #: the kubelet's version where no Node tells it (a simulated node's stand-in)
+        self.kubelet_version = kubelet_version
         self.stopping = threading.Event()
         self.discovery = Discovery(settings, self.stopping, backend)
         self.running = Parts()
@@ -100,7 +103,10 @@ class Daemon:
         if self.metrics_part is not None:
             self.metrics = self.metrics_part.read(core, self._registered_resources)
         plugin = DevicePluginFrontDoor(
-            core, self.stopping, observe=self.metrics.observe if self.metrics else None
+            core,
+            self.stopping,
+            observe=self.metrics.observe if self.metrics else None,
+            kubelet_version=self.kubelet_version,
         )
         for part in core_parts(core):
             self._launch(part)

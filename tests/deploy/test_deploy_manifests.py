@@ -367,7 +367,8 @@ def _verb(method: str, path: str, query: dict[str, list[str]]) -> tuple[str, str
 @pytest.fixture(scope="module")
 def daemon_api_verbs() -> set[tuple[str, str]]:
     """What the daemon asks of the API server, recorded at the double's HTTP boundary
-    while it publishes its Node, watches its pods and annotates an admitted one."""
+    while it publishes its Node, watches its pods and annotates an admitted one, and
+    while a daemon switched to ``--node-state annotation`` retires the state object."""
     from conftest import TESLA_P4, Node, cards
     from kit.kube_double import KubeApiDouble
     from kit.procs import poll
@@ -392,6 +393,9 @@ def daemon_api_verbs() -> set[tuple[str, str]]:
         assert poll(lambda: any("watch" in r.query for r in double.requests), 30.0)
         # the state object: created, then patched with the admitted pod's use
         assert poll(lambda: bool(double.calls("PATCH", "/configmaps/gpushare-node-n")), 30.0)
+        node.stop()
+        node.start(cards(TESLA_P4, 1), node_name="n", node_state="annotation")
+        assert poll(lambda: bool(double.calls("DELETE", "/configmaps/gpushare-node-n")), 30.0)
     finally:
         node.stop()
         double.stop()
@@ -409,11 +413,14 @@ def test_cluster_role_grants_exactly_what_the_daemon_calls(
     source: str, daemon_api_verbs: set[tuple[str, str]]
 ) -> None:
     objects = plain_objects() if source == "daemonset/" else chart_objects()
-    needed = daemon_api_verbs - {("configmaps", v) for v in ("get", "create", "patch")}
+    needed = daemon_api_verbs - {
+        ("configmaps", v) for v in ("get", "create", "patch", "delete")
+    }
     assert daemon_api_verbs - needed == {
         ("configmaps", "get"),
         ("configmaps", "create"),
         ("configmaps", "patch"),
+        ("configmaps", "delete"),
     }
     assert needed == {
         ("nodes", "get"),

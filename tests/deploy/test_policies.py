@@ -765,3 +765,23 @@ def test_the_state_object_rule_needs_the_tokens_node_and_leaves_others_alone() -
     admin = _configmap_request("CREATE", "anything")
     admin["userInfo"]["username"] = "kubernetes-admin"
     assert SCOPE.denials(admin, _state_object("anything", None, [])) is None
+
+
+@pytest.mark.parametrize(
+    "name", ["gpushare-node-n1", "gpushare-node-n2", "coredns", "gpushare-node-", "kube-proxy"]
+)
+def test_the_daemon_deletes_only_its_own_nodes_state_object(name: str) -> None:
+    """Issue 41.3: a daemon in ``--node-state annotation`` retires the object it no
+    longer writes; its token on n1 may delete ConfigMap gpushare-node-n1 and no other
+    (the Role grants delete on every ConfigMap of the namespace)."""
+    old = _state_object(name, "n1", [("v1", "n1")])
+    denials = SCOPE.denials(_configmap_request("DELETE", name), None, old)
+    assert denials is not None
+    if name == "gpushare-node-n1":
+        assert denials == []
+    else:
+        only = "the gpushare daemon on n1 may delete only the ConfigMap gpushare-node-n1"
+        assert denials == [only]
+    admin = _configmap_request("DELETE", name)
+    admin["userInfo"]["username"] = "kubernetes-admin"
+    assert SCOPE.denials(admin, None, old) is None

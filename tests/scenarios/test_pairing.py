@@ -322,6 +322,9 @@ class RealNode(RuleBasedStateMachine):
                 pod_object(name, [ContainerSpec(c, r) for c, r, _ in containers])
             )
         could_fit = self.fits(needs)
+        assert node.daemon is not None and node.daemon.core is not None
+        # a read ran out: the daemon decides without records until one is answered
+        unanswered = node.daemon.core.pod_resources.unanswered
         refused = None
         for container, requests, order in containers:
             try:
@@ -341,7 +344,7 @@ class RealNode(RuleBasedStateMachine):
         if node.specs is not None:  # the watch reports the rejected pod as Failed
             specs = [ContainerSpec(c, r) for c, r, _ in containers]
             node.specs.update(pod_object(name, specs, phase="Failed"))
-        facts = self.specs_on and self.records_on and not self.facts_degraded
+        facts = self.specs_on and self.records_on and not self.facts_degraded and not unanswered
         if "no GPU memory limit" in refused.message:  # by rule: cores need memory
             assert any(core and not memory for memory, core in needs), refused
         elif refused.reason != "OutOfResources" and facts:

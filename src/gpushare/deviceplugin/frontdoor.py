@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,9 +117,16 @@ class DevicePluginFrontDoor:
     name = "device-plugin"
 
     def __init__(
-        self, core: NodeCore, stopping: threading.Event, observe: CallHook | None = None
+        self,
+        core: NodeCore,
+        stopping: threading.Event,
+        observe: CallHook | None = None,
+        kubelet_version: Callable[[], str] | None = None,
     ) -> None:
         settings = core.settings
+        #: the kubelet's version where the daemon is told it (a simulated node); else
+        #: read from the Node through the API link (:meth:`_kubelet_version`)
+        self.kubelet_version = kubelet_version
         check_message_sizes(core.inventory)
         self.core, self.stopping = core, stopping
         plan = core.found.mig_plan
@@ -245,7 +252,9 @@ class DevicePluginFrontDoor:
         try:
             for server in self.servers:
                 server.start()
-            self.link = KubeletLink(self.core.settings.kubelet_socket, self._named)
+            self.link = KubeletLink(
+                self.core.settings.kubelet_socket, self._named, self._kubelet_version
+            )
             self.link.on_restart.append(self.core.restart.kubelet_restarted)
             self.link.start()
         except (OSError, RuntimeError) as exc:
@@ -281,6 +290,15 @@ class DevicePluginFrontDoor:
             registered=link.registered.is_set(),
             unregistered_seconds=link.unregistered_seconds(),
         )
+
+    def _kubelet_version(self) -> str:
+        """The kubelet's version ("v1.37.2"), from the Node's status as the API link last
+        read it; "" where unknown (no API server): registration renewals then break before
+        they make (``registration.make_before_break``)."""
+        if self.kubelet_version is not None:
+            return self.kubelet_version()
+        link = self.core.api_link
+        return link.publisher.kubelet_version if link is not None else ""
 
     def registered_resources(self) -> dict[str, bool]:
         """Resource name -> registered with the kubelet now (all register together)."""

@@ -341,16 +341,22 @@ class PluginServer:
     def stop(self, grace: float = 0.5) -> None:
         self._server.stop(grace)
 
-    def restart(self, fresh: bool = False) -> None:
+    def restart(self, fresh: bool = False, *, keep_old: bool = False) -> KubeletServer | None:
         """Serve again: on a fresh socket name with ``fresh``, else on the base name. The
-        old server stops first (its streams end, its socket goes)."""
-        self.stop(grace=0)
+        old server stops first (its streams end, its socket goes); with ``keep_old`` and
+        a new path it is returned still serving instead, for the caller to stop once the
+        kubelet holds the new endpoint (make-before-break)."""
         path = self.base_path
         if fresh:
             self._fresh += 1
             stem = self.base_path.name.removesuffix(".sock")
             path = self.base_path.with_name(f"{stem}.{self._token}-{self._fresh}.sock")
+        old = self._server
+        keep = keep_old and path != self.socket_path
+        if not keep:
+            self.stop(grace=0)
         if path != self.socket_path:
             self.socket_path = path
             self._server = self._server_on(path)
         self.start()
+        return old if keep else None

@@ -3,6 +3,21 @@
 The kubelet forgets a plugin whenever it restarts (it deletes every socket in its
 directory and creates a new ``kubelet.sock``) and whenever a ListAndWatch stream
 ends. :class:`KubeletLink` notices both and registers again.
+
+A second offer to the same kubelet comes on a fresh socket path (see
+:meth:`KubeletLink._offer_once`), and how the old server gives way depends on the
+kubelet's version (issue 41.8):
+
+* **1.37 and later** (kubernetes#135437) key endpoints by socket path: a registration
+  makes the new endpoint the resource's own at once, and the old one's stream ending
+  later only removes it. So the new server is started and registered first and the old
+  one stopped after (make-before-break): no moment where the kubelet's endpoint is a
+  stopped server.
+* **1.36 and earlier** keep one client per resource: when the old stream ends, the
+  kubelet disconnects whichever client is current, the new one included, and marks the
+  resource's devices unhealthy (kubernetes#121994). Overlapping would kill the new
+  endpoint, so the old server stops first (break-before-make), as before: a registration's
+  moment without a serving endpoint. So does an unknown version (no API server).
 """
 
 from __future__ import annotations
@@ -18,6 +33,7 @@ import structlog
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from gpushare.base.dirwatch import DirWatch
+from gpushare.base.kubeletgrpc import KubeletServer
 from gpushare.deviceplugin.plugin import PluginServer
 
 log = structlog.get_logger(__name__)
@@ -32,6 +48,30 @@ MAX_BACKOFF = 5.0
 UNWATCHED_GRACE = 2.0
 #: While kubelet.sock is missing, say so at once and then this often.
 MISSING_LOG_SECONDS = 60.0
+
+
+#: The first kubelet minor that keys device-plugin endpoints by socket path.
+MAKE_BEFORE_BREAK_FROM = (1, 37)
+#: An old server given way to by make-before-break serves calls in flight this long.
+OLD_SERVER_GRACE = 2.0
+
+
+def make_before_break(kubelet_version: str) -> bool:
+    """Whether a kubelet of this version (``v1.37.2``, as the Node's
+    ``status.nodeInfo.kubeletVersion`` says; "" unknown) lets a renewed endpoint overlap
+    the old one. Unknown or unreadable: no."""
+    text = kubelet_version.strip().removeprefix("v")
+    parts = text.split(".")
+    if len(parts) < 2 or not (parts[0].isascii() and parts[0].isdigit()):
+        return False
+    minor = ""
+    for char in parts[1]:
+        if not (char.isascii() and char.isdigit()):
+            break
+        minor += char
+    if not minor:
+        return False
+    return (int(parts[0]), int(minor)) >= MAKE_BEFORE_BREAK_FROM
 
 
 class RegistrationError(Exception):
@@ -105,9 +145,16 @@ class KubeletLink:
     stream). Without inotify it looks every :data:`POLL_SECONDS`.
     """
 
-    def __init__(self, kubelet_socket: Path, servers: Sequence[tuple[PluginServer, str]]) -> None:
+    def __init__(
+        self,
+        kubelet_socket: Path,
+        servers: Sequence[tuple[PluginServer, str]],
+        kubelet_version: Callable[[], str] = lambda: "",
+    ) -> None:
         self.kubelet_socket = kubelet_socket
         self.servers = list(servers)  # (server, resource name)
+        #: the kubelet's version ("v1.37.2"; "" unknown): how a renewal gives way
+        self.kubelet_version = kubelet_version
         self.registered = threading.Event()
         self.registrations = 0
         #: re-registrations that came from the kubelet not watching (the grace path),
@@ -245,18 +292,24 @@ class KubeletLink:
         return changed
 
     @staticmethod
-    def _offer_once(server: PluginServer, kubelet: tuple[int, int]) -> None:
+    def _offer_once(
+        server: PluginServer, kubelet: tuple[int, int], overlap: bool
+    ) -> KubeletServer | None:
         """Never offer one socket path to one kubelet twice. A kubelet may still hold an
         endpoint of a path it was offered (an attempt that timed out on our side can have
         connected on its side), and from 1.37 on it refuses that path again for as long
-        as it runs ("device plugin already connected"): serve on a fresh name first."""
+        as it runs ("device plugin already connected"): serve on a fresh name first.
+        With ``overlap`` (make-before-break) the old server is returned still serving,
+        to be stopped once the new path is registered."""
         server.offered = {p: k for p, k in server.offered.items() if k == kubelet}
         base_free = server.base_path not in server.offered
+        old_server = None
         if server.socket_path in server.offered or (
             base_free and server.socket_path != server.base_path
         ):
             old = server.socket_path.name
-            server.restart(fresh=not base_free)  # back to the base name where it can
+            # back to the base name where it can
+            old_server = server.restart(fresh=not base_free, keep_old=overlap)
             log.info(
                 "plugin_socket_renewed",
                 resource=server.servicer.label,
@@ -265,8 +318,20 @@ class KubeletLink:
                 reason="this kubelet was offered the old socket already"
                 if old in {p.name for p in server.offered}
                 else "a kubelet not offered the base name yet",
+                old_stops="after the registration"
+                if old_server is not None
+                else "before the registration",
             )
         server.offered[server.socket_path] = kubelet
+        return old_server
+
+    @staticmethod
+    def _give_way(old: KubeletServer) -> None:
+        """Stop a server made way for (make-before-break), in the background: calls in
+        flight on it get :data:`OLD_SERVER_GRACE` to end, and the link goes on meanwhile."""
+        threading.Thread(
+            target=old.stop, args=(OLD_SERVER_GRACE,), name="plugin-old-server", daemon=True
+        ).start()
 
     def _check_once(self) -> None:
         resurrected = False
@@ -302,8 +367,9 @@ class KubeletLink:
             for hook in list(self.on_restart):
                 hook()
         self._last_kubelet = kubelet
+        overlap = make_before_break(self.kubelet_version())
         for server, name in self.servers:
-            self._offer_once(server, kubelet)
+            old = self._offer_once(server, kubelet, overlap)
             try:
                 register(
                     self.kubelet_socket,
@@ -314,6 +380,9 @@ class KubeletLink:
             except NotDelivered:
                 server.offered.pop(server.socket_path, None)  # the kubelet never saw it
                 raise
+            finally:
+                if old is not None:
+                    self._give_way(old)
             log.info("registered", resource=name, endpoint=server.socket_path.name)
         self._registered_with = kubelet
         self._registered_at = time.monotonic()

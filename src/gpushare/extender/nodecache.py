@@ -4,9 +4,12 @@ With ``nodeCacheCapable: true`` kube-scheduler sends only node names; the extend
 answers from this cache, which :mod:`gpushare.extender.statefeed` keeps from a
 list-and-watch of the nodes' state objects (ConfigMaps ``gpushare-node-<node>``) and
 :mod:`gpushare.extender.nodefeed` from one of the Nodes (their UIDs, and the
-``<prefix>/gpus`` annotation of daemons that publish no object). A node's state object
-wins over its annotation; the annotation is read where the node has no object the
-cache believes (one of an older daemon, or during a rollout). Of each only what the
+``<prefix>/gpus`` annotation of daemons that publish no object). Where a node has both,
+the newer of the two is believed (its ``updated`` time, then its generation; a tie goes
+to the object): an object left behind by a daemon switched to ``nodeState: annotation``
+no longer outranks what the daemon writes now (issue 41.3). The annotation is read too
+where the node has no object the cache believes (one of an older daemon, or during a
+rollout). Of each only what the
 verbs read is kept: the published card state (decoded once, when it changes, not once
 per request) or why there is none (:class:`NodeRecord`). The cost of a filter is then
 the fitting alone, and a request is a list of names (about 20 bytes a node), so no
@@ -15,6 +18,8 @@ cluster size reaches the body limit.
 
 from __future__ import annotations
 
+import calendar
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,8 +87,11 @@ class NodeCache:
                 "(its owner's UID differs); waiting for the daemon to write it again"
             )
             return NodeRecord(None, "stale_state", reason, uid=node.uid)
-        if held.record.state is None and node is not None and node.state is not None:
-            return node  # an object not believed: the annotation, as older daemons write
+        if node is not None and node.state is not None:
+            if held.record.state is None:
+                return node  # an object not believed: the annotation, as older daemons write
+            if _order(node.state) > _order(held.record.state):
+                return node  # the object is older: left behind, no longer written
         return held.record
 
     def replace_all(self, records: dict[str, NodeRecord]) -> None:
@@ -111,6 +119,16 @@ class NodeCache:
         held = self.objects.get(node)
         if held is not None and held.name == name:
             del self.objects[node]
+
+
+def _order(state: nodestate.NodeGpuState) -> tuple[float, int]:
+    """How recent a published state is: its ``updated`` time (an unreadable one sorts
+    first), then its generation (a daemon that started counting again is newer by time)."""
+    try:
+        when = float(calendar.timegm(time.strptime(state.updated, "%Y-%m-%dT%H:%M:%SZ")))
+    except (ValueError, OverflowError):
+        when = float("-inf")
+    return when, state.generation
 
 
 def _has_resource(node: Mapping[str, Any], resource: str) -> bool:

@@ -294,11 +294,12 @@ def judge_node(
     cards the pod's annotations exclude (``question.choice``); the verdict, and the
     cache's record of it (None: not kept)."""
     name = node_name(node)
-    cache = state.node_cache
-    if cache is not None and name in cache.objects:
-        kept = cache.get(name)  # the node's state object: what the Node carries is not read
-        if kept is not None and kept.state is not None:
-            return judge_published(name, kept.state, question, policy, state, kept.rooms)
+    if state.node_cache is not None:
+        # The extender's own feed (the node watch and the state objects): what a request
+        # carries is never believed over it (issue 41.7: one filter whose Nodes carried
+        # the next generation with every unit used made empty nodes look full until the
+        # daemon's next publish).
+        return judge_name(name, question, policy, state)
     published, code, reason = read_node_state(node, policy.resource_prefix)
     if published is None:
         return NodeVerdict(name, Fit(None, reason), None, code), None

@@ -9,6 +9,12 @@ Nothing is written again while nothing changed: instead of a periodic rewrite th
 calls :meth:`StatePublisher.resync` now and then, which reads back what it wrote (a GET
 served from the API server's cache) and writes again only what differs: an object
 deleted or edited by someone else, an annotation overwritten, a label removed.
+
+A daemon that left mode ``object``/``both`` for ``annotation`` retires its node's state
+object: left behind, it would be believed for ever by extenders that prefer the object
+(issue 41.3). Deleted by name, only if it is still the object read (preconditions), at
+connect and, until that succeeds, at each read-back; a daemon without the right (the
+Role of an older release, or none) says so once and publishes on.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ class StatePublisher:
         self.namespace = namespace
         self.mode = mode
         self.node_uid = ""
+        #: the Node's ``status.nodeInfo.kubeletVersion`` when last read ("" unknown)
+        self.kubelet_version = ""
         #: what this publisher last wrote (None: nothing yet) per place
         self._object_text: str | None = None
         self._annotation_text: str | None = None
@@ -64,6 +72,9 @@ class StatePublisher:
         #: writes by kind ("object", "node"), and resyncs done, for tests and benchmarks
         self.writes: dict[str, int] = {"object": 0, "node": 0}
         self.resyncs = 0
+        self.retired = 0  # state objects deleted (mode ``annotation``)
+        #: mode ``annotation``: an object left from ``object``/``both`` may still be there
+        self._retire_pending = not self.writes_object
 
     @property
     def writes_object(self) -> bool:
@@ -93,6 +104,9 @@ class StatePublisher:
         node = self._client().get(self.node_path, timeout=API_TIMEOUT, **CACHED)
         meta = node.get("metadata") or {}
         self.node_uid = str(meta.get("uid") or self.node_uid)
+        info = (node.get("status") or {}).get("nodeInfo") or {}
+        version = info.get("kubeletVersion") if isinstance(info, dict) else None
+        self.kubelet_version = version if isinstance(version, str) else self.kubelet_version
         labels = meta.get("labels")
         self._node_labels = dict(labels) if isinstance(labels, Mapping) else {}
         annotations = meta.get("annotations") or {}
@@ -131,7 +145,65 @@ class StatePublisher:
             found = self._object_text_of(self._read_object())
             if found:
                 generations.append(_generation(found))
+        elif self._retire_pending:
+            generations.append(self._retire_object())
         return max(generations)
+
+    def _retire_object(self) -> int:
+        """Mode ``annotation``: delete this node's state object, left from mode
+        ``object``/``both`` and no longer kept up to date; the generation it carried
+        (0: none), which the next annotation passes."""
+        client = self._client()
+        try:
+            found = client.get(self.object_path, timeout=API_TIMEOUT, **CACHED)
+        except ApiStatusError as exc:
+            return self._not_retired(exc, 0)
+        text = self._object_text_of(found if isinstance(found, dict) else None)
+        generation = _generation(text) if text else 0
+        meta = found.get("metadata") if isinstance(found, dict) else None
+        meta = meta if isinstance(meta, dict) else {}
+        preconditions = {k: meta[k] for k in ("uid", "resourceVersion") if meta.get(k)}
+        try:
+            client.request(
+                "DELETE",
+                self.object_path,
+                body={"kind": "DeleteOptions", "apiVersion": "v1", "preconditions": preconditions},
+                content_type="application/json",
+                timeout=API_TIMEOUT,
+            )
+        except ApiStatusError as exc:
+            return self._not_retired(exc, generation)
+        self._retire_pending = False
+        self.retired += 1
+        log.info(
+            "node_state_object_retired",
+            node=self.node,
+            path=self.object_path,
+            generation=generation,
+            reason="--node-state annotation: the object is no longer written",
+        )
+        return generation
+
+    def _not_retired(self, exc: ApiStatusError, generation: int) -> int:
+        """A GET or DELETE of the object to retire failed: gone already (done), not
+        allowed (said once; the object stays and its readers fall back to the annotation
+        once it is older), or anything else (changed since it was read, a server error:
+        tried again at the next read-back). Never raised: publishing does not wait on it."""
+        if exc.status == 404:
+            self._retire_pending = False
+        elif exc.status != 403:
+            log.info("node_state_object_retire_later", node=self.node, error=str(exc)[:200])
+        else:
+            self._retire_pending = False
+            log.warning(
+                "node_state_object_not_retired",
+                node=self.node,
+                path=self.object_path,
+                error=str(exc)[:200],
+                hint="give the daemon's Role get and delete on configmaps (this release's "
+                "manifests), or delete the object by hand",
+            )
+        return generation
 
     # ------------------------------------------------------------------ writing
     def publish(self, text: str, labels: Mapping[str, str]) -> None:
@@ -209,6 +281,8 @@ class StatePublisher:
         """Read back what was written and rewrite what differs; True if it wrote."""
         self.resyncs += 1
         wrote = False
+        if self._retire_pending:
+            self._retire_object()
         if self.object_forbidden and self._annotation_text is not None:
             self.object_forbidden = False  # the Role may have come meanwhile: try again
             try:

@@ -151,6 +151,16 @@ class PodResourcesClient:
     its own. There is no client-side throttle: the kubelet limits the API itself
     (about 100 requests a second, burst 10) and answers ``ResourceExhausted`` beyond
     that, which reads here as "no fresh records" (None), like a missing socket.
+
+    Only an endpoint that answers is waited for, however slowly. After a read that ran
+    out of time (the kubelet accepted the call and never answered, or a caller's wait
+    for the read in flight ended first), callers are answered None at once
+    (:attr:`waits_skipped` counts them) and decide from what they have, while one read
+    at a time goes on in the background with the patience of the caller that started
+    it; the first read the kubelet answers ends this (an error answered at once costs
+    no wait either). A hung PodResources endpoint so costs
+    one wait, not one per request (issue 41.7: 5 s per resource, 10 s per admission,
+    before).
     """
 
     def __init__(
@@ -176,6 +186,12 @@ class PodResourcesClient:
         self._parser = ListParser(self.resources, self.exclusive)
         self.last: Snapshot | None = None  # the newest snapshot read successfully
         self.last_error = ""
+        #: a read ran out of time and none has succeeded since: nobody waits
+        self.unanswered = False
+        #: callers that waited until their time ran out (none while ``unanswered``), and
+        #: callers answered at once because a read had run out
+        self.waits_run_out = 0
+        self.waits_skipped = 0
 
     @property
     def decoded(self) -> int:
@@ -195,37 +211,86 @@ class PodResourcesClient:
                 done = self._done
                 if done is not None and done[0] >= not_before:
                     return done[1]
+                if self.unanswered:
+                    self._skip_wait(timeout)
+                    return None
                 if self._inflight is None:
                     began = self._inflight = self._clock()
                     break
                 left = deadline - self._clock()
                 if left <= 0:
                     self.last_error = "the read in flight did not end in time"
+                    self.waits_run_out += 1
+                    self._ran_out()
                     return None
                 self._cond.wait(left)
+        return self._read(began, deadline, waited=True)
+
+    def _read(self, began: float, deadline: float, *, waited: bool) -> Snapshot | None:
+        """The read that began at ``began`` (its caller set ``_inflight``); ``waited``:
+        a caller waits for it (else it runs in the background)."""
         snapshot: Snapshot | None = None
         error = "the read failed"
+        ran_out = False
         try:
-            snapshot, error = self._call(began, max(0.01, deadline - self._clock()))
+            snapshot, error, ran_out = self._call(began, max(0.01, deadline - self._clock()))
         except Exception as exc:  # e.g. the socket's directory unreadable: never wedge
             error = self._report_failure(f"{type(exc).__name__}: {exc}")
         finally:
-            self._finish(began, snapshot, error)
+            self._finish(began, snapshot, error, ran_out, waited)
         return snapshot
 
-    def _finish(self, began: float, snapshot: Snapshot | None, error: str) -> None:
+    def _skip_wait(self, timeout: float) -> None:
+        """Under the lock, the endpoint not answering: no wait. One read at a time goes
+        on in the background (with this caller's patience) until one is answered."""
+        self.waits_skipped += 1
+        self.last_error = (
+            "PodResources did not answer a read in time and has not answered since; "
+            "not waited for until it does"
+        )
+        if self._inflight is not None:
+            return
+        began = self._inflight = self._clock()
+        threading.Thread(
+            target=self._read,
+            args=(began, began + timeout),
+            kwargs={"waited": False},
+            name="pod-resources-retry",
+            daemon=True,
+        ).start()
+
+    def _ran_out(self) -> None:
+        """Under the lock: a read ran out of time."""
+        if not self.unanswered:
+            self.unanswered = True
+            log.warning(
+                "pod_resources_not_answering",
+                socket=str(self.socket),
+                detail="requests decide without the kubelet's records, without waiting, "
+                "until a read succeeds again",
+            )
+
+    def _finish(
+        self, began: float, snapshot: Snapshot | None, error: str, ran_out: bool, waited: bool
+    ) -> None:
         with self._cond:
             self._inflight = None
             self._done = (began, snapshot, error)
             if snapshot is not None:
                 self.last = snapshot
+            if ran_out:
+                self.waits_run_out += waited
+                self._ran_out()
+            elif self.unanswered:  # it answered (an error answered at once costs no wait)
+                self.unanswered = False
+                log.info("pod_resources_answering", socket=str(self.socket), error=error)
             self.last_error = error
             self._cond.notify_all()
 
-    def _call(self, began: float, timeout: float) -> tuple[Snapshot | None, str]:
-        """One List call, outside every lock."""
+    def _call(self, began: float, timeout: float) -> tuple[Snapshot | None, str, bool]:
+        """One List call, outside every lock: (snapshot, error, whether it ran out of time)."""
         if not self.socket.exists():
-            return None, self._report_failure("socket missing")
+            return None, self._report_failure("socket missing"), False
         with self._cond:
             if self._stub is None:
                 self._channel = grpc.insecure_channel(f"unix://{self.socket}")
@@ -256,16 +321,18 @@ class PodResourcesClient:
                 if code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
                     with self._cond:
                         self._reset()
-                return None, self._report_failure(error)
+                ran_out = code is grpc.StatusCode.DEADLINE_EXCEEDED
+                return None, self._report_failure(error), ran_out
             except ValueError as exc:  # the channel was closed under us (shutdown)
-                return None, self._report_failure(str(exc))
+                return None, self._report_failure(str(exc)), False
         if self._failing:
             log.info("pod_resources_readable", socket=str(self.socket))
             self._failing = False
         try:
-            return self._parser.parse(response, began), ""
+            return self._parser.parse(response, began), "", False
         except DecodeError as exc:
-            return None, self._report_failure(f"the answer is not a List response: {exc}")
+            error = self._report_failure(f"the answer is not a List response: {exc}")
+            return None, error, False
 
     def _report_failure(self, error: str) -> str:
         if not self._failing:

@@ -95,7 +95,7 @@ def run_demo(workdir: Path) -> int:
     )
     kubelet = SimulatedKubelet(Path(settings.kubelet_dir), Path(settings.pod_resources_socket))
     kubelet.start()
-    daemon = Daemon(settings)
+    daemon = Daemon(settings, kubelet_version=lambda: kubelet.version)
     memory, core = settings.memory_resource, settings.core_resource
     whole = f"{settings.resource_prefix}/gpu"
     try:

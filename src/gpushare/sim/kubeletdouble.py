@@ -100,6 +100,7 @@ class Endpoint:
     #: the kubelet dropped its record of this client (a refused second registration of
     #: its path): its stream ending no longer frees the path
     orphaned: bool = False
+    ended: bool = False  # its ListAndWatch stream ended
 
 
 @dataclass
@@ -137,16 +138,36 @@ class PluginRegistry(api_pb2_grpc.RegistrationServicer):
     back, each resource's ListAndWatch stream keeps its device list, and a stream that
     ends marks the resource's devices unhealthy, as the kubelet does.
 
-    As the kubelet does from 1.37 on, it holds each endpoint by (resource, socket path)
-    until that endpoint's stream ends, and refuses another registration of a held path
-    ("device plugin already connected: <path>"); the refusal drops its record of the
-    holding client, so that the path stays refused until this kubelet restarts (seen on
-    v1.37.2, docs/restarts.md). Simplified: a registration of another path closes the
-    resource's previous endpoint at once (the real kubelet keeps both until the old
-    stream ends; the daemon ends it itself)."""
+    ``version`` picks how a second endpoint of a resource is handled (read in v1.37.2's
+    ``devicemanager``; v1.36's in kubernetes#121994 and #135437):
 
-    def __init__(self, plugin_dir: Path) -> None:
+    * **1.37 on**: endpoints are held by (resource, socket path) until their stream ends.
+      A registration makes the new endpoint the resource's own at once and leaves the
+      old one running; when a stream ends, another endpoint still held is promoted and
+      nothing is marked unhealthy, and only the last one's end marks the devices
+      unhealthy. A registration of a held path is refused ("device plugin already
+      connected: <path>") and the refusal drops the kubelet's record of the holding
+      client, so the path stays refused until this kubelet restarts (seen on v1.37.2,
+      docs/restarts.md).
+    * **1.36**: one client per resource. A registration replaces the endpoint; when any
+      of the resource's streams ends, the kubelet disconnects the resource's current
+      client (a newer one too: its stream is closed) and marks the devices unhealthy.
+
+    :attr:`unserved_at_registration` notes each registration that found the resource's
+    current endpoint not serving (its stream ended, or its server not answering): an
+    admission at that moment would have failed."""
+
+    def __init__(self, plugin_dir: Path, version: str = "v1.37.2") -> None:
         self.plugin_dir = Path(plugin_dir)
+        self.version = version
+        minor = version.removeprefix("v").split(".")[:2]
+        #: endpoints keyed by socket path (1.37 on)
+        self.by_path = tuple(int(x) for x in minor) >= (1, 37)
+        #: 1.36: the one client per resource
+        self.clients: dict[str, Endpoint] = {}
+        self.unserved_at_registration: list[tuple[str, str]] = []
+        #: 1.36: newer clients disconnected by an older stream's end
+        self.newer_disconnected = 0
         self.watch_delay = 0.0  # seconds between a registration and its ListAndWatch
         self.endpoints: dict[str, Endpoint] = {}
         self.registrations: list[tuple[str, str]] = []  # (resource, endpoint)
@@ -176,23 +197,39 @@ class PluginRegistry(api_pb2_grpc.RegistrationServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot dial plugin: {exc}")
         endpoint = Endpoint(request.resource_name, socket, channel, stub, options)
         key = (request.resource_name, socket)
+        self._note_serving(request.resource_name, socket)
         with self._lock:  # the check and the taking of the path in one step
-            holder = self.held.get(key)
+            holder = self.held.get(key) if self.by_path else None
             if holder is not None:
                 holder.orphaned = True
                 self.refused.append((request.resource_name, request.endpoint))
             else:
-                old = self.endpoints.get(request.resource_name)
                 self.endpoints[request.resource_name] = endpoint
                 self.held[key] = endpoint
+                self.clients[request.resource_name] = endpoint
                 self.registrations.append((request.resource_name, request.endpoint))
         if holder is not None:
             channel.close()
             context.abort(grpc.StatusCode.UNKNOWN, f"device plugin already connected: {socket}")
-        if old is not None:
-            self._close(old)
         threading.Thread(target=self._watch, args=(endpoint,), daemon=True).start()
         return api_pb2.Empty()
+
+    def _note_serving(self, resource: str, socket: Path) -> None:
+        """Note it when a registration finds the resource's current endpoint (another
+        path) not serving: an admission now would fail."""
+        with self._lock:
+            current = self.endpoints.get(resource)
+        if current is None or current.socket is None or current.socket == socket:
+            return
+        serving = not current.ended
+        if serving:
+            try:
+                current.stub.GetDevicePluginOptions(api_pb2.Empty(), timeout=DIAL_TIMEOUT)
+            except (grpc.RpcError, ValueError):
+                serving = False
+        if not serving:
+            with self._lock:
+                self.unserved_at_registration.append((resource, current.socket.name))
 
     def attach(self, resource: str, stub: Any, options: Any, devices: Iterable[Any]) -> None:
         """Register a plugin reached without a socket (an in-process stub with the same
@@ -223,16 +260,53 @@ class PluginRegistry(api_pb2_grpc.RegistrationServicer):
             pass
         except ValueError:
             pass  # "Channel closed": the plugin registered again (or we stopped) meanwhile
+        closing = None
         with self._lock:
-            key = (endpoint.resource, endpoint.socket) if endpoint.socket else None
-            if key and not endpoint.orphaned and self.held.get(key) is endpoint:
-                del self.held[key]  # the path is free again
-            # The real kubelet marks the resource's devices unhealthy when the stream ends.
-            if self.endpoints.get(endpoint.resource) is endpoint:
-                for device in endpoint.devices.values():
-                    device.health = "Unhealthy"
-                endpoint.healthy = []
+            endpoint.ended = True
+            if endpoint.socket is None or endpoint.orphaned:
+                pass  # attached, or a client the kubelet no longer knows: nothing happens
+            elif self.by_path:
+                self._ended_by_path(endpoint)
+            else:
+                closing = self._ended_one_client(endpoint)
             self._lock.notify_all()
+        if closing is not None:
+            self._close(closing)
+
+    def _ended_by_path(self, endpoint: Endpoint) -> None:
+        """1.37's ``PluginDisconnected``: the path is free again; another endpoint of the
+        resource still held is promoted, else the devices are marked unhealthy."""
+        if (
+            endpoint.socket is not None
+            and self.held.get(key := (endpoint.resource, endpoint.socket)) is endpoint
+        ):
+            del self.held[key]
+        remaining = [e for (r, _path), e in self.held.items() if r == endpoint.resource]
+        if remaining:
+            if self.endpoints.get(endpoint.resource) is endpoint:
+                self.endpoints[endpoint.resource] = remaining[0]
+        else:
+            self._mark_unhealthy(endpoint.resource)
+
+    def _ended_one_client(self, endpoint: Endpoint) -> Endpoint | None:
+        """1.36's ``runClient`` after a stream ended: the resource's current client is
+        disconnected, whichever it is (kubernetes#121994), and the devices marked
+        unhealthy; the client to close (outside the lock), if any."""
+        current = self.clients.pop(endpoint.resource, None)
+        if current is None:
+            return None  # its client was disconnected already: nothing happens
+        self._mark_unhealthy(endpoint.resource)
+        if current is endpoint:
+            return None
+        self.newer_disconnected += 1
+        return current
+
+    def _mark_unhealthy(self, resource: str) -> None:
+        primary = self.endpoints.get(resource)
+        if primary is not None:
+            for device in primary.devices.values():
+                device.health = "Unhealthy"
+            primary.healthy = []
 
     @staticmethod
     def _close(endpoint: Endpoint) -> None:
@@ -303,6 +377,10 @@ class PodResourcesLister(pr_pb2_grpc.PodResourcesListerServicer):
         self.list_refusals = 0
         self.lists_served = 0  # List calls answered (not refused)
         self.list_delay = 0.0  # seconds a List takes to answer (a busy kubelet)
+        #: List calls taken and not answered until this is False again (a hung kubelet:
+        #: the real one's PodResources server accepts calls it never answers)
+        self.lists_hang = False
+        self.lists_received = 0  # List calls taken past the rate limit
         #: the pods the kubelet's pod manager holds, which are all ``List`` looks at
         #: (None: every admitted pod). A restarted kubelet starts empty and adds each
         #: pod of its first batch just before admitting it (see :meth:`restart`).
@@ -379,6 +457,9 @@ class PodResourcesLister(pr_pb2_grpc.PodResourcesListerServicer):
     ) -> pr_pb2.ListPodResourcesResponse:
         if not self._take_list_token():
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "rate limit exceeded")
+        with self._lock:
+            self.lists_received += 1
+            self._lock.wait_for(lambda: not self.lists_hang)
         if self.list_delay:
             time.sleep(self.list_delay)  # a slow kubelet, for tests of late records
         with self._lock:
@@ -402,9 +483,11 @@ class SimulatedKubelet(PluginRegistry, PodResourcesLister):
         seed: int | None = 0,
         list_rate: float = LIST_RATE,
         list_burst: int = LIST_BURST,
+        version: str = "v1.37.2",
     ) -> None:
         PodResourcesLister.__init__(self, list_rate, list_burst)
-        PluginRegistry.__init__(self, plugin_dir)  # its lock is the one both sides share
+        # its lock is the one both sides share
+        PluginRegistry.__init__(self, plugin_dir, version)
         self.pod_resources_socket = pod_resources_socket
         self.observe = observe
         self.rng = random.Random(seed)
@@ -440,11 +523,23 @@ class SimulatedKubelet(PluginRegistry, PodResourcesLister):
             pr_server.start()
             self._pr_server = pr_server
 
-    def stop(self, *, keep_pod_resources: bool = False) -> None:
+    def hang_lists(self, hang: bool) -> None:
+        """Make ``List`` take calls and never answer them (until called with False)."""
         with self._lock:
-            endpoints = list(self.endpoints.values())
+            self.lists_hang = hang
+            self._lock.notify_all()
+
+    def stop(self, *, keep_pod_resources: bool = False) -> None:
+        if not keep_pod_resources:
+            self.hang_lists(False)  # a handler thread must not outlive the server
+        with self._lock:
+            known = [*self.endpoints.values(), *self.held.values()]
+            endpoints = list({id(e): e for e in known}.values())
+            for endpoint in endpoints:
+                endpoint.orphaned = True  # this kubelet is gone: its streams' ends mean nothing
             self.endpoints.clear()
             self.held.clear()
+            self.clients.clear()
         for endpoint in endpoints:
             self._close(endpoint)
         if self._server is not None:

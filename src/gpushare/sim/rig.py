@@ -75,7 +75,10 @@ class DaemonNode:
 
     def start(self) -> None:
         self.kubelet.start()
-        self.daemon = Daemon(self.settings, specs=self.specs)
+        kubelet = self.kubelet  # its version, as the Node would tell the daemon
+        self.daemon = Daemon(
+            self.settings, specs=self.specs, kubelet_version=lambda: kubelet.version
+        )
         self.daemon.start()
         memory, core = self.settings.memory_resource, self.settings.core_resource
 

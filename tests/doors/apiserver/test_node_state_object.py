@@ -164,7 +164,49 @@ def test_mode_annotation_writes_no_object(node: Node, api: KubeApiDouble) -> Non
     node.start(cards(TESLA_P4, 1), node_name=NODE, node_state="annotation")
     eventually(lambda: annotation(api), timeout=WAIT)
     assert state_object(api) is None
-    assert not [r for r in api.requests if "/configmaps" in r.path]
+    # it only looks for an object of its own to retire (none here)
+    asked = {(r.method, r.path) for r in api.requests if "/configmaps" in r.path}
+    assert asked == {("GET", f"/api/v1/namespaces/{NAMESPACE}/configmaps/{OBJECT}")}
+
+
+def test_leaving_mode_object_retires_the_object_and_continues_its_generation(
+    node: Node, api: KubeApiDouble
+) -> None:
+    """Issue 41.3: a daemon switched to ``annotation`` left its object behind, which the
+    extender believed for ever. Now it deletes its own object (by name, with the
+    object's UID and version as preconditions) and its annotation passes the object's
+    generation."""
+    text = nodestate.encode(nodestate.NodeGpuState(41, "2026-11-27T05:00:00Z", 256, ()))
+    uid = api.get("Node", NODE)["metadata"]["uid"]
+    api.add(stateobject.state_object("gpushare.io", NAMESPACE, NODE, uid, text))
+    other = stateobject.state_object("gpushare.io", NAMESPACE, "other-node", "u2", text)
+    api.add(other)
+    node.start(cards(TESLA_P4, 1), node_name=NODE, node_state="annotation")
+    eventually(lambda: state_object(api) is None, timeout=WAIT)
+    published = eventually(lambda: annotation(api), timeout=WAIT)
+    assert nodestate.decode(published).generation == 42
+    assert link_of(node).publisher.retired == 1
+    own = f"/api/v1/namespaces/{NAMESPACE}/configmaps/{OBJECT}"
+    assert [r.path for r in api.calls("DELETE")] == [own]
+    assert api.get("ConfigMap", "gpushare-node-other-node", NAMESPACE) is not None
+
+
+def test_an_object_that_cannot_be_retired_is_said_once_and_the_annotation_goes_on(
+    node: Node, api: KubeApiDouble, fast_resync: None
+) -> None:
+    """Without the right to delete (an older Role): the annotation is published all the
+    same, and the daemon does not ask again at every read-back."""
+    text = nodestate.encode(nodestate.NodeGpuState(3, "2026-11-27T05:00:00Z", 256, ()))
+    uid = api.get("Node", NODE)["metadata"]["uid"]
+    api.add(stateobject.state_object("gpushare.io", NAMESPACE, NODE, uid, text))
+    api.forbidden_paths.append("/configmaps")
+    node.start(cards(TESLA_P4, 1), node_name=NODE, node_state="annotation")
+    link = link_of(node)
+    eventually(lambda: annotation(api), timeout=WAIT)
+    done = link.publisher.resyncs
+    eventually(lambda: link.publisher.resyncs >= done + 5, timeout=WAIT)
+    assert len([r for r in api.requests if "/configmaps" in r.path]) == 1
+    assert link.publisher.retired == 0
 
 
 def test_the_generation_continues_from_the_state_object(node: Node, api: KubeApiDouble) -> None:

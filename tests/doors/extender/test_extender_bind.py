@@ -30,8 +30,10 @@ __all__ = ["api", "extender_factory"]  # fixture
 
 @pytest.fixture
 def binder(api: KubeApiDouble, extender_factory: Callable[..., RunningExtender]) -> RunningExtender:
-    """The extender, binding through the double (no token: the double takes none)."""
-    return extender_factory(api_server=api.url, token_file="", ca_file="")
+    """The extender, binding through the double (no token: the double takes none). The
+    tests hand it the Nodes in the requests (``nodeCacheCapable: false``), not through the
+    double, so it runs without a node watch (which it would believe over the requests)."""
+    return extender_factory(api_server=api.url, token_file="", ca_file="", watch_nodes=False)
 
 
 def stored_pod(api: KubeApiDouble, name: str, memory: int, uid: str = "") -> dict[str, Any]:

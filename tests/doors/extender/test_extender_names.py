@@ -163,6 +163,26 @@ def test_a_bind_counts_a_node_state_the_watch_saw_after_the_filter(
     assert not api.calls("POST", "binding")
 
 
+def test_a_filter_body_never_outranks_the_node_watch(
+    cluster: tuple[KubeApiDouble, RunningExtender],
+) -> None:
+    """Issue 41.7: one filter whose Nodes carry the next generation with every unit used
+    (plausible: one publish ahead) made the node look full to every later pod, by name
+    too, until its daemon published again. With its own feed the extender judges the
+    nodes of a full-object request by that feed, and remembers nothing from the body."""
+    api, server = cluster
+    forged = node("roomy", [card(0, used=16), card(1, used=16)], generation=2)
+    the_pod = pod("p", container("main", memory=8))
+    assert kept(server.filter(args(the_pod, forged))) == ["roomy"]
+    assert server.filter(names_args(the_pod, "roomy"))["NodeNames"] == ["roomy"]
+    status, _scores = server.post("prioritize", args(the_pod, forged))
+    assert status == 200
+    assert server.filter(names_args(the_pod, "roomy"))["NodeNames"] == ["roomy"]
+    # what the feed says still counts: the node fills, the answers follow it
+    api.add(node("roomy", [card(0, used=16), card(1, used=16)], generation=3))
+    eventually(lambda: server.filter(names_args(the_pod, "roomy"))["NodeNames"] == [])
+
+
 def test_names_without_a_node_watch_are_refused_with_the_fix(
     extender_factory: Callable[..., RunningExtender],
 ) -> None:

@@ -82,6 +82,30 @@ def test_the_object_wins_over_the_annotation_and_nodes_without_one_use_the_annot
     assert "object-only" in answer["FailedNodes"]
 
 
+@pytest.mark.parametrize("annotation_is", ["a later generation", "later, counting again"])
+def test_an_object_left_behind_loses_to_a_newer_annotation(
+    api: KubeApiDouble, start: Callable[[], RunningExtender], annotation_is: str
+) -> None:
+    """Issue 41.3: the daemon went to ``nodeState: annotation`` and its object stayed,
+    full; the annotation it writes now says the card is free. The newer of the two is
+    believed: by generation, or by time where the daemon started counting again."""
+    api.add(state_object("n", state_text([card(0, used=16)], generation=7)))
+    fresh = node("n", [card(0, used=0)], generation=9)
+    if annotation_is == "later, counting again":
+        state = nodestate.NodeGpuState(1, "2026-11-22T14:00:00Z", 256, (card(0, used=0),))
+        fresh["metadata"]["annotations"][nodestate.annotation_key(PREFIX)] = nodestate.encode(
+            state
+        )
+    api.add(fresh)
+    server = start()
+    assert by_names(server, 8, "n")["NodeNames"] == ["n"]
+    # and the other way round: an annotation older than the object loses
+    api.add(state_object("n", state_text([card(0, used=16)], generation=12)))
+    stale = node("n", [card(0, used=0)], generation=2)
+    api.add(stale)
+    eventually(lambda: by_names(server, 8, "n")["NodeNames"] == [], timeout=WAIT)
+
+
 @pytest.mark.parametrize(
     "forged",
     ["owned by an earlier Node", "named for another node", "owned by no Node", "garbled"],

@@ -198,8 +198,7 @@ class DevicePluginFrontDoor:
                     if sliced
                     else whole_card_answer(self.listing, enforcement=enforcement),
                     name,
-                    self.listing,
-                    core.collector.grant_specs,
+                    self.binder.host,
                 ),
                 prefer=spread_replicas
                 if sliced
@@ -229,8 +228,7 @@ class DevicePluginFrontDoor:
                 answer=sealed_by(
                     migserve.mig_answer(self.listing, specs=specs),
                     name,
-                    self.listing,
-                    self.core.collector.grant_specs,
+                    self.binder.host,
                 ),
                 on_allocated=self.core.whole_allocated,  # annotated and published as whole cards
                 observe=self.observe,

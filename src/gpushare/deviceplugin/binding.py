@@ -37,11 +37,12 @@ import structlog
 from gpushare.deviceplugin.pairingdesk import RECORDS_WAIT as RECORDS_WAIT
 from gpushare.deviceplugin.pairingdesk import PairingDesk, PodResourceRecords
 from gpushare.deviceplugin.shareplan import SharePlan, partner_refusal, plan_share, span_refusal
+from gpushare.deviceplugin.specrefusals import spec_refusal
 from gpushare.gpu.health import HealthBoard, unhealthy
 from gpushare.host.grants import GrantHost, HostGrantError
 from gpushare.host.grantspecs import GrantSpecs
 from gpushare.host.mps import MpsGrants
-from gpushare.kube.podspecs import PodSpecBook, asking_tampering, holder_live
+from gpushare.kube.podspecs import PodSpecBook, holder_live
 from gpushare.share.answers import ContainerEdits, DeviceListing, Enforcement
 from gpushare.share.devices import InvalidDeviceIds, Inventory, Resource, format_device_id
 from gpushare.share.pairing import Binding, Decision
@@ -57,7 +58,6 @@ from gpushare.share.placement import (
     preferred_units,
 )
 from gpushare.share.records import Snapshot
-from gpushare.share.reserved import refusal as reserved_refusal
 from gpushare.share.restartholders import RestartHolders
 from gpushare.share.unitindex import UnitIndex
 from gpushare.share.usage import Holder, UsageLedger
@@ -77,25 +77,6 @@ class BindingError(Exception):
         super().__init__(message)
         self.kind = kind
         self.message = message
-
-
-def mixed_kinds(holder: Holder) -> str:
-    """The refusal of a container that asks for shared units and whole cards or MIG."""
-    return (
-        f"container {holder.container} of pod {holder.namespace}/{holder.pod} asks for "
-        "shared units (vcuda-memory/vcuda-core) together with whole cards or MIG devices; "
-        "the answers would name different GPUs: split it into two containers"
-    )
-
-
-def core_without_memory(holder: Holder, prefix: str) -> str:
-    """The refusal of a container that asks for cores and no memory units."""
-    return (
-        f"container {holder.container} of pod {holder.namespace}/{holder.pod} asks for "
-        f"{Resource.CORE.name_with(prefix)} without {Resource.MEMORY.name_with(prefix)} "
-        "(or with 0) and would run with no GPU memory limit on a shared card: add "
-        f"{Resource.MEMORY.name_with(prefix)} of 1 or more to its limits"
-    )
 
 
 def other_free_in(
@@ -146,29 +127,6 @@ def other_free_in(
     for uuid in unlisted:
         other_free[uuid] = 0
     return other_free, unlisted, at_most
-
-
-def _refuse_tampering(
-    specs: PodSpecBook,
-    resource: Resource,
-    size: int,
-    snapshot: Snapshot | None,
-    decision: Decision,
-    seen: Binding | None,
-) -> None:
-    """Refuse the container now asking if its own spec sets what carries its limits
-    (``share/reserved.py``). The admission policy refuses such a pod; this is the second
-    line where the policy is off (docs/security.md)."""
-    holder = decision.holder
-    if holder is None and snapshot is not None and seen is not None:
-        holder = snapshot.holder_of(seen.resource, seen.device_ids[0])
-    tamperer = asking_tampering(specs, resource, size, snapshot, holder)
-    if tamperer is not None:
-        who, why = tamperer
-        log.warning("reserved_settings_refused", holder=str(who), reason=why)
-        raise BindingError(
-            Refusal.PRECONDITION, reserved_refusal(f"{who.pod}/{who.container}", why)
-        )
 
 
 def candidate_cards(
@@ -387,7 +345,10 @@ class Binder:
         arrival = self._clock()
         uuid, numbers = self._one_card(resource, device_ids)
         seen, decision, snapshot = self.desk.decided(resource, len(device_ids), arrival)
-        self._refuse_by_specs(resource, len(device_ids), snapshot, decision, seen)
+        if self.specs is not None:
+            refusal = spec_refusal(self.specs, resource, len(device_ids), snapshot, decision, seen)
+            if refusal is not None:
+                raise BindingError(Refusal.PRECONDITION, refusal)
         partner = decision.partner
         refusal = partner_refusal(resource, uuid, partner, self._describe)
         if refusal is not None:
@@ -430,37 +391,6 @@ class Binder:
                 Refusal.PRECONDITION, f"{self._describe(uuid)} is unhealthy ({reason})"
             )
         return uuid, numbers
-
-    def _refuse_by_specs(
-        self,
-        resource: Resource,
-        size: int,
-        snapshot: Snapshot | None,
-        decision: Decision,
-        seen: Binding | None,
-    ) -> None:
-        """Refuse the container now asking for what its pod spec says: shared units
-        beside whole cards, cores without memory, settings that carry its limits."""
-        specs = self.specs
-        if specs is None:
-            return
-        if snapshot is not None:
-            mixer = specs.mixer_being_admitted(snapshot, shared=resource)
-            if mixer is not None:
-                raise BindingError(Refusal.PRECONDITION, mixed_kinds(mixer))
-        if decision.partner is not None:
-            return  # the second half of a container whose first half was checked
-        if resource is Resource.CORE:
-            # Not the second half of a memory binding: a container of its own. If its
-            # spec asks no memory units, it would run with the whole card's memory.
-            holder = decision.holder
-            if holder is None and snapshot is not None and seen is not None:
-                holder = snapshot.holder_of(seen.resource, seen.device_ids[0])
-            asker = specs.asking_without_memory(size, snapshot, holder)
-            if asker is not None:
-                message = core_without_memory(asker, specs.prefix)
-                raise BindingError(Refusal.PRECONDITION, message)
-        _refuse_tampering(specs, resource, size, snapshot, decision, seen)
 
     # -- Allocate: the apply step ----------------------------------------------------
     def _apply(self, plan: SharePlan, decision: Decision) -> ContainerEdits:

@@ -167,33 +167,7 @@ def _result(
         edits = answers.container_edits(answers.whole([granted]), node.listing)
         memory_mib, cores = device.memory_mib, 0
     else:
-        try:
-            share = share_of(result.get("consumedCapacity"), device.card_memory_mib, node.unit_mib)
-        except ShareError as exc:
-            raise ClaimRefused(f"claim {claim.describe()}, device {device.name}: {exc}") from None
-        key = claim_cache_key(claim.uid, request, device.name)
-        needs = share_needs(
-            node.enforcement,
-            device.uuid,
-            node.dirs,
-            key=key,
-            memory_mib=limits.memory_mib or share.memory_mib,
-            cores=limits.cores,
-            mps=node.mps,
-            claim=True,
-            keep=key in keep,
-        )
-        grant = answers.share(
-            device.uuid,
-            enforcement=node.enforcement,
-            memory_mib=limits.memory_mib,
-            cores=limits.cores,  # None: no cores asked, unthrottled as memory-only
-            every_index=True,
-            companions=limits.cards,
-            charged=limits.charged,
-        )
-        edits = answers.container_edits(with_dirs(grant, needs), node.listing)
-        memory_mib, cores = share.memory_mib, share.cores
+        edits, needs, memory_mib, cores = _share(claim, request, device, result, limits, node, keep)
     cdi_name = f"{claim.uid}-{_NOT_CDI.sub('_', request)}-{device.name}"
     ids = [f"{node.cdi_kind}={cdi_name}", *edits.cdi_devices]
     record = PreparedDevice(
@@ -208,6 +182,46 @@ def _result(
     )
     shown = _shown(edits, device, memory_mib, node.enforcement)
     return PlannedResult(edits, needs, claim_device(cdi_name, edits), record, shown)
+
+
+def _share(
+    claim: ClaimRef,
+    request: str,
+    device: Offered,
+    result: Mapping[str, Any],
+    limits: ClaimLimits,
+    node: ClaimNode,
+    keep: set[str],
+) -> tuple[ContainerEdits, HostNeeds, int, int]:
+    """A share of a card: its edits, its host side, and the memory and cores it was
+    granted (its ``consumedCapacity``; the edits enforce ``limits``, which may be less)."""
+    try:
+        share = share_of(result.get("consumedCapacity"), device.card_memory_mib, node.unit_mib)
+    except ShareError as exc:
+        raise ClaimRefused(f"claim {claim.describe()}, device {device.name}: {exc}") from None
+    key = claim_cache_key(claim.uid, request, device.name)
+    needs = share_needs(
+        node.enforcement,
+        device.uuid,
+        node.dirs,
+        key=key,
+        memory_mib=limits.memory_mib or share.memory_mib,
+        cores=limits.cores,
+        mps=node.mps,
+        claim=True,
+        keep=key in keep,
+    )
+    grant = answers.share(
+        device.uuid,
+        enforcement=node.enforcement,
+        memory_mib=limits.memory_mib,
+        cores=limits.cores,  # None: no cores asked, unthrottled as memory-only
+        every_index=True,
+        companions=limits.cards,
+        charged=limits.charged,
+    )
+    edits = answers.container_edits(with_dirs(grant, needs), node.listing)
+    return edits, needs, share.memory_mib, share.cores
 
 
 def _shown(

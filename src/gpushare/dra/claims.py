@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,23 @@ def _refused(claim: ClaimRef, exc: Exception) -> Outcome:
 def _failed(claim: ClaimRef, exc: Exception) -> Outcome:
     log.error("claim_prepare_failed", claim=claim.describe(), error=str(exc))
     return Outcome(error=f"cannot prepare the claim: {exc}")
+
+
+def _attempt(
+    claim: ClaimRef, step: Callable[[], tuple[list[PreparedDevice], bool] | None]
+) -> tuple[Outcome | None, bool]:
+    """One step of a claim's preparation: its outcome (None: the step left it to the
+    next one) and whether the view of what is held changed; a refusal or a failure is
+    the claim's outcome, with one line."""
+    try:
+        done = step()
+    except ClaimRefused as exc:
+        return _refused(claim, exc), False
+    except (OSError, CheckpointError, HostGrantError) as exc:
+        return _failed(claim, exc), False
+    if done is None:
+        return None, False
+    return Outcome(devices=done[0]), done[1]
 
 
 def _unfinished(
@@ -172,18 +190,11 @@ class ClaimPreparer:
         try:
             with self.lock.held(deadline):
                 for claim in claims:
-                    try:
-                        done = self._from_checkpoint(claim)
-                    except ClaimRefused as exc:
-                        outcomes[claim.uid] = _refused(claim, exc)
-                    except (OSError, CheckpointError) as exc:
-                        outcomes[claim.uid] = _failed(claim, exc)
+                    outcome, fresh = _attempt(claim, partial(self._from_checkpoint, claim))
+                    if outcome is None:
+                        pending.append(claim)
                     else:
-                        if done is None:
-                            pending.append(claim)
-                        else:
-                            outcomes[claim.uid] = Outcome(devices=done[0])
-                            changed |= done[1]
+                        outcomes[claim.uid], changed = outcome, changed or fresh
         except LockTimeout as exc:
             return _unfinished(claims, outcomes, str(exc))
         source = ClaimSource(self.api, self.driver, self.pool, self.unit_mib, self.api_timeout)
@@ -195,15 +206,10 @@ class ClaimPreparer:
                 for claim in pending:
                     if claim.uid not in read or cancelled():
                         continue
-                    try:
-                        devices, fresh = self._prepare_one(claim, *read[claim.uid])
-                    except ClaimRefused as exc:
-                        outcomes[claim.uid] = _refused(claim, exc)
-                    except (OSError, CheckpointError, HostGrantError) as exc:
-                        outcomes[claim.uid] = _failed(claim, exc)
-                    else:
-                        outcomes[claim.uid] = Outcome(devices=devices)
-                        changed |= fresh
+                    step = partial(self._prepare_one, claim, *read[claim.uid])
+                    outcome, fresh = _attempt(claim, step)
+                    assert outcome is not None  # prepared, refused or failed
+                    outcomes[claim.uid], changed = outcome, changed or fresh
         except LockTimeout as exc:
             _unfinished(claims, outcomes, str(exc))
         if changed:

@@ -43,7 +43,7 @@ log = structlog.get_logger(__name__)
 #: (available, must include, size) -> the devices to offer, best first.
 Preference = Callable[[Sequence[ExclusiveDevice], Sequence[ExclusiveDevice], int], list[str]]
 #: The devices of one container, in order -> its Allocate answer (from the answer port).
-AnswerFor = Callable[[Sequence[ExclusiveDevice]], ContainerEdits]
+EditsFor = Callable[[Sequence[ExclusiveDevice]], ContainerEdits]
 
 
 def in_order(
@@ -63,7 +63,7 @@ def granted(device: ExclusiveDevice, nodes: Sequence[str] = ()) -> GrantedDevice
 
 def whole_card_answer(
     listing: DeviceListing, *, enforcement: Enforcement | None = None
-) -> AnswerFor:
+) -> EditsFor:
     """Whole cards' answer: the cards named by ``listing``; with ``enforcement``
     (``exclusiveEnforcement``) the interposer with 100 % limits (see
     :func:`gpushare.share.answers.container_edits`)."""
@@ -75,7 +75,7 @@ def whole_card_answer(
     return answer
 
 
-def time_sliced_answer(listing: DeviceListing) -> AnswerFor:
+def time_sliced_answer(listing: DeviceListing) -> EditsFor:
     """A time-sliced replica's answer: its card, whole and raw, named by ``listing``; no
     limits (``none``: NVIDIA's ``gpu.shared`` time-slicing)."""
 
@@ -87,7 +87,7 @@ def time_sliced_answer(listing: DeviceListing) -> AnswerFor:
     return answer
 
 
-def sealed_by(answer: AnswerFor, full_name: str, host: GrantHost) -> AnswerFor:
+def sealed_by(answer: EditsFor, full_name: str, host: GrantHost) -> EditsFor:
     """``answer``, under a CDI device-list strategy riding on the grant's own CDI spec
     (``host/grants.py`` writes it, named by :func:`exclusive_grant_name`): the kubelet's
     answer then carries no env, so a pod's ``NVIDIA_VISIBLE_DEVICES=all`` or
@@ -126,7 +126,7 @@ class ExclusiveServicer(ListingServicer):
         board: HealthBoard,
         stopping: threading.Event,
         *,
-        answer: AnswerFor,
+        answer: EditsFor,
         prefer: Preference = in_order,
         on_allocated: Callable[[str, Sequence[ExclusiveDevice]], None] | None = None,
         observe: CallHook | None = None,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import structlog
 
-from gpushare.deviceplugin.exclusive import AnswerFor, granted
+from gpushare.deviceplugin.exclusive import EditsFor, granted
 from gpushare.gpu.gpus import Gpu, MigDevice
 from gpushare.gpu.mig import MigPlan
 from gpushare.host.mignodes import MIG_MINORS as MIG_MINORS
@@ -72,7 +72,7 @@ def mig_answer(
     listing: DeviceListing,
     *,
     specs: Mapping[str, Sequence[str]] | None = None,
-) -> AnswerFor:
+) -> EditsFor:
     """The Allocate answer of a MIG resource: the MIG devices named as ``listing`` says,
     with their device nodes when ``specs`` (MIG UUID -> node paths) is given. No
     interposer: a MIG device is a hardware partition (see docs/modes.md, MIG)."""

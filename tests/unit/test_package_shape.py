@@ -65,7 +65,7 @@ ANSWER_PORT = "share/answers.py"
 #: stand-ins in sim/ and the in-container probe read what a container is told.)
 DAEMON_PARTS = ("base", "share", "host", "kube", "node", "deviceplugin", "dra", "extender", "ops")
 #: What only the port constructs: the edits and their parts, and the device naming.
-EDIT_BUILDERS = {"Answer", "Mount", "DeviceSpec", "Hook", "with_device_list", "lock_mount"}
+EDIT_BUILDERS = {"ContainerEdits", "Mount", "DeviceSpec", "Hook", "with_device_list", "lock_mount"}
 #: The environment a container is told (HAMi-core's limits, the interposer, the devices).
 EDIT_ENV = ("NVIDIA_VISIBLE_DEVICES", "CUDA_DEVICE_", "LD_PRELOAD")
 
@@ -134,7 +134,7 @@ def test_only_the_answer_port_builds_container_edits() -> None:
 def test_the_answer_port_rule_catches_a_door_building_edits() -> None:
     door = (
         "from gpushare.share import answers\n"
-        "from gpushare.share.answers import Answer as A, Mount\n"
+        "from gpushare.share.answers import ContainerEdits as A, Mount\n"
         "def answer(uuid):\n"
         '    """Names NVIDIA_VISIBLE_DEVICES in a docstring only: fine."""\n'
         '    env = {"NVIDIA_VISIBLE_DEVICES": uuid, "CUDA_DEVICE_SM_LIMIT": "100"}\n'

@@ -8,40 +8,47 @@ policy. It raises :class:`BindingError` for anything it must refuse; the service
 
 The invariant, enforced here and only here: a container never spans two cards.
 Whether a request is the second resource of the container bound last is decided by
-:class:`~gpushare.share.pairing.Pairing` from facts the binder gathers for it: the
-kubelet's PodResources records, read after the request arrived (never an older
-answer; the read is bounded by :data:`RECORDS_WAIT`), and the pod specs of the node.
-A partner is steered to its partner's card and refused in Allocate anywhere else.
-Without facts the same steering applies to the last binding of the other resource,
-which can refuse but never split (docs/placement.md).
+:func:`~gpushare.share.pairing.decide` from facts the binder's
+:class:`~gpushare.deviceplugin.pairingdesk.PairingDesk` gathers for it: the kubelet's
+PodResources records, read after the request arrived (never an older answer; the read
+is bounded by :data:`RECORDS_WAIT`), and the pod specs of the node. A partner is
+steered to its partner's card and refused in Allocate anywhere else. Without facts the
+same steering applies to the last binding of the other resource, which can refuse but
+never split (docs/placement.md).
 
-No lock is held across I/O: the records are read, and the cache directory created,
-outside :attr:`Binder._lock`.
+An Allocate is decided first (``Binder._plan``: every refusal, then
+:func:`~gpushare.deviceplugin.shareplan.plan_share`, pure: the grant, its host side and
+its edits) and applied after (``Binder._apply``: the host side made and the grant's CDI
+spec written by :class:`~gpushare.host.grants.GrantHost`, the units recorded, the
+pairing told). No lock is held across I/O: the records are read, and the cache
+directory created, outside the desk's lock.
 """
 
 from __future__ import annotations
 
 import enum
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Protocol
 
 import structlog
 
-from gpushare.gpu.health import HealthBoard
-from gpushare.host.grantspecs import GrantSpecs, grant_name
-from gpushare.host.library import prepare_cache_dir
-from gpushare.host.mps import MpsError, MpsGrants
-from gpushare.kube.podspecs import PodSpecBook, asking_tampering, holder_live
-from gpushare.share import answers
-from gpushare.share.answers import Answer, DeviceListing, Enforcement
+from gpushare.deviceplugin.pairingdesk import RECORDS_WAIT as RECORDS_WAIT
+from gpushare.deviceplugin.pairingdesk import PairingDesk, PodResourceRecords
+from gpushare.deviceplugin.shareplan import SharePlan, partner_refusal, plan_share, span_refusal
+from gpushare.deviceplugin.specrefusals import spec_refusal
+from gpushare.gpu.health import HealthBoard, unhealthy
+from gpushare.host.grants import GrantHost, HostGrantError
+from gpushare.host.grantspecs import GrantSpecs
+from gpushare.host.mps import MpsGrants
+from gpushare.kube.podspecs import PodSpecBook, holder_live
+from gpushare.share.answers import ContainerEdits, DeviceListing, Enforcement
 from gpushare.share.devices import InvalidDeviceIds, Inventory, Resource, format_device_id
-from gpushare.share.pairing import Binding, Decision, Facts, Pairing, decide
+from gpushare.share.pairing import Binding, Decision
 from gpushare.share.placement import (
     CandidateCard,
+    Need,
     Policy,
     Request,
     Room,
@@ -51,21 +58,12 @@ from gpushare.share.placement import (
     preferred_units,
 )
 from gpushare.share.records import Snapshot
-from gpushare.share.reserved import refusal as reserved_refusal
 from gpushare.share.restartholders import RestartHolders
 from gpushare.share.unitindex import UnitIndex
 from gpushare.share.usage import Holder, UsageLedger
 
 log = structlog.get_logger(__name__)
 
-#: How long a request waits for the kubelet's records before deciding without them.
-#: The kubelet waits for GetPreferredAllocation and Allocate without a deadline (v1.36
-#: ``ManagerImpl.Allocate``: ``context.TODO()``), and a missing or refusing socket
-#: answers at once, so only a kubelet that answers slowly is waited for; deciding
-#: without its records pairs by the fallback, which refuses containers the records
-#: would admit (issue 32.18: 0.2 s here refused 20 of 150 pods of ``make simulate``
-#: with the extender when every ``List`` took 0.3 s).
-RECORDS_WAIT = 5.0
 
 
 class Refusal(enum.Enum):
@@ -79,75 +77,6 @@ class BindingError(Exception):
         super().__init__(message)
         self.kind = kind
         self.message = message
-
-
-def mixed_kinds(holder: Holder) -> str:
-    """The refusal of a container that asks for shared units and whole cards or MIG."""
-    return (
-        f"container {holder.container} of pod {holder.namespace}/{holder.pod} asks for "
-        "shared units (vcuda-memory/vcuda-core) together with whole cards or MIG devices; "
-        "the answers would name different GPUs: split it into two containers"
-    )
-
-
-def grant_dirs(
-    binder: Binder,
-    resource: Resource,
-    uuid: str,
-    device_ids: list[str],
-    units: int,
-    partner: Binding | None,
-) -> tuple[Path | None, Path | None]:
-    """The host directories of one answer, made before it leaves: the interposer's cache
-    directory (memory units it counts) and, on a card whose compute is MPS's, the
-    container's namespace made and capped (fail closed: no cap, no answer), its pipe
-    directory for a memory answer."""
-    enforcement, memory = binder.enforcement, resource is Resource.MEMORY
-    cache_dir = mps_pipe = None
-    if memory and enforcement.interposer_counts_memory(uuid):
-        try:
-            cache_dir = prepare_cache_dir(binder.host_lib_dir, device_ids)
-        except OSError as exc:
-            raise BindingError(
-                Refusal.INTERNAL, f"cannot create the container's cache directory: {exc}"
-            ) from None
-    mps = binder.mps
-    if mps is None or not enforcement.by_mps(uuid):
-        return cache_dir, None
-    other = partner.device_ids if partner is not None else None
-    try:
-        if memory:
-            mib = units * binder.inventory.memory_unit_mib
-            pinned = enforcement.memory_soft(uuid)
-            mps_pipe = mps.memory(device_ids, mib, pinned=pinned, partner_cores=other)
-        else:
-            mps.cores(device_ids, units, partner_memory=other)
-    except (MpsError, OSError) as exc:
-        raise BindingError(
-            Refusal.INTERNAL, f"cannot cap the container's MPS namespace: {exc}"
-        ) from None
-    return cache_dir, mps_pipe
-
-
-def core_without_memory(holder: Holder, prefix: str) -> str:
-    """The refusal of a container that asks for cores and no memory units."""
-    return (
-        f"container {holder.container} of pod {holder.namespace}/{holder.pod} asks for "
-        f"{Resource.CORE.name_with(prefix)} without {Resource.MEMORY.name_with(prefix)} "
-        "(or with 0) and would run with no GPU memory limit on a shared card: add "
-        f"{Resource.MEMORY.name_with(prefix)} of 1 or more to its limits"
-    )
-
-
-class PodResourceRecords(Protocol):
-    """The kubelet's PodResources records (``podresources.PodResourcesClient``)."""
-
-    last: Snapshot | None
-    last_error: str
-
-    def read_after(self, not_before: float, *, timeout: float) -> Snapshot | None:
-        """A snapshot whose read began at or after ``not_before``; None if none in time."""
-        ...
 
 
 def other_free_in(
@@ -200,48 +129,46 @@ def other_free_in(
     return other_free, unlisted, at_most
 
 
-def _sealed(
-    grant: answers.Grant,
-    listing: DeviceListing | None,
-    specs: GrantSpecs | None,
+def candidate_cards(
+    inventory: Inventory,
     resource: Resource,
-    device_ids: Sequence[str],
-) -> Answer:
-    """The grant's edits as the kubelet's answer: as they are, or, under a CDI strategy,
-    riding on the grant's own CDI spec (``host/grantspecs.py``) no pod spec can change."""
-    edits = answers.container_edits(grant, listing)
-    if specs is None or listing is None or not listing.uses_cdi:
-        return edits
-    try:
-        cdi_name = specs.write(grant_name(resource.value, device_ids), edits)
-    except OSError as exc:
-        raise BindingError(
-            Refusal.INTERNAL, f"cannot write the grant's CDI spec in {specs.directory}: {exc}"
-        ) from None
-    return answers.sealed(edits, cdi_name, listing)
-
-
-def _refuse_tampering(
-    specs: PodSpecBook,
-    resource: Resource,
-    size: int,
-    snapshot: Snapshot | None,
-    decision: Decision,
-    seen: Binding | None,
-) -> None:
-    """Refuse the container now asking if its own spec sets what carries its limits
-    (``share/reserved.py``). The admission policy refuses such a pod; this is the second
-    line where the policy is off (docs/security.md)."""
-    holder = decision.holder
-    if holder is None and snapshot is not None and seen is not None:
-        holder = snapshot.holder_of(seen.resource, seen.device_ids[0])
-    tamperer = asking_tampering(specs, resource, size, snapshot, holder)
-    if tamperer is not None:
-        who, why = tamperer
-        log.warning("reserved_settings_refused", holder=str(who), reason=why)
-        raise BindingError(
-            Refusal.PRECONDITION, reserved_refusal(f"{who.pod}/{who.container}", why)
+    free: Mapping[str, Sequence[int]],
+    other_free: Mapping[str, int],
+    at_most: Mapping[str, int],
+    usable: Callable[[str], bool],
+) -> list[CandidateCard]:
+    """Every card as placement weighs it for a request of ``resource``: its free units
+    of ``resource`` (the kubelet's offer), of the other resource (``other_free``; at most
+    ``at_most`` where the records miss holders), and whether it may take the request."""
+    return [
+        CandidateCard(
+            uuid=uuid,
+            index=card.gpu.index,
+            free_units=tuple(sorted(free.get(uuid, ()))),
+            memory_free=len(free.get(uuid, ()))
+            if resource is Resource.MEMORY
+            else other_free[uuid],
+            core_free=len(free.get(uuid, ())) if resource is Resource.CORE else other_free[uuid],
+            healthy=usable(uuid),
+            other_at_most=at_most.get(uuid),
         )
+        for uuid, card in inventory.cards.items()
+    ]
+
+
+def pod_plan_card(
+    cards: Sequence[CandidateCard],
+    needs: Sequence[Need],
+    planned: Iterable[Sequence[str]],
+    policy: Policy,
+) -> str | None:
+    """The card the pod's containers still to come (``needs``, this one first) should
+    start on: the extender's plan first, where it still fits (it counted the pod there,
+    whatever order the kubelet admits the pods bound since in), else the policy's."""
+    rooms = [Room(c.uuid, c.index, c.memory_free, c.core_free, c.healthy) for c in cards]
+    plan = next((p for p in planned if plan_fits(rooms, needs, p)), None)
+    plan = plan or place_containers(rooms, needs, policy)
+    return plan[0] if plan else None
 
 
 class Binder:
@@ -271,65 +198,31 @@ class Binder:
         self.policy = Policy.parse(policy)
         self.enforcement = enforcement
         self.listing = listing  # how answers name the card; None: the envvar alone
-        self.grant_specs = grant_specs  # under a CDI strategy: the edits ride on these
-        self.host_lib_dir = host_lib_dir
-        self.records = records
+        #: the grants' host side: cache directories, MPS namespaces (each container's on
+        #: cards whose compute is MPS's), and under a CDI strategy the grant's own spec
+        self.host = GrantHost.of(host_lib_dir, mps=mps, specs=grant_specs, listing=listing)
         self.specs = specs
-        self.records_wait = records_wait
         self._clock = clock
         self._on_allocated = on_allocated
-        #: each container's MPS namespace on cards whose compute is MPS's (host/mps.py)
-        self.mps = mps
-        self._lock = threading.Lock()
-        self.pairing = Pairing()
-        # GetPreferredAllocation's decision per resource, for the next Allocate (same binding)
-        self._decided: dict[Resource, tuple[Binding | None, Decision, Snapshot | None]] = {}
+        #: the pairing rule's memory and the facts of its decisions (records, pod specs)
+        self.desk = PairingDesk(records, specs, records_wait)
         self._units = UnitIndex(inventory)
         self._unlisted: set[str] = set()  # the cards last found to have unlisted holders
+
+    @property
+    def records_wait(self) -> float:
+        """How long a request waits for the kubelet's records (:data:`RECORDS_WAIT`)."""
+        return self.desk.records_wait
+
+    @records_wait.setter
+    def records_wait(self, seconds: float) -> None:
+        self.desk.records_wait = seconds
 
     def _group(self, resource: Resource, device_ids: Sequence[str]) -> dict[str, list[int]]:
         try:
             return self._units.group(resource, device_ids)
         except InvalidDeviceIds as exc:
             raise BindingError(Refusal.INVALID, str(exc)) from None
-
-    def _read_records(self, resource: Resource, arrival: float) -> tuple[Snapshot | None, str]:
-        """The kubelet's records as of after ``arrival``, when the pairing rule or (with pod
-        specs) the placement hint will use them. Blocking I/O: never under the lock."""
-        with self._lock:
-            pairing = self.pairing.wants_records(resource, arrival)
-        if not pairing and self.specs is None:
-            return None, "not needed"
-        if self.records is None:
-            return None, "no PodResources socket configured"
-        snapshot = self.records.read_after(arrival, timeout=self.records_wait)
-        if snapshot is None:
-            return None, f"PodResources: {self.records.last_error or 'no answer in time'}"
-        return snapshot, ""
-
-    def _decide(
-        self, resource: Resource, size: int, arrival: float
-    ) -> tuple[Binding | None, Decision, Snapshot | None]:
-        snapshot, missing = self._read_records(resource, arrival)
-        specs = self.specs
-        facts = Facts(
-            snapshot,
-            missing,
-            specs.requests_of if specs is not None else None,
-            specs.init_waiting if specs is not None else None,
-        )
-        with self._lock:
-            last = self.pairing.last
-        # Outside the lock: the spec lookups may re-read the pods from the API server.
-        decision = decide(last, self.pairing.window, resource, size, arrival, facts)
-        if decision.partner is not None and not decision.from_facts:
-            log.info(
-                "pairing_without_facts",
-                resource=resource.value,
-                steered_to=decision.partner.card,
-                lacking=decision.lacking,
-            )
-        return last, decision, snapshot
 
     def _note_unlisted(self, resource: Resource, unlisted: set[str]) -> None:
         if unlisted != self._unlisted:  # one line when the set changes
@@ -357,6 +250,52 @@ class Binder:
     ) -> list[str]:
         """``allowed``: cards the asking pod accepts (its use-gputype annotations)."""
         arrival = self._clock()
+        free, required = self._offer(resource, available, must_include, size)
+        # The board may hold cards that are not this binder's (a card in DRA mode beside
+        # shared ones, without whole cards, shares the cards' own board).
+        healthy = [u for u in self.health.healthy_cards() if u in self.inventory.cards]
+        self.usage.observe_available(resource, free, healthy)
+        last, decision, snapshot = self.desk.decide(resource, size, arrival, for_allocate=True)
+        if snapshot is not None:  # the kubelet's records as of now: exact, unless...
+            alive = partial(holder_live, self.specs) if self.specs is not None else None
+            args = (self.inventory, resource, free, healthy, snapshot, self.restart, alive)
+            other_free, unlisted, at_most = other_free_in(*args)
+            self._note_unlisted(resource, unlisted)
+        else:  # the last offer of the other resource and every Allocate since
+            other_free, at_most = self.usage.free_counts(resource.other), {}
+
+        def usable(uuid: str) -> bool:
+            return self.health.is_healthy(uuid) and (allowed is None or allowed(uuid))
+
+        cards = candidate_cards(self.inventory, resource, free, other_free, at_most, usable)
+        prefer, other_need = None, None
+        if decision.partner is None and self.specs is not None:
+            holder = decision.holder
+            if holder is None and snapshot is not None and last is not None:
+                # Whatever resource it was, the container bound last tells which pod is
+                # being admitted, and so which of its containers comes next.
+                holder = snapshot.holder_of(last.resource, last.device_ids[0])
+            needs, planned = self.specs.asking_planned(resource, size, snapshot, holder)
+            if needs:
+                other_need = needs[0].of(resource.other)
+                prefer = pod_plan_card(cards, needs, planned, self.policy)
+        request = Request(
+            resource=resource,
+            size=size,
+            must_include=required,
+            partner=decision.partner.card if decision.partner else None,
+            prefer=prefer,
+            other_need=other_need,
+        )
+        chosen = choose_card(cards, request, self.policy)
+        if chosen is None:
+            return []
+        return [format_device_id(chosen.uuid, n) for n in preferred_units(chosen, request)]
+
+    def _offer(
+        self, resource: Resource, available: Sequence[str], must_include: Sequence[str], size: int
+    ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+        """The kubelet's offer checked: its free units per card, and the required ones."""
         if size <= 0:
             raise BindingError(Refusal.INVALID, f"allocation_size must be positive, got {size}")
         if size > len(available):
@@ -371,69 +310,10 @@ class Binder:
                 raise BindingError(
                     Refusal.INVALID, "must_include_deviceIDs are not all in available_deviceIDs"
                 )
-        # The board may hold cards that are not this binder's (a card in DRA mode beside
-        # shared ones, without whole cards, shares the cards' own board).
-        healthy = [u for u in self.health.healthy_cards() if u in self.inventory.cards]
-        self.usage.observe_available(resource, free, healthy)
-        last, decision, snapshot = self._decide(resource, size, arrival)
-        with self._lock:
-            self._decided[resource] = (last, decision, snapshot)
-        if snapshot is not None:  # the kubelet's records as of now: exact, unless...
-            alive = partial(holder_live, self.specs) if self.specs is not None else None
-            args = (self.inventory, resource, free, healthy, snapshot, self.restart, alive)
-            other_free, unlisted, at_most = other_free_in(*args)
-            self._note_unlisted(resource, unlisted)
-        else:  # the last offer of the other resource and every Allocate since
-            other_free, at_most = self.usage.free_counts(resource.other), {}
-        cards = [
-            CandidateCard(
-                uuid=uuid,
-                index=card.gpu.index,
-                free_units=tuple(sorted(free.get(uuid, ()))),
-                memory_free=len(free.get(uuid, ()))
-                if resource is Resource.MEMORY
-                else other_free[uuid],
-                core_free=len(free.get(uuid, ()))
-                if resource is Resource.CORE
-                else other_free[uuid],
-                healthy=self.health.is_healthy(uuid) and (allowed is None or allowed(uuid)),
-                other_at_most=at_most.get(uuid),
-            )
-            for uuid, card in self.inventory.cards.items()
-        ]
-        prefer, other_need = None, None
-        if decision.partner is None and self.specs is not None:
-            holder = decision.holder
-            if holder is None and snapshot is not None and last is not None:
-                # Whatever resource it was, the container bound last tells which pod is
-                # being admitted, and so which of its containers comes next.
-                holder = snapshot.holder_of(last.resource, last.device_ids[0])
-            needs, planned = self.specs.asking_planned(resource, size, snapshot, holder)
-            if needs:
-                other_need = needs[0].of(resource.other)
-                rooms = [
-                    Room(c.uuid, c.index, c.memory_free, c.core_free, c.healthy) for c in cards
-                ]
-                # The extender's plan first (it counted the pod there, whatever order
-                # the kubelet admits the pods bound since in), else the policy's.
-                plan = next((p for p in planned if plan_fits(rooms, needs, p)), None)
-                plan = plan or place_containers(rooms, needs, self.policy)
-                prefer = plan[0] if plan else None
-        request = Request(
-            resource=resource,
-            size=size,
-            must_include=required,
-            partner=decision.partner.card if decision.partner else None,
-            prefer=prefer,
-            other_need=other_need,
-        )
-        chosen = choose_card(cards, request, self.policy)
-        if chosen is None:
-            return []
-        return [format_device_id(chosen.uuid, n) for n in preferred_units(chosen, request)]
+        return free, required
 
     # -- Allocate --------------------------------------------------------------------
-    def allocate(self, resource: Resource, device_ids: Sequence[str]) -> tuple[str, Answer]:
+    def allocate(self, resource: Resource, device_ids: Sequence[str]) -> tuple[str, ContainerEdits]:
         """Bind one container's units of ``resource``; returns the card and the answer.
 
         Any refusal fails the pod's admission in the kubelet, so after one nothing the
@@ -448,60 +328,29 @@ class Binder:
     def refused(self) -> None:
         """An Allocate of this node was refused (here or by the caller's own checks):
         the kubelet rejects that pod, so nothing it bound is anybody's partner."""
-        with self._lock:
-            self.pairing.refused()
-            self._decided.clear()
+        self.desk.refused()
 
-    def _allocate(self, resource: Resource, device_ids: Sequence[str]) -> tuple[str, Answer]:
+    def _allocate(
+        self, resource: Resource, device_ids: Sequence[str]
+    ) -> tuple[str, ContainerEdits]:
+        plan, decision = self._plan(resource, device_ids)
+        return plan.uuid, self._apply(plan, decision)
+
+    # -- Allocate: the decision ------------------------------------------------------
+    def _plan(
+        self, resource: Resource, device_ids: Sequence[str]
+    ) -> tuple[SharePlan, Decision]:
+        """What this Allocate grants, or the BindingError that refuses it; nothing is
+        made here (the records and pod specs may be read: facts, not side effects)."""
         arrival = self._clock()
-        if not device_ids:
-            raise BindingError(Refusal.INVALID, "the request names no devices")
-        grouped = self._group(resource, device_ids)
-        if len(grouped) > 1:
-            cards = ", ".join(f"{self._describe(u)}: {len(n)} units" for u, n in grouped.items())
-            raise BindingError(
-                Refusal.PRECONDITION,
-                f"a container must stay on one GPU, but its {resource.value} units span "
-                f"{len(grouped)}: {cards}; no single card had {len(device_ids)} free units",
-            )
-        ((uuid, numbers),) = grouped.items()
-        if not self.health.is_healthy(uuid):
-            reason = self.health.reason(uuid) or "unhealthy"
-            raise BindingError(
-                Refusal.PRECONDITION, f"{self._describe(uuid)} is unhealthy ({reason})"
-            )
-        with self._lock:
-            seen, decision, snapshot = self._decided.pop(resource, (None, None, None))
-            fresh = decision is not None and seen is self.pairing.last
-        if not fresh:  # no GetPreferredAllocation just before: decide now
-            seen, decision, snapshot = self._decide(resource, len(device_ids), arrival)
-        assert decision is not None
-        if snapshot is not None and self.specs is not None:
-            mixer = self.specs.mixer_being_admitted(snapshot, shared=resource)
-            if mixer is not None:
-                raise BindingError(Refusal.PRECONDITION, mixed_kinds(mixer))
-        if resource is Resource.CORE and decision.partner is None and self.specs is not None:
-            # Not the second half of a memory binding: a container of its own. If its
-            # spec asks no memory units, it would run with the whole card's memory.
-            holder = decision.holder
-            if holder is None and snapshot is not None and seen is not None:
-                holder = snapshot.holder_of(seen.resource, seen.device_ids[0])
-            asker = self.specs.asking_without_memory(len(device_ids), snapshot, holder)
-            if asker is not None:
-                message = core_without_memory(asker, self.specs.prefix)
-                raise BindingError(Refusal.PRECONDITION, message)
-        if decision.partner is None and self.specs is not None:  # its partner was checked
-            _refuse_tampering(self.specs, resource, len(device_ids), snapshot, decision, seen)
-        with self._lock:
-            partner = decision.partner
-            if partner is not None and partner.card != uuid:
-                refusal = (
-                    f"this container's {partner.resource.value} units were just bound to "
-                    f"{self._describe(partner.card)}, but its {resource.value} units are on "
-                    f"{self._describe(uuid)}: no single card holds both requests"
-                )
-            else:
-                refusal = None
+        uuid, numbers = self._one_card(resource, device_ids)
+        seen, decision, snapshot = self.desk.decided(resource, len(device_ids), arrival)
+        if self.specs is not None:
+            refusal = spec_refusal(self.specs, resource, len(device_ids), snapshot, decision, seen)
+            if refusal is not None:
+                raise BindingError(Refusal.PRECONDITION, refusal)
+        partner = decision.partner
+        refusal = partner_refusal(resource, uuid, partner, self._describe)
         if refusal is not None:
             log.warning(
                 "pairing_refused",
@@ -513,33 +362,59 @@ class Binder:
                 lacking=decision.lacking,
             )
             raise BindingError(Refusal.PRECONDITION, refusal)
-        units = len(numbers)
-        cache_dir, mps_pipe = grant_dirs(self, resource, uuid, list(device_ids), units, partner)
-        grant = answers.share(
+        plan = plan_share(
+            resource,
             uuid,
+            numbers,
+            device_ids,
             enforcement=self.enforcement,
-            memory_mib=units * self.inventory.memory_unit_mib
-            if resource is Resource.MEMORY
-            else None,
-            cores=units if resource is Resource.CORE else None,
-            cache_dir=cache_dir,
-            mps_pipe=mps_pipe,
+            unit_mib=self.inventory.memory_unit_mib,
+            dirs=self.host.plan_dirs(),
+            mps=self.host.mps is not None,
+            listing=self.listing,
+            partner=partner,
         )
-        answer = _sealed(grant, self.listing, self.grant_specs, resource, device_ids)
-        self.usage.record_allocation(resource, uuid, numbers)
+        return plan, decision
+
+    def _one_card(self, resource: Resource, device_ids: Sequence[str]) -> tuple[str, list[int]]:
+        """The one healthy card the units are on, and their numbers there."""
+        if not device_ids:
+            raise BindingError(Refusal.INVALID, "the request names no devices")
+        grouped = self._group(resource, device_ids)
+        refusal = span_refusal(resource, grouped, len(device_ids), self._describe)
+        if refusal is not None:
+            raise BindingError(Refusal.PRECONDITION, refusal)
+        ((uuid, numbers),) = grouped.items()
+        reason = unhealthy(self.health, (uuid,))
+        if reason is not None:
+            raise BindingError(
+                Refusal.PRECONDITION, f"{self._describe(uuid)} is unhealthy ({reason})"
+            )
+        return uuid, numbers
+
+    # -- Allocate: the apply step ----------------------------------------------------
+    def _apply(self, plan: SharePlan, decision: Decision) -> ContainerEdits:
+        """Make the plan's host side, seal its edits (a CDI strategy: the grant's own
+        spec), record the units and tell the pairing; the kubelet's answer."""
+        try:
+            self.host.make(plan.needs)
+            answer = self.host.seal(plan.edits, plan.spec_name)
+        except HostGrantError as exc:
+            raise BindingError(Refusal.INTERNAL, str(exc)) from None
+        uuid, device_ids = plan.uuid, plan.device_ids
+        self.usage.record_allocation(plan.resource, uuid, list(plan.numbers))
         if self._on_allocated is not None:
-            self._on_allocated(resource, uuid, device_ids)
-        with self._lock:
-            # Timed as the answer leaves: the kubelet asks for the container's next
-            # resource right after it (the window only matters when facts are missing).
-            self.pairing.bound(Binding(resource, uuid, tuple(device_ids), self._clock()))
+            self._on_allocated(plan.resource, uuid, device_ids)
+        # Timed as the answer leaves: the kubelet asks for the container's next
+        # resource right after it (the window only matters when facts are missing).
+        self.desk.bound(Binding(plan.resource, uuid, device_ids, self._clock()))
         log.info(
             "allocated",
-            resource=resource.value,
+            resource=plan.resource.value,
             gpu=uuid,
             index=self.inventory.cards[uuid].gpu.index,
-            units=len(numbers),
-            paired=partner is not None,
+            units=len(plan.numbers),
+            paired=decision.partner is not None,
             basis=decision.basis.name.lower(),
         )
-        return uuid, answer
+        return answer

@@ -24,10 +24,11 @@ from gpushare._proto.deviceplugin.v1beta1 import api_pb2
 from gpushare.base.kubeletgrpc import CallHook
 from gpushare.deviceplugin.binding import BindingError, Refusal
 from gpushare.deviceplugin.plugin import HEALTHY, UNHEALTHY, ListingServicer, answer_to_proto
-from gpushare.gpu.health import HealthBoard
-from gpushare.host.grantspecs import GrantSpecs, exclusive_grant_name
+from gpushare.gpu.health import HealthBoard, unhealthy
+from gpushare.host.grants import GrantHost, HostGrantError
+from gpushare.host.grantspecs import exclusive_grant_name
 from gpushare.share import answers
-from gpushare.share.answers import Answer, DeviceListing, Enforcement, GrantedDevice
+from gpushare.share.answers import ContainerEdits, DeviceListing, Enforcement, GrantedDevice
 from gpushare.share.devices import InvalidDeviceIds
 from gpushare.share.gputype import CardChoice
 from gpushare.share.whole import (
@@ -42,7 +43,7 @@ log = structlog.get_logger(__name__)
 #: (available, must include, size) -> the devices to offer, best first.
 Preference = Callable[[Sequence[ExclusiveDevice], Sequence[ExclusiveDevice], int], list[str]]
 #: The devices of one container, in order -> its Allocate answer (from the answer port).
-AnswerFor = Callable[[Sequence[ExclusiveDevice]], Answer]
+EditsFor = Callable[[Sequence[ExclusiveDevice]], ContainerEdits]
 
 
 def in_order(
@@ -62,23 +63,23 @@ def granted(device: ExclusiveDevice, nodes: Sequence[str] = ()) -> GrantedDevice
 
 def whole_card_answer(
     listing: DeviceListing, *, enforcement: Enforcement | None = None
-) -> AnswerFor:
+) -> EditsFor:
     """Whole cards' answer: the cards named by ``listing``; with ``enforcement``
     (``exclusiveEnforcement``) the interposer with 100 % limits (see
     :func:`gpushare.share.answers.container_edits`)."""
 
-    def answer(devices: Sequence[ExclusiveDevice]) -> Answer:
+    def answer(devices: Sequence[ExclusiveDevice]) -> ContainerEdits:
         grant = answers.whole([granted(d) for d in devices], enforcement=enforcement)
         return answers.container_edits(grant, listing)
 
     return answer
 
 
-def time_sliced_answer(listing: DeviceListing) -> AnswerFor:
+def time_sliced_answer(listing: DeviceListing) -> EditsFor:
     """A time-sliced replica's answer: its card, whole and raw, named by ``listing``; no
     limits (``none``: NVIDIA's ``gpu.shared`` time-slicing)."""
 
-    def answer(devices: Sequence[ExclusiveDevice]) -> Answer:
+    def answer(devices: Sequence[ExclusiveDevice]) -> ContainerEdits:
         cards = dict.fromkeys(d.parent for d in devices)  # in order, each card once
         grant = answers.whole([GrantedDevice(uuid) for uuid in cards])
         return answers.container_edits(grant, listing)
@@ -86,28 +87,22 @@ def time_sliced_answer(listing: DeviceListing) -> AnswerFor:
     return answer
 
 
-def sealed_by(
-    answer: AnswerFor, full_name: str, listing: DeviceListing, specs: GrantSpecs | None
-) -> AnswerFor:
+def sealed_by(answer: EditsFor, full_name: str, host: GrantHost) -> EditsFor:
     """``answer``, under a CDI device-list strategy riding on the grant's own CDI spec
-    (``host/grantspecs.py``, named by :func:`exclusive_grant_name`): the kubelet's answer
-    then carries no env, so a pod's ``NVIDIA_VISIBLE_DEVICES=all`` or
+    (``host/grants.py`` writes it, named by :func:`exclusive_grant_name`): the kubelet's
+    answer then carries no env, so a pod's ``NVIDIA_VISIBLE_DEVICES=all`` or
     ``CUDA_DEVICE_MEMORY_LIMIT_<i>`` is replaced by the runtime with the grant's own
     values (see :func:`gpushare.share.answers.sealed`). As it is otherwise (``envvar``:
     the admission policy and the daemon's check refuse such pods, docs/security.md)."""
-    if specs is None or not listing.uses_cdi:
+    if not host.seals:
         return answer
 
-    def sealed_answer(devices: Sequence[ExclusiveDevice]) -> Answer:
-        edits = answer(devices)
+    def sealed_answer(devices: Sequence[ExclusiveDevice]) -> ContainerEdits:
         name = exclusive_grant_name(full_name, [d.id for d in devices])
         try:
-            cdi_name = specs.write(name, edits)
-        except OSError as exc:
-            raise BindingError(
-                Refusal.INTERNAL, f"cannot write the grant's CDI spec in {specs.directory}: {exc}"
-            ) from None
-        return answers.sealed(edits, cdi_name, listing)
+            return host.seal(answer(devices), name)
+        except HostGrantError as exc:
+            raise BindingError(Refusal.INTERNAL, str(exc)) from None
 
     return sealed_answer
 
@@ -131,7 +126,7 @@ class ExclusiveServicer(ListingServicer):
         board: HealthBoard,
         stopping: threading.Event,
         *,
-        answer: AnswerFor,
+        answer: EditsFor,
         prefer: Preference = in_order,
         on_allocated: Callable[[str, Sequence[ExclusiveDevice]], None] | None = None,
         observe: CallHook | None = None,
@@ -237,8 +232,8 @@ class ExclusiveServicer(ListingServicer):
                         raise BindingError(
                             Refusal.PRECONDITION, choice.why_not(device.name, device.parent)
                         )
-                    if not self.board.is_healthy(device.id):
-                        reason = self.board.reason(device.id) or "unhealthy"
+                    reason = unhealthy(self.board, (device.id,))
+                    if reason is not None:
                         raise BindingError(
                             Refusal.PRECONDITION,
                             f"{self.resource.name} device {device.id} cannot be handed out: "

@@ -27,7 +27,7 @@ from gpushare.base.startup import (
     StartupError,
 )
 from gpushare.deviceplugin import migserve
-from gpushare.deviceplugin.binding import RECORDS_WAIT, Binder, mixed_kinds
+from gpushare.deviceplugin.binding import RECORDS_WAIT, Binder
 from gpushare.deviceplugin.exclusive import (
     ExclusiveServicer,
     Preference,
@@ -42,6 +42,7 @@ from gpushare.deviceplugin.plugin import (
     device_list_message,
 )
 from gpushare.deviceplugin.registration import KubeletLink
+from gpushare.deviceplugin.specrefusals import mixed_kinds
 from gpushare.gpu import mig
 from gpushare.gpu.gpus import GpuBackend, GpuError
 from gpushare.gpu.topology import Topology, prefer
@@ -203,8 +204,7 @@ class DevicePluginFrontDoor:
                     if sliced
                     else whole_card_answer(self.listing, enforcement=enforcement),
                     name,
-                    self.listing,
-                    core.collector.grant_specs,
+                    self.binder.host,
                 ),
                 prefer=spread_replicas
                 if sliced
@@ -234,8 +234,7 @@ class DevicePluginFrontDoor:
                 answer=sealed_by(
                     migserve.mig_answer(self.listing, specs=specs),
                     name,
-                    self.listing,
-                    self.core.collector.grant_specs,
+                    self.binder.host,
                 ),
                 on_allocated=self.core.whole_allocated,  # annotated and published as whole cards
                 observe=self.observe,

@@ -3,32 +3,31 @@
 Pure: a :class:`~gpushare.gpu.mig.MigPlan` becomes one :class:`ExclusiveResource` per
 resource name, each device ID a ``MIG-...`` UUID; an Allocate answer names the MIG
 devices (``NVIDIA_VISIBLE_DEVICES=MIG-...`` and/or the CDI name) and, with
-``--mig-device-specs``, passes the device nodes a MIG device needs: the parent card's
-``/dev/nvidia<minor>`` and the capability nodes ``/dev/nvidia-caps/nvidia-cap<N>`` of
-its GPU instance and compute instance, N read from ``/proc/driver/nvidia-caps/mig-minors``
-(lines ``gpu<minor>/gi<id>/access <N>`` and ``gpu<minor>/gi<id>/ci<id>/access <N>``).
+``--mig-device-specs``, passes the device nodes a MIG device needs (read from the host by
+:mod:`gpushare.host.mignodes`, which the DRA door reads them with too).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import structlog
 
-from gpushare.deviceplugin.exclusive import AnswerFor, granted
+from gpushare.deviceplugin.exclusive import EditsFor, granted
 from gpushare.gpu.gpus import Gpu, MigDevice
 from gpushare.gpu.mig import MigPlan
+from gpushare.host.mignodes import MIG_MINORS as MIG_MINORS
+from gpushare.host.mignodes import MissingCapability as MissingCapability
+from gpushare.host.mignodes import device_specs as device_specs
+from gpushare.host.mignodes import parse_mig_minors as parse_mig_minors
+from gpushare.host.mignodes import read_mig_nodes
 from gpushare.share import answers
-from gpushare.share.answers import Answer, DeviceListing
+from gpushare.share.answers import ContainerEdits, DeviceListing
 from gpushare.share.whole import ExclusiveDevice, ExclusiveResource
 
 log = structlog.get_logger(__name__)
 
-MIG_MINORS = "/proc/driver/nvidia-caps/mig-minors"
-CAP_DEVICE_DIR = "/dev/nvidia-caps"
-#: Control nodes a CUDA program opens besides its card, passed where the host has them.
-CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
 
 def resources(plan: MigPlan, prefix: str) -> list[tuple[str, ExclusiveResource]]:
@@ -54,66 +53,12 @@ def exclusive_device(cards: Mapping[str, Gpu], device: MigDevice) -> ExclusiveDe
     )
 
 
-# --------------------------------------------------------------------------- device nodes
-
-
-def parse_mig_minors(text: str) -> dict[str, int]:
-    """``gpu0/gi2/access 21`` lines -> {"gpu0/gi2/access": 21}; other lines are skipped."""
-    minors = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[1].isdigit():
-            minors[parts[0]] = int(parts[1])
-    return minors
-
-
-class MissingCapability(LookupError):
-    """mig-minors holds no entry for a MIG device's GPU or compute instance."""
-
-
-def device_specs(
-    device: MigDevice,
-    parent_minor: int,
-    minors: Mapping[str, int],
-    control_nodes: Iterable[str] = (),
-) -> tuple[str, ...]:
-    """The device nodes of one MIG device (host and container paths alike)."""
-    gi_key = f"gpu{parent_minor}/gi{device.gpu_instance}/access"
-    ci_key = f"gpu{parent_minor}/gi{device.gpu_instance}/ci{device.compute_instance}/access"
-    missing = [key for key in (gi_key, ci_key) if key not in minors]
-    if missing:
-        raise MissingCapability(
-            f"MIG device {device.uuid}: no {' or '.join(missing)} in {MIG_MINORS}"
-        )
-    return (
-        f"/dev/nvidia{parent_minor}",
-        f"{CAP_DEVICE_DIR}/nvidia-cap{minors[gi_key]}",
-        f"{CAP_DEVICE_DIR}/nvidia-cap{minors[ci_key]}",
-        *control_nodes,
-    )
-
-
 def read_device_specs(
     plan: MigPlan, minors_file: Path = Path(MIG_MINORS), dev: Path = Path("/dev")
 ) -> dict[str, tuple[str, ...]]:
-    """MIG UUID -> its device nodes, read once at start (a MIG layout change needs a
-    restart anyway). A MIG device whose capabilities are not listed is logged and gets
-    no device nodes (the container runtime may still add them)."""
-    try:
-        minors = parse_mig_minors(minors_file.read_text())
-    except OSError as exc:
-        log.error("mig_minors_unreadable", path=str(minors_file), error=exc.strerror)
-        minors = {}
-    control = [p for p in CONTROL_NODES if (dev / Path(p).name).exists()]
-    cards = {gpu.uuid: gpu for gpu in plan.mig_cards}
-    specs = {}
-    for device in plan.mig_devices:
-        try:
-            minor = cards[device.parent_uuid].minor
-            specs[device.uuid] = device_specs(device, minor, minors, control)
-        except MissingCapability as exc:
-            log.error("mig_device_specs_missing", mig=device.uuid, error=str(exc))
-    return specs
+    """MIG UUID -> its device nodes, of every MIG device the plan serves
+    (:func:`gpushare.host.mignodes.read_mig_nodes`)."""
+    return read_mig_nodes(plan.mig_cards, plan.mig_devices, minors_file, dev)
 
 
 def socket_name(resource: ExclusiveResource) -> str:
@@ -127,12 +72,12 @@ def mig_answer(
     listing: DeviceListing,
     *,
     specs: Mapping[str, Sequence[str]] | None = None,
-) -> AnswerFor:
+) -> EditsFor:
     """The Allocate answer of a MIG resource: the MIG devices named as ``listing`` says,
     with their device nodes when ``specs`` (MIG UUID -> node paths) is given. No
     interposer: a MIG device is a hardware partition (see docs/modes.md, MIG)."""
 
-    def answer(devices: Sequence[ExclusiveDevice]) -> Answer:
+    def answer(devices: Sequence[ExclusiveDevice]) -> ContainerEdits:
         nodes = specs or {}
         grant = answers.whole([granted(d, nodes.get(d.id, ())) for d in devices])
         return answers.container_edits(grant, listing)

@@ -32,7 +32,7 @@ from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from gpushare.base.kubeletgrpc import CallHook, KubeletServer, ServerLoop, observed
 from gpushare.deviceplugin.binding import Binder, BindingError, Refusal
 from gpushare.gpu.health import HealthBoard
-from gpushare.share.answers import Answer
+from gpushare.share.answers import ContainerEdits
 from gpushare.share.devices import Inventory, Resource, format_device_id
 from gpushare.share.gputype import CardChoice
 
@@ -55,7 +55,7 @@ _STATUS = {
 STREAM_CHECK_SECONDS = 30.0
 
 
-def answer_to_proto(answer: Answer) -> api_pb2.ContainerAllocateResponse:
+def answer_to_proto(answer: ContainerEdits) -> api_pb2.ContainerAllocateResponse:
     return api_pb2.ContainerAllocateResponse(
         envs=answer.envs,
         mounts=[

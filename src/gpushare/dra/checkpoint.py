@@ -25,7 +25,7 @@ import stat
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -171,7 +171,7 @@ class Checkpoint:
 
     def put(self, uid: str, entry: ClaimEntry) -> None:
         path = self._path(uid)
-        data = json.dumps({"version": VERSION, "claim": asdict(entry)}).encode()
+        data = json.dumps({"version": VERSION, "claim": _plain(entry)}).encode()
         replace_file(path, data, 0o600, dir_mode=0o700, durable=True)
 
     def delete(self, uid: str) -> None:
@@ -202,6 +202,14 @@ class Checkpoint:
 
 class LockTimeout(Exception):
     """The node lock was not free before the caller's deadline."""
+
+
+def _plain(entry: ClaimEntry) -> dict[str, Any]:
+    """``dataclasses.asdict(entry)``, without its deep copy (on the prepare path): the
+    entry's fields, its devices' fields."""
+    data = {f.name: getattr(entry, f.name) for f in fields(entry)}
+    data["devices"] = [{f.name: getattr(d, f.name) for f in fields(d)} for d in entry.devices]
+    return data
 
 
 class NodeLock:

@@ -25,9 +25,9 @@ one of this node's, or a capacity no card holds, fails that claim alone, with on
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,48 +43,25 @@ from gpushare.dra.checkpoint import (
     NodeLock,
     PreparedDevice,
 )
+from gpushare.dra.claimplan import ClaimNode, ClaimPlan, plan_claim
 from gpushare.dra.claimread import (
-    ClaimLimits,
     ClaimRef,
     ClaimRefused,
     ClaimSource,
     check_ref,
-    claim_limits,
     read_pending,
 )
 from gpushare.dra.held import HeldClaims
-from gpushare.dra.mates import (
-    Shares,
-    Together,
-    applied_limits,
-    overreaching,
-    promised,
-    smallest,
-)
-from gpushare.dra.model import (
-    FULL_CORES,
-    Offered,
-    ShareError,
-    share_of,
-    unhealthy_reason,
-)
+from gpushare.dra.mates import Shares, Together, applied_limits
+from gpushare.dra.model import FULL_CORES, Offered
 from gpushare.dra.recovery import Leftovers, remove_spec_file
 from gpushare.gpu.health import HealthBoard
-from gpushare.host.cdi import CdiDevice, claim_device, write_spec
-from gpushare.host.library import (
-    cache_root,
-    claim_cache_key,
-    prepare_claim_cache_dir,
-    release_cache_dir,
-)
-from gpushare.host.mps import MpsError, MpsGrants
+from gpushare.host.grants import GrantHost, HostGrantError
+from gpushare.host.mps import MpsGrants
 from gpushare.kube.stdlibclient import ApiClient
-from gpushare.share import answers
-from gpushare.share.answers import Answer, DeviceListing, Enforcement, GrantedDevice
+from gpushare.share.answers import DeviceListing, Enforcement
 
 log = structlog.get_logger(__name__)
-
-_NOT_CDI = re.compile(r"[^A-Za-z0-9_.-]")
 
 
 @dataclass(frozen=True)
@@ -95,22 +72,6 @@ class Outcome:
     error: str = ""
 
 
-def _held_device(
-    request: str, pool: str, device: Offered, cdi_ids: list[str], memory_mib: int, cores: int
-) -> PreparedDevice:
-    """The record of one prepared device: its answer, and what it holds."""
-    return PreparedDevice(
-        request,
-        pool,
-        device.name,
-        cdi_ids,
-        card=device.card_uuid or device.uuid,
-        mig="" if device.shared else device.uuid,
-        memory_mib=memory_mib,
-        cores=cores,
-    )
-
-
 def _refused(claim: ClaimRef, exc: Exception) -> Outcome:
     log.warning("claim_refused", claim=claim.describe(), uid=claim.uid, reason=str(exc))
     return Outcome(error=str(exc))
@@ -119,6 +80,23 @@ def _refused(claim: ClaimRef, exc: Exception) -> Outcome:
 def _failed(claim: ClaimRef, exc: Exception) -> Outcome:
     log.error("claim_prepare_failed", claim=claim.describe(), error=str(exc))
     return Outcome(error=f"cannot prepare the claim: {exc}")
+
+
+def _attempt(
+    claim: ClaimRef, step: Callable[[], tuple[list[PreparedDevice], bool] | None]
+) -> tuple[Outcome | None, bool]:
+    """One step of a claim's preparation: its outcome (None: the step left it to the
+    next one) and whether the view of what is held changed; a refusal or a failure is
+    the claim's outcome, with one line."""
+    try:
+        done = step()
+    except ClaimRefused as exc:
+        return _refused(claim, exc), False
+    except (OSError, CheckpointError, HostGrantError) as exc:
+        return _failed(claim, exc), False
+    if done is None:
+        return None, False
+    return Outcome(devices=done[0]), done[1]
 
 
 def _unfinished(
@@ -132,47 +110,12 @@ def _unfinished(
     return outcomes
 
 
-def needs_dir(enforcement: Enforcement, mps: MpsGrants | None, uuid: str) -> bool:
-    """A share of card ``uuid`` gets a directory of its own: HAMi-core's cache, or its
-    own MPS namespace's pipes (a card whose compute is MPS's, on a driver with them)."""
-    if enforcement.interposer_counts_memory(uuid):
-        return True
-    return mps is not None and enforcement.by_mps(uuid) and mps.namespaces
-
-
 def _applied(leftovers: Leftovers, uid: str) -> Shares | None:
     """What the spec of claim ``uid`` sets, when it is prepared here (lock held)."""
     entry = leftovers.entry(uid)
     if entry is None or entry.state not in (PREPARED, RECOVERED):
         return None
     return applied_limits(entry, FULL_CORES)
-
-
-def _shown(
-    answer: Answer, device: Offered, memory_mib: int, enforcement: Enforcement
-) -> dict[str, str]:
-    """One share of a prepared claim as ``claim_prepared`` logs it: its limits."""
-    driver = f"{memory_mib}m (driver)" if enforcement.by_driver(device.uuid) else ""
-    return {
-        "device": device.name,
-        "memory": answer.envs.get(answers.MEMORY_LIMIT, "") or driver,
-        "cores": answer.envs.get(answers.CORE_LIMIT, ""),
-    }
-
-
-def _needs_no_missing_check(
-    enforcement: Enforcement, claim: ClaimRef, devices: Sequence[Offered]
-) -> None:
-    """Refuses the claim (before anything is made for it) when a share of it would name
-    the limit check and the check is not installed (``node/enforcement.py``)."""
-    if enforcement.limit_check is None and any(
-        d.shared and enforcement.interposer_holds_a_limit(d.uuid) for d in devices
-    ):
-        raise ClaimRefused(
-            f"claim {claim.describe()}: the limit check (the memory hook, --memory-hook) "
-            "is not installed on this node, and a share's limit could not be held against "
-            "a larger one in its container (the daemon logged limit_check_unavailable)"
-        )
 
 
 class ClaimPreparer:
@@ -194,6 +137,7 @@ class ClaimPreparer:
         state_dir: Path,
         api_timeout: float = 5.0,
         mps: MpsGrants | None = None,
+        mig_nodes: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self.api = api
         self.driver = driver
@@ -217,7 +161,11 @@ class ClaimPreparer:
             device_names=lambda: list(self.devices()),
         )
         self.api_timeout = api_timeout
-        self.mps = mps  # each claim's MPS namespace on cards whose compute is MPS's
+        #: the claims' host side: cache directories, each claim's MPS namespace on cards
+        #: whose compute is MPS's (the claim's CDI spec is written into ``cdi_dir``)
+        self.host = GrantHost.of(host_lib_dir, mps=mps)
+        #: MIG UUID -> its device nodes (``--mig-device-specs``), as the MIG door passes
+        self.mig_nodes = dict(mig_nodes or {})
         #: The checkpoint's entries, read by :meth:`tidy` and kept in step: what
         #: readers of the node's state see, without file I/O or the node lock.
         self.held = HeldClaims()
@@ -242,18 +190,11 @@ class ClaimPreparer:
         try:
             with self.lock.held(deadline):
                 for claim in claims:
-                    try:
-                        done = self._from_checkpoint(claim)
-                    except ClaimRefused as exc:
-                        outcomes[claim.uid] = _refused(claim, exc)
-                    except (OSError, CheckpointError) as exc:
-                        outcomes[claim.uid] = _failed(claim, exc)
+                    outcome, fresh = _attempt(claim, partial(self._from_checkpoint, claim))
+                    if outcome is None:
+                        pending.append(claim)
                     else:
-                        if done is None:
-                            pending.append(claim)
-                        else:
-                            outcomes[claim.uid] = Outcome(devices=done[0])
-                            changed |= done[1]
+                        outcomes[claim.uid], changed = outcome, changed or fresh
         except LockTimeout as exc:
             return _unfinished(claims, outcomes, str(exc))
         source = ClaimSource(self.api, self.driver, self.pool, self.unit_mib, self.api_timeout)
@@ -265,15 +206,10 @@ class ClaimPreparer:
                 for claim in pending:
                     if claim.uid not in read or cancelled():
                         continue
-                    try:
-                        devices, fresh = self._prepare_one(claim, *read[claim.uid])
-                    except ClaimRefused as exc:
-                        outcomes[claim.uid] = _refused(claim, exc)
-                    except (OSError, CheckpointError) as exc:
-                        outcomes[claim.uid] = _failed(claim, exc)
-                    else:
-                        outcomes[claim.uid] = Outcome(devices=devices)
-                        changed |= fresh
+                    step = partial(self._prepare_one, claim, *read[claim.uid])
+                    outcome, fresh = _attempt(claim, step)
+                    assert outcome is not None  # prepared, refused or failed
+                    outcomes[claim.uid], changed = outcome, changed or fresh
         except LockTimeout as exc:
             _unfinished(claims, outcomes, str(exc))
         if changed:
@@ -312,110 +248,62 @@ class ClaimPreparer:
             return known.devices, self.held.remember(claim.uid, known)
         # A recovered claim's cache directories may be in use by its running container:
         # kept, never buried (its UID was just confirmed by the API server).
-        keep = set(known.cache_keys) if known is not None and known.state == RECOVERED else set()
-        offered = self.devices()
-        plan = []
-        for result in results:
-            device = offered.get(str(result.get("device")))
-            if device is None:
-                raise ClaimRefused(
-                    f"claim {claim.describe()}: device {result.get('device')!r} "
-                    "is not one of this node's"
-                )
-            reason = unhealthy_reason(self.health, device)
-            if reason is not None:
-                raise ClaimRefused(
-                    f"claim {claim.describe()}: device {device.name} is unhealthy ({reason})"
-                )
-            request = str(result.get("request") or "")
-            plan.append((request, device, result))
-        _needs_no_missing_check(self.enforcement, claim, [d for _, d, _ in plan])
-        keys = [
-            claim_cache_key(claim.uid, request, device.name)
-            for request, device, _ in plan
-            if device.shared and needs_dir(self.enforcement, self.mps, device.uuid)
-        ]
-
-        cdi_devices: list[CdiDevice] = []
-        prepared: list[PreparedDevice] = []
-        shares = []
-        hold = smallest([together.hold(), promised(self.held.entries(), claim.uid)])
-        limits = claim_limits(claim, plan, self.unit_mib, hold)
-        if limits.memory_mib is not None:
-            why = overreaching(together, claim.uid, lambda uid: _applied(self.leftovers, uid))
-            if why:
-                raise ClaimRefused(f"claim {claim.describe()}: {why}")
-        for request, device, result in plan:
-            answer, memory_mib, cores = self._answer(claim, request, device, result, keep, limits)
-            cdi_name = f"{claim.uid}-{_NOT_CDI.sub('_', request)}-{device.name}"
-            cdi_devices.append(claim_device(cdi_name, answer))
-            ids = [f"{self.cdi_kind}={cdi_name}", *answer.cdi_devices]
-            prepared.append(_held_device(request, self.pool, device, ids, memory_mib, cores))
-            shares.append(_shown(answer, device, memory_mib, self.enforcement))
-        if cdi_devices:
-            write_spec(self.cdi_dir, self.cdi_kind, claim.uid, cdi_devices)
-        entry = ClaimEntry(
-            claim.namespace,
-            claim.name,
-            PREPARED,
-            spec_name=claim.uid,
-            cache_keys=keys,
-            devices=prepared,
-            memory_limit_mib=limits.memory_mib,
-            core_limit=None if limits.memory_mib is None else limits.cores or FULL_CORES,
-            held_with=together.floors(claim.uid),
+        keep = known.cache_keys if known is not None and known.state == RECOVERED else ()
+        plan = plan_claim(
+            claim,
+            results,
+            together,
+            self._node(),
+            held=self.held.entries(),
+            applied=lambda uid: _applied(self.leftovers, uid),
+            keep=keep,
         )
-        self.checkpoint.put(claim.uid, entry)
-        self.held.remember(claim.uid, entry)
-        log.info("claim_prepared", claim=claim.describe(), uid=claim.uid, shares=shares)
-        return prepared, True
+        self._apply(claim, plan, keep, fresh=known is None)
+        return plan.devices, True
 
-    def _answer(
-        self,
-        claim: ClaimRef,
-        request: str,
-        device: Offered,
-        result: Mapping[str, Any],
-        keep: set[str],
-        limits: ClaimLimits,
-    ) -> tuple[Answer, int, int]:
-        """The answer (enforcing ``limits``), the memory it holds (MiB) and its cores (0: none)."""
-        if not device.shared:
-            grant = answers.whole([GrantedDevice(device.uuid, memory_mib=device.memory_mib)])
-            return answers.container_edits(grant, self.listing), device.memory_mib, 0
+    def _node(self) -> ClaimNode:
+        """What the node gives every claim now (plain data for :func:`plan_claim`)."""
+        return ClaimNode(
+            self.pool,
+            self.cdi_kind,
+            self.devices(),
+            self.health,
+            self.enforcement,
+            self.listing,
+            self.unit_mib,
+            self.host.plan_dirs(),
+            mps=self.host.mps is not None,
+            mig_nodes=self.mig_nodes,
+        )
+
+    def _apply(
+        self, claim: ClaimRef, plan: ClaimPlan, keep: Sequence[str], *, fresh: bool
+    ) -> None:
+        """Make the plan's host side, write the claim's CDI spec and put its entry (lock
+        held). When a step fails, what this call made is undone: the directories made
+        fresh and, for a claim that had no entry (``fresh``: no container can hold its
+        spec yet), the spec; a recovered claim's are left to its running container."""
+        made: list[str] = []
+        written = False
         try:
-            share = share_of(result.get("consumedCapacity"), device.card_memory_mib, self.unit_mib)
-        except ShareError as exc:
-            raise ClaimRefused(f"claim {claim.describe()}, device {device.name}: {exc}") from None
-        cache_dir = mps_pipe = None
-        key = claim_cache_key(claim.uid, request, device.name)
-        memory_mib = limits.memory_mib or share.memory_mib
-        if self.enforcement.interposer_counts_memory(device.uuid):
-            kept = cache_root(self.host_lib_dir) / key
-            if key in keep and kept.is_dir() and not kept.is_symlink():
-                cache_dir = kept
-            else:
-                cache_dir = prepare_claim_cache_dir(self.host_lib_dir, key)
-        elif needs_dir(self.enforcement, self.mps, device.uuid) and self.mps is not None:
-            marker = prepare_claim_cache_dir(self.host_lib_dir, key)  # never mounted
-            soft = self.enforcement.memory_soft(device.uuid)
-            try:
-                mps_pipe = self.mps.claim(key, marker, memory_mib, limits.cores or 0, pinned=soft)
-            except MpsError as exc:
-                raise ClaimRefused(f"claim {claim.describe()}: MPS namespace: {exc}") from None
-        grant = answers.share(
-            device.uuid,
-            enforcement=self.enforcement,
-            memory_mib=limits.memory_mib,
-            cores=limits.cores,  # None: no cores asked, unthrottled as memory-only
-            cache_dir=cache_dir,
-            every_index=True,
-            companions=limits.cards,
-            mps_pipe=mps_pipe,
-            charged=limits.charged,
-        )
-        answer = answers.container_edits(grant, self.listing)
-        return answer, share.memory_mib, share.cores
+            for result in plan.results:
+                if result.needs is not None:
+                    made += [k for k in result.needs.made_keys if k not in keep]
+                    self.host.make(result.needs)
+            if plan.results:
+                cdi = [r.cdi for r in plan.results]
+                self.host.write_claim_spec(self.cdi_dir, self.cdi_kind, claim.uid, cdi)
+                written = fresh
+            self.checkpoint.put(claim.uid, plan.entry)
+        except (HostGrantError, OSError, CheckpointError):
+            with contextlib.suppress(OSError, ValueError):
+                self.host.release(made)
+                if written:
+                    remove_spec_file(self.leftovers.spec_path(claim.uid))
+            raise
+        self.held.remember(claim.uid, plan.entry)
+        shares = [r.shown for r in plan.results]
+        log.info("claim_prepared", claim=claim.describe(), uid=claim.uid, shares=shares)
 
     # ------------------------------------------------------------------ unprepare
     def unprepare(
@@ -457,8 +345,7 @@ class ClaimPreparer:
 
     def _release(self, entry: ClaimEntry) -> None:
         remove_spec_file(self.leftovers.spec_path(entry.spec_name))
-        for key in entry.cache_keys:
-            release_cache_dir(self.host_lib_dir, key)
+        self.host.release(entry.cache_keys)
 
     # ------------------------------------------------------------------ start
     def tidy(self) -> None:

@@ -217,7 +217,9 @@ class MateReader:
         uid = str(_object_uid(found))
         if not _UID.match(uid):
             raise MatesUnknown(f"claim {namespace}/{name} has no valid UID")
-        self._claims[(namespace, name)] = Mate(name, uid, self.shares_of(found))
+        known = self._claims.get((namespace, name))
+        if known is None or known.uid != uid:  # its shares are read once per call
+            self._claims[(namespace, name)] = Mate(name, uid, self.shares_of(found))
 
     def together(self, namespace: str, name: str, found: Mapping[str, Any]) -> Together:
         """The containers that use this claim, in every pod it is reserved for, with

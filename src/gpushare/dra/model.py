@@ -27,10 +27,11 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Protocol
+from typing import Any
 
 from gpushare.base.quantity import MIB, QuantityError, mebibytes, parse_quantity
 from gpushare.gpu.gpus import Gpu, MigDevice
+from gpushare.gpu.health import HealthReader, unhealthy
 from gpushare.kube.labels import arch_family
 
 DEFAULT_DRIVER = "gpu.gpushare.io"
@@ -144,27 +145,16 @@ class Offered:
     attributes: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False)
 
 
-class Health(Protocol):
-    """What device health is read from (:class:`~gpushare.gpu.health.HealthBoard`)."""
-
-    def is_healthy(self, key: str) -> bool: ...
-
-    def reason(self, key: str) -> str: ...
-
-
 def health_keys(device: Offered) -> tuple[str, ...]:
     """The health board's keys ``device`` depends on: its card's UUID and, for a MIG
     device, its own (an XID naming its GPU instance, or the device lost, is its alone)."""
     return tuple(dict.fromkeys((device.card_uuid or device.uuid, device.uuid)))
 
 
-def unhealthy_reason(board: Health, device: Offered) -> str | None:
+def unhealthy_reason(board: HealthReader, device: Offered) -> str | None:
     """Why ``device`` is unhealthy (its card's reason first, then its own); None when it
-    is healthy."""
-    for key in health_keys(device):
-        if not board.is_healthy(key):
-            return board.reason(key) or "unhealthy"
-    return None
+    is healthy (:func:`gpushare.gpu.health.unhealthy` over its :func:`health_keys`)."""
+    return unhealthy(board, health_keys(device))
 
 
 def card_device_name(gpu: Gpu) -> str:

@@ -33,6 +33,7 @@ from gpushare.dra.slices import SlicePublisher
 from gpushare.gpu.gpus import Gpu
 from gpushare.gpu.health import HealthBoard
 from gpushare.gpu.pci import SYSFS_PCI_DEVICES, sysfs_bus_id
+from gpushare.host.mignodes import read_mig_nodes
 from gpushare.host.mps import MpsGrants
 from gpushare.kube.nodestate import MAX_REQUEST, DraClaimState
 from gpushare.kube.stdlibclient import ApiClient
@@ -197,10 +198,12 @@ def build_dra_part(
     pcie_roots: Mapping[str, str] | None = None,
     observe: CallHook | None = None,
     mps: MpsGrants | None = None,
+    mig_nodes: Mapping[str, Sequence[str]] | None = None,
 ) -> DraPart:
     """The DRA part for ``gpus`` (the cards in ``dra`` card mode; one in MIG mode is
     published as its MIG devices). ``board`` must hold every card of ``gpus`` by UUID,
     and each MIG device of those in MIG mode by its own.
+    ``mig_nodes``: MIG UUID -> its device nodes (``--mig-device-specs``).
     ``pcie_roots`` (card UUID -> root) default to what sysfs says."""
     if not node_name:
         raise ValueError("the DRA driver needs the node's name (NODE_NAME / --node-name)")
@@ -240,6 +243,7 @@ def build_dra_part(
         cdi_dir=Path(settings.dra_cdi_dir),
         state_dir=state_dir,
         mps=mps,
+        mig_nodes=mig_nodes,
     )
     publisher = SlicePublisher(
         api=api,
@@ -260,6 +264,12 @@ def build_dra_part(
         observe=observe,
     )
     return DraPart(devices, publisher, server, preparer, [g.uuid for g in gpus])
+
+
+def _mig_nodes(cards: Sequence[Gpu]) -> dict[str, tuple[str, ...]]:
+    """The device nodes of the MIG devices of ``cards`` (``--mig-device-specs``), as the
+    device plugin's MIG door reads them."""
+    return read_mig_nodes(cards, [d for g in cards for d in g.mig_devices])
 
 
 def dra_part_for(core: NodeCore, observe: CallHook | None = None) -> DraPart | None:
@@ -285,6 +295,7 @@ def dra_part_for(core: NodeCore, observe: CallHook | None = None) -> DraPart | N
             Path(settings.dra_kubelet_root),
             observe=observe,
             mps=core.mps,
+            mig_nodes=_mig_nodes(cards) if settings.mig_device_specs else None,
         )
     except (ValueError, ApiConfigMissing) as exc:
         raise NodeConfigurationError(f"card mode dra: {exc}") from None

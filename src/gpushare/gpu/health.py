@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 
@@ -18,6 +19,14 @@ from gpushare.base.dirwatch import StopEvent
 from gpushare.gpu.gpus import GpuBackend, GpuEvent, MigDevice
 
 log = structlog.get_logger(__name__)
+
+
+class HealthReader(Protocol):
+    """What a device's health is read from (a :class:`HealthBoard`)."""
+
+    def is_healthy(self, key: str) -> bool: ...
+
+    def reason(self, key: str) -> str: ...
 
 
 class HealthBoard:
@@ -102,6 +111,17 @@ class HealthBoard:
         with self._changed:
             self._changed.wait_for(lambda: self.version != seen or give_up(), timeout)
             return self.version
+
+
+def unhealthy(board: HealthReader, keys: Iterable[str]) -> str | None:
+    """Why a device is refused: the reason of the first of its health ``keys`` (its
+    card's, then its own) that ``board`` calls unhealthy, ``"unhealthy"`` where none is
+    recorded; None when every key is healthy. The one check every door makes before it
+    hands a device out (shared units, whole cards and MIG devices, DRA claims)."""
+    for key in keys:
+        if not board.is_healthy(key):
+            return board.reason(key) or "unhealthy"
+    return None
 
 
 # --------------------------------------------------------------------------- policy

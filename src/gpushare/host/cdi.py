@@ -31,7 +31,7 @@ import structlog
 import yaml
 
 from gpushare.base.atomicfile import replace_file
-from gpushare.share.answers import Answer, Hook
+from gpushare.share.answers import ContainerEdits, DeviceSpec, Hook
 
 log = structlog.get_logger(__name__)
 
@@ -164,16 +164,19 @@ class CdiDevice:
     env: tuple[tuple[str, str], ...] = ()
     mounts: tuple[CdiMount, ...] = ()
     hooks: tuple[Hook, ...] = ()
+    #: device nodes (a MIG device's capabilities, ``--mig-device-specs``)
+    device_nodes: tuple[DeviceSpec, ...] = ()
 
 
-def claim_device(name: str, edits: Answer) -> CdiDevice:
+def claim_device(name: str, edits: ContainerEdits) -> CdiDevice:
     """The CDI device ``name`` carrying ``edits`` (from the answer port): its
-    environment (sorted), mounts and hooks; a translation, nothing added."""
+    environment (sorted), mounts, hooks and device nodes; a translation, nothing added."""
     return CdiDevice(
         name,
         env=tuple(sorted(edits.envs.items())),
         mounts=tuple(CdiMount(m.container_path, m.host_path, m.read_only) for m in edits.mounts),
         hooks=tuple(edits.hooks),
+        device_nodes=tuple(edits.device_specs),
     )
 
 
@@ -213,6 +216,11 @@ def spec_json(kind: str, devices: Sequence[CdiDevice]) -> dict[str, object]:
                     **({"env": list(h.env)} if h.env else {}),
                 }
                 for h in device.hooks
+            ]
+        if device.device_nodes:
+            edits["deviceNodes"] = [
+                {"path": d.container_path, "hostPath": d.host_path, "permissions": d.permissions}
+                for d in device.device_nodes
             ]
         entries.append({"name": device.name, "containerEdits": edits})
     return {"cdiVersion": CDI_VERSION, "kind": kind, "devices": entries}

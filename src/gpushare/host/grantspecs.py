@@ -33,7 +33,7 @@ from pathlib import Path
 import structlog
 
 from gpushare.host.cdi import claim_device, spec_file_name, write_spec
-from gpushare.share.answers import Answer
+from gpushare.share.answers import ContainerEdits
 
 log = structlog.get_logger(__name__)
 
@@ -70,7 +70,7 @@ class GrantSpecs:
     def cdi_name(self, name: str) -> str:
         return f"{self.kind}={name}"
 
-    def write(self, name: str, edits: Answer) -> str:
+    def write(self, name: str, edits: ContainerEdits) -> str:
         """Write the spec of grant ``name`` carrying ``edits``; its fully qualified CDI
         device name. OSError if it cannot be written (the Allocate is then refused)."""
         with SPEC_LOCK:

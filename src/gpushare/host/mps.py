@@ -38,7 +38,7 @@ held; v3 (r615+) has not run on a GPU of ours:
   client's ``control`` is its namespace's socket.
   https://docs.nvidia.com/deploy/mps/latest/mpsv3-namespaces.html
 * NOT verified (the reference's option list was not readable here): the option
-  spellings of the runtime namespace commands in :data:`V3` (the verbs ``namespace
+  spellings of the runtime namespace commands in ``mpscommands.V3`` (the verbs ``namespace
   create|set|delete`` are documented, ``--server``/``--name``/``--active-thread-
   percentage``/``--pinned-memory-limit`` follow ``server create --uid=`` and the TOML
   keys), the ``M`` suffix of a pinned limit (the documented examples use ``G``), that a
@@ -53,7 +53,6 @@ from __future__ import annotations
 import contextlib
 import os
 import select
-import shutil
 import signal
 import subprocess
 import threading
@@ -66,38 +65,23 @@ import structlog
 
 from gpushare.host import mpsdirs
 from gpushare.host.library import cache_key, prepare_cache_dir
+from gpushare.host.mpscommands import (
+    COMMAND_TIMEOUT,
+    MpsCommands,
+    NamespaceCaps,
+    namespace_pipe,
+    v3_config,
+)
+from gpushare.host.mpscommands import SERVER as SERVER
+from gpushare.host.mpscommands import Cap as Cap
+from gpushare.host.mpscommands import MpsError as MpsError
 
 log = structlog.get_logger(__name__)
 
 MPS_DIR_NAME = "mps"
 PID_FILE = "nvidia-cuda-mps-control.pid"
-#: The one v3 server the namespaces of this node's containers belong to.
-SERVER = "gpushare"
 #: The v3 configuration file written before every start (in the 0700 log directory).
 CONFIG_FILE = "mps-v3.toml"
-#: The v3 runtime commands, as arguments after the executable (see the module's note:
-#: the verbs are documented, the option spellings are not verified).
-V3: dict[str, tuple[str, ...]] = {
-    "create": ("namespace", "create", "--server={server}", "--name={name}"),
-    "threads": (
-        "namespace",
-        "set",
-        "--server={server}",
-        "--name={name}",
-        "--active-thread-percentage={percent}",
-    ),
-    "memory": (
-        "namespace",
-        "set",
-        "--server={server}",
-        "--name={name}",
-        "--pinned-memory-limit={mib}M",
-    ),
-    "remove": ("namespace", "delete", "--server={server}", "--name={name}"),
-    "quit": ("-q",),
-}
-#: How long a command or the daemon's start may take before it counts as failed.
-COMMAND_TIMEOUT = 10.0
 #: Restart back-off: first delay, the most, and how long a run must last to reset it.
 BACKOFF_FIRST, BACKOFF_MAX, BACKOFF_RESET = 1.0, 60.0, 120.0
 #: Modes of the daemon's directories: the pipe tree is read by every client (through
@@ -105,37 +89,10 @@ BACKOFF_FIRST, BACKOFF_MAX, BACKOFF_RESET = 1.0, 60.0, 120.0
 PIPE_MODE, LOG_MODE, SHM_MODE = 0o755, 0o700, 0o1777
 
 
-class MpsError(Exception):
-    """The control daemon cannot do what was asked; the message is one line."""
-
-
 @dataclass(frozen=True)
 class Capabilities:
     multi_user: bool  # ``-M``: servers run as root, clients of every uid share them
     namespaces: bool  # v3: per-namespace pipe directories and caps
-
-
-@dataclass(frozen=True)
-class Cap:
-    """One container's namespace: its limits, and the directory whose removal by the
-    garbage collector says its container is gone (``marker``: the container's or
-    claim's cache directory in the private root, never mounted for MPS)."""
-
-    marker: Path
-    percent: int = 100
-    memory_mib: int | None = None
-
-
-def v3_config(caps: Mapping[str, Cap]) -> str:
-    """The v3 configuration (TOML, NVIDIA's documented keys): the one server (uid 0:
-    root's, shared by clients of every uid in multi-user mode) and each namespace's caps."""
-    lines = ['schema_version = "1.0"', "", f"[servers.{SERVER}]", "uid = 0"]
-    for name, cap in sorted(caps.items()):
-        lines += ["", f"[servers.{SERVER}.namespaces.{name}]"]
-        lines.append(f'active_thread_percentage = "{cap.percent}"')
-        if cap.memory_mib is not None:
-            lines.append(f'pinned_memory_limit = "{cap.memory_mib}M"')
-    return "\n".join(lines) + "\n"
 
 
 def mps_dirs(host_dir: Path) -> tuple[Path, Path]:
@@ -211,16 +168,13 @@ class MpsControl:
         self._stop = threading.Event()
         self._wake_r, self._wake_w = -1, -1
         self._thread: threading.Thread | None = None
-        self._caps: dict[str, Cap] = {}  # namespace name -> its cap, re-applied at restart
-        self._caps_lock = threading.Lock()
+        #: one command at a time to the running daemon, and each namespace's cap
+        self.commands = MpsCommands(executable, self.pipe_dir, self.log_dir)
+        self.namespaces = NamespaceCaps(self.commands, self.pipe_dir)
 
     # ------------------------------------------------------------------ the process
     def env(self) -> dict[str, str]:
-        return {
-            **os.environ,
-            "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir),
-            "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir),
-        }
+        return self.commands.env()
 
     def start(self) -> None:
         """Start the control daemon (and the watch that restarts it); MpsError if it
@@ -239,11 +193,8 @@ class MpsControl:
         self._thread.start()
 
     def namespace_pipe(self, name: str) -> Path:
-        """The directory a client of namespace ``name`` uses as its pipe directory:
-        ``<pipe>/<server>/<name>``, where the v3 server makes the namespace's socket."""
-        if not name or "/" in name or name in (".", ".."):
-            raise MpsError(f"{name!r} is not a namespace name")
-        return self.pipe_dir / SERVER / name
+        """The directory a client of namespace ``name`` uses as its pipe directory."""
+        return namespace_pipe(self.pipe_dir, name)
 
     def _prepare_dirs(self) -> None:
         """Before every start: the directories are real, ours, with their modes, and
@@ -346,7 +297,7 @@ class MpsControl:
                 return
             try:
                 self._launch()  # v3: the configuration file carries every cap
-                log.info("mps_control_restarted", pid=self.pid, caps=len(self._caps))
+                log.info("mps_control_restarted", pid=self.pid, caps=len(self.caps()))
             except MpsError as exc:
                 log.error("mps_control_restart_failed", reason=str(exc))
                 self.pid = None
@@ -402,93 +353,25 @@ class MpsControl:
 
     # ------------------------------------------------------------------ commands
     def command(self, line: str) -> str:
-        """One control command; its answer. MpsError when it cannot be delivered."""
-        if "\n" in line:
-            raise MpsError("one command per line")
-        try:
-            done = subprocess.run(
-                [str(self.executable)],
-                input=line + "\n",
-                env=self.env(),
-                capture_output=True,
-                text=True,
-                timeout=COMMAND_TIMEOUT,
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise MpsError(f"MPS control command {line.split()[0]!r} failed: {exc}") from None
-        if done.returncode != 0:
-            why = (done.stderr or done.stdout).strip().splitlines()
-            raise MpsError(
-                f"MPS control command {line.split()[0]!r} exited {done.returncode}: "
-                f"{why[0] if why else ''}".strip()
-            )
-        answer = done.stdout.strip()
-        if answer.lower().startswith(("error", "invalid", "unknown")):
-            raise MpsError(f"MPS control command {line.split()[0]!r}: {answer.splitlines()[0]}")
-        return answer
+        """One legacy control command (:meth:`MpsCommands.command`)."""
+        return self.commands.command(line)
 
     def command_v3(self, verb: str, **fields: object) -> str:
-        """One v3 command of :data:`V3` (arguments after the executable); its answer."""
-        args = [word.format(server=SERVER, **fields) for word in V3[verb]]
-        try:
-            done = subprocess.run(
-                [str(self.executable), *args],
-                env=self.env(),
-                capture_output=True,
-                text=True,
-                timeout=COMMAND_TIMEOUT,
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise MpsError(f"MPS v3 command {' '.join(args[:2])!r} failed: {exc}") from None
-        answer = (done.stdout or "").strip()
-        if done.returncode != 0 or answer.lower().startswith(("error", "invalid", "unknown")):
-            why = (answer or done.stderr or "").strip().splitlines()
-            raise MpsError(
-                f"MPS v3 command {' '.join(args[:2])!r} exited {done.returncode}: "
-                f"{why[0] if why else ''}".strip()
-            )
-        return answer
+        """One v3 command (:meth:`MpsCommands.command_v3`)."""
+        return self.commands.command_v3(verb, **fields)
 
     def cap(self, name: str, cap: Cap) -> Path:
-        """Create (or re-cap) namespace ``name`` on the v3 server; its pipe directory
-        (made here, real and root's, before the container that mounts it exists)."""
+        """Create (or re-cap) namespace ``name`` (:meth:`NamespaceCaps.cap`); MpsError
+        where this control daemon has no namespaces (a driver before r615)."""
         if not self.capabilities.namespaces:
             raise MpsError("this MPS control daemon has no namespaces (driver before r615)")
-        pipe = self.namespace_pipe(name)
-        with self._caps_lock:
-            known = self._caps.get(name)
-            self._caps[name] = cap
-        try:
-            if known is None:
-                self.command_v3("create", name=name)
-            self.command_v3("threads", name=name, percent=cap.percent)
-            if cap.memory_mib is not None:
-                self.command_v3("memory", name=name, mib=cap.memory_mib)
-            mpsdirs.ensure_own_dir(pipe.parent, PIPE_MODE)
-            mpsdirs.ensure_own_dir(pipe, PIPE_MODE)
-        except (MpsError, OSError) as exc:  # fail closed, and a restart re-applies the old
-            with self._caps_lock:
-                if known is None:
-                    self._caps.pop(name, None)
-                else:
-                    self._caps[name] = known
-            raise MpsError(f"cannot cap MPS namespace {name}: {exc}") from None
-        log.info("mps_namespace_capped", namespace=name, percent=cap.percent, mib=cap.memory_mib)
-        return pipe
+        return self.namespaces.cap(name, cap)
 
     def caps(self) -> dict[str, Cap]:
-        with self._caps_lock:
-            return dict(self._caps)
+        return self.namespaces.caps()
 
     def forget(self, name: str) -> None:
-        """Remove a namespace whose container is gone, and its directory."""
-        with self._caps_lock:
-            known = self._caps.pop(name, None)
-        if known is not None:
-            with contextlib.suppress(MpsError):
-                self.command_v3("remove", name=name)
-            with contextlib.suppress(OSError, MpsError):
-                shutil.rmtree(self.namespace_pipe(name))  # fd-based: follows no link
+        self.namespaces.forget(name)
 
 
 def _not_zombie(pid: int) -> bool:

@@ -3,7 +3,7 @@
 A :class:`Grant` says what one container (or one claim's result) gets: which devices
 (cards or MIG devices, in the order the container sees them), whole or a share
 (memory, cores), and the card's :class:`Enforcement`. :func:`container_edits` turns it
-into :class:`Answer`, the edits the runtime applies: environment, mounts, device
+into :class:`ContainerEdits`, the edits the runtime applies: environment, mounts, device
 nodes (``device_specs``), the devices' names (``NVIDIA_VISIBLE_DEVICES`` and/or CDI
 names, as the node's :class:`DeviceListing` says) and OCI hooks (:class:`Hook`: the
 driver memory hook, the limit check). Every front door calls it (shared units and whole
@@ -137,7 +137,7 @@ class Hook:
 
 
 @dataclass(frozen=True)
-class Answer:
+class ContainerEdits:
     """The container edits of one grant (one ContainerAllocateResponse, or one CDI
     device of a claim), as plain data."""
 
@@ -358,7 +358,7 @@ def whole(devices: Iterable[GrantedDevice], *, enforcement: Enforcement | None =
     return Grant(tuple(devices), whole=True, enforcement=enforcement)
 
 
-def container_edits(grant: Grant, listing: DeviceListing | None = None) -> Answer:
+def container_edits(grant: Grant, listing: DeviceListing | None = None) -> ContainerEdits:
     """The edits of ``grant``: the port every front door calls.
 
     With ``listing`` the devices are named as the device-list strategy says (the
@@ -416,13 +416,13 @@ def _finish(
     mounts: list[Mount],
     annotations: dict[str, str],
     hooks: list[Hook],
-) -> Answer:
+) -> ContainerEdits:
     """The answer with the grant's device nodes, its devices named as ``listing`` says."""
     ids = grant.ids
     nodes: list[str] = []
     for device in grant.devices:
         nodes.extend(n for n in device.nodes if n not in nodes)
-    answer = Answer(
+    answer = ContainerEdits(
         envs, mounts, annotations, device_specs=[DeviceSpec(n, n) for n in nodes], hooks=hooks
     )
     if listing is None:
@@ -556,11 +556,11 @@ class DeviceListing:
 
 
 def with_device_list(
-    answer: Answer,
+    answer: ContainerEdits,
     devices: Sequence[str],
     listing: DeviceListing,
     cdi_devices: Sequence[str] | None = None,
-) -> Answer:
+) -> ContainerEdits:
     """``answer`` naming ``devices`` as ``listing`` says. Pure.
 
     ``cdi_devices`` are the CDI device parts to use (default: ``devices``; the
@@ -583,7 +583,7 @@ def with_device_list(
 # --------------------------------------------------------------------------- sealed grants
 
 
-def sealed(edits: Answer, grant_cdi_name: str, listing: DeviceListing) -> Answer:
+def sealed(edits: ContainerEdits, grant_cdi_name: str, listing: DeviceListing) -> ContainerEdits:
     """The kubelet's answer for ``edits`` that ride on the daemon's own CDI device
     ``grant_cdi_name`` (``<vendor>/<class>=<name>``; the spec is written by
     ``host/grantspecs.py``): no environment and no mounts of its own, the card's CDI
@@ -603,7 +603,7 @@ def sealed(edits: Answer, grant_cdi_name: str, listing: DeviceListing) -> Answer
                 annotations[key] = f"{names},{grant_cdi_name}"
     if ANNOTATION_NO_ENFORCEMENT in edits.annotations:
         annotations[ANNOTATION_NO_ENFORCEMENT] = edits.annotations[ANNOTATION_NO_ENFORCEMENT]
-    return Answer(
+    return ContainerEdits(
         annotations=annotations,
         cdi_devices=cdi,
         device_specs=list(edits.device_specs),

@@ -108,10 +108,10 @@ def test_ended_grants_lose_their_spec_after_the_grace_period_and_held_ones_keep_
     tmp_path: Path,
 ) -> None:
     specs = GrantSpecs(tmp_path, "gpushare.io", grace_seconds=10)
-    from gpushare.share.answers import Answer
+    from gpushare.share.answers import ContainerEdits
 
-    held = specs.write(grant_name("vcuda-memory", ["a"]), Answer(envs={"X": "1"}))
-    ended = specs.write(grant_name("vcuda-core", ["b"]), Answer(envs={"X": "2"}))
+    held = specs.write(grant_name("vcuda-memory", ["a"]), ContainerEdits(envs={"X": "1"}))
+    ended = specs.write(grant_name("vcuda-core", ["b"]), ContainerEdits(envs={"X": "2"}))
     foreign = tmp_path / "nvidia.com-gpu.json"
     foreign.write_text("{}")
     live = {held.split("=")[1]}

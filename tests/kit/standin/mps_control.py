@@ -171,9 +171,10 @@ def serve(multi_user: bool, protocol: int, config: str | None) -> None:
                     (where / PID_FILE).unlink(missing_ok=True)
                     path.unlink(missing_ok=True)
                     os._exit(0)
-                stream.write(answer(state, line).replace("\n", " ") + "\n")
+                reply = answer(state, line).replace("\n", " ")
+                save()  # before the answer: a caller reads the state once it is answered
+                stream.write(reply + "\n")
                 stream.flush()
-                save()
 
 
 def daemonize(args: list[str]) -> int:

@@ -18,8 +18,6 @@ cluster size reaches the body limit.
 
 from __future__ import annotations
 
-import calendar
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,7 +88,7 @@ class NodeCache:
         if node is not None and node.state is not None:
             if held.record.state is None:
                 return node  # an object not believed: the annotation, as older daemons write
-            if _order(node.state) > _order(held.record.state):
+            if nodestate.recency(node.state) > nodestate.recency(held.record.state):
                 return node  # the object is older: left behind, no longer written
         return held.record
 
@@ -119,16 +117,6 @@ class NodeCache:
         held = self.objects.get(node)
         if held is not None and held.name == name:
             del self.objects[node]
-
-
-def _order(state: nodestate.NodeGpuState) -> tuple[float, int]:
-    """How recent a published state is: its ``updated`` time (an unreadable one sorts
-    first), then its generation (a daemon that started counting again is newer by time)."""
-    try:
-        when = float(calendar.timegm(time.strptime(state.updated, "%Y-%m-%dT%H:%M:%SZ")))
-    except (ValueError, OverflowError):
-        when = float("-inf")
-    return when, state.generation
 
 
 def _has_resource(node: Mapping[str, Any], resource: str) -> bool:

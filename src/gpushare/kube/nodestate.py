@@ -63,9 +63,11 @@ say (older versions) omits both keys: ``CardState.pods`` is then None.
 
 from __future__ import annotations
 
+import calendar
 import hashlib
 import json
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -649,6 +651,17 @@ def _enforcement(data: dict[str, Any]) -> tuple[CardEnforcement, ...]:
             )
         )
     return tuple(found)
+
+
+def recency(state: NodeGpuState) -> tuple[float, int]:
+    """How recent a published state is, to choose between a node's state object and its
+    annotation: its ``updated`` time (an unreadable one sorts first), then its generation
+    (a daemon that started counting again is newer by time)."""
+    try:
+        when = float(calendar.timegm(time.strptime(state.updated, "%Y-%m-%dT%H:%M:%SZ")))
+    except (ValueError, OverflowError):
+        when = float("-inf")
+    return when, state.generation
 
 
 def decode(text: str) -> NodeGpuState:

@@ -248,6 +248,20 @@ def state_texts(
     return {node: texts[0] for node, texts in found.items() if len(texts) == 1}
 
 
+def _newer_text(held: str | None, annotation: Any) -> Any:
+    """The state object's text, unless the Node's annotation decodes to a newer state (an
+    object left behind by a daemon switched to ``--node-state annotation``)."""
+    if held is None or not isinstance(annotation, str):
+        return annotation if held is None else held
+    try:
+        newer = nodestate.recency(nodestate.decode(annotation)) > nodestate.recency(
+            nodestate.decode(held)
+        )
+    except ValueError:
+        return held
+    return annotation if newer else held
+
+
 def build_view(
     nodes: Sequence[Mapping[str, Any]],
     pods: Sequence[Mapping[str, Any]],
@@ -257,7 +271,8 @@ def build_view(
 ) -> ClusterView:
     """The gpushare nodes (those with a state object, the annotation or the resources),
     sorted by name; a node's state object (``objects``: the listed ConfigMaps
-    ``gpushare-node-<node>``, see :func:`state_texts`) wins over its annotation. With
+    ``gpushare-node-<node>``, see :func:`state_texts`) wins over its annotation unless
+    the annotation is the newer (:func:`_newer_text`), as the extender judges. With
     ``namespace``, the DRA claims of that namespace only are listed (the pods are
     filtered by the caller; cards and totals stay whole)."""
     by_card = _containers_by_card(pods, prefix)
@@ -266,7 +281,8 @@ def build_view(
     views = []
     for node in nodes:
         name = str(_meta(node).get("name", ""))
-        text = published.get(name, (_meta(node).get("annotations") or {}).get(key))
+        annotation = (_meta(node).get("annotations") or {}).get(key)
+        text = _newer_text(published.get(name), annotation)
         if text is None:
             if _has_gpushare_resources(node, prefix) or _opted_in(node, prefix):
                 problem = f"{NO_REPORT}: no state object, no {key} annotation (daemon down?)"

@@ -54,6 +54,19 @@ def test_the_object_wins_and_a_node_without_one_shows_its_annotation() -> None:
     assert _used(view, "gpu-c") == (2, 7)
 
 
+def test_an_object_older_than_the_annotation_is_not_shown() -> None:
+    """An object left behind by a daemon switched to ``--node-state annotation``: the
+    newer annotation is shown, as the extender believes it (an object as new or newer
+    still wins, above)."""
+    nodes = [_with_uid(_node("gpu-a", [_card(0, P4, 4, 0)], 12))]  # 2026-11-22T13:00:00Z
+    left = nodestate.NodeGpuState(9, "2026-11-20T08:00:00Z", 256, (_card(0, P4, 20, 0),))
+    obj = stateobject.state_object(
+        PREFIX, "kube-system", "gpu-a", "uid-gpu-a", nodestate.encode(left)
+    )
+    view = build_view(nodes, [], PREFIX, objects=[obj])
+    assert _used(view, "gpu-a") == (12, 4)
+
+
 @pytest.mark.parametrize("forged", ["another owner", "another node", "a second one"])
 def test_an_object_not_believed_leaves_the_annotation(forged: str) -> None:
     nodes = [_with_uid(_node("gpu-a", [_card(0, P4, 4, 0)], 3))]

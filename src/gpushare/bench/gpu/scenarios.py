@@ -22,7 +22,7 @@ from gpushare.bench.gpu.records import Measurement, TenantResult
 from gpushare.bench.gpu.tenants import Running, Tenancy
 
 #: Seconds a tenant may take beyond its window (start, allocations, a crowd's contention).
-SLACK_S = 90.0
+SLACK_S = 45.0
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,14 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from kit.mps import install_standin, pid_alive
+
+from gpushare.bench.gpu.scenarios import _finish, _go
+from gpushare.bench.gpu.tenants import Running
 
 ROOT = Path(__file__).resolve().parents[3]
 STANDIN = ROOT / "tests" / "kit" / "standin" / "libcuda_standin.c"
@@ -158,3 +162,35 @@ def test_gpu_proofs_mps_part_proves_a_v3_namespace_and_stops_its_daemon(
     assert stopped.endswith("alive after stop: False")
     pid = int(next(x for x in out.splitlines() if x.startswith("mps: started pid")).split()[3])
     assert not pid_alive(pid)
+
+
+def _tenant(script: str) -> Running:
+    pipe = subprocess.PIPE
+    proc = subprocess.Popen(["sh", "-c", script], stdin=pipe, stdout=pipe,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    running = Running("t", "a", proc)
+    running.read()
+    return running
+
+
+def test_a_tenant_that_logs_around_its_lines_is_still_read_right() -> None:
+    """An interposer logs into the same output (HAMi-core does): lines before ``ready``
+    and after the result, in one write, change nothing."""
+    result_line = '{"rate": 5.0, "stages": {"main": 0.1}}'
+    noisy = _tenant('printf "[HAMI-core Msg] init\\nready\\n"; read go; '
+                    f"printf '{result_line}\\n[HAMI-core Msg] exit\\n'")  # fmt: skip
+    deadline = time.monotonic() + 60
+    assert noisy.wait_ready(deadline)
+    _go([noisy])
+    result = _finish(noisy, deadline)
+    assert (result.rate, result.error, result.stages) == (5.0, "", {"main": 0.1})
+
+
+def test_a_tenant_that_never_gets_ready_is_killed_and_says_so() -> None:
+    silent = _tenant("echo starting; exec sleep 600")
+    assert not silent.wait_ready(time.monotonic() + 0.5)
+    result = _finish(silent, time.monotonic() + 10)
+    assert silent.proc.returncode is not None  # killed, not left behind
+    assert result.rate == 0.0
+    assert result.error.startswith("no result") and "no ready line in time" in result.error
+    assert "starting" in result.error  # what it did print is kept

@@ -11,11 +11,9 @@ error, never an exception out of here.
 from __future__ import annotations
 
 import contextlib
-import select
-import subprocess
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpushare.bench.gpu.plan import Settings, Step
 from gpushare.bench.gpu.records import Measurement, TenantResult
@@ -39,49 +37,16 @@ class Kernel:
                 "--warmup", repr(warmup), "--seconds", repr(s.seconds)]  # fmt: skip
 
 
-def _wait_ready(running: Running, deadline: float) -> str | None:
-    """None once the tenant printed ``ready``; else what it printed before it ended (or
-    why it did not answer in time)."""
-    proc = running.proc
-    assert proc.stdout is not None
-    seen: list[str] = []
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            proc.kill()
-            return "no ready line in time" + (f": {' '.join(seen)[-300:]}" if seen else "")
-        readable, _, _ = select.select([proc.stdout], [], [], left)
-        if not readable:
-            continue
-        line = proc.stdout.readline()
-        if not line:  # ended without a ready line: its last line is its result
-            return "\n".join(seen) or "ended without output"
-        if line.strip() == "ready":
-            return None
-        seen.append(line.rstrip())
-
-
-def _finish(running: Running, deadline: float, early: str | None = None) -> TenantResult:
-    """The tenant's result: its last line, once it ends (killed at ``deadline``)."""
-    proc = running.proc
-    try:
-        out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 1.0))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        return TenantResult(error="killed: did not finish in time", role=running.role)
-    text = "\n".join(filter(None, [early, out]))
-    lines = text.strip().splitlines()
-    result = TenantResult.parse(lines[-1] if lines else "", running.role)
-    if running.notes and not result.error:
-        result = TenantResult.from_json({**_as_json(result), "error": "; ".join(running.notes)})
+def _finish(running: Running, deadline: float) -> TenantResult:
+    """The tenant's result: its last JSON line once it ended (an interposer may log after
+    it); where there is none, an error with its last lines. Notes (a failed hook, a kill)
+    join the error."""
+    lines = running.finish(deadline)
+    last = next((x for x in reversed(lines) if x.startswith("{")), " | ".join(lines[-5:]))
+    result = TenantResult.parse(last, running.role)
+    if running.notes:
+        result = replace(result, error="; ".join(filter(None, [result.error, *running.notes])))
     return result
-
-
-def _as_json(result: TenantResult) -> dict[str, object]:
-    return {"rate": result.rate, "asked_mib": result.asked_mib,
-            "allocated_mib": result.allocated_mib, "alloc_error": result.alloc_error,
-            "stages": result.stages, "error": result.error, "role": result.role}  # fmt: skip
 
 
 def _go(tenants: Sequence[Running]) -> None:
@@ -97,6 +62,9 @@ def _release(tenancy: Tenancy, tenants: Sequence[Running]) -> None:
         if running.proc.poll() is None:
             running.proc.kill()
             running.proc.wait()
+        if running.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                running.proc.stdin.close()
         tenancy.release(running.name)
 
 
@@ -108,9 +76,10 @@ def window(tenancy: Tenancy, step: Step, kernel: Kernel, roles: Sequence[str]) -
     names = [(f"{step.scenario}-{step.run}-{role}", role) for role in roles]
     tenants = tenancy.spawn_many(names, [*kernel.args(warmup), "--ready"])
     try:
-        early = [_wait_ready(t, deadline) for t in tenants]
+        for running in tenants:
+            running.wait_ready(deadline)
         _go(tenants)
-        results = [_finish(t, deadline, e) for t, e in zip(tenants, early, strict=True)]
+        results = [_finish(t, deadline) for t in tenants]
     finally:
         _release(tenancy, tenants)
     return Measurement(step.scenario, step.backend, step.run, tuple(results),
@@ -124,14 +93,13 @@ def pressure(tenancy: Tenancy, step: Step, kernel: Kernel, share_mib: int) -> Me
     deadline = time.monotonic() + warmup + kernel.settings.seconds + 2 * SLACK_S
     args = [*kernel.args(warmup), "--ready"]
     tenants: list[Running] = []
-    early: list[str | None] = []
     try:
         for role, ask in (("aggressor", share_mib * 3 // 2), ("victim", share_mib * 8 // 10)):
             name = f"{step.scenario}-{step.run}-{role}"
             tenants += tenancy.spawn_many([(name, role)], [*args, "--alloc-mib", str(ask)])
-            early.append(_wait_ready(tenants[-1], deadline))  # the aggressor holds its memory
+            tenants[-1].wait_ready(deadline)  # the aggressor holds its memory from here
         _go(tenants)
-        results = [_finish(t, deadline, e) for t, e in zip(tenants, early, strict=True)]
+        results = [_finish(t, deadline) for t in tenants]
     finally:
         _release(tenancy, tenants)
     return Measurement(step.scenario, step.backend, step.run, tuple(results), _hooks(tenants))

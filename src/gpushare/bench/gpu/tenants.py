@@ -23,8 +23,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -60,13 +62,59 @@ class Context:
 
 @dataclass
 class Running:
-    """A tenant process, spawned; ``hook_seconds`` its memory hook's run, if it had one."""
+    """A tenant process, spawned; ``hook_seconds`` its memory hook's run, if it had one.
+    Its output (stdout and stderr: an interposer logs too) is read line by line by a
+    thread of its own from the start, so that nothing waits on a pipe's buffering."""
 
     name: str
     role: str
     proc: subprocess.Popen[str]
     hook_seconds: float | None = None
     notes: list[str] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    _queue: queue.Queue[str | None] = field(default_factory=queue.Queue)
+    _reader: threading.Thread | None = None
+
+    def read(self) -> None:
+        self._reader = threading.Thread(target=self._pump, name=f"out-{self.name}", daemon=True)
+        self._reader.start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            self._queue.put(self.lines[-1])
+        self._queue.put(None)
+
+    def wait_ready(self, deadline: float) -> bool:
+        """True once the tenant printed ``ready``; False when it ended first, or did not
+        say it by ``deadline`` (then it is killed, and a note says so)."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.proc.kill()
+                self.notes.append("no ready line in time")
+                return False
+            try:
+                line = self._queue.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                return False
+            if line.strip() == "ready":
+                return True
+
+    def finish(self, deadline: float) -> list[str]:
+        """Every line it printed, once it ended (killed at ``deadline``, with a note)."""
+        try:
+            self.proc.wait(timeout=max(deadline - time.monotonic(), 1.0))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            self.notes.append("killed: did not finish in time")
+        if self._reader is not None:
+            self._reader.join(timeout=10.0)
+        return list(self.lines)
 
 
 def worker_env(extra: dict[str, str]) -> dict[str, str]:
@@ -108,14 +156,16 @@ class Tenancy:
         started = []
         for name, role in names:
             extra = ["--gate"] if self.gated else []
+            env = worker_env(self.env(name))  # an MPS namespace is made here, before t0
             t0 = time.monotonic()
             proc = subprocess.Popen(
                 [self.context.python, "-m", "gpushare.bench.gpu.worker", *args, *extra,
                  "--t0", repr(t0)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                text=True, env=worker_env(self.env(name)),
+                text=True, env=env,
             )  # fmt: skip
             started.append(Running(name, role, proc))
+            started[-1].read()
         if self.gated:
             with ThreadPoolExecutor(max_workers=max(len(started), 1)) as pool:
                 list(pool.map(self._admit_or_stop, started))

@@ -39,6 +39,8 @@ while [ $# -gt 0 ]; do
 done
 START=$(date +%s)
 mkdir -p "$OUTDIR"
+# absolute: the interposer is named in LD_PRELOAD, which a tenant reads from its own cwd
+case "$PREPARED" in /*) ;; *) PREPARED="$PWD/$PREPARED" ;; esac
 exec > >(tee -a "$OUTDIR/gpu-bench.log") 2>&1
 say() { echo "gpu-bench: $*"; }
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

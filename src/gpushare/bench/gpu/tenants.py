@@ -174,8 +174,8 @@ class Tenancy:
     def _admit_or_stop(self, running: Running) -> None:
         try:
             self.admit(running)
-        except TenancyError as exc:
-            running.notes.append(str(exc))
+        except (TenancyError, OSError) as exc:  # OSError: it died before its release
+            running.notes.append(f"not admitted: {exc}")
             running.proc.kill()
 
 

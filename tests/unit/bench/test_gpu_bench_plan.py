@@ -112,14 +112,15 @@ def test_mps_help_says_multi_user_and_namespaces() -> None:
 def test_the_h200_of_november_measures_three_backends_and_says_why_not_the_driver() -> None:
     plan = p.decide(machine())
     backends = by_name(plan)
-    assert [b.name for b in plan.present] == ["time-sliced", "interposer", "mps"]
+    assert [b.name for b in plan.present] == ["time-sliced", "interposer", "interposer-memory",
+                                              "mps"]  # fmt: skip
     assert backends["driver"].reason == "driver 580.159.04 is older than r615"
     assert "older than r615" in backends["driver+mps"].reason
     assert backends["mps"].reason.startswith("legacy protocol")
     assert plan.share_mib == 143771 // 2
 
 
-def test_a_r615_machine_with_dmem_and_mps_v3_measures_all_five() -> None:
+def test_a_r615_machine_with_dmem_and_mps_v3_measures_all_six() -> None:
     facts = machine(H100_R615, dmem_capacity=f.parse_dmem_capacity(DMEM), mps_v3_help=MPS_V3)
     plan = p.decide(facts)
     assert [b.name for b in plan.present] == list(p.BACKENDS)
@@ -148,9 +149,11 @@ def test_absent_backends_name_what_is_missing() -> None:
             replace(r615, hook="", gcc=False), "driver"),
     }  # fmt: skip
     for reason, (facts, name) in cases.items():
-        backend = by_name(p.decide(facts))[name]
-        assert not backend.present
-        assert backend.reason == reason
+        backends = by_name(p.decide(facts))
+        assert not backends[name].present
+        assert backends[name].reason == reason
+        if name == "interposer":  # its memory-only twin needs the same library
+            assert backends["interposer-memory"].reason == reason
     no_mps = by_name(p.decide(replace(r615, mps_control="")))
     assert no_mps["driver"].present
     assert no_mps["driver+mps"].reason == "no nvidia-cuda-mps-control on PATH"

@@ -78,7 +78,7 @@ def test_the_bench_measures_every_present_backend_and_reports_each(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     results = json.loads((out / "gpu-bench.json").read_text())
     present = [b["name"] for b in results["plan"]["backends"] if b["present"]]
-    assert present == ["time-sliced", "interposer", "mps"]
+    assert present == ["time-sliced", "interposer", "interposer-memory", "mps"]
     steps = {(s["scenario"], s["backend"], s["run"]) for s in results["plan"]["steps"]}
     measured = {(m["scenario"], m["backend"], m["run"]) for m in results["measurements"]}
     assert measured == steps
@@ -87,8 +87,10 @@ def test_the_bench_measures_every_present_backend_and_reports_each(
     def aggregate(backend: str) -> float:
         return sum(t["rate"] for t in by[("pair", backend, 0)]["tenants"])
 
-    # the SM limit reached the interposer's tenants: the stand-in throttles them 100x
+    # the SM limit reached the interposer's tenants: the stand-in throttles them 100x; the
+    # memory-only interposer's tenants run unthrottled
     assert 0 < aggregate("interposer") < aggregate("time-sliced") / 5
+    assert aggregate("interposer-memory") > aggregate("interposer") * 5
     crowd = by[("start", "time-sliced", 1)]["tenants"]
     assert len(crowd) == 3
     for tenant in crowd:
@@ -149,11 +151,12 @@ def test_gpu_proofs_mps_part_proves_a_v3_namespace_and_stops_its_daemon(
     )  # fmt: skip
     out = done.stdout
     assert "namespaces=True" in out, out
-    # the stand-in driver ignores MPS caps: every capped client runs uncapped, and the
-    # script says FAIL for each, the namespace's too (exit 1): the bar is the real one
-    assert done.returncode == 1, out
+    # the stand-in driver ignores MPS caps, so whether a capped client passes the bar is
+    # the machine's noise here: the verdicts are not asserted, that they were given is
+    assert done.returncode in (0, 1), out  # 2: the daemon or a client could not run
     line = next(x for x in out.splitlines() if "v3 namespace" in x)
-    assert line.startswith("mps: FAIL v3 namespace ") and "capped at 30 %" in line
+    assert line.startswith(("mps: ok   v3 namespace ", "mps: FAIL v3 namespace "))
+    assert "capped at 30 % (nothing in the client's env)" in line
     assert f"{scratch}/mps/pipe/gpushare/proof30" in line
     state = json.loads((scratch / "mps" / "pipe" / "standin-state.json").read_text())
     assert state["protocol"] == 3

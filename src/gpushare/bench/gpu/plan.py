@@ -6,8 +6,11 @@ The backends are the combinations an operator can choose per card (docs/choosing
 * ``time-sliced``: plain concurrent processes, nothing limited (NVIDIA's time-sliced
   replicas); every machine with a card has it.
 * ``interposer``: HAMi-core's ``libvgpu.so`` by ``LD_PRELOAD``, memory
-  (``CUDA_DEVICE_MEMORY_LIMIT_0``) and compute (``CUDA_DEVICE_SM_LIMIT``): what HAMi
-  ships, the "HAMi" rows of NVIDIA Dynamo's figures.
+  (``CUDA_DEVICE_MEMORY_LIMIT_0``) and compute (``CUDA_DEVICE_SM_LIMIT``): what gpushare
+  hands a container with ``vcuda-memory`` and ``vcuda-core``.
+* ``interposer-memory``: HAMi-core's memory limit alone, compute time-sliced (no SM
+  limit): the "HAMi" setting of NVIDIA Dynamo's figures and of HAMi's own comparison
+  with time-slicing.
 * ``mps``: an MPS control daemon, compute by active-thread percentage and memory by the
   pinned limit (v3 namespaces where the driver has them, else each client's env).
 * ``driver``: the driver's per-cgroup memory limit (r615+, set by gpushare's memory hook
@@ -25,7 +28,7 @@ from typing import Any
 
 from gpushare.bench.gpu.facts import DRIVER_LIMITS_MAJOR, Card, Facts
 
-BACKENDS = ("time-sliced", "interposer", "mps", "driver", "driver+mps")
+BACKENDS = ("time-sliced", "interposer", "interposer-memory", "mps", "driver", "driver+mps")
 #: Estimated seconds a tenant takes to start (interpreter, cuInit, context, module JIT).
 SPAWN_S = 2.0
 #: Estimated seconds a pressure run spends allocating (the aggressor, then the victim).
@@ -35,7 +38,7 @@ START_ONE_S, START_CROWD_S = 3.0, 12.0
 #: Estimated seconds an MPS control daemon takes to start and stop.
 MPS_S = 2.0
 #: What ``make gpu-bench`` must fit in with ``make gpu-proof`` beside it (600 s a call).
-BUDGET_S = 420.0
+BUDGET_S = 450.0
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,8 @@ def _backends(facts: Facts) -> tuple[Backend, ...]:
         Backend("time-sliced", "nothing", "time-slicing", True, ""),
         Backend("interposer", "HAMi-core", "HAMi-core SM limit", not interposer_why,
                 interposer_why),
+        Backend("interposer-memory", "HAMi-core", "time-slicing (no SM limit)",
+                not interposer_why, interposer_why),
         Backend("mps", mps_memory, "MPS active threads", not mps_why, mps_why or mps_note),
         Backend("driver", limits, "time-slicing", not driver_why, driver_why),
         Backend("driver+mps", limits, "MPS active threads", not both_why,

@@ -3,7 +3,8 @@ as gpushare's Allocate answers and hooks would make them for a container.
 
 * ``none`` (a dedicated card) and ``time-sliced``: the card named, nothing limited.
 * ``interposer``: ``LD_PRELOAD`` of HAMi-core's ``libvgpu.so`` with the memory limit,
-  the SM limit and an accounting file of the tenant's own (one container each).
+  the SM limit and an accounting file of the tenant's own (one container each);
+  ``interposer-memory`` the same with the SM limiter off.
 * ``mps`` / ``driver+mps``: a control daemon started here through gpushare's own
   :class:`~gpushare.host.mps.MpsControl` (pipe and log directories under the scratch
   directory) and stopped at the end; each tenant in its own v3 namespace capped at its
@@ -191,6 +192,14 @@ class Interposer(Tenancy):
         }
 
 
+class InterposerMemory(Interposer):
+    """HAMi-core's memory limit alone: its SM limiter off, compute time-sliced."""
+
+    def env(self, name: str) -> dict[str, str]:
+        return {**super().env(name), "CUDA_DEVICE_SM_LIMIT": "0",
+                "GPU_CORE_UTILIZATION_POLICY": "disable"}  # fmt: skip
+
+
 class DriverLimits(Tenancy):
     """A cgroup per tenant, its hard limit set by the memory hook before ``cuInit``."""
 
@@ -373,6 +382,7 @@ KINDS: dict[str, type[Tenancy]] = {
     "none": Tenancy,
     "time-sliced": Tenancy,
     "interposer": Interposer,
+    "interposer-memory": InterposerMemory,
     "mps": Mps,
     "driver": DriverLimits,
     "driver+mps": DriverMps,

@@ -167,6 +167,36 @@ def test_gpu_proofs_mps_part_proves_a_v3_namespace_and_stops_its_daemon(
     assert not pid_alive(pid)
 
 
+def test_a_run_cut_short_leaves_the_results_so_far(machine: Path, tmp_path: Path) -> None:
+    """The device call's limit can end a run: the results file is saved after every step,
+    and a SIGTERM unwinds (the report rebuilds from what was saved)."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpushare.bench.gpu", "--out", str(out), "--backends",
+         "time-sliced", "--interposer", str(tmp_path / "none"), "--runs", "3", "--seconds",
+         "0.2", "--warmup", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(machine),
+        cwd=ROOT,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("gpu-bench: time-sliced pair run 0:"):
+            proc.terminate()
+            break
+    proc.communicate(timeout=120)
+    assert proc.returncode == 128 + 15, "".join(seen)
+    saved = json.loads((out / "gpu-bench.json").read_text())
+    assert saved["notes"] == ["partial: the run did not finish"]
+    scenarios = [(m["scenario"], m["backend"]) for m in saved["measurements"]]
+    assert ("pair", "time-sliced") in scenarios and ("control", "none") not in scenarios
+    again = subprocess.run([sys.executable, "-m", "gpushare.bench.gpu", "--table",
+                            str(out / "gpu-bench.json")], capture_output=True, text=True,
+                           env=env(machine), check=True, timeout=60)  # fmt: skip
+    assert "| time-sliced | nothing | time-slicing |" in again.stdout
+
+
 def _tenant(script: str) -> Running:
     pipe = subprocess.PIPE
     proc = subprocess.Popen(["sh", "-c", script], stdin=pipe, stdout=pipe,

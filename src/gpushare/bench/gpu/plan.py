@@ -43,7 +43,8 @@ BUDGET_S = 450.0
 
 @dataclass(frozen=True)
 class Settings:
-    runs: int = 3  # of each throughput measurement
+    runs: int = 3  # of each throughput measurement (dedicated, pair)
+    alone_runs: int = 1  # one tenant alone at its share: informative, one run
     pressure_runs: int = 1
     seconds: float = 3.0  # each counted window
     warmup: float = 1.5  # launches before the window (clocks up, module loaded)
@@ -185,9 +186,9 @@ def decide(facts: Facts, settings: Settings = Settings()) -> Plan:
         steps.append(Step("python", "none", 0, 1, 1.0))
         for backend in (b for b in backends if b.present):
             window = SPAWN_S + settings.warmup_for(backend.name) + settings.seconds
-            for run in range(settings.runs):
-                steps.append(Step("alone", backend.name, run, 1, window))
-                steps.append(Step("pair", backend.name, run, 2, window))
+            steps += [Step("alone", backend.name, r, 1, window)
+                      for r in range(settings.alone_runs)]  # fmt: skip
+            steps += [Step("pair", backend.name, r, 2, window) for r in range(settings.runs)]
             steps += [Step("pressure", backend.name, r, 2, window + ALLOC_S)
                       for r in range(settings.pressure_runs)]  # fmt: skip
             steps.append(Step("start", backend.name, 0, 1, START_ONE_S))

@@ -17,7 +17,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
@@ -48,8 +48,12 @@ def _header(facts: facts_mod.Facts, plan: plan_mod.Plan, began: datetime) -> lis
     return lines
 
 
+#: Called after each step with its measurement and how long it took.
+StepDone = Callable[[Measurement, float], None]
+
+
 def execute(plan: plan_mod.Plan, context: Context, library: str, deadline: float,
-            log: Any = print) -> tuple[list[Measurement], list[str]]:  # fmt: skip
+            log: StepDone) -> tuple[list[Measurement], list[str]]:  # fmt: skip
     """Every step of the plan, backend by backend (each set up once, undone after); the
     measurements and the notes (setup, teardown, skips)."""
     kernel = Kernel(library, plan.settings)
@@ -68,7 +72,7 @@ def execute(plan: plan_mod.Plan, context: Context, library: str, deadline: float
 
 def _backend_steps(backend: plan_mod.Backend | None, steps: Sequence[plan_mod.Step],
                    context: Context, kernel: Kernel, deadline: float, notes: list[str],
-                   log: Any) -> list[Measurement]:  # fmt: skip
+                   log: StepDone) -> list[Measurement]:  # fmt: skip
     name = backend.name if backend else "none"
     done: list[Measurement] = []
     if not steps:
@@ -91,11 +95,10 @@ def _backend_steps(backend: plan_mod.Backend | None, steps: Sequence[plan_mod.St
                 except Exception as exc:  # one step's failure is reported, not fatal
                     m = Measurement(step.scenario, step.backend, step.run, (), error=repr(exc))
                 done.append(m)
-                log(f"gpu-bench: {step.backend} {step.scenario} run {step.run}: "
-                    f"{_brief(m)} ({time.monotonic() - began:.1f} s)")  # fmt: skip
+                log(m, time.monotonic() - began)
     except TenancyError as exc:
         notes.append(f"{name}: cannot be set up: {exc}")
-        log(f"gpu-bench: {name}: cannot be set up: {exc}")
+        print(f"gpu-bench: {name}: cannot be set up: {exc}", flush=True)
         done += [Measurement(s.scenario, s.backend, s.run, (), error=f"setup: {exc}")
                  for s in steps if not any(m.scenario == s.scenario and m.run == s.run
                                            for m in done)]  # fmt: skip
@@ -195,24 +198,47 @@ def main(argv: Sequence[str] | None = None) -> int:
                       if facts.interposer else "", hook=os.path.abspath(facts.hook)
                       if facts.hook else "", limits_backend=facts.limits_backend,
                       mps_control=facts.mps_control)  # fmt: skip
+    so_far: list[Measurement] = []
+
+    def step_done(m: Measurement, seconds: float) -> None:
+        so_far.append(m)  # saved as it goes (before it is said): a run cut short keeps it
+        _save(out, _results(facts, plan, began, so_far, ["partial: the run did not finish"]))
+        print(f"gpu-bench: {m.backend} {m.scenario} run {m.run}: {_brief(m)} ({seconds:.1f} s)",
+              flush=True)  # fmt: skip
+
     with _nvml_held() as held:
         measurements, notes = execute(plan, context, args.library,
-                                      time.monotonic() + args.deadline)  # fmt: skip
-    notes.insert(0, held)
-    results = {
+                                      time.monotonic() + args.deadline, step_done)  # fmt: skip
+    results = _results(facts, plan, began, measurements, [held, *notes])
+    _save(out, results)
+    text = report(results)
+    (out / "gpu-bench.md").write_text(text)
+    print(text, flush=True)
+    return 0 if all(m.ok for m in measurements) else 1
+
+
+def _results(
+    facts: facts_mod.Facts,
+    plan: plan_mod.Plan,
+    began: datetime,
+    measurements: Sequence[Measurement],
+    notes: Sequence[str],
+) -> dict[str, Any]:
+    return {
         "began": began.isoformat(),
         "ended": datetime.now(UTC).isoformat(),
         "header": _header(facts, plan, began),
         "facts": facts.to_json(),
         "plan": plan.to_json(),
         "measurements": [m.to_json() for m in measurements],
-        "notes": notes,
+        "notes": list(notes),
     }
-    (out / "gpu-bench.json").write_text(json.dumps(results, indent=1) + "\n")
-    text = report(results)
-    (out / "gpu-bench.md").write_text(text)
-    print(text, flush=True)
-    return 0 if all(m.ok for m in measurements) else 1
+
+
+def _save(out: Path, results: dict[str, Any]) -> None:
+    tmp = out / "gpu-bench.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1) + "\n")
+    tmp.replace(out / "gpu-bench.json")
 
 
 @contextlib.contextmanager

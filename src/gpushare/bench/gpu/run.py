@@ -112,7 +112,8 @@ def _brief(m: Measurement) -> str:
         return f"FAILED {m.error}"
     parts = []
     for t in m.tenants[:3]:
-        what = f"{t.rate:.1f}/s" if t.rate else f"{t.stages.get('first_kernel', 0):.2f} s"
+        stage = "first_kernel" if "first_kernel" in t.stages else "main"
+        what = f"{t.rate:.1f}/s" if t.rate else f"{stage} at {t.stages.get(stage, 0.0):.2f} s"
         if t.asked_mib:
             what += f", {t.allocated_mib}/{t.asked_mib} MiB"
         parts.append(f"{t.role} {what}" + (f" ERROR {t.error}" if t.error else ""))

@@ -167,6 +167,28 @@ def test_gpu_proofs_mps_part_proves_a_v3_namespace_and_stops_its_daemon(
     assert not pid_alive(pid)
 
 
+def test_a_backend_that_cannot_be_set_up_is_reported_and_the_others_run(
+    machine: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "gpushare.bench.gpu", "--out", str(out), "--backends",
+         "time-sliced,mps", "--interposer", str(tmp_path / "none"), "--runs", "1",
+         "--seconds", "0.1", "--warmup", "0", "--crowd", "2"],
+        capture_output=True, text=True, env=env(machine, STANDIN_MPS_FAIL_START="1"),
+        timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout[-2000:]
+    results = json.loads((out / "gpu-bench.json").read_text())
+    mps = [m for m in results["measurements"] if m["backend"] == "mps"]
+    assert mps and all(m["error"].startswith("setup: MPS control daemon: ") for m in mps)
+    sliced = [m for m in results["measurements"] if m["backend"] == "time-sliced"]
+    assert sliced and all(not m["error"] for m in sliced)
+    assert any(n.startswith("mps: cannot be set up: MPS control daemon") for n in results["notes"])
+    report = (out / "gpu-bench.md").read_text()
+    assert "- pair mps run 0: setup: MPS control daemon: " in report
+
+
 def test_a_run_cut_short_leaves_the_results_so_far(machine: Path, tmp_path: Path) -> None:
     """The device call's limit can end a run: the results file is saved after every step,
     and a SIGTERM unwinds (the report rebuilds from what was saved)."""

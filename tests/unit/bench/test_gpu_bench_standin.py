@@ -189,6 +189,28 @@ def test_a_backend_that_cannot_be_set_up_is_reported_and_the_others_run(
     assert "- pair mps run 0: setup: MPS control daemon: " in report
 
 
+def test_under_mps_v3_each_tenant_gets_a_namespace_capped_at_its_share(
+    machine: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "gpushare.bench.gpu", "--out", str(out), "--backends", "mps",
+         "--interposer", str(tmp_path / "none"), "--runs", "1", "--seconds", "0.1",
+         "--warmup", "0", "--crowd", "2"],
+        capture_output=True, text=True, env=env(machine, STANDIN_MPS_V3="1"), timeout=300,
+        cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    capped = [line.split() for line in done.stdout.splitlines() if "mps_namespace_capped" in line]
+    named = {w.split("=", 1)[1] for words in capped for w in words if w.startswith("namespace=")}
+    assert {"pair-0-a", "pair-0-b", "pressure-0-aggressor", "pressure-0-victim"} <= named
+    assert all("percent=50" in words and "mib=2048" in words for words in capped)
+    results = json.loads((out / "gpu-bench.json").read_text())
+    mps = next(b for b in results["plan"]["backends"] if b["name"] == "mps")
+    assert (mps["memory"], mps["reason"]) == ("MPS pinned limit (namespace)", "v3 namespaces")
+    assert not any("env caps used" in n for n in results["notes"])  # no fallback was needed
+
+
 def test_a_run_cut_short_leaves_the_results_so_far(machine: Path, tmp_path: Path) -> None:
     """The device call's limit can end a run: the results file is saved after every step,
     and a SIGTERM unwinds (the report rebuilds from what was saved)."""

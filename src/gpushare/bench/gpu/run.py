@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -207,9 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gpu-bench: {m.backend} {m.scenario} run {m.run}: {_brief(m)} ({seconds:.1f} s)",
               flush=True)  # fmt: skip
 
-    with _nvml_held() as held:
-        measurements, notes = execute(plan, context, args.library,
-                                      time.monotonic() + args.deadline, step_done)  # fmt: skip
+    try:
+        with _nvml_held() as held:
+            measurements, notes = execute(plan, context, args.library,
+                                          time.monotonic() + args.deadline, step_done)  # fmt: skip
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)  # accounting files, MPS directories
     results = _results(facts, plan, began, measurements, [held, *notes])
     _save(out, results)
     text = report(results)

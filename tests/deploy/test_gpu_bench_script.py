@@ -5,6 +5,7 @@ only its log; a recorded card on PATH is read into both."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +77,24 @@ def test_a_recorded_card_is_read_by_both_parts(tmp_path: Path) -> None:
 def test_a_bad_option_is_a_usage_error() -> None:
     result = subprocess.run([str(SCRIPT), "--bogus"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 2 and "usage:" in result.stderr
+
+
+#: nvidia-smi's options that change a card (MIG, persistence, clocks, power, compute
+#: mode, ECC, reset): none may appear in what make gpu-bench runs.
+SETTING = re.compile(
+    r"(?<![\w-])(-mig|--multi-instance-gpu|-pm|--persistence-mode|-lgc|-rgc|-lmc|-rmc|"
+    r"--lock-gpu-clocks|--reset-gpu-clocks|-ac|-rac|--applications-clocks|-pl|"
+    r"--power-limit|-c|--compute-mode|-e|--ecc-config|-r|--gpu-reset|-am|-caa)(?![\w-])"
+)
+
+
+def test_nothing_it_runs_asks_nvidia_smi_to_change_a_card() -> None:
+    sources = [
+        ROOT / "scripts" / n
+        for n in ("gpu-bench.sh", "gpu-proof.sh", "gpu-bench-prepare.sh", "gpu-proof-mps.py")
+    ]
+    sources += sorted((ROOT / "src" / "gpushare" / "bench" / "gpu").glob("*.py"))
+    calls = [line for path in sources for line in path.read_text().splitlines()
+             if "nvidia-smi" in line]  # fmt: skip
+    assert any("--query-gpu" in line for line in calls)  # the scan sees the real calls
+    assert [line for line in calls if SETTING.search(line.split("nvidia-smi", 1)[1])] == []

@@ -5,7 +5,8 @@ prints a recorded card and logs how it was called.
 
 What it shows: every step of the plan produces a measurement and the report has its
 rows; the interposer's environment reaches its tenants (the throttled stand-in runs far
-slower than time-slicing); the MPS daemon it started is stopped; the driver backend is
+slower than time-slicing); under MPS v3 each tenant gets a namespace capped at its share;
+the MPS daemon it started is stopped; the driver backend is
 reported absent with its reason; nvidia-smi is only ever queried; and make gpu-proof's
 MPS part proves a v3 namespace through gpushare's own MpsControl where the daemon has
 them, and stops its daemon.
@@ -73,7 +74,8 @@ def test_the_bench_measures_every_present_backend_and_reports_each(
          "--interposer", str(machine / "libvgpu.so"), "--hook", str(tmp_path / "none"),
          "--runs", "1", "--seconds", "0.3", "--warmup", "0.1", "--interposer-warmup", "0.1",
          "--crowd", "3"],
-        capture_output=True, text=True, env=env(machine), timeout=300, cwd=ROOT,
+        capture_output=True, text=True, env=env(machine, STANDIN_MPS_V3="1"), timeout=300,
+        cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     results = json.loads((out / "gpu-bench.json").read_text())
@@ -99,6 +101,15 @@ def test_the_bench_measures_every_present_backend_and_reports_each(
         assert stages == sorted(stages) and stages[0] > 0
     victim = by[("pressure", "time-sliced", 0)]["tenants"][1]
     assert (victim["role"], victim["asked_mib"], victim["allocated_mib"]) == ("victim", 1638, 1638)
+    # under MPS v3 each tenant had a namespace of its own, capped at its share before it
+    # started (no fallback to caps in its env), forgotten after
+    capped = [line.split() for line in done.stdout.splitlines() if "mps_namespace_capped" in line]
+    named = {w.split("=", 1)[1] for words in capped for w in words if w.startswith("namespace=")}
+    assert {"pair-0-a", "pair-0-b", "pressure-0-aggressor", "pressure-0-victim"} <= named
+    assert all("percent=50" in words and "mib=2048" in words for words in capped)
+    mps = next(b for b in results["plan"]["backends"] if b["name"] == "mps")
+    assert (mps["memory"], mps["reason"]) == ("MPS pinned limit (namespace)", "v3 namespaces")
+    assert not any("env caps used" in n for n in results["notes"])
     # the MPS daemon it started is stopped again
     assert any("mps: MPS control daemon stopped" in n and "alive after stop: False" in n
                for n in results["notes"])  # fmt: skip
@@ -187,28 +198,6 @@ def test_a_backend_that_cannot_be_set_up_is_reported_and_the_others_run(
     assert any(n.startswith("mps: cannot be set up: MPS control daemon") for n in results["notes"])
     report = (out / "gpu-bench.md").read_text()
     assert "- pair mps run 0: setup: MPS control daemon: " in report
-
-
-def test_under_mps_v3_each_tenant_gets_a_namespace_capped_at_its_share(
-    machine: Path, tmp_path: Path
-) -> None:
-    out = tmp_path / "out"
-    done = subprocess.run(
-        [sys.executable, "-m", "gpushare.bench.gpu", "--out", str(out), "--backends", "mps",
-         "--interposer", str(tmp_path / "none"), "--runs", "1", "--seconds", "0.1",
-         "--warmup", "0", "--crowd", "2"],
-        capture_output=True, text=True, env=env(machine, STANDIN_MPS_V3="1"), timeout=300,
-        cwd=ROOT,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:]
-    capped = [line.split() for line in done.stdout.splitlines() if "mps_namespace_capped" in line]
-    named = {w.split("=", 1)[1] for words in capped for w in words if w.startswith("namespace=")}
-    assert {"pair-0-a", "pair-0-b", "pressure-0-aggressor", "pressure-0-victim"} <= named
-    assert all("percent=50" in words and "mib=2048" in words for words in capped)
-    results = json.loads((out / "gpu-bench.json").read_text())
-    mps = next(b for b in results["plan"]["backends"] if b["name"] == "mps")
-    assert (mps["memory"], mps["reason"]) == ("MPS pinned limit (namespace)", "v3 namespaces")
-    assert not any("env caps used" in n for n in results["notes"])  # no fallback was needed
 
 
 def test_a_run_cut_short_leaves_the_results_so_far(machine: Path, tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ root disabled again.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import queue
@@ -59,6 +60,7 @@ class Context:
     limits_backend: str = ""  # "dmem" or "misc"
     mps_control: str = ""
     python: str = sys.executable
+    cgroup_root: Path = CGROUP_ROOT  # where cgroup v2 is mounted
 
 
 @dataclass
@@ -207,7 +209,8 @@ class DriverLimits(Tenancy):
 
     def __init__(self, backend: Backend | None, context: Context) -> None:
         super().__init__(backend, context)
-        self.parent = CGROUP_ROOT / f"gpushare-bench-{os.getpid()}"
+        self.root = context.cgroup_root
+        self.parent = self.root / f"gpushare-bench-{os.getpid()}"
         self._enabled_dmem_at_root = False
 
     def __enter__(self) -> DriverLimits:
@@ -216,7 +219,7 @@ class DriverLimits(Tenancy):
             raise TenancyError("no memory hook program")
         try:
             if self.context.limits_backend == "dmem":
-                self._enable_dmem(CGROUP_ROOT, at_root=True)
+                self._enable_dmem(self.root, at_root=True)
             self.parent.mkdir()
             if self.context.limits_backend == "dmem":
                 self._enable_dmem(self.parent, at_root=False)
@@ -228,13 +231,13 @@ class DriverLimits(Tenancy):
     def _enable_dmem(self, cgroup: Path, *, at_root: bool) -> None:
         """Leaves get ``dmem.*`` files only where their parent enabled the controller."""
         control = cgroup / "cgroup.subtree_control"
-        if "dmem" in control.read_text().split():
-            return
+        with contextlib.suppress(FileNotFoundError):  # then nothing is enabled; the write says
+            if "dmem" in control.read_text().split():
+                return
         control.write_text("+dmem")
         if at_root:
             self._enabled_dmem_at_root = True
-            self.notes.append("enabled +dmem in /sys/fs/cgroup/cgroup.subtree_control "
-                              "(disabled again at the end)")  # fmt: skip
+            self.notes.append(f"enabled +dmem in {control} (disabled again at the end)")
 
     def __exit__(self, *exc: object) -> None:
         with contextlib.suppress(OSError):
@@ -244,7 +247,7 @@ class DriverLimits(Tenancy):
             _rmdir_when_empty(self.parent)
         if self._enabled_dmem_at_root:
             try:
-                (CGROUP_ROOT / "cgroup.subtree_control").write_text("-dmem")
+                (self.root / "cgroup.subtree_control").write_text("-dmem")
             except OSError as why:
                 self.notes.append(f"could not disable +dmem at the root again: {why}")
 
@@ -367,14 +370,15 @@ def _mps_dirs(control: MpsControl) -> dict[str, str]:
 
 
 def _rmdir_when_empty(cgroup: Path, attempts: int = 50) -> None:
-    """A cgroup can be removed once its last process is reaped: a few tries."""
+    """A cgroup can be removed once its last process is reaped (until then: EBUSY): a
+    few tries; any other refusal is final."""
     for _ in range(attempts):
         try:
             cgroup.rmdir()
             return
-        except FileNotFoundError:
-            return
-        except OSError:
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                return
             time.sleep(0.02)
 
 

@@ -42,7 +42,10 @@ mkdir -p "$OUTDIR"
 # absolute: the interposer is named in LD_PRELOAD, which a tenant reads from its own cwd
 case "$PREPARED" in /*) ;; *) PREPARED="$PWD/$PREPARED" ;; esac
 exec > >(tee -a "$OUTDIR/gpu-bench.log") 2>&1
+TEE=$!
 say() { echo "gpu-bench: $*"; }
+# the log is whole before the call returns: close tee's input and wait for it
+end() { exec >/dev/null 2>&1; wait "$TEE" 2>/dev/null; exit "$1"; }
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if ! "$PY" -c 'import structlog, pynvml' 2>/dev/null; then
   if ls "$PREPARED"/wheels/*.whl >/dev/null 2>&1; then
@@ -66,6 +69,6 @@ say "--- part 2: python -m gpushare.bench.gpu, steps until ${LEFT} s from now"
   --hook "$PREPARED/gpushare-memory-hook" --deadline "$LEFT" "$@"
 BENCH=$?
 say "done in $(( $(date +%s) - START )) s: gpu-proof exit $PROOF, gpu-bench exit $BENCH"
-[ "$BENCH" -ne 0 ] && exit "$BENCH"
-[ "$PROOF" -ne 0 ] && exit 1
-exit 0
+[ "$BENCH" -ne 0 ] && end "$BENCH"
+[ "$PROOF" -ne 0 ] && end 1
+end 0

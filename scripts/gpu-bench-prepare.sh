@@ -6,9 +6,8 @@
 #
 # HAMI_CORE_SOURCE: a HAMi-core source tree, or a git directory that holds
 # HAMI_CORE_COMMIT (default: the Dockerfile's pinned commit), such as a mirror of
-# github.com/Project-HAMi/HAMi-core. Default: $HAMI_CORE_SRC, else the mirror at
-# /work/.mirror/Project-HAMi+HAMi-core/repo where there is one. Without a source the
-# interposer is left out, and make gpu-bench reports it absent.
+# github.com/Project-HAMi/HAMi-core (a clone). Default: $HAMI_CORE_SRC. Without a source
+# the interposer is left out, and make gpu-bench reports it absent.
 #
 # Writes PREPARED (default .gpu-bench, added to the repository's .git/info/exclude so it
 # is never committed):
@@ -27,7 +26,6 @@ py="${PYTHON:-}"
 [ -n "$py" ] || { [ -x "$root/.venv/bin/python" ] && py="$root/.venv/bin/python" || py=python3; }
 commit="${HAMI_CORE_COMMIT:-$(sed -n 's/^ARG HAMI_CORE_COMMIT=\([0-9a-f]\{40\}\)$/\1/p' "$root/Dockerfile" | head -n 1)}"
 src="${1:-${HAMI_CORE_SRC:-}}"
-[ -n "$src" ] || { [ -d /work/.mirror/Project-HAMi+HAMi-core/repo ] && src=/work/.mirror/Project-HAMi+HAMi-core/repo; } || true
 mkdir -p "$out"
 exclude="$(git -C "$root" rev-parse --git-common-dir 2>/dev/null || true)"
 if [ -n "$exclude" ]; then

@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 PROTOS := $(shell find proto -name '*.proto')
 comma  := ,
 
-.PHONY: gpu-proof demo test test-slow lint bench scale simulate churn image image-local version manifests clean verify-pairing e2e e2e-build kubectl-plugin
+.PHONY: gpu-proof gpu-bench gpu-bench-prepare demo test test-slow lint bench scale simulate churn image image-local version manifests clean verify-pairing e2e e2e-build kubectl-plugin
 
 demo: $(VENV)/.installed  ## run the daemon on a simulated node with a simulated kubelet
 	$(BIN)/gpushare-demo
@@ -46,6 +46,22 @@ test-slow: $(VENV)/.installed-test  ## the full sizes left out of make test (mar
 # supports (interposer; driver on r615+ with cgroup v2). DRY=1: the facts and the plan only.
 gpu-proof: $(VENV)/.installed  ## prove the enforcement backends on this GPU machine
 	PYTHON=$(BIN)/python scripts/gpu-proof.sh $(if $(DRY),--dry-run)
+
+# On a GPU machine (root), in one call of at most 10 minutes (issue 42, docs/gpu-proof.md):
+# make gpu-proof's checks, then the figures users compare GPU sharing on, per backend
+# (throughput kept by two tenants at 50 %, isolation under pressure, start costs), into
+# $(OUT) (else gpu-bench-out/). Needs no venv and nothing from the network: GPU_PYTHON
+# (the machine's python3) with src/ on its path, and the folder make gpu-bench-prepare
+# made on the CPU machine (.gpu-bench: libvgpu.so, the memory hook, wheels). DRY=1: the
+# facts and the plan only. It changes no GPU setting; MPS daemons it starts it stops.
+GPU_PYTHON ?= python3
+gpu-bench:  ## issue 42's figures on this GPU machine (DRY=1: the facts and the plan only)
+	GPU_PYTHON=$(GPU_PYTHON) scripts/gpu-bench.sh $(if $(DRY),--dry-run)
+
+# On the CPU machine: build what make gpu-bench carries (HAMI_CORE_SRC: a HAMi-core tree or
+# a git directory holding the Dockerfile's pinned commit).
+gpu-bench-prepare: $(VENV)/.installed-test  ## build .gpu-bench/ (libvgpu.so, memory hook, wheels) for make gpu-bench
+	PYTHON=$(BIN)/python scripts/gpu-bench-prepare.sh $(HAMI_CORE_SRC)
 
 # make bench and make simulate write their reports into $(BENCH_OUT) (gitignored);
 # UPDATE_DOCS=1 also rewrites their sections of the tracked docs/benchmarks.md.

@@ -4,7 +4,11 @@ Starts the node's MPS control daemon through :class:`gpushare.host.mps.MpsContro
 pipe and log directories under a scratch host directory), runs the enforcement probe's
 kernel (``python -m gpushare.probe --spin``) as MPS clients with and without
 ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, two capped clients at once, then the probe's
-memory checks under ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``, and stops the daemon.
+memory checks under ``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT``; where the daemon speaks v3
+(r615+: ``-p 3 -h`` lists namespaces) the same through gpushare's own namespaces
+(``MpsControl.cap``: a namespace capped at 30 % and 1024 MiB before its client attaches,
+the client given only the namespace's pipe directory, no caps in its env); then it stops
+the daemon (also on SIGTERM: ``make gpu-bench`` cuts this part at a time limit).
 
     python3 scripts/gpu-proof-mps.py EXECUTABLE UUID [SCRATCH_DIR]
 
@@ -16,16 +20,59 @@ probe's bar), 1 otherwise, 2 when the daemon or a client could not run.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from gpushare.host.mps import MpsControl, MpsError
+from gpushare.host.mps import Cap, MpsControl, MpsError
 
 CAPS = (30, 60)
-SPIN = ["--spin", "--spin-seconds", "3", "--spin-warmup", "1"]
+#: Each client's counted run and warm-up, seconds (the tests shorten them on a stand-in).
+SPIN = ["--spin", "--spin-seconds", os.environ.get("GPU_PROOF_SPIN_SECONDS", "3"),
+        "--spin-warmup", os.environ.get("GPU_PROOF_SPIN_WARMUP", "1")]  # fmt: skip
+
+
+def namespaces(control: MpsControl, uuid: str, scratch: Path, free: float) -> int:
+    """A v3 namespace capped at 30 % and 1024 MiB pinned: its client's throughput against
+    an uncapped client, and the probe's memory checks in it. 0 held, 1 not, 2 no run."""
+    marker = scratch / "proof-namespace-marker"
+    marker.mkdir(exist_ok=True)
+    try:
+        pipe = control.cap("proof30", Cap(marker, CAPS[0], 1024))
+    except MpsError as exc:
+        print(f"mps: v3 namespace: cannot cap: {exc}")
+        return 2
+    env = {**control.env(), "NVIDIA_VISIBLE_DEVICES": uuid, "CUDA_MPS_PIPE_DIRECTORY": str(pipe)}
+    try:
+        spin = subprocess.run([sys.executable, "-m", "gpushare.probe", *SPIN], env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        try:
+            got = float(spin.stdout.strip().splitlines()[-1]) / free
+        except (IndexError, ValueError):
+            print(f"mps: v3 namespace: the client printed no rate: {spin.stderr.strip()[-300:]}")
+            return 2
+        ok = got <= CAPS[0] / 100 * 1.5 + 0.05
+        print(f"mps: {'ok  ' if ok else 'FAIL'} v3 namespace {pipe} capped at {CAPS[0]} % "
+              f"(nothing in the client's env): {got:.0%} of uncapped", flush=True)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "gpushare.probe", "--memory-backend", "driver",
+             "--limit-mib", "1024", "--spin-seconds", "0.5", "--spin-warmup", "0"],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        print(f"mps: the probe in the namespace capped at 1024 MiB pinned "
+              f"(exit {done.returncode}; informative):")  # fmt: skip
+        for line in (done.stdout + done.stderr).splitlines():
+            if not line.startswith("GPUSHARE-VERIFY"):
+                print(f"mps:   {line}")
+        return 0 if ok else 1
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        print(f"mps: v3 namespace: {exc}")
+        return 2
+    finally:
+        control.forget("proof30")
 
 
 def main(argv: list[str]) -> int:
@@ -88,6 +135,10 @@ def main(argv: list[str]) -> int:
         for line in (done.stdout + done.stderr).splitlines():
             if not line.startswith("GPUSHARE-VERIFY"):
                 print(f"mps:   {line}")
+        if control.capabilities.namespaces:
+            status = max(status, namespaces(control, uuid, scratch, free))
+        else:
+            print("mps: v3 namespaces: not offered by this daemon (-p 3 -h lists none)")
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
         print(f"mps: {exc}")
         status = 2
@@ -101,4 +152,6 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     os.umask(0o022)
+    # a SIGTERM (make gpu-bench's time limit) unwinds through main's finally: the daemon stops
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     sys.exit(main(sys.argv[1:]))

@@ -15,6 +15,10 @@
 #   mps         where nvidia-cuda-mps-control is found and MIG is off: gpushare's own
 #               MpsControl starts the daemon, capped clients run the probe's kernel
 #               (scripts/gpu-proof-mps.py; v3 namespaces only where the driver has them)
+# and says which of the driver's memory-limit backends it has (dmem: the kernel's cgroup
+# controller lists the card; misc: the driver's own map; RmMemacctMode read from
+# /proc/driver/nvidia/params). It changes no GPU setting; on dmem it enables the
+# controller at the cgroup root for its scratch cgroup if needed, and disables it after.
 # Options: --dry-run (print the facts that need no GPU and the plan, run nothing),
 # --library PATH (libvgpu.so; default build/gpu-proof/libvgpu.so), --hook PATH (default
 # build/gpu-proof/gpushare-memory-hook, built here with gcc if missing), --limit-mib N
@@ -49,6 +53,13 @@ if [ -r /sys/fs/cgroup/dmem.capacity ]; then
 else
   say "dmem.capacity: absent (the driver uses its misc backend, or has no memory limits)"
 fi
+# Which memory-limit backend the driver loaded with (RmMemacctMode: 0 off, 1 misc, 2 dmem,
+# 3 auto; unset: auto), and where dmem is the kernel's, whether it lists the cards
+MEMACCT=$(sed -n 's/.*RmMemacctMode=\([0-9xX]*\).*/\1/p' /proc/driver/nvidia/params 2>/dev/null | head -n 1)
+say "driver RmMemacctMode: ${MEMACCT:-not set (auto)}"
+if grep -q '^nvidia/' /sys/fs/cgroup/dmem.capacity 2>/dev/null; then LIMITS_BACKEND=dmem
+else LIMITS_BACKEND=misc; fi
+case "$MEMACCT" in 0|0x0) LIMITS_BACKEND=off ;; 1|0x1) LIMITS_BACKEND=misc ;; 2|0x2) LIMITS_BACKEND=dmem ;; esac
 DRIVER=""
 if command -v nvidia-smi >/dev/null 2>&1; then
   DRIVER=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)
@@ -79,9 +90,11 @@ if [ -z "$DRIVER" ]; then WHY_NOT_DRIVER="no driver"
 elif ! [ "$MAJOR" -ge 615 ] 2>/dev/null; then WHY_NOT_DRIVER="driver $DRIVER is older than r615"
 elif [ "$CGROUP_FS" != cgroup2fs ]; then WHY_NOT_DRIVER="no cgroup v2 at /sys/fs/cgroup"
 elif [ "$MIG" = Enabled ]; then WHY_NOT_DRIVER="MIG mode is on"
+elif [ "$LIMITS_BACKEND" = off ]; then WHY_NOT_DRIVER="the driver's memory accounting is off (RmMemacctMode=0)"
 else PLAN="$PLAN driver"; fi
 if [ -n "$MPS_CONTROL" ] && [ "$MIG" != Enabled ]; then PLAN="$PLAN mps"; fi
 say "backends to prove: $PLAN${WHY_NOT_DRIVER:+ (not driver: $WHY_NOT_DRIVER)}"
+case " $PLAN " in *" driver "*) say "driver memory limits expected on the $LIMITS_BACKEND backend" ;; esac
 if [ "$DRY" = 1 ]; then
   say "dry run: nothing run"
   exit 0
@@ -132,6 +145,14 @@ case " $PLAN " in *" driver "*)
     gcc -O2 -Wall -Wextra -o "$HOOK" hook/memory-hook.c -ldl || { say "cannot build the hook"; exit 2; }
   fi
   CG=/sys/fs/cgroup/gpushare-proof-$$
+  # on dmem a limit can be set only where the parent enabled the controller; enabled here
+  # only if it is not yet, and disabled again after
+  DMEM_ENABLED=0
+  if [ "$LIMITS_BACKEND" = dmem ] && ! grep -qw dmem /sys/fs/cgroup/cgroup.subtree_control; then
+    if echo +dmem > /sys/fs/cgroup/cgroup.subtree_control; then DMEM_ENABLED=1
+      say "enabled +dmem in /sys/fs/cgroup/cgroup.subtree_control (disabled again after)"
+    else say "could not enable +dmem at the cgroup root"; fi
+  fi
   mkdir "$CG" || { say "cannot make $CG"; exit 2; }
   FIFO=$OUTDIR/go.$$; mkfifo "$FIFO"
   # the probe's process enters the scratch cgroup, waits until the hook has set the limit
@@ -150,6 +171,11 @@ case " $PLAN " in *" driver "*)
     release_nvml
     say "hook time: ${COLD} ms as run (persistence mode above), ${HELD} ms with NVML held open (as the daemon holds it)"
     say "hook: limit set; nvidia-smi reads: $(nvidia-smi memory-limits --get -n "$CG" -i "$UUID" 2>&1 | tr '\n' ';')"
+    if [ -r "$CG/dmem.max" ]; then
+      say "driver memory limits: dmem backend ($CG/dmem.max: $(tr '\n' ';' < "$CG/dmem.max"))"
+    else
+      say "driver memory limits: misc backend ($CG has no dmem.max: the driver keeps the limit in its own map)"
+    fi
     echo go > "$FIFO"; wait $PROBE; code=$?
   else
     say "hook: FAILED (above); the probe is not run"; kill $PROBE 2>/dev/null; code=1
@@ -157,6 +183,9 @@ case " $PLAN " in *" driver "*)
   cat "$OUTDIR/driver.txt"; say "driver: probe exit $code"
   [ $code -eq 0 ] || status=1
   rm -f "$FIFO"; rmdir "$CG" 2>/dev/null
+  if [ "$DMEM_ENABLED" = 1 ]; then
+    echo -dmem > /sys/fs/cgroup/cgroup.subtree_control 2>/dev/null || say "could not disable +dmem again"
+  fi
   ;;
 esac
 case " $PLAN " in *" driver "*) ;; *)

@@ -1,0 +1,5 @@
+import sys
+
+from gpushare.bench.gpu.run import main
+
+sys.exit(main())

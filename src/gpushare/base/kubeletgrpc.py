@@ -102,12 +102,20 @@ class ServerLoop:
         return asyncio.run_coroutine_threadsafe(wrapper(), self.loop).result(timeout)
 
 
-def socket_identity(path: Path) -> tuple[int, int] | None:
+#: Which socket a path holds: its device, inode and change time (:func:`socket_identity`).
+SocketIdentity = tuple[int, int, int]
+
+
+def socket_identity(path: Path) -> SocketIdentity | None:
+    """Which socket is at ``path`` now (None: none): its device, inode and change time,
+    so that a socket made again, even on a reused inode, is told from the old one. The
+    one test of "is it still the same socket" of the process: our own served sockets,
+    the kubelet's registration socket (a kubelet restart makes it again)."""
     try:
         info = os.lstat(path)
     except OSError:
         return None
-    return info.st_dev, info.st_ino
+    return info.st_dev, info.st_ino, info.st_ctime_ns
 
 
 def clear_socket(path: Path) -> None:
@@ -129,7 +137,7 @@ class UnixSocket:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.hidden = path.with_name(f".{path.name}.{os.getpid()}-{id(self):x}")
-        self._made: tuple[int, int] | None = None
+        self._made: SocketIdentity | None = None
 
     def address(self) -> str:
         """Where the server binds: the hidden name, cleared of an earlier run's socket."""

@@ -175,11 +175,8 @@ class DraPart:
     def report_to(self, core: NodeCore) -> None:
         """Show what is prepared in the node's state and metrics (the core's card
         facts), and have the API link publish again after each change."""
-        core.card_facts.serve_dra(self.published(), self.shares)
-        core.collector.claim_holders = self.cache_holders  # names claims over the limit
-        link = core.api_link
-        if link is not None:
-            self.preparer.held.on_change = link.notify_changed
+        core.dra_serving(self.published(), self.shares, self.cache_holders)
+        self.preparer.held.on_change = core.state_changed
 
 
 def build_dra_part(

@@ -166,6 +166,10 @@ class GarbageCollector:
         #: driver when there is one: names the claim in ``cache_dir_over_limit``.
         self.claim_holders: Callable[[], dict[str, str]] | None = None
 
+    def name_claim_holders_with(self, holders: Callable[[], dict[str, str]]) -> None:
+        """The DRA driver serves: ``holders`` answers claim cache key -> its holder."""
+        self.claim_holders = holders
+
     def _log_bound(self) -> None:
         """Say once what bounds the space tenants can write (host/cachefs.py)."""
         found = bound(self.host_dir)

@@ -100,6 +100,13 @@ class _PendingPodAnnotation:
 
 
 class ApiLink:
+    """The API link's thread: the node's published state, the pod annotations, the pod
+    watch. ``label_facts``: what the node labels say (default: the shared cards only);
+    ``card_extras``: who holds what whole, the cards' own health and the cards not
+    shared (:class:`gpushare.node.cardfacts.CardFacts`; None: shared cards only);
+    ``restart``: who held units before a kubelet restart and is not listed since
+    (published as ``kubeletRestarted`` while any is; None: never said)."""
+
     def __init__(
         self,
         node_name: str,
@@ -112,6 +119,10 @@ class ApiLink:
         extra_labels: Mapping[str, str] | None = None,
         state_mode: str = "both",
         namespace: str = "",
+        *,
+        label_facts: LabelFacts | None = None,
+        card_extras: Callable[[], nodestate.CardExtras] | None = None,
+        restart: RestartHolders | None = None,
     ) -> None:
         self.extra_labels = dict(extra_labels or {})  # fixed at start (MIG: mig.labels)
         self.node_name = node_name
@@ -149,18 +160,15 @@ class ApiLink:
         self._forget_health: Any = None
         self.pods = PodWatch(lambda: self._api, node_name, book)
         book.on_miss = self.pods.refresh_now
-        #: What the node labels say (the daemon adds the cards of every mode, the driver).
-        self.label_facts = LabelFacts(gpus=[card.gpu for card in inventory.cards.values()])
+        self.label_facts = label_facts or LabelFacts(
+            gpus=[card.gpu for card in inventory.cards.values()]
+        )
         #: Also given this node's pods after every list and watch event (the use-gputype
         #: choices, gputype.py).
         self.pod_listeners: list[Callable[[list[dict[str, Any]]], None]] = []
         self.pods.on_pods = self._pods_changed
-        #: Who holds what whole, the cards' own health and the cards not shared
-        #: (:class:`gpushare.node.cardfacts.CardFacts`); None: shared cards only.
-        self.card_extras: Callable[[], nodestate.CardExtras] | None = None
-        #: who held units before a kubelet restart and is not listed since (published as
-        #: ``kubeletRestarted`` while any is); None: never said
-        self.restart: RestartHolders | None = None
+        self.card_extras = card_extras
+        self.restart = restart
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:

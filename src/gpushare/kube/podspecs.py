@@ -133,6 +133,12 @@ class PodSpecBook:
         self._lock = threading.Lock()
         self._pods: dict[str, _Entry] = {}  # by pod uid
 
+    def name_mig_resources_under(self, mig_prefix: str) -> None:
+        """For a book made before the node's settings were final (the fast suite hands
+        the daemon one): the prefix MIG devices are served under, known once the core
+        is built (before the daemon reads any pod)."""
+        self.mig_prefix = mig_prefix
+
     def _entry(self, pod: Mapping[str, Any]) -> tuple[str, _Entry | None]:
         """(uid, what to keep of the pod, or None when it holds no live GPU container)."""
         meta = pod.get("metadata") or {}

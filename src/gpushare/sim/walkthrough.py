@@ -206,7 +206,7 @@ def run(root: Path) -> str:
         core = daemon.core
         link = core.api_link
         assert link is not None
-        _wait(lambda: link.annotations_handled >= 3)  # train: two resources, notebook: one
+        _wait(lambda: link.annotator.handled >= 3)  # train: two resources, notebook: one
         link.published.clear()
         link.notify_changed()
         _wait(link.published.is_set)

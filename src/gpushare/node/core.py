@@ -252,13 +252,9 @@ def build_core(
     prepared = prepare_enforcement(settings)
     listing = device_listing(settings, found.gpus, found.mig_plan, found.dra_mig_cards)
     backends, enforcement = _card_enforcement(settings, found, modes, listing, prepared)
-    boards = _health_boards(found)
     whole = _whole_resources(settings, found, modes)
-    # With whole cards, shared units are offered from the cards' health and from
-    # whether a card is held whole (see exclusion.py).
-    availability = boards.health
-    if whole:
-        availability = HealthBoard(inventory.cards, event="gpu_offer_changed", level="info")
+    boards = _health_boards(found, inventory, whole)
+    availability = boards.availability
     usage = UsageLedger(inventory)
     mig_prefix = mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix)
     card_facts, pod_resources = _card_facts_and_records(
@@ -266,10 +262,7 @@ def build_core(
     )
     reaper, collector = _janitors(settings, enforcement.library, listing)
     exclusive_ledger = ExclusiveLedger()
-    if specs is not None:  # the fast suite hands in a book made before the settings
-        specs.name_mig_resources_under(mig_prefix)  # MIG resources not to mix with units
-    elif settings.node_name:
-        specs = PodSpecBook(settings.resource_prefix, mig_prefix)
+    specs = _spec_book(settings, specs, mig_prefix)
     core = NodeCore(
         settings=settings,
         found=found,
@@ -301,6 +294,18 @@ def build_core(
     return core
 
 
+def _spec_book(
+    settings: Settings, given: PodSpecBook | None, mig_prefix: str
+) -> PodSpecBook | None:
+    """The pod specs the doors read: the book handed in (the fast suite's, made before
+    the settings were final: it learns the prefix of the MIG resources a container must
+    not mix with units), else, with a node name, one the API link's pod watch fills."""
+    if given is not None:
+        given.name_mig_resources_under(mig_prefix)
+        return given
+    return PodSpecBook(settings.resource_prefix, mig_prefix) if settings.node_name else None
+
+
 def _card_enforcement(
     settings: Settings,
     found: Discovered,
@@ -328,9 +333,10 @@ class _Boards:
     mig: HealthBoard  # MIG cards and devices served by the device plugin, by UUID
     #: a card in MIG mode given to DRA -> its MIG devices
     dra_mig_of: dict[str, tuple[MigDevice, ...]]
+    availability: HealthBoard  # whether each card's shared units can be offered now
 
 
-def _health_boards(found: Discovered) -> _Boards:
+def _health_boards(found: Discovered, inventory: Inventory, whole: list[WholeResource]) -> _Boards:
     # The cards' own health; a card in MIG mode given to DRA brings its MIG devices too
     # (the DRA driver publishes each, and an XID naming its GPU instance is its alone).
     dra_mig_of = {card.uuid: card.mig_devices for card in found.dra_mig_cards}
@@ -338,7 +344,14 @@ def _health_boards(found: Discovered) -> _Boards:
         [g.uuid for g in found.gpus + found.dra_mig_cards]
         + [d.uuid for devices in dra_mig_of.values() for d in devices]
     )
-    return _Boards(health, HealthBoard(mig.health_keys(found.mig_plan)), dra_mig_of)
+    # With whole cards, shared units are offered from the cards' health and from
+    # whether a card is held whole (see exclusion.py).
+    availability = health
+    if whole:
+        availability = HealthBoard(inventory.cards, event="gpu_offer_changed", level="info")
+    return _Boards(
+        health, HealthBoard(mig.health_keys(found.mig_plan)), dra_mig_of, availability
+    )
 
 
 def _whole_resources(

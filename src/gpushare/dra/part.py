@@ -201,42 +201,12 @@ def build_dra_part(
     ``pcie_roots`` (card UUID -> root) default to what sysfs says."""
     if not node_name:
         raise ValueError("the DRA driver needs the node's name (NODE_NAME / --node-name)")
-    roots = (
-        dict(pcie_roots)
-        if pcie_roots is not None
-        else {g.uuid: r for g in gpus if (r := pcie_root(g.pci_bus_id)) is not None}
+    devices = _devices(
+        gpus, settings.memory_unit_mib, board, enforcement, driver_version, pcie_roots
     )
-    default = "interposer" if enforcement.library is not None else "none"
-    backends = {
-        g.uuid: (enforcement.memory.get(g.uuid, default), enforcement.compute.get(g.uuid, default))
-        for g in gpus
-    }
-    devices = offered_devices(
-        gpus,
-        settings.memory_unit_mib,
-        driver_version=driver_version,
-        pcie_roots=roots,
-        enforcement=backends,
-    )
-    missing = sorted({k for d in devices for k in health_keys(d)} - set(board.cards()))
-    if missing:
-        raise ValueError(f"the health board holds no entry for {', '.join(missing)}")
-    by_name = {d.name: d for d in devices}
     driver = settings.dra_driver
-    state_dir = Path(settings.dra_state_dir) if settings.dra_state_dir else host_lib_dir / "dra"
-    preparer = ClaimPreparer(
-        api=api,
-        driver=driver,
-        pool=node_name,
-        devices=lambda: by_name,
-        health=board,
-        enforcement=enforcement,
-        listing=listing,
-        unit_mib=settings.memory_unit_mib,
-        host_lib_dir=host_lib_dir,
-        cdi_dir=Path(settings.dra_cdi_dir),
-        state_dir=state_dir,
-        mps=mps,
+    preparer = _preparer(
+        settings, devices, board, enforcement, listing, host_lib_dir, api, node_name, mps
     )
     publisher = SlicePublisher(
         api=api,
@@ -257,6 +227,66 @@ def build_dra_part(
         observe=observe,
     )
     return DraPart(devices, publisher, server, preparer, [g.uuid for g in gpus])
+
+
+def _preparer(
+    settings: Settings,
+    devices: Sequence[Offered],
+    board: HealthBoard,
+    enforcement: Enforcement,
+    listing: DeviceListing,
+    host_lib_dir: Path,
+    api: ApiClient,
+    node_name: str,
+    mps: MpsGrants | None,
+) -> ClaimPreparer:
+    """The prepare side of the driver, its checkpoint in ``--dra-state-dir`` (default:
+    ``dra`` under the host directory) and its claims' CDI specs in ``--dra-cdi-dir``."""
+    by_name = {d.name: d for d in devices}
+    state_dir = Path(settings.dra_state_dir) if settings.dra_state_dir else host_lib_dir / "dra"
+    return ClaimPreparer(
+        api=api,
+        driver=settings.dra_driver,
+        pool=node_name,
+        devices=lambda: by_name,
+        health=board,
+        enforcement=enforcement,
+        listing=listing,
+        unit_mib=settings.memory_unit_mib,
+        host_lib_dir=host_lib_dir,
+        cdi_dir=Path(settings.dra_cdi_dir),
+        state_dir=state_dir,
+        mps=mps,
+    )
+
+
+def _devices(
+    gpus: Sequence[Gpu],
+    unit_mib: int,
+    board: HealthBoard,
+    enforcement: Enforcement,
+    driver_version: str | None,
+    pcie_roots: Mapping[str, str] | None,
+) -> list[Offered]:
+    """The devices the driver publishes of ``gpus``, each with its card's PCIe root and
+    enforcement backends; a ValueError when ``board`` lacks one of their health keys."""
+    roots = (
+        dict(pcie_roots)
+        if pcie_roots is not None
+        else {g.uuid: r for g in gpus if (r := pcie_root(g.pci_bus_id)) is not None}
+    )
+    default = "interposer" if enforcement.library is not None else "none"
+    backends = {
+        g.uuid: (enforcement.memory.get(g.uuid, default), enforcement.compute.get(g.uuid, default))
+        for g in gpus
+    }
+    devices = offered_devices(
+        gpus, unit_mib, driver_version=driver_version, pcie_roots=roots, enforcement=backends
+    )
+    missing = sorted({k for d in devices for k in health_keys(d)} - set(board.cards()))
+    if missing:
+        raise ValueError(f"the health board holds no entry for {', '.join(missing)}")
+    return devices
 
 
 def dra_part_for(core: NodeCore, observe: CallHook | None = None) -> DraPart | None:

@@ -326,34 +326,8 @@ def _run_one(
         f"{', a driver claim' if claim else ''})"
     )
     try:
-        started = clock()
-        deadline = started + request.timeout_seconds
-        stored: dict[str, Any] | None = None
-        shown, shown_at = "", started
-        while clock() < deadline:
-            stored = cluster.read(pod)
-            if stored is None or not _same_pod(stored, uid):
-                say("the pod is gone before it finished (deleted by someone?)")
-                return EXIT_NO_REPORT
-            if (stored.get("status") or {}).get("phase") in TERMINAL:
-                break
-            stuck = _stuck(stored)
-            if stuck is not None:
-                say(f"the pod cannot run: {printable(stuck, 400)}")
-                return EXIT_NO_REPORT
-            now, state = clock(), _progress(stored)
-            if state != shown or now - shown_at >= PROGRESS_SECONDS:
-                say(
-                    f"waiting for pod {request.namespace}/{name}: {printable(state, 200)} "
-                    f"({now - started:.0f} s of {request.timeout_seconds:.0f} s)"
-                )
-                shown, shown_at = state, now
-            time.sleep(poll_seconds)
-        else:
-            say(
-                f"the pod did not finish within {request.timeout_seconds:.0f} s: "
-                f"{printable(_why_not_running(stored or {}), 400)}"
-            )
+        stored = _finished(cluster, pod, uid, request, name, say, poll_seconds, clock)
+        if stored is None:
             return EXIT_NO_REPORT
         log = cluster.pod_log(request.namespace, name) or ""
         if not _same_pod(cluster.read(pod), uid):  # the log read may be another pod's
@@ -374,6 +348,48 @@ def _run_one(
             if claim is not None:
                 cluster.delete(claim)
             say(f"deleted pod {request.namespace}/{name}")
+
+
+def _finished(
+    cluster: Cluster,
+    pod: dict[str, Any],
+    uid: str,
+    request: Request,
+    name: str,
+    say: Callable[[str], None],
+    poll_seconds: float,
+    clock: Callable[[], float],
+) -> dict[str, Any] | None:
+    """The probe pod once it has finished, its progress said meanwhile; None (said why)
+    when it is gone or replaced, cannot run, or did not finish in time."""
+    started = clock()
+    deadline = started + request.timeout_seconds
+    stored: dict[str, Any] | None = None
+    shown, shown_at = "", started
+    while clock() < deadline:
+        stored = cluster.read(pod)
+        if stored is None or not _same_pod(stored, uid):
+            say("the pod is gone before it finished (deleted by someone?)")
+            return None
+        if (stored.get("status") or {}).get("phase") in TERMINAL:
+            return stored
+        stuck = _stuck(stored)
+        if stuck is not None:
+            say(f"the pod cannot run: {printable(stuck, 400)}")
+            return None
+        now, state = clock(), _progress(stored)
+        if state != shown or now - shown_at >= PROGRESS_SECONDS:
+            say(
+                f"waiting for pod {request.namespace}/{name}: {printable(state, 200)} "
+                f"({now - started:.0f} s of {request.timeout_seconds:.0f} s)"
+            )
+            shown, shown_at = state, now
+        time.sleep(poll_seconds)
+    say(
+        f"the pod did not finish within {request.timeout_seconds:.0f} s: "
+        f"{printable(_why_not_running(stored or {}), 400)}"
+    )
+    return None
 
 
 def report(checks: list[Check], say: Callable[[str], None]) -> int:

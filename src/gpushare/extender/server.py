@@ -25,7 +25,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpushare.base.cli import Parser, add_version, bounded_float
-from gpushare.base.connguard import ConnectionGuard, GuardedFactory, Limits
+from gpushare.base.connguard import ConnectionGuard, ConnectionLimits, GuardedFactory
 from gpushare.base.logs import configure_logging
 from gpushare.config import LOG_FORMATS, LOG_LEVELS
 from gpushare.extender.bindingclient import (
@@ -336,7 +336,7 @@ class _Probes:
 
 #: The bounds of each extender listener (base/connguard.py): kube-scheduler keeps a few
 #: connections alive; probes open one per check.
-EXTENDER_LIMITS = Limits(max_connections=128, max_per_peer=64, deadline=10.0)
+EXTENDER_LIMITS = ConnectionLimits(max_connections=128, max_per_peer=64, deadline=10.0)
 
 
 class _GuardedSite(web.SockSite):

@@ -27,7 +27,7 @@ from gpushare.gpu.gpus import (
     MigDevice,
     drifted,
 )
-from gpushare.gpu.memlimits import Limits, MemoryLimitError, nvml_get, nvml_set
+from gpushare.gpu.memlimits import MemoryLimitError, MemoryLimits, nvml_get, nvml_set
 from gpushare.gpu.migprofile import (
     COMPUTE_INSTANCE_PROFILES,
     GPU_INSTANCE_PROFILES,
@@ -329,7 +329,7 @@ class NvmlBackend:
     def set_memory_limits(self, uuid: str, namespace: str, soft: int, hard: int) -> None:
         nvml_set(self._nvml, self._handle_by_uuid(uuid), namespace, soft, hard)
 
-    def get_memory_limits(self, uuid: str, namespace: str) -> Limits | None:
+    def get_memory_limits(self, uuid: str, namespace: str) -> MemoryLimits | None:
         return nvml_get(self._nvml, self._handle_by_uuid(uuid), namespace)
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ import yaml
 
 from gpushare.base.dirwatch import DirWatch, StopEvent
 from gpushare.gpu.gpus import Gpu, GpuError, GpuEvent, MigDevice, drifted
-from gpushare.gpu.memlimits import SIM_MODES, Limits, LimitStore
+from gpushare.gpu.memlimits import SIM_MODES, LimitStore, MemoryLimits
 from gpushare.gpu.migprofile import ProfileError, parse_profile
 from gpushare.gpu.topology import Topology, from_description
 
@@ -255,7 +255,7 @@ class SimulatedBackend:
     def set_memory_limits(self, uuid: str, namespace: str, soft: int, hard: int) -> None:
         self.limit_store.set_memory_limits(uuid, namespace, soft, hard)
 
-    def get_memory_limits(self, uuid: str, namespace: str) -> Limits | None:
+    def get_memory_limits(self, uuid: str, namespace: str) -> MemoryLimits | None:
         return self.limit_store.get_memory_limits(uuid, namespace)
 
     def _file_stamp(self) -> tuple[int, int]:

@@ -53,7 +53,7 @@ POD_LABEL = ("app.kubernetes.io/name", "gpushare-verify")
 
 
 @dataclass(frozen=True)
-class Request:
+class VerifyRequest:
     node: str
     namespace: str = "default"
     image: str | None = None
@@ -98,7 +98,7 @@ def offered_backends(
     return [b for b in VERIFIABLE if b in found] or ["interposer"]
 
 
-def driver_claim(request: Request, name: str, memory_mib: int) -> dict[str, Any]:
+def driver_claim(request: VerifyRequest, name: str, memory_mib: int) -> dict[str, Any]:
     """A ResourceClaim for ``memory_mib`` of a card whose memory the driver holds."""
     expression = f'device.attributes["{request.dra_driver}"].memoryEnforcement == "driver"'
     return {
@@ -127,7 +127,7 @@ def driver_claim(request: Request, name: str, memory_mib: int) -> dict[str, Any]
 
 
 def driver_pod(
-    request: Request, image: str, name: str, claim: str, memory_mib: int
+    request: VerifyRequest, image: str, name: str, claim: str, memory_mib: int
 ) -> dict[str, Any]:
     """The probe's pod on a ``driver`` card: its claim, the limit it must find."""
     pod = verify_pod(request, image, name)
@@ -153,7 +153,7 @@ def installed_image(cluster: Cluster) -> str | None:
     return None
 
 
-def verify_pod(request: Request, image: str, name: str) -> dict[str, Any]:
+def verify_pod(request: VerifyRequest, image: str, name: str) -> dict[str, Any]:
     """The pod that runs the probe on the node."""
     limits = {
         f"{request.prefix}/vcuda-memory": str(request.memory_units),
@@ -225,7 +225,7 @@ class BadRequest(ValueError):
     """An argument verify cannot work with; the message is one line for the operator."""
 
 
-def check_request(cluster: Cluster, request: Request) -> None:
+def check_request(cluster: Cluster, request: VerifyRequest) -> None:
     """Refuse, in one line, what cannot be verified: impossible unit counts, an image
     that is no reference, a node that does not exist or runs no gpushare."""
     if request.memory_units < 1:
@@ -274,7 +274,7 @@ def _same_pod(stored: Mapping[str, Any] | None, uid: str) -> bool:
 
 def run(
     cluster: Cluster,
-    request: Request,
+    request: VerifyRequest,
     say: Callable[[str], None],
     *,
     poll_seconds: float = 1.0,
@@ -302,7 +302,7 @@ def run(
 
 def _run_one(
     cluster: Cluster,
-    request: Request,
+    request: VerifyRequest,
     image: str,
     backend: str,
     say: Callable[[str], None],
@@ -354,7 +354,7 @@ def _finished(
     cluster: Cluster,
     pod: dict[str, Any],
     uid: str,
-    request: Request,
+    request: VerifyRequest,
     name: str,
     say: Callable[[str], None],
     poll_seconds: float,
@@ -404,4 +404,4 @@ def report(checks: list[Check], say: Callable[[str], None]) -> int:
     return EXIT_NOT_ENFORCED
 
 
-__all__ = ["REPORT_MARKER", "Request", "run", "verify_pod"]
+__all__ = ["REPORT_MARKER", "VerifyRequest", "run", "verify_pod"]

@@ -22,7 +22,7 @@ from kit.procs import poll
 
 from gpushare.base.startup import NodeConfigurationError
 from gpushare.gpu.memlimits import LimitStore, MemoryLimits
-from gpushare.share.backends import MemoryBackend
+from gpushare.share.backendchoice import MemoryBackend
 from gpushare.sim.apidouble import KubeApiDouble
 from gpushare.sim.drakubeletdouble import DraKubelet, allocated_claim
 

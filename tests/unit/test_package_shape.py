@@ -22,7 +22,7 @@ LONGEST_ROOT = 150
 LONG_BY_NATURE = {
     "ops/kubectl.py:build_parser": "the kubectl plugin's argument parser: every "
     "subcommand and flag, one add_argument each",
-    "extender/server.py:build_parser": "the extender's argument parser: one "
+    "extender/httpserver.py:build_parser": "the extender's argument parser: one "
     "add_argument per flag",
 }
 

@@ -38,8 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2
 from gpushare.base.cli import Parser, bounded_float
-from gpushare.bench.report import FULL, QUICK, Plan, Report, ms, percentile
-from gpushare.bench.rig import (
+from gpushare.bench.processes import (
     BIG_CARD_MIB,
     BIG_CARDS,
     CORE,
@@ -54,6 +53,7 @@ from gpushare.bench.rig import (
     process_handle,
     temporary_root,
 )
+from gpushare.bench.report import FULL, QUICK, Plan, Report, ms, percentile
 from gpushare.deviceplugin.plugin import device_list_message
 from gpushare.host.elf import stand_in
 from gpushare.ops.mdsection import replace_section

@@ -7,7 +7,7 @@ same interposer file), the host directory of the cache directories, an API clien
 node's name and the kubelet's root directory. The part then
 
 * publishes the cards in the node's ResourceSlices (:mod:`gpushare.dra.slices`),
-* serves the kubelet plugin (:mod:`gpushare.dra.server`) that prepares claims
+* serves the kubelet plugin (:mod:`gpushare.dra.kubeletplugin`) that prepares claims
   (:mod:`gpushare.dra.claims`),
 
 and is ready once the slices are published with consumable capacity kept. What it has
@@ -27,8 +27,8 @@ from gpushare.base.kubeletgrpc import CallHook
 from gpushare.base.startup import NodeConfigurationError
 from gpushare.config import Settings
 from gpushare.dra.claims import ClaimPreparer
+from gpushare.dra.kubeletplugin import DraServer
 from gpushare.dra.model import FULL_CORES, Offered, health_keys, offered_devices
-from gpushare.dra.server import DraServer
 from gpushare.dra.slices import SlicePublisher
 from gpushare.gpu.gpus import Gpu
 from gpushare.gpu.health import HealthBoard

@@ -72,7 +72,7 @@ class CardFacts:
         #: card UUID -> the memory (MiB) and cores the DRA driver publishes of it
         self.dra_cards: dict[str, tuple[int, int]] = {}
         self.dra_claims: Callable[[], Mapping[str, Sequence[DraClaimState]]] | None = None
-        #: each card's enforcement backends, decided at start (node/backends.py)
+        #: each card's enforcement backends, decided at start (node/backendfacts.py)
         self.enforcement = enforcement
 
     def serve_dra(

@@ -36,7 +36,7 @@ from gpushare.host.unitguard import UnitSizeChanged, guard_unit_size
 from gpushare.kube.labels import LabelFacts
 from gpushare.kube.nodestate import DraClaimState
 from gpushare.kube.podspecs import PodSpecBook, holder_live
-from gpushare.node.backends import (
+from gpushare.node.backendfacts import (
     DEVICE_PLUGIN_HOOKS,
     card_traits,
     decide_backends,
@@ -49,7 +49,7 @@ from gpushare.node.podresources import PodResourcesClient
 from gpushare.node.refresh import UsageRefresher
 from gpushare.node.releases import watch_releases
 from gpushare.share.answers import DeviceListing, Enforcement
-from gpushare.share.backends import Choice, ComputeBackend
+from gpushare.share.backendchoice import Choice, ComputeBackend
 from gpushare.share.cardmodes import (
     CardMode,
     card_modes,
@@ -106,7 +106,7 @@ class NodeCore:
     #: who held units before a kubelet restart, until the records list them again
     restart: RestartHolders = field(default_factory=RestartHolders)
     specs: PodSpecBook | None = None
-    #: each card's enforcement backends and why (node/backends.py), by UUID
+    #: each card's enforcement backends and why (node/backendfacts.py), by UUID
     backends: dict[str, Choice] = field(default_factory=dict)
     #: the node's MPS control daemon and its containers' namespaces, where a card's
     #: compute is MPS's
@@ -313,7 +313,7 @@ def _card_enforcement(
     listing: DeviceListing,
     prepared: Enforcement,
 ) -> tuple[dict[str, Choice], Enforcement]:
-    """Each card's enforcement backends (node/backends.py) and the enforcement every
+    """Each card's enforcement backends (node/backendfacts.py) and the enforcement every
     answer carries (``prepared``: the node's, before the backends), with them."""
     traits = card_traits(
         found.gpus,

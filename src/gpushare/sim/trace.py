@@ -58,7 +58,7 @@ from gpushare.extender.fit import (
     score,
 )
 from gpushare.ops.mdsection import replace_section
-from gpushare.sim.rig import DaemonNode
+from gpushare.sim.daemonnode import DaemonNode
 
 UNIT_MIB = 256
 

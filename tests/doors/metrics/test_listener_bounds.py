@@ -27,7 +27,7 @@ from conftest import TESLA_P4, Node, cards
 from kit.procs import daemon_command, free_port, poll, scrape
 
 from gpushare.base.connguard import ConnectionGuard, ConnectionLimits
-from gpushare.extender.server import ExtenderSettings, build_app, start
+from gpushare.extender.httpserver import ExtenderSettings, build_app, start
 from gpushare.ops.daemonmetrics import MetricsServer
 
 

@@ -17,8 +17,8 @@ from gpushare.config import Settings
 from gpushare.gpu.gpus import GpuError
 from gpushare.gpu.memlimits import UNLIMITED, MemoryLimits
 from gpushare.gpu.simulated import SimulatedBackend
-from gpushare.node.backends import card_traits, cgroup_type, decide_backends, self_test
-from gpushare.share.backends import ComputeBackend, MemoryBackend
+from gpushare.node.backendfacts import card_traits, cgroup_type, decide_backends, self_test
+from gpushare.share.backendchoice import ComputeBackend, MemoryBackend
 from gpushare.share.cardmodes import CardMode
 
 A, B = "GPU-aaaa", "GPU-bbbb"

@@ -193,7 +193,7 @@ class NodeCore:
         (the card facts, for the node's state and metrics), and who holds each claim's
         cache directory (named by the garbage collector when one is over its limit)."""
         self.card_facts.serve_dra(published, claims)
-        self.collector.name_claim_holders_with(cache_holders)
+        self.collector.sizes.name_claim_holders_with(cache_holders)
 
     def after_read(self, snapshot: Snapshot) -> None:
         """Each fresh read of the kubelet's records: whole cards held, and the GC."""

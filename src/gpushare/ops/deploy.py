@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -188,8 +188,9 @@ def install(
     _apply_and_label(cluster, pairs, nodes, label, say)
 
 
-#: An object to apply and what the cluster holds of it now (None: nothing).
-_Pair = tuple[dict[str, Any], dict[str, Any] | None]
+if TYPE_CHECKING:  # an alias for annotations only: the kubectl plugin runs on Python 3.9
+    #: An object to apply and what the cluster holds of it now (None: nothing).
+    _Pair = tuple[dict[str, Any], dict[str, Any] | None]
 
 
 def _to_apply(

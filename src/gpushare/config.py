@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from gpushare.base.cli import Parser, add_version, one_line
-from gpushare.share.backends import (
+from gpushare.share.backendchoice import (
     COMPUTE_PINS,
     COMPUTE_PINS_PATTERN,
     MEMORY_PINS,

@@ -363,7 +363,7 @@ def test_an_oversized_cache_directory_is_measured_logged_and_exported(node: Node
             os.fsync(out.fileno())
         assert daemon.core.collector is not None
         collector = daemon.core.collector
-        assert poll(lambda: collector.over_limit == 1, 30.0)
+        assert poll(lambda: collector.sizes.over_limit == 1, 30.0)
     over = [e for e in logs if e["event"] == "cache_dir_over_limit"]
     assert len(over) == 1 and over[0]["holder"] == "default/big/main"
     # The measurement may land while the write is under way: over the limit, maybe not all.

@@ -155,5 +155,5 @@ def test_the_shared_lock_directory_is_measured_too(tmp_path: Path) -> None:
         tmp_path, grace_seconds=60.0, current_library=None, size_limit_bytes=1 << 19
     )
     collector.collect(Snapshot(taken_at=0.0))
-    assert collector.usage[LOCK_DIR_NAME].bytes >= 1 << 20
-    assert collector.total_cache_bytes() >= 1 << 20 and collector.over_limit == 1
+    assert collector.sizes.usage[LOCK_DIR_NAME].bytes >= 1 << 20
+    assert collector.sizes.total_cache_bytes() >= 1 << 20 and collector.sizes.over_limit == 1

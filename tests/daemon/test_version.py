@@ -45,7 +45,7 @@ def test_version_flags_print_the_package_version() -> None:
     for module, prog in (
         ("gpushare.daemon", "gpushare-device-plugin"),
         ("gpushare.sim.demo", "gpushare-demo"),
-        ("gpushare.extender.server", "gpushare-scheduler-extender"),
+        ("gpushare.extender.httpserver", "gpushare-scheduler-extender"),
         ("gpushare.ops.kubectl", "kubectl gpushare"),
     ):
         result = subprocess.run(

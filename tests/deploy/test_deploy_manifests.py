@@ -307,7 +307,7 @@ def test_the_chart_gives_the_driver_self_test_its_cgroup_tree_and_sys_admin_only
     pins: str, driver: bool
 ) -> None:
     """SYS_ADMIN and the host's cgroup tree exactly where memoryEnforcement may give
-    ``driver`` (the self-test runs only then: node/backends.py); elsewhere neither."""
+    ``driver`` (the self-test runs only then: node/backendfacts.py); elsewhere neither."""
     values = chart_values()
     values["config"]["memoryEnforcement"] = pins
     values["config"]["cgroupRoot"] = "/host/cgroup"

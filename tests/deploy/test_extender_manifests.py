@@ -19,7 +19,7 @@ import yaml
 from kit import strict_yaml
 from test_deploy_manifests import chart_objects, one, validate
 
-from gpushare.extender.server import parse_settings
+from gpushare.extender.httpserver import parse_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 EXTENDER = ROOT / "daemonset" / "extender"

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from gpushare.extender.bindingclient import BindingClient
+from gpushare.extender.httpserver import ExtenderSettings, build_app, start
 from gpushare.extender.ledger import AdmissionLedger
-from gpushare.extender.server import ExtenderSettings, build_app, start
 from gpushare.kube import nodestate
 from gpushare.sim.apidouble import KubeApiDouble
 

@@ -21,8 +21,8 @@ from kit.memhook import HAVE_GCC, build, oci_state
 from kit.procs import poll
 
 from gpushare.base.startup import NodeConfigurationError
-from gpushare.gpu.memlimits import Limits, LimitStore
-from gpushare.share.backends import MemoryBackend
+from gpushare.gpu.memlimits import LimitStore, MemoryLimits
+from gpushare.share.backendchoice import MemoryBackend
 from gpushare.sim.apidouble import KubeApiDouble
 from gpushare.sim.drakubeletdouble import DraKubelet, allocated_claim
 
@@ -156,8 +156,8 @@ def test_a_claim_on_a_driver_card_gets_its_limit_on_its_own_cgroup(
     assert [r.returncode for r in run_hooks(spec_a, node.root / "proc", 101)] == [0]
     assert [r.returncode for r in run_hooks(spec_b, node.root / "proc", 102)] == [0]
     assert store.limits() == {
-        (gpu_uuid(0), a): Limits(0, 2048 << 20),
-        (gpu_uuid(0), b): Limits(0, 1024 << 20),
+        (gpu_uuid(0), a): MemoryLimits(0, 2048 << 20),
+        (gpu_uuid(0), b): MemoryLimits(0, 1024 << 20),
     }
 
 
@@ -175,7 +175,7 @@ def test_a_card_whose_driver_forgets_fails_that_container_alone(
     store.publish("615.20.01", {data["gpus"][0]["uuid"]: "broken", data["gpus"][1]["uuid"]: "ok"})
     (failed,) = run_hooks(spec_b, node.root / "proc", 102)
     assert failed.returncode == 1 and "reads back nothing" in failed.stderr
-    assert store.limits() == {(gpu_uuid(0), a): Limits(0, 2048 << 20)}  # a's untouched
+    assert store.limits() == {(gpu_uuid(0), a): MemoryLimits(0, 2048 << 20)}  # a's untouched
 
 
 def test_a_card_that_fails_its_self_test_is_not_driver(
@@ -228,4 +228,4 @@ def test_a_device_plugin_grant_under_cdi_gets_its_limit_from_its_own_spec(
     cgroup = container(node, 201, "/kubepods/pod-t/main")
     results = [r for s in specs for r in run_hooks(s, node.root / "proc", 201)]
     assert [r.returncode for r in results] == [0], [r.stderr for r in results]
-    assert store.limits() == {(gpu_uuid(1), cgroup): Limits(0, limit << 20)}
+    assert store.limits() == {(gpu_uuid(1), cgroup): MemoryLimits(0, limit << 20)}

@@ -19,7 +19,7 @@ from kit.kube_double import KubeApiDouble
 from test_kubectl import api  # noqa: F401  (the API-server double with three nodes)
 
 from gpushare import config
-from gpushare.extender import server
+from gpushare.extender import httpserver
 from gpushare.ops import deploy, inspect, kubectl
 
 
@@ -27,7 +27,7 @@ def parsers() -> Iterator[argparse.ArgumentParser]:
     """Every parser a user meets: the daemon's, the extender's, the kubectl plugin's and
     each of its subcommands'."""
     yield config.build_parser()
-    yield server.build_parser()
+    yield httpserver.build_parser()
     yield inspect.build_parser()
     top = kubectl.build_parser()
     yield top

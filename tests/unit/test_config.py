@@ -256,9 +256,9 @@ def test_the_effective_configuration_names_every_key_and_its_origin(tmp_path: Pa
 @pytest.mark.parametrize(
     "command",
     [
-        ["gpushare.extender.server", "--ledger-timeout-seconds=nan"],
-        ["gpushare.extender.server", "--ledger-timeout-seconds=inf"],
-        ["gpushare.extender.server", "--ledger-timeout-seconds=-1"],
+        ["gpushare.extender.httpserver", "--ledger-timeout-seconds=nan"],
+        ["gpushare.extender.httpserver", "--ledger-timeout-seconds=inf"],
+        ["gpushare.extender.httpserver", "--ledger-timeout-seconds=-1"],
         ["gpushare.ops.kubectl", "uninstall", "--wait=nan"],
         ["gpushare.ops.kubectl", "uninstall", "--wait=1e999"],
     ],

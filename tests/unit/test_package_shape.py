@@ -1,4 +1,5 @@
-"""The package's shape: a composition root that is a list, no class too large to read.
+"""The package's shape: a composition root that is a list, classes and functions short
+enough to hold one idea.
 
 The layers themselves (imports only run downward) are checked by ``lint-imports`` in
 ``make test`` (the contract is in pyproject.toml)."""
@@ -6,29 +7,107 @@ The layers themselves (imports only run downward) are checked by ``lint-imports`
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "gpushare"
 LONGEST_CLASS = 300
+LONGEST_FUNCTION = 60
 LONGEST_ROOT = 150
 
+#: Functions that are long because they are a list, not because they hold two ideas: an
+#: argument parser is one ``add_argument`` per flag (dividing it would scatter a
+#: program's command line over functions that mean nothing alone). Only parsers and data
+#: tables may stand here, each with its reason; an entry that is gone or short fails.
+LONG_BY_NATURE = {
+    "ops/kubectl.py:build_parser": "the kubectl plugin's argument parser: every "
+    "subcommand and flag, one add_argument each",
+    "extender/httpserver.py:build_parser": "the extender's argument parser: one "
+    "add_argument per flag",
+}
 
-def classes() -> dict[str, int]:
-    found = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if "_proto" in path.parts:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef):
-                name = f"{path.relative_to(PACKAGE).as_posix()}:{node.name}"
-                found[name] = (node.end_lineno or node.lineno) - node.lineno + 1
+#: TEMPORARY, being divided on branch ``house`` (issue 40 items 1 and 2: the grant's host
+#: side in one room, plan then apply at both doors). Delete this set when that branch
+#: is merged: the rules below then hold for these too.
+BEING_DIVIDED_ON_BRANCH_HOUSE = {
+    "deviceplugin/binding.py:Binder",
+    "deviceplugin/binding.py:Binder._allocate",
+    "deviceplugin/binding.py:Binder.preferred",
+    "dra/claims.py:ClaimPreparer",
+    "dra/claims.py:ClaimPreparer._prepare_one",
+    "host/mps.py:MpsControl",
+}
+
+
+def _sizes(tree: ast.AST, where: str) -> dict[str, tuple[str, int]]:
+    """Qualified name (``path:Class.method``, nested functions too) -> (``class`` or
+    ``function``, its lines from ``def``/``class`` to its end, comments and docstrings
+    included)."""
+    found: dict[str, tuple[str, int]] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                kind = "class" if isinstance(child, ast.ClassDef) else "function"
+                lines = (child.end_lineno or child.lineno) - child.lineno + 1
+                found[f"{where}:{prefix}{child.name}"] = (kind, lines)
+                visit(child, f"{prefix}{child.name}.")
+            else:
+                visit(child, prefix)
+
+    visit(tree, "")
     return found
 
 
-def test_no_class_is_over_300_lines() -> None:
-    sizes = classes()
-    too_long = {n: s for n, s in sizes.items() if s > LONGEST_CLASS}
-    assert too_long == {}
+@functools.cache
+def sizes() -> dict[str, tuple[str, int]]:
+    found: dict[str, tuple[str, int]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "_proto" in path.parts:
+            continue
+        found |= _sizes(ast.parse(path.read_text()), path.relative_to(PACKAGE).as_posix())
+    return found
+
+
+def classes() -> dict[str, int]:
+    return {name: lines for name, (kind, lines) in sizes().items() if kind == "class"}
+
+
+def too_long(found: dict[str, tuple[str, int]]) -> dict[str, int]:
+    """What breaks the size rules: a class over :data:`LONGEST_CLASS` lines, a function
+    over :data:`LONGEST_FUNCTION` that is no parser or table of :data:`LONG_BY_NATURE`."""
+    limit = {"class": LONGEST_CLASS, "function": LONGEST_FUNCTION}
+    return {
+        name: lines
+        for name, (kind, lines) in found.items()
+        if lines > limit[kind]
+        and name not in LONG_BY_NATURE
+        and name not in BEING_DIVIDED_ON_BRANCH_HOUSE
+    }
+
+
+def test_no_class_over_300_lines_and_no_function_over_60() -> None:
+    """A class or function pressed against the rule holds two ideas: divide it (never
+    shorten comments or move a method out to meet the number)."""
+    assert too_long(sizes()) == {}
+
+
+def test_the_long_by_nature_are_still_long() -> None:
+    """The allow-list stays short and true: each entry exists and still needs it."""
+    found = sizes()
+    assert {n: found.get(n, ("", 0))[1] > LONGEST_FUNCTION for n in LONG_BY_NATURE} == {
+        n: True for n in LONG_BY_NATURE
+    }
+
+
+def test_the_size_rule_catches_a_long_function_and_a_long_class() -> None:
+    body = "\n".join(f"        x{i} = {i}" for i in range(LONGEST_FUNCTION))
+    source = f"def short():\n    pass\n\nclass C:\n    def long(self):\n{body}\n"
+    assert too_long(_sizes(ast.parse(source), "m.py")) == {"m.py:C.long": LONGEST_FUNCTION + 1}
+    methods = "\n".join(f"    def m{i}(self):\n        pass\n" for i in range(LONGEST_CLASS // 2))
+    found = _sizes(ast.parse(f"class Big:\n{methods}"), "m.py")
+    assert too_long(found) == {"m.py:Big": found["m.py:Big"][1]}
+    assert found["m.py:Big"][1] > LONGEST_CLASS
 
 
 def test_the_composition_root_is_short() -> None:

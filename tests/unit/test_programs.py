@@ -58,4 +58,4 @@ def test_the_daemon_and_the_probe_stay_apart() -> None:
     rows = programs()
     assert not rows["gpushare.daemon"] & {"extender", "probe", "ops", "sim", "bench", "dra"}
     assert rows["gpushare.probe.checks"] == {"probe"}
-    assert "daemon" not in rows["gpushare.extender.server"]
+    assert "daemon" not in rows["gpushare.extender.httpserver"]

@@ -44,7 +44,7 @@ REFUSAL = (
 
 
 @dataclass(frozen=True)
-class Limits:
+class ConnectionLimits:
     max_connections: int = 64
     max_per_peer: int = 16
     deadline: float = 10.0
@@ -53,8 +53,8 @@ class Limits:
 class ConnectionGuard:
     """Counts admitted connections, overall and per peer address. Thread-safe."""
 
-    def __init__(self, limits: Limits | None = None) -> None:
-        self.limits = limits or Limits()
+    def __init__(self, limits: ConnectionLimits | None = None) -> None:
+        self.limits = limits or ConnectionLimits()
         self._lock = threading.Lock()
         self._total = 0
         self._by_peer: dict[str, int] = {}

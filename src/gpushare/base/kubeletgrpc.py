@@ -17,6 +17,9 @@
   instance made.
 * **One hook signature** (:data:`CallHook`): after every call of every door,
   ``(resource, method, result, seconds)``; :func:`observed` times a call into it.
+* **One stream of a board** (:func:`board_stream`): the device plugin's ListAndWatch and
+  the DRA health stream each send a message at once and after every change of their
+  health board, waiting on the loop between changes.
 """
 
 from __future__ import annotations
@@ -27,16 +30,18 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import structlog
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
 
 #: Threads for the unary calls of every server (the kubelet admits one container at a time).
 UNARY_WORKERS = 4
@@ -50,17 +55,17 @@ CallHook = Callable[[str, str, str, float], None]
 
 
 @dataclass
-class Outcome:
+class CallResult:
     """The result label of one call being answered; the door sets it when not ``ok``."""
 
     result: str = "ok"
 
 
 @contextlib.contextmanager
-def observed(hook: CallHook | None, resource: str, method: str) -> Iterator[Outcome]:
+def observed(hook: CallHook | None, resource: str, method: str) -> Iterator[CallResult]:
     """Time the call in the ``with`` block into ``hook``: its result is the outcome's
     (``error`` if the block raised with the result still ``ok``)."""
-    outcome = Outcome()
+    outcome = CallResult()
     started = time.perf_counter()
     try:
         yield outcome
@@ -102,12 +107,66 @@ class ServerLoop:
         return asyncio.run_coroutine_threadsafe(wrapper(), self.loop).result(timeout)
 
 
-def socket_identity(path: Path) -> tuple[int, int] | None:
+#: Which socket a path holds: its device, inode and change time (:func:`socket_identity`).
+SocketIdentity = tuple[int, int, int]
+
+
+class WatchedBoard(Protocol):
+    """What a stream watches (a health board): a version bumped by every change, and
+    listeners called after each (and once more when the board is woken at stop)."""
+
+    version: int
+
+    def listen(self, callback: Callable[[], None]) -> Callable[[], None]: ...
+
+
+async def board_stream(
+    board: WatchedBoard,
+    stopping: threading.Event,
+    message: Callable[[], T],
+    wait_seconds: float,
+    *,
+    resend_when_quiet: bool = False,
+) -> AsyncGenerator[T, None]:
+    """``message()`` at once and after every change of ``board``, until ``stopping``.
+    Between changes it waits on the loop, holding no thread, at most ``wait_seconds`` at
+    a time (then it looks at ``stopping`` again; with ``resend_when_quiet`` it sends the
+    message again too). A cancelled stream ends at its await. Iterate it inside
+    ``contextlib.aclosing`` so that the board forgets it as soon as the caller ends."""
+    loop = asyncio.get_running_loop()
+    changed = asyncio.Event()
+
+    def wake() -> None:
+        loop.call_soon_threadsafe(changed.set)
+
+    forget = board.listen(wake)  # every change, and the board's wake at stop
+    try:
+        seen: int | None = None
+        while not stopping.is_set():
+            changed.clear()
+            if board.version != seen:
+                seen = board.version
+                yield message()
+                continue
+            try:
+                await asyncio.wait_for(changed.wait(), wait_seconds)
+            except TimeoutError:
+                if resend_when_quiet:
+                    seen = None  # nothing changed: the message again
+    finally:
+        forget()
+
+
+def socket_identity(path: Path) -> SocketIdentity | None:
+    """Which socket is at ``path`` now (None: none): its device, inode and change time,
+    so that a socket made again, even on a reused inode, is told from the old one. The
+    one test of "is it still the same socket" of the process: our own served sockets,
+    the kubelet's registration socket (a kubelet restart makes it again)."""
     try:
         info = os.lstat(path)
     except OSError:
         return None
-    return info.st_dev, info.st_ino
+    return info.st_dev, info.st_ino, info.st_ctime_ns
 
 
 def clear_socket(path: Path) -> None:
@@ -129,7 +188,7 @@ class UnixSocket:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.hidden = path.with_name(f".{path.name}.{os.getpid()}-{id(self):x}")
-        self._made: tuple[int, int] | None = None
+        self._made: SocketIdentity | None = None
 
     def address(self) -> str:
         """Where the server binds: the hidden name, cleared of an earlier run's socket."""

@@ -22,6 +22,7 @@ figures say nothing about performance.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import platform
@@ -33,12 +34,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2
 from gpushare.base.cli import Parser, bounded_float
-from gpushare.bench.report import FULL, QUICK, Plan, Report, ms, percentile
-from gpushare.bench.rig import (
+from gpushare.bench.processes import (
     BIG_CARD_MIB,
     BIG_CARDS,
     CORE,
@@ -53,11 +53,15 @@ from gpushare.bench.rig import (
     process_handle,
     temporary_root,
 )
+from gpushare.bench.report import FULL, QUICK, Plan, Report, ms, percentile
 from gpushare.deviceplugin.plugin import device_list_message
 from gpushare.host.elf import stand_in
 from gpushare.ops.mdsection import replace_section
 from gpushare.share.devices import Inventory, Resource
 from gpushare.sim.kubeletdouble import AdmissionError
+
+if TYPE_CHECKING:  # the DRA part is imported by the DRA phase only
+    from gpushare.dra.part import DraPart
 
 # --------------------------------------------------------------------------- phases
 
@@ -130,30 +134,125 @@ def measure_start(plan: Plan, report: Report) -> None:
 
 @dataclass
 class Samples:
+    """The daemon's call times, by (resource, method), taken while ``recording``."""
+
     calls: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    recording: bool = False
 
     def observe(self, resource: str, method: str, seconds: float) -> None:
-        self.calls.setdefault((resource, method), []).append(seconds)
+        if self.recording:
+            self.calls.setdefault((resource, method), []).append(seconds)
+
+
+class _DaemonUnderTest:
+    """The daemon process of :func:`measure_daemon`: containers admitted to it (split
+    pairs and failed admissions counted), its call times, its process."""
+
+    def __init__(self, plan: Plan, report: Report, node: Node, samples: Samples) -> None:
+        assert node.proc is not None
+        self.plan, self.report, self.node, self.samples = plan, report, node, samples
+        self.pid = node.proc.pid
+        self.process = process_handle(self.pid)
+        self.split = self.failures = 0
+
+    def admit(self, count: int, baseline: list[float] | None = None) -> None:
+        """Admit ``count`` containers (``baseline``: a bare gRPC call's time before each)."""
+        for _ in range(count):
+            if baseline is not None:
+                baseline.append(self.node.baseline_call())
+            try:
+                memory_card, core_card = self.node.admit_next(self.plan.window)
+            except AdmissionError as exc:
+                self.failures += 1
+                self.report.notes.append(f"admission failed: {exc}")
+                continue
+            self.split += memory_card != core_card
+
+    def idle(self) -> tuple[float, float, float]:
+        """Seconds watched idle, CPU seconds spent meanwhile, voluntary switches a second."""
+        plan = self.plan
+        time.sleep(plan.quiet_seconds)
+        cpu_before, switches_before = self.process.cpu_times(), wakeups_of(self.pid)
+        idle_started = time.monotonic()
+        time.sleep(plan.idle_seconds)
+        idle = time.monotonic() - idle_started
+        cpu_after, switches_after = self.process.cpu_times(), wakeups_of(self.pid)
+        busy = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
+        return idle, busy, (switches_after - switches_before) / idle
+
+    def latency_runs(self) -> list[dict[str, tuple[float, float]]]:
+        """Per run: the median and 99th percentile of the baseline call, the admission
+        and each call of the daemon."""
+        runs: list[dict[str, tuple[float, float]]] = []
+        for _ in range(self.plan.runs):
+            self.samples.calls.clear()
+            self.node.admissions.clear()
+            baseline: list[float] = []
+            self.samples.recording = True
+            self.admit(self.plan.latency_containers, baseline)
+            self.samples.recording = False
+            admissions = self.node.admissions
+            run = {
+                "baseline": (statistics.median(baseline), percentile(baseline, 99)),
+                "admission": (statistics.median(admissions), percentile(admissions, 99)),
+            }
+            for (resource, method), values in self.samples.calls.items():
+                run[f"{method} {resource}"] = (statistics.median(values), percentile(values, 99))
+            runs.append(run)
+        return runs
+
+    def growth_rows(self, rss_started: int) -> None:
+        """Memory and descriptors after the long burst of Allocates."""
+        plan, report, process = self.plan, self.report, self.process
+        fds_before = process.num_fds()
+        done = 2 * plan.latency_containers * plan.runs + 4 * plan.window
+        self.admit(max(0, plan.allocations - done) // 2)  # two Allocate calls per container
+        settle(plan)
+        rss_after, fds_after = process.memory_info().rss, process.num_fds()
+        report.add(
+            f"RSS after {plan.allocations} Allocates",
+            f"{rss_after / MIB:.1f} MiB",
+            "<= 42 MiB",
+            f"{(rss_after - rss_started) / MIB:+.1f} MiB since start",
+            rss_after <= 42 * MIB,
+        )
+        report.add(
+            f"open descriptors after {plan.allocations} Allocates",
+            f"{fds_after - fds_before:+d}",
+            "+0",
+            f"{fds_before} before",
+            fds_after <= fds_before,
+        )
+
+    def idle_rows(self, idle: float, busy: float, wakeups: float) -> None:
+        self.report.add(
+            f"idle wake-ups over {idle:.0f} s, {self.plan.quiet_seconds:g} s after the warm-up "
+            "(voluntary switches, all threads)",
+            f"{wakeups:.1f}/s",
+            "<= 2/s",
+            f"{self.process.num_threads()} threads",
+            wakeups <= 2.0,
+        )
+        self.report.add(
+            f"idle CPU over {idle:.0f} s",
+            f"{100 * busy / idle:.3f} % of a core",
+            "<= 0.02 %",
+            "",
+            busy / idle <= 0.0002,
+        )
 
 
 def measure_daemon(plan: Plan, report: Report, *, latency_only: bool = False) -> None:
     """The daemon process's rows; ``latency_only``: the call latencies and the pairing
     rows alone (no idle wait, no growth burst: minutes less)."""
     samples = Samples()
-    recording = [False]
-
-    def observe(resource: str, method: str, seconds: float) -> None:
-        if recording[0]:
-            samples.observe(resource, method, seconds)
-
     with temporary_root() as root:
-        node = Node(root, plan.cards, observe)
+        node = Node(root, plan.cards, samples.observe)
         try:
             node.start()
-            assert node.proc is not None
-            process = process_handle(node.proc.pid)
+            daemon = _DaemonUnderTest(plan, report, node, samples)
             settle(plan)
-            rss_started = process.memory_info().rss
+            rss_started = daemon.process.memory_info().rss
             if not latency_only:
                 report.add(
                     "idle RSS after start (API link, pod watch and metrics on)",
@@ -162,96 +261,19 @@ def measure_daemon(plan: Plan, report: Report, *, latency_only: bool = False) ->
                     "",
                     rss_started <= 40 * MIB,
                 )
-            split = failures = 0
-
-            def admit(count: int, baseline: list[float] | None = None) -> None:
-                nonlocal split, failures
-                for _ in range(count):
-                    if baseline is not None:
-                        baseline.append(node.baseline_call())
-                    try:
-                        memory_card, core_card = node.admit_next(plan.window)
-                    except AdmissionError as exc:
-                        failures += 1
-                        report.notes.append(f"admission failed: {exc}")
-                        continue
-                    split += memory_card != core_card
-
-            admit(plan.window * 2)  # warm up: channels, caches, a full window
+            daemon.admit(plan.window * 2)  # warm up: channels, caches, a full window
             # Idle once it has served: measured before the long burst below, whose
             # released cache directories the garbage collector removes for minutes after.
             idle = busy = wakeups = 0.0
             if not latency_only:
-                time.sleep(plan.quiet_seconds)
-                cpu_before, switches_before = process.cpu_times(), wakeups_of(node.proc.pid)
-                idle_started = time.monotonic()
-                time.sleep(plan.idle_seconds)
-                idle = time.monotonic() - idle_started
-                cpu_after, switches_after = process.cpu_times(), wakeups_of(node.proc.pid)
-                busy = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
-                wakeups = (switches_after - switches_before) / idle
-            runs: list[dict[str, tuple[float, float]]] = []
-            for _ in range(plan.runs):
-                samples.calls.clear()
-                node.admissions.clear()
-                baseline: list[float] = []
-                recording[0] = True
-                admit(plan.latency_containers, baseline)
-                recording[0] = False
-                run = {
-                    "baseline": (statistics.median(baseline), percentile(baseline, 99)),
-                    "admission": (
-                        statistics.median(node.admissions),
-                        percentile(node.admissions, 99),
-                    ),
-                }
-                for (resource, method), values in samples.calls.items():
-                    run[f"{method} {resource}"] = (
-                        statistics.median(values),
-                        percentile(values, 99),
-                    )
-                runs.append(run)
-            _latency_rows(plan, report, runs)
+                idle, busy, wakeups = daemon.idle()
+            _latency_rows(plan, report, daemon.latency_runs())
             if latency_only:
-                _pairing_rows(report, node, split, failures)
+                _pairing_rows(report, node, daemon.split, daemon.failures)
                 return
-
-            fds_before = process.num_fds()
-            done = 2 * plan.latency_containers * plan.runs + 4 * plan.window
-            admit(max(0, plan.allocations - done) // 2)  # two Allocate calls per container
-            settle(plan)
-            rss_after, fds_after = process.memory_info().rss, process.num_fds()
-            report.add(
-                f"RSS after {plan.allocations} Allocates",
-                f"{rss_after / MIB:.1f} MiB",
-                "<= 42 MiB",
-                f"{(rss_after - rss_started) / MIB:+.1f} MiB since start",
-                rss_after <= 42 * MIB,
-            )
-            report.add(
-                f"open descriptors after {plan.allocations} Allocates",
-                f"{fds_after - fds_before:+d}",
-                "+0",
-                f"{fds_before} before",
-                fds_after <= fds_before,
-            )
-            _pairing_rows(report, node, split, failures)
-
-            report.add(
-                f"idle wake-ups over {idle:.0f} s, {plan.quiet_seconds:g} s after the warm-up "
-                "(voluntary switches, all threads)",
-                f"{wakeups:.1f}/s",
-                "<= 2/s",
-                f"{process.num_threads()} threads",
-                wakeups <= 2.0,
-            )
-            report.add(
-                f"idle CPU over {idle:.0f} s",
-                f"{100 * busy / idle:.3f} % of a core",
-                "<= 0.02 %",
-                "",
-                busy / idle <= 0.0002,
-            )
+            daemon.growth_rows(rss_started)
+            _pairing_rows(report, node, daemon.split, daemon.failures)
+            daemon.idle_rows(idle, busy, wakeups)
         finally:
             node.stop()
 
@@ -411,12 +433,6 @@ def _dra_rounds(
     part's client (timed: the baseline), makes the same call with no claim (timed by the
     caller: the gRPC floor, for context) and unprepares it. Returns the row's cells."""
     from gpushare.base.logs import configure_logging
-    from gpushare.config import Settings
-    from gpushare.dra.part import build_dra_part
-    from gpushare.gpu.health import HealthBoard
-    from gpushare.host.library import ensure_lock_dir, install_hook, install_library
-    from gpushare.share.answers import DeviceListing, Enforcement
-    from gpushare.sim.drakubeletdouble import allocated_claim
 
     # The part logs as the DaemonSet's daemon does: JSON lines, info and up, here to a file.
     log_file = (root / "dra.log").open("w")
@@ -428,48 +444,11 @@ def _dra_rounds(
     empty: list[float] = []
     path = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims"
     try:
-        gpus = node_gpus(plan.cards, H200_MIB)
-        library = root / "libvgpu.so"
-        library.write_bytes(stand_in(b"bench interposer\n"))
-        host = root / "vgpu"
-        hook = root / "gpushare-memory-hook"  # named by the claims' specs, never run here
-        hook.write_bytes(stand_in(b"bench memory hook\n"))
-        enforcement = Enforcement(
-            install_library(library, host),
-            None,
-            True,
-            ensure_lock_dir(host),
-            limit_check=str(install_hook(hook, host)),
-        )
-        settings = Settings(host_lib_dir=str(host), dra_cdi_dir=str(root / "cdi"))
-        part = build_dra_part(
-            settings,
-            gpus,
-            HealthBoard(g.uuid for g in gpus),
-            enforcement,
-            DeviceListing(),
-            host,
-            client,
-            NODE_NAME,
-            root / "kubelet",
-            pcie_roots={},
-        )
+        part, driver = _dra_part(plan, root, client)
         part.start()
         kubelet.register()
         for i in range(rounds):
-            claim = allocated_claim(
-                "default",
-                f"bench-{i}",
-                settings.dra_driver,
-                NODE_NAME,
-                [
-                    {
-                        "request": "gpu",
-                        "device": f"gpu-{i % plan.cards}",
-                        "consumedCapacity": {"memory": "4Gi", "cores": "30"},
-                    }
-                ],
-            )
+            claim = _bench_claim(i, plan.cards, driver)
             create(claim)
             ref = ("default", f"bench-{i}", claim["metadata"]["uid"])
             seconds, error = kubelet.call("prepare", ref)
@@ -494,6 +473,63 @@ def _dra_rounds(
         f"GET p50 {ms(base)}; {p50 / base:.1f}x (empty call {ms(percentile(empty, 50))})",
         p50 <= 2 * base,
     )
+
+
+def _bench_claim(index: int, cards: int, driver: str) -> dict[str, Any]:
+    """Claim ``bench-<index>``, allocated: 4 GiB and 30 cores of card ``index % cards``."""
+    from gpushare.sim.drakubeletdouble import allocated_claim
+
+    return allocated_claim(
+        "default",
+        f"bench-{index}",
+        driver,
+        NODE_NAME,
+        [
+            {
+                "request": "gpu",
+                "device": f"gpu-{index % cards}",
+                "consumedCapacity": {"memory": "4Gi", "cores": "30"},
+            }
+        ],
+    )
+
+
+def _dra_part(plan: Plan, root: Path, client: Any) -> tuple[DraPart, str]:
+    """The DRA part of the bench (not started), on ``plan.cards`` simulated H200 with a
+    stand-in interposer and memory hook installed under ``root``; and its driver name."""
+    from gpushare.config import Settings
+    from gpushare.dra.part import build_dra_part
+    from gpushare.gpu.health import HealthBoard
+    from gpushare.host.library import ensure_lock_dir, install_hook, install_library
+    from gpushare.share.answers import DeviceListing, Enforcement
+
+    gpus = node_gpus(plan.cards, H200_MIB)
+    library = root / "libvgpu.so"
+    library.write_bytes(stand_in(b"bench interposer\n"))
+    host = root / "vgpu"
+    hook = root / "gpushare-memory-hook"  # named by the claims' specs, never run here
+    hook.write_bytes(stand_in(b"bench memory hook\n"))
+    enforcement = Enforcement(
+        install_library(library, host),
+        None,
+        True,
+        ensure_lock_dir(host),
+        limit_check=str(install_hook(hook, host)),
+    )
+    settings = Settings(host_lib_dir=str(host), dra_cdi_dir=str(root / "cdi"))
+    part = build_dra_part(
+        settings,
+        gpus,
+        HealthBoard(g.uuid for g in gpus),
+        enforcement,
+        DeviceListing(),
+        host,
+        client,
+        NODE_NAME,
+        root / "kubelet",
+        pcie_roots={},
+    )
+    return part, settings.dra_driver
 
 
 class DraCaller:
@@ -612,7 +648,7 @@ def run(plan: Plan, phases: Sequence[Callable[[Plan, Report], None]] | None = No
     return report
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> Parser:
     parser = Parser(prog="python -m gpushare.bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a tiny run for the smoke test")
     parser.add_argument("--write", metavar="PATH", help="put the table into PATH's bench section")
@@ -628,6 +664,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=bounded_float(0.1, 86400),
         help="length of the idle CPU measurement (default 60)",
     )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.latency_only and args.write:
         parser.error("--latency-only measures a few rows: it does not --write the bench section")
@@ -644,6 +685,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gpushare.bench: the benchmark failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     took = time.perf_counter() - started
+    _publish(report, args, took, about)
+    return 1 if report.missed else 0
+
+
+def _publish(report: Report, args: argparse.Namespace, took: float, about: str) -> None:
+    """Print the table and its summary; write it where ``--out`` and ``--write`` say."""
     table = report.table()
     print(table)
     for note in report.notes[:10]:
@@ -678,7 +725,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.write:
         replace_section(Path(args.write), "bench", body)
         print(f"rewrote the bench section of {args.write}")
-    return 1 if missed else 0
 
 
 if __name__ == "__main__":

@@ -47,18 +47,6 @@ def gpu_node(index: int) -> dict[str, Any]:
     """A Node as the API server sends it: labels, a realistic status, and the daemon's
     card state for 8 A100s with a few pods counted per card."""
     name = node_name(index)
-    images = [
-        {"names": [f"registry.example.com/team/image-{i}@sha256:{'ab' * 32}"], "sizeBytes": 10**9}
-        for i in range(20)
-    ]
-    amounts = {
-        "cpu": "96",
-        "memory": "1056561908Ki",
-        "pods": "110",
-        "ephemeral-storage": "3750000000Ki",
-        f"{PREFIX}/vcuda-memory": str(320 * CARDS),
-        f"{PREFIX}/vcuda-core": str(100 * CARDS),
-    }
     return {
         "kind": "Node",
         "apiVersion": "v1",
@@ -80,33 +68,51 @@ def gpu_node(index: int) -> dict[str, Any]:
             },
         },
         "spec": {"podCIDR": "10.0.0.0/24", "providerID": f"aws:///zone-a/i-{index:017d}"},
-        "status": {
-            "capacity": amounts,
-            "allocatable": amounts,
-            "conditions": [
-                {
-                    "type": kind,
-                    "status": "False" if kind != "Ready" else "True",
-                    "lastHeartbeatTime": "2026-11-27T05:00:00Z",
-                    "lastTransitionTime": "2026-11-20T05:00:00Z",
-                    "reason": f"Kubelet{kind}",
-                    "message": f"kubelet reports {kind}",
-                }
-                for kind in ("MemoryPressure", "DiskPressure", "PIDPressure", "Ready")
-            ],
-            "addresses": [
-                {"type": "InternalIP", "address": "10.0.0.1"},
-                {"type": "Hostname", "address": name},
-            ],
-            "nodeInfo": {
-                "kubeletVersion": "v1.36.3",
-                "containerRuntimeVersion": "containerd://2.1.0",
-                "osImage": "Ubuntu 24.04 LTS",
-                "kernelVersion": "6.8.0",
-                "architecture": "amd64",
-            },
-            "images": images,
+        "status": _node_status(name),
+    }
+
+
+def _node_status(name: str) -> dict[str, Any]:
+    """A GPU node's status as its kubelet reports it: 8 A100s in capacity, conditions,
+    addresses, versions and 20 images."""
+    images = [
+        {"names": [f"registry.example.com/team/image-{i}@sha256:{'ab' * 32}"], "sizeBytes": 10**9}
+        for i in range(20)
+    ]
+    amounts = {
+        "cpu": "96",
+        "memory": "1056561908Ki",
+        "pods": "110",
+        "ephemeral-storage": "3750000000Ki",
+        f"{PREFIX}/vcuda-memory": str(320 * CARDS),
+        f"{PREFIX}/vcuda-core": str(100 * CARDS),
+    }
+    return {
+        "capacity": amounts,
+        "allocatable": amounts,
+        "conditions": [
+            {
+                "type": kind,
+                "status": "False" if kind != "Ready" else "True",
+                "lastHeartbeatTime": "2026-11-27T05:00:00Z",
+                "lastTransitionTime": "2026-11-20T05:00:00Z",
+                "reason": f"Kubelet{kind}",
+                "message": f"kubelet reports {kind}",
+            }
+            for kind in ("MemoryPressure", "DiskPressure", "PIDPressure", "Ready")
+        ],
+        "addresses": [
+            {"type": "InternalIP", "address": "10.0.0.1"},
+            {"type": "Hostname", "address": name},
+        ],
+        "nodeInfo": {
+            "kubeletVersion": "v1.36.3",
+            "containerRuntimeVersion": "containerd://2.1.0",
+            "osImage": "Ubuntu 24.04 LTS",
+            "kernelVersion": "6.8.0",
+            "architecture": "amd64",
         },
+        "images": images,
     }
 
 
@@ -118,11 +124,6 @@ def a_pod(index: int, gpu: bool, node: str = "", card: str = "") -> dict[str, An
     if gpu and card:
         annotations[nodestate.plan_annotation_key(PREFIX)] = nodestate.encode_plan({"main": card})
         annotations[nodestate.pod_annotation_key(PREFIX, "main")] = card
-    limits: dict[str, str] = {"cpu": "2", "memory": "4Gi"}
-    if gpu:
-        limits[f"{PREFIX}/vcuda-memory"] = "16"
-        limits[f"{PREFIX}/vcuda-core"] = "10"
-    env = [{"name": f"SETTING_{i}", "value": "x" * 40} for i in range(12)]
     return {
         "metadata": {
             "name": name,
@@ -142,108 +143,129 @@ def a_pod(index: int, gpu: bool, node: str = "", card: str = "") -> dict[str, An
                     "blockOwnerDeletion": True,
                 }
             ],
-            "managedFields": [
-                {
-                    "manager": "kube-controller-manager",
-                    "operation": "Update",
-                    "apiVersion": "v1",
-                    "time": "2026-11-27T05:00:00Z",
-                    "fieldsType": "FieldsV1",
-                    "fieldsV1": {
-                        "f:metadata": {"f:labels": {"f:app": {}}},
-                        "f:spec": {
-                            "f:containers": {
-                                'k:{"name":"main"}': {
-                                    ".": {},
-                                    "f:env": {},
-                                    "f:image": {},
-                                    "f:resources": {},
-                                }
-                            }
-                        },
-                    },
-                },
-                {
-                    "manager": "kubelet",
-                    "operation": "Update",
-                    "apiVersion": "v1",
-                    "time": "2026-11-27T05:00:01Z",
-                    "fieldsType": "FieldsV1",
-                    "subresource": "status",
-                    "fieldsV1": {
-                        "f:status": {
-                            "f:conditions": {},
-                            "f:containerStatuses": {},
-                            "f:hostIP": {},
-                            "f:phase": {},
-                            "f:podIP": {},
+            "managedFields": _managed_fields(),
+        },
+        "spec": _pod_spec(gpu, node),
+        "status": _running_status(),
+    }
+
+
+def _managed_fields() -> list[dict[str, Any]]:
+    """What the controller manager and the kubelet wrote of a pod (its managed fields)."""
+    return [
+        {
+            "manager": "kube-controller-manager",
+            "operation": "Update",
+            "apiVersion": "v1",
+            "time": "2026-11-27T05:00:00Z",
+            "fieldsType": "FieldsV1",
+            "fieldsV1": {
+                "f:metadata": {"f:labels": {"f:app": {}}},
+                "f:spec": {
+                    "f:containers": {
+                        'k:{"name":"main"}': {
+                            ".": {},
+                            "f:env": {},
+                            "f:image": {},
+                            "f:resources": {},
                         }
-                    },
+                    }
                 },
-            ],
+            },
         },
-        "spec": {
-            "containers": [
-                {
-                    "name": "main",
-                    "image": "registry.example.com/team/app:1.2.3",
-                    "env": env,
-                    "resources": {"limits": limits, "requests": limits},
-                    "volumeMounts": [
-                        {
-                            "name": "kube-api-access",
-                            "readOnly": True,
-                            "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
-                        }
-                    ],
-                    "terminationMessagePath": "/dev/termination-log",
-                    "imagePullPolicy": "IfNotPresent",
+        {
+            "manager": "kubelet",
+            "operation": "Update",
+            "apiVersion": "v1",
+            "time": "2026-11-27T05:00:01Z",
+            "fieldsType": "FieldsV1",
+            "subresource": "status",
+            "fieldsV1": {
+                "f:status": {
+                    "f:conditions": {},
+                    "f:containerStatuses": {},
+                    "f:hostIP": {},
+                    "f:phase": {},
+                    "f:podIP": {},
                 }
-            ],
-            "nodeName": node,
-            "restartPolicy": "Always",
-            "schedulerName": "gpushare-scheduler" if gpu else "default-scheduler",
-            "serviceAccountName": "default",
-            "tolerations": [
-                {
-                    "key": "node.kubernetes.io/not-ready",
-                    "operator": "Exists",
-                    "effect": "NoExecute",
-                    "tolerationSeconds": 300,
-                }
-            ],
-            "volumes": [
-                {
-                    "name": "kube-api-access",
-                    "projected": {
-                        "sources": [
-                            {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}}
-                        ]
-                    },
-                }
-            ],
+            },
         },
-        "status": {
-            "phase": "Running",
-            "hostIP": "10.0.0.1",
-            "podIP": "10.1.0.1",
-            "startTime": "2026-11-27T05:00:00Z",
-            "conditions": [
-                {"type": t, "status": "True", "lastTransitionTime": "2026-11-27T05:00:00Z"}
-                for t in ("Initialized", "Ready", "ContainersReady", "PodScheduled")
-            ],
-            "containerStatuses": [
-                {
-                    "name": "main",
-                    "ready": True,
-                    "restartCount": 0,
-                    "image": "registry.example.com/team/app:1.2.3",
-                    "imageID": f"registry.example.com/team/app@sha256:{'cd' * 32}",
-                    "containerID": f"containerd://{'ef' * 32}",
-                    "state": {"running": {"startedAt": "2026-11-27T05:00:01Z"}},
-                }
-            ],
-        },
+    ]
+
+
+def _pod_spec(gpu: bool, node: str) -> dict[str, Any]:
+    """One container with twelve settings in its env, 2 CPUs and 4 GiB (and, ``gpu``,
+    16 memory units and 10 core units), bound to ``node``."""
+    limits: dict[str, str] = {"cpu": "2", "memory": "4Gi"}
+    if gpu:
+        limits[f"{PREFIX}/vcuda-memory"] = "16"
+        limits[f"{PREFIX}/vcuda-core"] = "10"
+    env = [{"name": f"SETTING_{i}", "value": "x" * 40} for i in range(12)]
+    return {
+        "containers": [
+            {
+                "name": "main",
+                "image": "registry.example.com/team/app:1.2.3",
+                "env": env,
+                "resources": {"limits": limits, "requests": limits},
+                "volumeMounts": [
+                    {
+                        "name": "kube-api-access",
+                        "readOnly": True,
+                        "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
+                    }
+                ],
+                "terminationMessagePath": "/dev/termination-log",
+                "imagePullPolicy": "IfNotPresent",
+            }
+        ],
+        "nodeName": node,
+        "restartPolicy": "Always",
+        "schedulerName": "gpushare-scheduler" if gpu else "default-scheduler",
+        "serviceAccountName": "default",
+        "tolerations": [
+            {
+                "key": "node.kubernetes.io/not-ready",
+                "operator": "Exists",
+                "effect": "NoExecute",
+                "tolerationSeconds": 300,
+            }
+        ],
+        "volumes": [
+            {
+                "name": "kube-api-access",
+                "projected": {
+                    "sources": [
+                        {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}}
+                    ]
+                },
+            }
+        ],
+    }
+
+
+def _running_status() -> dict[str, Any]:
+    """A running pod's status, its one container started."""
+    return {
+        "phase": "Running",
+        "hostIP": "10.0.0.1",
+        "podIP": "10.1.0.1",
+        "startTime": "2026-11-27T05:00:00Z",
+        "conditions": [
+            {"type": t, "status": "True", "lastTransitionTime": "2026-11-27T05:00:00Z"}
+            for t in ("Initialized", "Ready", "ContainersReady", "PodScheduled")
+        ],
+        "containerStatuses": [
+            {
+                "name": "main",
+                "ready": True,
+                "restartCount": 0,
+                "image": "registry.example.com/team/app:1.2.3",
+                "imageID": f"registry.example.com/team/app@sha256:{'cd' * 32}",
+                "containerID": f"containerd://{'ef' * 32}",
+                "state": {"running": {"startedAt": "2026-11-27T05:00:01Z"}},
+            }
+        ],
     }
 
 

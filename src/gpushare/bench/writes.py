@@ -31,7 +31,10 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported in the child process that runs a mode
+    from gpushare.sim.apidouble import Recorded
 
 NODE_PREFIX = "node-"
 CARDS = 8
@@ -151,18 +154,7 @@ def run_mode(
         time.sleep(0.05)
     # warm-up: the pods of one lifetime, then count
     minute = 60.0 / speed
-    events: list[tuple[float, int, str, str]] = []
-    if per_minute > 0:
-        gap = minute / per_minute
-        horizon = (minutes + POD_MINUTES) * minute
-        for i in range(nodes):
-            offset = gap * i / nodes
-            k = 0
-            while offset + k * gap < horizon:
-                at = offset + k * gap
-                events.append((at, i, "start", f"p{k}"))
-                events.append((at + POD_MINUTES * minute, i, "end", f"p{k}"))
-                k += 1
+    events = _pod_events(nodes, per_minute, minutes, minute)
     began = time.monotonic()
     warm = POD_MINUTES * minute if per_minute > 0 else minute
     counted_from: int | None = None
@@ -190,6 +182,35 @@ def run_mode(
     for node in driven:
         threading.Thread(target=node.link.stop, daemon=True).start()
     api.stop()
+    return _rates(mode, nodes, per_minute, elapsed, writes)
+
+
+def _pod_events(
+    nodes: int, per_minute: float, minutes: float, minute: float
+) -> list[tuple[float, int, str, str]]:
+    """(seconds from the start, node, ``start`` or ``end``, pod) of every pod started
+    ``per_minute`` times a simulated minute on each node, spread over the nodes, each
+    living :data:`POD_MINUTES`, for the warm-up and ``minutes`` after it (unsorted)."""
+    events: list[tuple[float, int, str, str]] = []
+    if per_minute > 0:
+        gap = minute / per_minute
+        horizon = (minutes + POD_MINUTES) * minute
+        for i in range(nodes):
+            offset = gap * i / nodes
+            k = 0
+            while offset + k * gap < horizon:
+                at = offset + k * gap
+                events.append((at, i, "start", f"p{k}"))
+                events.append((at + POD_MINUTES * minute, i, "end", f"p{k}"))
+                k += 1
+    return events
+
+
+def _rates(
+    mode: str, nodes: int, per_minute: float, elapsed: float, writes: list[Recorded]
+) -> dict[str, Any]:
+    """The writes counted over ``elapsed`` simulated minutes, per node and minute: to
+    Nodes, to state objects, the rest, and a Node patch's mean size."""
     per = nodes * elapsed
     node_writes = sum(1 for r in writes if r.path.startswith("/api/v1/nodes/"))
     object_writes = sum(

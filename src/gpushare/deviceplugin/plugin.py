@@ -16,7 +16,6 @@ and every call timed into the one :data:`~gpushare.base.kubeletgrpc.CallHook`.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import secrets
 import threading
@@ -29,7 +28,7 @@ import grpc
 import structlog
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from gpushare.base.kubeletgrpc import CallHook, KubeletServer, ServerLoop, observed
+from gpushare.base.kubeletgrpc import CallHook, KubeletServer, ServerLoop, board_stream, observed
 from gpushare.deviceplugin.binding import Binder, BindingError, Refusal
 from gpushare.gpu.health import HealthBoard
 from gpushare.share.answers import ContainerEdits
@@ -151,25 +150,12 @@ class ListingServicer(api_pb2_grpc.DevicePluginServicer):
         A cancelled stream (the kubelet went away, the server stops) ends at its await."""
         self._count_stream(+1)
         log.info("list_and_watch_opened", resource=self.label)
-        loop = asyncio.get_running_loop()
-        changed = asyncio.Event()
-
-        def wake() -> None:
-            loop.call_soon_threadsafe(changed.set)
-
-        forget = self.board.listen(wake)  # every change, and the board's wake at stop
+        stream = board_stream(self.board, self.stopping, self.device_list, STREAM_CHECK_SECONDS)
         try:
-            seen = -1
-            while not self.stopping.is_set():
-                changed.clear()
-                if self.board.version != seen:
-                    seen = self.board.version
-                    yield self.device_list()
-                    continue
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), STREAM_CHECK_SECONDS)
+            async with contextlib.aclosing(stream) as messages:
+                async for message in messages:
+                    yield message
         finally:
-            forget()
             self._count_stream(-1)
             log.info("list_and_watch_closed", resource=self.label)
             if self.on_stream_closed is not None:

@@ -22,7 +22,6 @@ kubelet's version (issue 41.8):
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +32,7 @@ import structlog
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from gpushare.base.dirwatch import DirWatch
-from gpushare.base.kubeletgrpc import KubeletServer
+from gpushare.base.kubeletgrpc import KubeletServer, SocketIdentity, socket_identity
 from gpushare.deviceplugin.plugin import PluginServer
 
 log = structlog.get_logger(__name__)
@@ -127,15 +126,6 @@ def register(
                 raise RegistrationError(why) from None
 
 
-def _identity(path: Path) -> tuple[int, int] | None:
-    """Inode and change time: tells a re-created file from the old one."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_ino, st.st_ctime_ns)
-
-
 class KubeletLink:
     """Keeps every plugin server serving and registered, for as long as it runs.
 
@@ -162,9 +152,9 @@ class KubeletLink:
         self.unwatched_retries = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._registered_with: tuple[int, int] | None = None
+        self._registered_with: SocketIdentity | None = None
         #: the kubelet.sock last registered with (kept when it goes missing)
-        self._last_kubelet: tuple[int, int] | None = None
+        self._last_kubelet: SocketIdentity | None = None
         #: called when a registration follows a new kubelet.sock (a kubelet restart)
         self.on_restart: list[Callable[[], None]] = []
         self._registered_at = time.monotonic()
@@ -183,7 +173,7 @@ class KubeletLink:
     def registered_with_current(self) -> bool:
         """Registered, with the kubelet whose ``kubelet.sock`` is in place now (not one
         whose socket was replaced since: a registration with it is still to come)."""
-        kubelet = _identity(self.kubelet_socket)
+        kubelet = socket_identity(self.kubelet_socket)
         return self.registered.is_set() and kubelet is not None and kubelet == self._registered_with
 
     def unregistered_seconds(self) -> float:
@@ -273,19 +263,19 @@ class KubeletLink:
 
     def _wait_unless_kubelet_changes(self, seconds: float) -> None:
         """Back off, but retry at once when a new kubelet socket appears."""
-        failed_with = _identity(self.kubelet_socket)
+        failed_with = socket_identity(self.kubelet_socket)
         deadline = time.monotonic() + seconds
         while not self._stop.is_set():
             left = deadline - time.monotonic()
-            if left <= 0 or _identity(self.kubelet_socket) != failed_with:
+            if left <= 0 or socket_identity(self.kubelet_socket) != failed_with:
                 return
             self._watch.wait(left)
 
-    def _changed_since(self, kubelet: tuple[int, int] | None) -> Callable[[], bool]:
+    def _changed_since(self, kubelet: SocketIdentity | None) -> Callable[[], bool]:
         def changed() -> bool:
             return (
                 self._stop.is_set()
-                or _identity(self.kubelet_socket) != kubelet
+                or socket_identity(self.kubelet_socket) != kubelet
                 or not all(server.socket_intact() for server, _ in self.servers)
             )
 
@@ -293,7 +283,7 @@ class KubeletLink:
 
     @staticmethod
     def _offer_once(
-        server: PluginServer, kubelet: tuple[int, int], overlap: bool
+        server: PluginServer, kubelet: SocketIdentity, overlap: bool
     ) -> KubeletServer | None:
         """Never offer one socket path to one kubelet twice. A kubelet may still hold an
         endpoint of a path it was offered (an attempt that timed out on our side can have
@@ -340,7 +330,7 @@ class KubeletLink:
                 log.warning("plugin_socket_lost", socket=str(server.socket_path))
                 server.restart()
                 resurrected = True
-        kubelet = _identity(self.kubelet_socket)
+        kubelet = socket_identity(self.kubelet_socket)
         if kubelet is None:
             if self._registered_with is not None:
                 log.warning("kubelet_socket_gone", socket=str(self.kubelet_socket))

@@ -251,25 +251,7 @@ def offered_devices(
                 base[MEMORY_ENFORCEMENT] = {"string": memory}
                 base[COMPUTE_ENFORCEMENT] = {"string": compute}
         if gpu.mig_enabled:
-            for mig in sorted(gpu.mig_devices, key=lambda m: (m.gpu_instance, m.compute_instance)):
-                attributes = {
-                    **{k: v for k, v in base.items() if k != "uuid"},
-                    "type": {"string": "mig"},
-                    "uuid": {"string": mig.uuid},
-                    "parentUUID": {"string": gpu.uuid},
-                    "profile": {"string": _NOT_LABEL.sub("_", mig.profile)[:64]},
-                }
-                offered.append(
-                    Offered(
-                        mig_device_name(gpu, mig),
-                        mig.uuid,
-                        mig.memory_mib,
-                        shared=False,
-                        card_index=gpu.index,
-                        card_uuid=gpu.uuid,
-                        attributes=attributes,
-                    )
-                )
+            offered += _mig_devices(gpu, base)
             continue
         units = gpu.allocatable_mib // unit_mib  # the driver's reservation is no one's
         if units < 1:
@@ -284,6 +266,32 @@ def offered_devices(
                 card_memory_mib=gpu.memory_mib,
                 card_uuid=gpu.uuid,
                 attributes=base,
+            )
+        )
+    return offered
+
+
+def _mig_devices(gpu: Gpu, base: dict[str, Any]) -> list[Offered]:
+    """A card in MIG mode as its MIG devices, whole each (the card's ``base``
+    attributes, their own UUID, profile and parent)."""
+    offered = []
+    for mig in sorted(gpu.mig_devices, key=lambda m: (m.gpu_instance, m.compute_instance)):
+        attributes = {
+            **{k: v for k, v in base.items() if k != "uuid"},
+            "type": {"string": "mig"},
+            "uuid": {"string": mig.uuid},
+            "parentUUID": {"string": gpu.uuid},
+            "profile": {"string": _NOT_LABEL.sub("_", mig.profile)[:64]},
+        }
+        offered.append(
+            Offered(
+                mig_device_name(gpu, mig),
+                mig.uuid,
+                mig.memory_mib,
+                shared=False,
+                card_index=gpu.index,
+                card_uuid=gpu.uuid,
+                attributes=attributes,
             )
         )
     return offered

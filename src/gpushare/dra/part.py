@@ -7,7 +7,7 @@ same interposer file), the host directory of the cache directories, an API clien
 node's name and the kubelet's root directory. The part then
 
 * publishes the cards in the node's ResourceSlices (:mod:`gpushare.dra.slices`),
-* serves the kubelet plugin (:mod:`gpushare.dra.server`) that prepares claims
+* serves the kubelet plugin (:mod:`gpushare.dra.kubeletplugin`) that prepares claims
   (:mod:`gpushare.dra.claims`),
 
 and is ready once the slices are published with consumable capacity kept. What it has
@@ -27,8 +27,8 @@ from gpushare.base.kubeletgrpc import CallHook
 from gpushare.base.startup import NodeConfigurationError
 from gpushare.config import Settings
 from gpushare.dra.claims import ClaimPreparer
+from gpushare.dra.kubeletplugin import DraServer
 from gpushare.dra.model import FULL_CORES, Offered, health_keys, offered_devices
-from gpushare.dra.server import DraServer
 from gpushare.dra.slices import SlicePublisher
 from gpushare.gpu.gpus import Gpu
 from gpushare.gpu.health import HealthBoard
@@ -176,11 +176,8 @@ class DraPart:
     def report_to(self, core: NodeCore) -> None:
         """Show what is prepared in the node's state and metrics (the core's card
         facts), and have the API link publish again after each change."""
-        core.card_facts.serve_dra(self.published(), self.shares)
-        core.collector.claim_holders = self.cache_holders  # names claims over the limit
-        link = core.api_link
-        if link is not None:
-            self.preparer.held.on_change = link.notify_changed
+        core.dra_serving(self.published(), self.shares, self.cache_holders)
+        self.preparer.held.on_change = core.state_changed
 
 
 def build_dra_part(
@@ -207,43 +204,13 @@ def build_dra_part(
     ``pcie_roots`` (card UUID -> root) default to what sysfs says."""
     if not node_name:
         raise ValueError("the DRA driver needs the node's name (NODE_NAME / --node-name)")
-    roots = (
-        dict(pcie_roots)
-        if pcie_roots is not None
-        else {g.uuid: r for g in gpus if (r := pcie_root(g.pci_bus_id)) is not None}
+    devices = _devices(
+        gpus, settings.memory_unit_mib, board, enforcement, driver_version, pcie_roots
     )
-    default = "interposer" if enforcement.library is not None else "none"
-    backends = {
-        g.uuid: (enforcement.memory.get(g.uuid, default), enforcement.compute.get(g.uuid, default))
-        for g in gpus
-    }
-    devices = offered_devices(
-        gpus,
-        settings.memory_unit_mib,
-        driver_version=driver_version,
-        pcie_roots=roots,
-        enforcement=backends,
-    )
-    missing = sorted({k for d in devices for k in health_keys(d)} - set(board.cards()))
-    if missing:
-        raise ValueError(f"the health board holds no entry for {', '.join(missing)}")
-    by_name = {d.name: d for d in devices}
     driver = settings.dra_driver
-    state_dir = Path(settings.dra_state_dir) if settings.dra_state_dir else host_lib_dir / "dra"
-    preparer = ClaimPreparer(
-        api=api,
-        driver=driver,
-        pool=node_name,
-        devices=lambda: by_name,
-        health=board,
-        enforcement=enforcement,
-        listing=listing,
-        unit_mib=settings.memory_unit_mib,
-        host_lib_dir=host_lib_dir,
-        cdi_dir=Path(settings.dra_cdi_dir),
-        state_dir=state_dir,
-        mps=mps,
-        mig_nodes=mig_nodes,
+    preparer = _preparer(
+        settings, devices, board, enforcement, listing, host_lib_dir, api, node_name, mps,
+        mig_nodes,
     )
     publisher = SlicePublisher(
         api=api,
@@ -270,6 +237,68 @@ def _mig_nodes(cards: Sequence[Gpu]) -> dict[str, tuple[str, ...]]:
     """The device nodes of the MIG devices of ``cards`` (``--mig-device-specs``), as the
     device plugin's MIG door reads them."""
     return read_mig_nodes(cards, [d for g in cards for d in g.mig_devices])
+
+
+def _preparer(
+    settings: Settings,
+    devices: Sequence[Offered],
+    board: HealthBoard,
+    enforcement: Enforcement,
+    listing: DeviceListing,
+    host_lib_dir: Path,
+    api: ApiClient,
+    node_name: str,
+    mps: MpsGrants | None,
+    mig_nodes: Mapping[str, Sequence[str]] | None,
+) -> ClaimPreparer:
+    """The prepare side of the driver, its checkpoint in ``--dra-state-dir`` (default:
+    ``dra`` under the host directory) and its claims' CDI specs in ``--dra-cdi-dir``."""
+    by_name = {d.name: d for d in devices}
+    state_dir = Path(settings.dra_state_dir) if settings.dra_state_dir else host_lib_dir / "dra"
+    return ClaimPreparer(
+        api=api,
+        driver=settings.dra_driver,
+        pool=node_name,
+        devices=lambda: by_name,
+        health=board,
+        enforcement=enforcement,
+        listing=listing,
+        unit_mib=settings.memory_unit_mib,
+        host_lib_dir=host_lib_dir,
+        cdi_dir=Path(settings.dra_cdi_dir),
+        state_dir=state_dir,
+        mps=mps,
+        mig_nodes=mig_nodes,
+    )
+
+
+def _devices(
+    gpus: Sequence[Gpu],
+    unit_mib: int,
+    board: HealthBoard,
+    enforcement: Enforcement,
+    driver_version: str | None,
+    pcie_roots: Mapping[str, str] | None,
+) -> list[Offered]:
+    """The devices the driver publishes of ``gpus``, each with its card's PCIe root and
+    enforcement backends; a ValueError when ``board`` lacks one of their health keys."""
+    roots = (
+        dict(pcie_roots)
+        if pcie_roots is not None
+        else {g.uuid: r for g in gpus if (r := pcie_root(g.pci_bus_id)) is not None}
+    )
+    default = "interposer" if enforcement.library is not None else "none"
+    backends = {
+        g.uuid: (enforcement.memory.get(g.uuid, default), enforcement.compute.get(g.uuid, default))
+        for g in gpus
+    }
+    devices = offered_devices(
+        gpus, unit_mib, driver_version=driver_version, pcie_roots=roots, enforcement=backends
+    )
+    missing = sorted({k for d in devices for k in health_keys(d)} - set(board.cards()))
+    if missing:
+        raise ValueError(f"the health board holds no entry for {', '.join(missing)}")
+    return devices
 
 
 def dra_part_for(core: NodeCore, observe: CallHook | None = None) -> DraPart | None:

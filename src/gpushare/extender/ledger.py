@@ -379,103 +379,136 @@ def _count(
 ) -> Occupancy:
     """:meth:`AdmissionLedger.occupancy` for a state that lists its pods."""
     ledger._expire()
-    now = ledger._clock()
-    unconfirmable_after = now - ledger.timeout_seconds
-    truncated = any(card.pods_truncated for card in state.cards)
-    live = {uid: ledger._live[uid] for uid in ledger._live_by_node.get(node, ())}
-    gone = ledger._gone_by_node.get(node, {})
-    live_names: dict[str, int] = {}
-    for facts in live.values():
-        live_names[facts.key] = live_names.get(facts.key, 0) + 1
-    gone_names = {g.key for g in gone.values()}
+    count = _Counting(ledger, node, state, rooms)
+    count.release_ended()
+    count.subtract_holds(exclude_pod)
+    if ledger.watching:
+        count.subtract_unlisted(policy, exclude_pod)
+    return Occupancy(
+        count.rooms,
+        count.pending,
+        len(count.released_pods),
+        frozenset(count.touched),
+        count.oldest,
+        frozenset(count.listed),
+    )
 
-    def live_of(key: str) -> str | None:
+
+class _Counting:
+    """One count of a node's room from a state that lists its pods, in three steps:
+    ended pods the state still counts give their units back; the extender's own holds,
+    until the state counts the pod, take theirs; live pods bound here by anyone that
+    the state does not count yet take theirs."""
+
+    def __init__(
+        self,
+        ledger: AdmissionLedger,
+        node: str,
+        state: NodeGpuState,
+        rooms: tuple[CardRoom, ...],
+    ) -> None:
+        self.ledger, self.node, self.state, self.rooms = ledger, node, state, rooms
+        self.unconfirmable_after = ledger._clock() - ledger.timeout_seconds
+        self.truncated = any(card.pods_truncated for card in state.cards)
+        self.live = {uid: ledger._live[uid] for uid in ledger._live_by_node.get(node, ())}
+        self.gone = ledger._gone_by_node.get(node, {})
+        self.live_names: dict[str, int] = {}
+        for facts in self.live.values():
+            self.live_names[facts.key] = self.live_names.get(facts.key, 0) + 1
+        self.gone_names = {g.key for g in self.gone.values()}
+        self.listed = {key for card in state.cards for key, _m, _c in card.pods or ()}
+        self.counted: set[str] = set()  # UIDs of live pods the state counts
+        for key in self.listed:
+            uid = self.live_of(key)
+            if uid is not None:
+                self.counted.add(uid)
+        self.pending = 0
+        self.released_pods: set[str] = set()
+        self.holding: set[str] = set()
+        self.touched: set[str] = set()
+        self.oldest = _NEVER  # the answer changes once ``unconfirmable_after`` passes this
+
+    def live_of(self, key: str) -> str | None:
         """The live pod a listed key names, if exactly one."""
-        if key in live:
+        if key in self.live:
             return key
-        if "/" in key and live_names.get(key) == 1 and key not in gone_names:
-            return next(uid for uid, facts in live.items() if facts.key == key)
+        if "/" in key and self.live_names.get(key) == 1 and key not in self.gone_names:
+            return next(uid for uid, facts in self.live.items() if facts.key == key)
         return None
 
-    def ended(key: str) -> bool:
-        if key in gone or key in ledger._gone:
+    def ended(self, key: str) -> bool:
+        if key in self.gone or key in self.ledger._gone:
             return True
-        return "/" in key and key in gone_names and not live_names.get(key)
+        return "/" in key and key in self.gone_names and not self.live_names.get(key)
 
-    listed = {key for card in state.cards for key, _m, _c in card.pods or ()}
-    counted: set[str] = set()  # UIDs of live pods the state counts
-    for key in listed:
-        uid = live_of(key)
-        if uid is not None:
-            counted.add(uid)
-    # 1. Ended pods the state still counts: their units are free.
-    released: dict[str, tuple[int, int]] = {}
-    released_pods: set[str] = set()
-    for card in state.cards:
-        for key, memory, core in card.pods or ():
-            if ended(key):
-                released_pods.add(key)
-                held_memory, held_core = released.get(card.uuid, (0, 0))
-                released[card.uuid] = (held_memory + memory, held_core + core)
-    if released:
-        rooms = tuple(_give(room, released.get(room.uuid, (0, 0))) for room in rooms)
-    # 2. The extender's own holds, until the state counts the pod.
-    pending = 0
-    holding: set[str] = set()
-    oldest = _NEVER  # the answer changes once ``unconfirmable_after`` passes this
-    for entry in list(ledger._by_node.get(node, {}).values()):
-        by_name = (
-            entry.pod_key
-            and entry.pod_key in listed
-            and live_names.get(entry.pod_key, 0) <= 1
-            and entry.pod_key not in gone_names
-        )
-        if entry.confirmed_in is not None and state.generation >= entry.confirmed_in:
-            continue
-        if entry.pod_uid in listed or entry.pod_uid in counted or by_name:
-            # Confirmed: the counts include it. Once the watch knows the pod, it
-            # covers older states too; until then the hold does, for them.
-            if entry.pod_uid in ledger._live:
-                ledger._drop(entry.pod_uid)
-            elif entry.confirmed_in is None or state.generation < entry.confirmed_in:
-                ledger._confirm(entry, state.generation)
-            continue
-        if truncated or not ledger.watching:
-            if entry.admitted_at < unconfirmable_after:
-                ledger._drop(entry.pod_uid)
+    def release_ended(self) -> None:
+        """1. Ended pods the state still counts: their units are free."""
+        released: dict[str, tuple[int, int]] = {}
+        for card in self.state.cards:
+            for key, memory, core in card.pods or ():
+                if self.ended(key):
+                    self.released_pods.add(key)
+                    held_memory, held_core = released.get(card.uuid, (0, 0))
+                    released[card.uuid] = (held_memory + memory, held_core + core)
+        if released:
+            self.rooms = tuple(_give(room, released.get(room.uuid, (0, 0))) for room in self.rooms)
+
+    def subtract_holds(self, exclude_pod: str) -> None:
+        """2. The extender's own holds, until the state counts the pod."""
+        ledger, state, listed = self.ledger, self.state, self.listed
+        for entry in list(ledger._by_node.get(self.node, {}).values()):
+            by_name = (
+                entry.pod_key
+                and entry.pod_key in listed
+                and self.live_names.get(entry.pod_key, 0) <= 1
+                and entry.pod_key not in self.gone_names
+            )
+            if entry.confirmed_in is not None and state.generation >= entry.confirmed_in:
                 continue
-            oldest = min(oldest, entry.admitted_at)
-        holding.add(entry.pod_uid)
-        if entry.pod_uid == exclude_pod:
-            continue
-        rooms = subtract(rooms, entry.use_by_card)
-        pending += 1
-    # 3. Live pods bound here by anyone that the state does not count yet.
-    touched = set(holding)
-    if ledger.watching:
-        for uid, facts in sorted(live.items(), key=lambda item: ledger._live_since[item[0]]):
-            if uid in holding or uid in counted or facts.need is None:
+            if entry.pod_uid in listed or entry.pod_uid in self.counted or by_name:
+                # Confirmed: the counts include it. Once the watch knows the pod, it
+                # covers older states too; until then the hold does, for them.
+                if entry.pod_uid in ledger._live:
+                    ledger._drop(entry.pod_uid)
+                elif entry.confirmed_in is None or state.generation < entry.confirmed_in:
+                    ledger._confirm(entry, state.generation)
                 continue
-            touched.add(uid)
+            if self.truncated or not ledger.watching:
+                if entry.admitted_at < self.unconfirmable_after:
+                    ledger._drop(entry.pod_uid)
+                    continue
+                self.oldest = min(self.oldest, entry.admitted_at)
+            self.holding.add(entry.pod_uid)
+            if entry.pod_uid == exclude_pod:
+                continue
+            self.rooms = subtract(self.rooms, entry.use_by_card)
+            self.pending += 1
+        self.touched = set(self.holding)
+
+    def subtract_unlisted(self, policy: str, exclude_pod: str) -> None:
+        """3. Live pods bound here by anyone that the state does not count yet (the
+        ledger watches the pods)."""
+        since = self.ledger._live_since
+        for uid, facts in sorted(self.live.items(), key=lambda item: since[item[0]]):
+            if uid in self.holding or uid in self.counted or facts.need is None:
+                continue
+            self.touched.add(uid)
             if uid == exclude_pod:
                 continue
-            if truncated:
-                if ledger._live_since[uid] < unconfirmable_after:
+            if self.truncated:
+                if since[uid] < self.unconfirmable_after:
                     continue
-                oldest = min(oldest, ledger._live_since[uid])
-            planned = _planned_use(rooms, facts)
-            fit = fit_pod(rooms, facts.need, policy) if planned is None else None
+                self.oldest = min(self.oldest, since[uid])
+            planned = _planned_use(self.rooms, facts)
+            fit = fit_pod(self.rooms, facts.need, policy) if planned is None else None
             if planned is not None:
-                rooms = subtract(rooms, planned)
+                self.rooms = subtract(self.rooms, planned)
             elif fit is not None and fit.placement is not None:
-                rooms = subtract(rooms, fit.placement.use_by_card())
+                self.rooms = subtract(self.rooms, fit.placement.use_by_card())
             else:  # it fits nowhere that we know: count it everywhere
                 need = (facts.need.memory_units, facts.need.core_units)
-                rooms = subtract(rooms, {room.uuid: need for room in rooms})
-            pending += 1
-    return Occupancy(
-        rooms, pending, len(released_pods), frozenset(touched), oldest, frozenset(listed)
-    )
+                self.rooms = subtract(self.rooms, {room.uuid: need for room in self.rooms})
+            self.pending += 1
 
 
 def _planned_use(rooms: Iterable[CardRoom], facts: PodFacts) -> dict[str, tuple[int, int]] | None:

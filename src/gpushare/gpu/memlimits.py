@@ -65,7 +65,7 @@ class MemoryLimitError(Exception):
 
 
 @dataclass(frozen=True)
-class Limits:
+class MemoryLimits:
     soft: int
     hard: int
     used: int = 0
@@ -78,7 +78,7 @@ class MemoryLimitDriver(Protocol):
 
     def set_memory_limits(self, uuid: str, namespace: str, soft: int, hard: int) -> None: ...
 
-    def get_memory_limits(self, uuid: str, namespace: str) -> Limits | None:
+    def get_memory_limits(self, uuid: str, namespace: str) -> MemoryLimits | None:
         """The limit on ``namespace``; None where there is none (NOT_SUPPORTED)."""
         ...
 
@@ -168,7 +168,7 @@ class LimitStore:
         target.parent.mkdir(parents=True, exist_ok=True)
         _write(target, f"{namespace}\n{soft} {hard}\n")
 
-    def get_memory_limits(self, uuid: str, namespace: str) -> Limits | None:
+    def get_memory_limits(self, uuid: str, namespace: str) -> MemoryLimits | None:
         self._mode(uuid)
         try:
             name, numbers = self._file(uuid, namespace).read_text().split("\n", 1)
@@ -177,18 +177,18 @@ class LimitStore:
         if name != namespace:
             return None
         soft, hard = (int(n) for n in numbers.split())
-        return Limits(soft, hard)
+        return MemoryLimits(soft, hard)
 
-    def limits(self) -> dict[tuple[str, str], Limits]:
+    def limits(self) -> dict[tuple[str, str], MemoryLimits]:
         """Every limit held: (card UUID, namespace) -> limits (for tests and inspect)."""
-        found: dict[tuple[str, str], Limits] = {}
+        found: dict[tuple[str, str], MemoryLimits] = {}
         folder = self.path / "limits"
         for entry in sorted(folder.iterdir()) if folder.is_dir() else []:
             if entry.name.endswith(".tmp") or "." not in entry.name:
                 continue
             name, numbers = entry.read_text().split("\n", 1)
             soft, hard = (int(n) for n in numbers.split())
-            found[(entry.name.rsplit(".", 1)[0], name)] = Limits(soft, hard)
+            found[(entry.name.rsplit(".", 1)[0], name)] = MemoryLimits(soft, hard)
         return found
 
 
@@ -273,7 +273,7 @@ def nvml_set(nvml: Any, handle: Any, namespace: str, soft: int, hard: int) -> No
         )
 
 
-def nvml_get(nvml: Any, handle: Any, namespace: str) -> Limits | None:
+def nvml_get(nvml: Any, handle: Any, namespace: str) -> MemoryLimits | None:
     """``nvmlDeviceGetMemoryLimits_v1``; None for NOT_SUPPORTED (no limit there)."""
     limits = _GetLimits(namespace.encode(), 0, 0, 0)
     code = _function(nvml, "nvmlDeviceGetMemoryLimits_v1")(handle, ctypes.byref(limits))
@@ -281,4 +281,4 @@ def nvml_get(nvml: Any, handle: Any, namespace: str) -> Limits | None:
         return None
     if code:
         raise MemoryLimitError(f"nvmlDeviceGetMemoryLimits_v1: {nvml.NVMLError(code)}", code)
-    return Limits(limits.softLimit, limits.hardLimit, limits.currentUsed)
+    return MemoryLimits(limits.softLimit, limits.hardLimit, limits.currentUsed)

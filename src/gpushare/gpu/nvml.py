@@ -27,7 +27,7 @@ from gpushare.gpu.gpus import (
     MigDevice,
     drifted,
 )
-from gpushare.gpu.memlimits import Limits, MemoryLimitError, nvml_get, nvml_set
+from gpushare.gpu.memlimits import MemoryLimitError, MemoryLimits, nvml_get, nvml_set
 from gpushare.gpu.migprofile import (
     COMPUTE_INSTANCE_PROFILES,
     GPU_INSTANCE_PROFILES,
@@ -68,8 +68,8 @@ class NvmlBackend:
             ) from None
         self._handles: dict[str, Any] = {}
         self._served: dict[str, Gpu] = {}
-        self._drifted: set[str] = set()  # cards whose MIG layout changed (reported)
-        self._lost_mig: set[str] = set()
+        #: what happens to the cards discovery reads (it fills the two maps it shares)
+        self.events = NvmlEvents(pynvml, self._handles, self._served)
 
     def discover(self) -> list[Gpu]:
         """Every card NVML can read. A card that cannot be read is reported and left
@@ -139,6 +139,95 @@ class NvmlBackend:
         return value if value >= 0 else None
 
     def watch(self, deliver: Callable[[GpuEvent], None], stop: threading.Event) -> None:
+        self.events.watch(deliver, stop)
+
+    def topology(self) -> Topology:
+        """PCIe switches and NVLinks between the discovered cards. Untested without a
+        GPU, so every NVML call is guarded: what cannot be read is left out (the
+        preference then falls back to NUMA and positions)."""
+        nvml = self._nvml
+        cards = [(uuid, h) for uuid, h in self._handles.items()]
+        bus_of: dict[str, str] = {}
+        for uuid, handle in cards:
+            with contextlib.suppress(nvml.NVMLError):
+                bus_of[sysfs_bus_id(text(nvml.nvmlDeviceGetPciInfo(handle).busId))] = uuid
+        switch: dict[str, str] = {}
+        for (a, ha), (b, hb) in itertools.combinations(cards, 2):
+            try:
+                level = int(nvml.nvmlDeviceGetTopologyCommonAncestor(ha, hb))
+            except nvml.NVMLError:
+                continue
+            if level <= nvml.NVML_TOPOLOGY_MULTIPLE:  # one board or PCIe switch tree
+                group = switch.get(a) or switch.get(b) or a
+                switch[a] = switch[b] = group
+        nvlinks: dict[frozenset[str], int] = {}
+        fabric: dict[str, int] = {}  # card -> its active links to an NVSwitch
+        for uuid, handle in cards:
+            for link in range(nvml.NVML_NVLINK_MAX_LINKS):
+                try:
+                    if nvml.nvmlDeviceGetNvLinkState(handle, link) != nvml.NVML_FEATURE_ENABLED:
+                        continue
+                    remote = text(nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
+                except nvml.NVMLError:
+                    break  # no more links on this card (or NVLink not supported)
+                peer = bus_of.get(sysfs_bus_id(remote))
+                if peer is None:
+                    fabric[uuid] = fabric.get(uuid, 0) + 1  # an NVSwitch (or a bridge)
+                elif peer != uuid:
+                    key = frozenset((uuid, peer))
+                    nvlinks[key] = nvlinks.get(key, 0) + 1
+        nvlinks = {k: max(1, n // 2) for k, n in nvlinks.items()}  # each link seen from both ends
+        for (a, na), (b, nb) in itertools.combinations(fabric.items(), 2):
+            key = frozenset((a, b))
+            nvlinks[key] = nvlinks.get(key, 0) + min(na, nb)
+        numa = {uuid: _numa_node(bus) for bus, uuid in bus_of.items()}
+        return Topology(nvlinks=nvlinks, numa=numa, switch=switch)
+
+    def cuda_driver_version(self) -> tuple[int, int] | None:
+        try:
+            version = int(self._nvml.nvmlSystemGetCudaDriverVersion())  # e.g. 12040
+        except self._nvml.NVMLError:
+            return None
+        return version // 1000, version % 1000 // 10
+
+    # The driver's per-cgroup memory limits (r615+): gpu/memlimits.py -----------------
+    def driver_version(self) -> str | None:
+        try:
+            return text(self._nvml.nvmlSystemGetDriverVersion())
+        except self._nvml.NVMLError:
+            return None
+
+    def _handle_by_uuid(self, uuid: str) -> Any:
+        try:
+            return self._nvml.nvmlDeviceGetHandleByUUID(uuid.encode())
+        except self._nvml.NVMLError as exc:
+            raise MemoryLimitError(f"no GPU {uuid}: {exc}") from None
+
+    def set_memory_limits(self, uuid: str, namespace: str, soft: int, hard: int) -> None:
+        nvml_set(self._nvml, self._handle_by_uuid(uuid), namespace, soft, hard)
+
+    def get_memory_limits(self, uuid: str, namespace: str) -> MemoryLimits | None:
+        return nvml_get(self._nvml, self._handle_by_uuid(uuid), namespace)
+
+    def close(self) -> None:
+        with contextlib.suppress(self._nvml.NVMLError):
+            self._nvml.nvmlShutdown()
+
+
+class NvmlEvents:
+    """What happens to the served cards, told as :class:`GpuEvent`: XIDs and double-bit
+    ECC errors from NVML's event set, a card that stops answering (or answers again) at
+    each probe, a MIG device lost or back, a MIG layout changed (reported once).
+    ``handles`` and ``served`` are the backend's, filled by its discovery."""
+
+    def __init__(self, nvml: Any, handles: dict[str, Any], served: dict[str, Gpu]) -> None:
+        self._nvml = nvml
+        self._handles = handles
+        self._served = served
+        self._drifted: set[str] = set()  # cards whose MIG layout changed (reported)
+        self._lost_mig: set[str] = set()
+
+    def watch(self, deliver: Callable[[GpuEvent], None], stop: threading.Event) -> None:
         nvml = self._nvml
         events = nvml.nvmlEventSetCreate()
         wanted = nvml.nvmlEventTypeXidCriticalError | nvml.nvmlEventTypeDoubleBitEccError
@@ -157,7 +246,7 @@ class NvmlBackend:
             while not stop.is_set():
                 if time.monotonic() - probed_at >= PROBE_SECONDS:
                     probed_at = time.monotonic()
-                    self._probe(lost, deliver)
+                    self.probe(lost, deliver)
                 try:
                     data = nvml.nvmlEventSetWait_v2(events, 500)
                 except nvml.NVMLError_Timeout:
@@ -190,7 +279,7 @@ class NvmlBackend:
         finally:
             nvml.nvmlEventSetFree(events)
 
-    def _probe(self, lost: set[str], deliver: Callable[[GpuEvent], None]) -> None:
+    def probe(self, lost: set[str], deliver: Callable[[GpuEvent], None]) -> None:
         """Read each card once: one that stops answering is gone, one that answers
         again is back (how a card that fell off the bus is seen again after a reset).
         A card that answers has its MIG mode and MIG devices read again."""
@@ -265,78 +354,6 @@ class NvmlBackend:
             return text(self._nvml.nvmlDeviceGetUUID(handle))
         except self._nvml.NVMLError:
             return None
-
-    def topology(self) -> Topology:
-        """PCIe switches and NVLinks between the discovered cards. Untested without a
-        GPU, so every NVML call is guarded: what cannot be read is left out (the
-        preference then falls back to NUMA and positions)."""
-        nvml = self._nvml
-        cards = [(uuid, h) for uuid, h in self._handles.items()]
-        bus_of: dict[str, str] = {}
-        for uuid, handle in cards:
-            with contextlib.suppress(nvml.NVMLError):
-                bus_of[sysfs_bus_id(text(nvml.nvmlDeviceGetPciInfo(handle).busId))] = uuid
-        switch: dict[str, str] = {}
-        for (a, ha), (b, hb) in itertools.combinations(cards, 2):
-            try:
-                level = int(nvml.nvmlDeviceGetTopologyCommonAncestor(ha, hb))
-            except nvml.NVMLError:
-                continue
-            if level <= nvml.NVML_TOPOLOGY_MULTIPLE:  # one board or PCIe switch tree
-                group = switch.get(a) or switch.get(b) or a
-                switch[a] = switch[b] = group
-        nvlinks: dict[frozenset[str], int] = {}
-        fabric: dict[str, int] = {}  # card -> its active links to an NVSwitch
-        for uuid, handle in cards:
-            for link in range(nvml.NVML_NVLINK_MAX_LINKS):
-                try:
-                    if nvml.nvmlDeviceGetNvLinkState(handle, link) != nvml.NVML_FEATURE_ENABLED:
-                        continue
-                    remote = text(nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
-                except nvml.NVMLError:
-                    break  # no more links on this card (or NVLink not supported)
-                peer = bus_of.get(sysfs_bus_id(remote))
-                if peer is None:
-                    fabric[uuid] = fabric.get(uuid, 0) + 1  # an NVSwitch (or a bridge)
-                elif peer != uuid:
-                    key = frozenset((uuid, peer))
-                    nvlinks[key] = nvlinks.get(key, 0) + 1
-        nvlinks = {k: max(1, n // 2) for k, n in nvlinks.items()}  # each link seen from both ends
-        for (a, na), (b, nb) in itertools.combinations(fabric.items(), 2):
-            key = frozenset((a, b))
-            nvlinks[key] = nvlinks.get(key, 0) + min(na, nb)
-        numa = {uuid: _numa_node(bus) for bus, uuid in bus_of.items()}
-        return Topology(nvlinks=nvlinks, numa=numa, switch=switch)
-
-    def cuda_driver_version(self) -> tuple[int, int] | None:
-        try:
-            version = int(self._nvml.nvmlSystemGetCudaDriverVersion())  # e.g. 12040
-        except self._nvml.NVMLError:
-            return None
-        return version // 1000, version % 1000 // 10
-
-    # The driver's per-cgroup memory limits (r615+): gpu/memlimits.py -----------------
-    def driver_version(self) -> str | None:
-        try:
-            return text(self._nvml.nvmlSystemGetDriverVersion())
-        except self._nvml.NVMLError:
-            return None
-
-    def _handle_by_uuid(self, uuid: str) -> Any:
-        try:
-            return self._nvml.nvmlDeviceGetHandleByUUID(uuid.encode())
-        except self._nvml.NVMLError as exc:
-            raise MemoryLimitError(f"no GPU {uuid}: {exc}") from None
-
-    def set_memory_limits(self, uuid: str, namespace: str, soft: int, hard: int) -> None:
-        nvml_set(self._nvml, self._handle_by_uuid(uuid), namespace, soft, hard)
-
-    def get_memory_limits(self, uuid: str, namespace: str) -> Limits | None:
-        return nvml_get(self._nvml, self._handle_by_uuid(uuid), namespace)
-
-    def close(self) -> None:
-        with contextlib.suppress(self._nvml.NVMLError):
-            self._nvml.nvmlShutdown()
 
 
 def memory_info(nvml: Any, handle: Any, uuid: str) -> tuple[int, int]:

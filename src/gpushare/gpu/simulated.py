@@ -17,7 +17,7 @@ import yaml
 
 from gpushare.base.dirwatch import DirWatch, StopEvent
 from gpushare.gpu.gpus import Gpu, GpuError, GpuEvent, MigDevice, drifted
-from gpushare.gpu.memlimits import SIM_MODES, Limits, LimitStore
+from gpushare.gpu.memlimits import SIM_MODES, LimitStore, MemoryLimits
 from gpushare.gpu.migprofile import ProfileError, parse_profile
 from gpushare.gpu.topology import Topology, from_description
 
@@ -136,68 +136,79 @@ def _parse_simulated_node(path: Path) -> list[_SimulatedCard]:
     cards: list[_SimulatedCard] = []
     seen: set[str] = set()
     for position, entry in enumerate(data["gpus"]):
-        where = f"gpus[{position}] in {path}"
-        if not isinstance(entry, dict):
-            raise GpuError(f"{where} must be a mapping")
-        _refuse_unknown(entry, SIMULATED_GPU_KEYS, where)
-
-        def need(key: str, kind: type, entry: dict[str, Any] = entry, where: str = where) -> Any:
-            value = entry.get(key)
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise GpuError(f"{where}: key {key!r} must be a {kind.__name__}, got {value!r}")
-            return value
-
-        uuid = need("uuid", str)
-        if uuid in seen:
-            raise GpuError(f"{where}: uuid {uuid} appears twice")
-        seen.add(uuid)
-        memory = need("memory_mib", int)
-        if memory <= 0:
-            raise GpuError(f"{where}: key 'memory_mib' must be positive, got {memory}")
-        numa = entry.get("numa_node")
-        if numa is not None and (not isinstance(numa, int) or isinstance(numa, bool)):
-            raise GpuError(f"{where}: key 'numa_node' must be an integer, got {numa!r}")
-        xid = entry.get("xid")
-        if xid is not None and (not isinstance(xid, int) or isinstance(xid, bool)):
-            raise GpuError(f"{where}: key 'xid' must be an integer, got {xid!r}")
-        index = int(entry.get("index", position))
-        instances, instance_xids = _parse_instances(entry, where, uuid, seen)
-        limits_mode = entry.get("memory_limits", "ok")
-        if limits_mode not in SIM_MODES:
-            raise GpuError(f"{where}: key 'memory_limits' must be one of {', '.join(SIM_MODES)}")
-        reserved = entry.get("reserved_mib", 0)
-        if not isinstance(reserved, int) or isinstance(reserved, bool) or not (
-            0 <= reserved < memory
-        ):
-            raise GpuError(
-                f"{where}: key 'reserved_mib' must be an integer from 0 to below "
-                f"memory_mib, got {reserved!r}"
-            )
-        persistence = entry.get("persistence_mode")
-        if persistence is not None and not isinstance(persistence, bool):
-            raise GpuError(f"{where}: key 'persistence_mode' must be true or false")
-        capability = entry.get("compute_capability")
-        if capability is not None:
-            major, dot, minor = str(capability).partition(".")
-            if not (major.isdigit() and dot and minor.isdigit()):
-                raise GpuError(f"{where}: key 'compute_capability' must be like '8.0'")
-        gpu = Gpu(
-            uuid=uuid,
-            name=str(entry.get("name", "Simulated GPU")),
-            memory_mib=memory,
-            index=index,
-            minor=int(entry.get("minor", index)),
-            numa_node=numa if numa is None or numa >= 0 else None,
-            mig_enabled=bool(entry.get("mig", False)),
-            pci_bus_id=str(entry.get("pci_bus_id", "")),
-            mig_pending=bool(entry.get("mig_pending", False)),
-            mig_devices=instances,
-            compute_capability=(int(major), int(minor)) if capability is not None else None,
-            reserved_mib=reserved,
-            persistence_mode=persistence,
-        )
-        cards.append(_SimulatedCard(gpu, xid, instance_xids))
+        cards.append(_parse_card(entry, f"gpus[{position}] in {path}", position, seen))
     return cards
+
+
+def _parse_card(entry: Any, where: str, position: int, seen: set[str]) -> _SimulatedCard:
+    """One entry of ``gpus`` (at ``position``; ``seen``: the UUIDs read so far, its own
+    and its MIG instances' added)."""
+    if not isinstance(entry, dict):
+        raise GpuError(f"{where} must be a mapping")
+    _refuse_unknown(entry, SIMULATED_GPU_KEYS, where)
+
+    def need(key: str, kind: type) -> Any:
+        value = entry.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise GpuError(f"{where}: key {key!r} must be a {kind.__name__}, got {value!r}")
+        return value
+
+    uuid = need("uuid", str)
+    if uuid in seen:
+        raise GpuError(f"{where}: uuid {uuid} appears twice")
+    seen.add(uuid)
+    memory = need("memory_mib", int)
+    if memory <= 0:
+        raise GpuError(f"{where}: key 'memory_mib' must be positive, got {memory}")
+    numa = entry.get("numa_node")
+    if numa is not None and (not isinstance(numa, int) or isinstance(numa, bool)):
+        raise GpuError(f"{where}: key 'numa_node' must be an integer, got {numa!r}")
+    xid = entry.get("xid")
+    if xid is not None and (not isinstance(xid, int) or isinstance(xid, bool)):
+        raise GpuError(f"{where}: key 'xid' must be an integer, got {xid!r}")
+    index = int(entry.get("index", position))
+    instances, instance_xids = _parse_instances(entry, where, uuid, seen)
+    limits_mode = entry.get("memory_limits", "ok")
+    if limits_mode not in SIM_MODES:
+        raise GpuError(f"{where}: key 'memory_limits' must be one of {', '.join(SIM_MODES)}")
+    reserved, persistence = _driver_facts(entry, where, memory)
+    capability = entry.get("compute_capability")
+    if capability is not None:
+        major, dot, minor = str(capability).partition(".")
+        if not (major.isdigit() and dot and minor.isdigit()):
+            raise GpuError(f"{where}: key 'compute_capability' must be like '8.0'")
+    gpu = Gpu(
+        uuid=uuid,
+        name=str(entry.get("name", "Simulated GPU")),
+        memory_mib=memory,
+        index=index,
+        minor=int(entry.get("minor", index)),
+        numa_node=numa if numa is None or numa >= 0 else None,
+        mig_enabled=bool(entry.get("mig", False)),
+        pci_bus_id=str(entry.get("pci_bus_id", "")),
+        mig_pending=bool(entry.get("mig_pending", False)),
+        mig_devices=instances,
+        compute_capability=(int(major), int(minor)) if capability is not None else None,
+        reserved_mib=reserved,
+        persistence_mode=persistence,
+    )
+    return _SimulatedCard(gpu, xid, instance_xids)
+
+
+def _driver_facts(entry: dict[str, Any], where: str, memory: int) -> tuple[int, bool | None]:
+    """What the driver says of a card beside its size: the memory it reserves for itself
+    (``reserved_mib``, default 0: units are counted from what is left) and its
+    persistence mode (``persistence_mode``; absent: unknown)."""
+    reserved = entry.get("reserved_mib", 0)
+    if not isinstance(reserved, int) or isinstance(reserved, bool) or not (0 <= reserved < memory):
+        raise GpuError(
+            f"{where}: key 'reserved_mib' must be an integer from 0 to below "
+            f"memory_mib, got {reserved!r}"
+        )
+    persistence = entry.get("persistence_mode")
+    if persistence is not None and not isinstance(persistence, bool):
+        raise GpuError(f"{where}: key 'persistence_mode' must be true or false")
+    return reserved, persistence
 
 
 @dataclass
@@ -266,7 +277,7 @@ class SimulatedBackend:
     def set_memory_limits(self, uuid: str, namespace: str, soft: int, hard: int) -> None:
         self.limit_store.set_memory_limits(uuid, namespace, soft, hard)
 
-    def get_memory_limits(self, uuid: str, namespace: str) -> Limits | None:
+    def get_memory_limits(self, uuid: str, namespace: str) -> MemoryLimits | None:
         return self.limit_store.get_memory_limits(uuid, namespace)
 
     def _file_stamp(self) -> tuple[int, int]:

@@ -17,7 +17,7 @@ Two kinds of leftovers, both under ``--host-lib-dir``:
   ``cache_dir_over_limit`` line, and repairs the lock directory if a tenant changed it.
   The DRA driver's claim cache directories (``d-<key>``) are measured and bounded the
   same way (they share the bounded file system), named by their claim
-  (:attr:`GarbageCollector.claim_holders`); they are never collected here: the DRA
+  (:attr:`CacheDirSizes.claim_holders`); they are never collected here: the DRA
   driver removes them when the kubelet unprepares their claim.
 * **Old versioned interposer files** (``libvgpu.so.<hash>`` and its
   ``ld.so.preload.<hash>``). A container mounts the version that was current when it
@@ -148,43 +148,18 @@ class GarbageCollector:
         #: the device plugin's per-grant CDI specs (under a CDI strategy), collected too
         self.grant_specs = grant_specs
         self.root = cache_root(host_dir)
-        self.size_limit_bytes = size_limit_bytes
+        #: every cache directory measured at each pass
+        self.sizes = CacheDirSizes(host_dir, size_limit_bytes)
+        #: the old interposer versions, retired and removed
+        self.libraries = RetiredLibraries(host_dir, current_library, grace_seconds, clock)
         self._check_lock_dir = lock_dir
         self._on_pass = on_pass
-        # key -> its last measurement; keys over the limit were logged once
-        self.usage: dict[str, Usage] = {}
-        self._over_limit: set[str] = set()
         self.grace_seconds = grace_seconds
-        self.current_library = current_library
         self._clock = clock
         # key -> when its grace period started: the later of its record's creation and
         # the first pass that found no container holding it
         self._waiting_from: dict[str, float] = {}
         self._last_run: float | None = None
-        self._bound_logged = False
-        #: Claim cache key -> who holds it ("claim <namespace>/<name>"), from the DRA
-        #: driver when there is one: names the claim in ``cache_dir_over_limit``.
-        self.claim_holders: Callable[[], dict[str, str]] | None = None
-
-    def _log_bound(self) -> None:
-        """Say once what bounds the space tenants can write (host/cachefs.py)."""
-        found = bound(self.host_dir)
-        if found is None:
-            return
-        if found.own:
-            log.info(
-                "cache_fs_bounded",
-                fs_type=found.fs_type,
-                size_bytes=found.size_bytes,
-                free_bytes=found.free_bytes,
-            )
-        else:
-            log.warning(
-                "cache_fs_unbounded",
-                path=str(self.root),
-                shared_fs_bytes=found.size_bytes,
-                remedy="run the DaemonSet's cache-fs init container (docs/security.md)",
-            )
 
     def maybe_collect(self, snapshot: Snapshot) -> Collected | None:
         """Collect, at most about twice per grace period (and at least every minute)."""
@@ -216,65 +191,16 @@ class GarbageCollector:
                 del self._waiting_from[key]
             else:
                 self._waiting_from[key] = waiting_from
-        self._collect_libraries(snapshot, collected)
+        collected.libraries = self.libraries.collect(snapshot)
         if self.grant_specs is not None:
             collected.specs = self.grant_specs.collect(live_grants(snapshot), now)
-        self._measure((keys - set(collected.records)) | claim_keys, snapshot)
+        self.sizes.measure((keys - set(collected.records)) | claim_keys, snapshot)
         if self._check_lock_dir:
             ensure_lock_dir(self.host_dir)
-        if not self._bound_logged:
-            self._bound_logged = True
-            self._log_bound()
+        self.sizes.log_bound_once()
         if self._on_pass is not None:
             self._on_pass()
         return collected
-
-    def _measure(self, keys: set[str], snapshot: Snapshot) -> None:
-        """Measure every cache directory; log each one that passes the limit, once."""
-        usage: dict[str, Usage] = {}
-        try:
-            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            return
-        try:
-            for key in sorted(keys):
-                usage[key] = measure(root_fd, key)
-            if os.path.lexists(self.root / LOCK_DIR_NAME):  # shared: measured too
-                usage[LOCK_DIR_NAME] = measure(root_fd, LOCK_DIR_NAME)
-        finally:
-            os.close(root_fd)
-        self.usage = usage
-        limit = self.size_limit_bytes
-        if limit is None:
-            return
-        holders = {
-            cache_key(by_resource[Resource.MEMORY]): f"{h.namespace}/{h.pod}/{h.container}"
-            for h, by_resource in snapshot.devices.items()
-            if by_resource.get(Resource.MEMORY)
-        }
-        over = {key for key, used in usage.items() if used.bytes > limit}
-        if over - self._over_limit and self.claim_holders is not None:
-            holders.update(self.claim_holders())
-        for key in sorted(over - self._over_limit):
-            used, holder = usage[key], holders.get(key)
-            log.warning(
-                "cache_dir_over_limit",
-                key=key,
-                bytes=used.bytes,
-                limit_bytes=limit,
-                entries=used.entries,
-                measured_completely=used.complete,
-                holder=holder,
-            )
-        self._over_limit = over
-
-    def total_cache_bytes(self) -> int:
-        """Bytes of every cache directory at the last pass (a lower bound, see diskuse)."""
-        return sum(used.bytes for used in self.usage.values())
-
-    @property
-    def over_limit(self) -> int:
-        return len(self._over_limit)
 
     def _keys_on_disk(self) -> tuple[set[str], set[str]]:
         """The device plugin's keys (collected here), and the DRA driver's claim keys
@@ -337,7 +263,119 @@ class GarbageCollector:
         )
         return True, waiting_from
 
-    def _load_retired(self) -> dict[str, dict[str, Any]]:
+class CacheDirSizes:
+    """Every cache directory (the device plugin's, the DRA driver's claims', the lock
+    directory) measured at each pass with bounded work (``diskuse.py``); each one past
+    ``size_limit_bytes`` logged once, with its holder; and, once, what bounds the space
+    tenants can write."""
+
+    def __init__(self, host_dir: Path, size_limit_bytes: int | None) -> None:
+        self.host_dir = host_dir
+        self.root = cache_root(host_dir)
+        self.size_limit_bytes = size_limit_bytes
+        # key -> its last measurement; keys over the limit were logged once
+        self.usage: dict[str, Usage] = {}
+        self._over_limit: set[str] = set()
+        self._bound_logged = False
+        #: Claim cache key -> who holds it ("claim <namespace>/<name>"), from the DRA
+        #: driver when there is one: names the claim in ``cache_dir_over_limit``.
+        self.claim_holders: Callable[[], dict[str, str]] | None = None
+
+    def name_claim_holders_with(self, holders: Callable[[], dict[str, str]]) -> None:
+        """The DRA driver serves: ``holders`` answers claim cache key -> its holder."""
+        self.claim_holders = holders
+
+    def log_bound_once(self) -> None:
+        if not self._bound_logged:
+            self._bound_logged = True
+            self._log_bound()
+
+    def _log_bound(self) -> None:
+        """Say once what bounds the space tenants can write (host/cachefs.py)."""
+        found = bound(self.host_dir)
+        if found is None:
+            return
+        if found.own:
+            log.info(
+                "cache_fs_bounded",
+                fs_type=found.fs_type,
+                size_bytes=found.size_bytes,
+                free_bytes=found.free_bytes,
+            )
+        else:
+            log.warning(
+                "cache_fs_unbounded",
+                path=str(self.root),
+                shared_fs_bytes=found.size_bytes,
+                remedy="run the DaemonSet's cache-fs init container (docs/security.md)",
+            )
+
+    def measure(self, keys: set[str], snapshot: Snapshot) -> None:
+        """Measure every cache directory; log each one that passes the limit, once."""
+        usage: dict[str, Usage] = {}
+        try:
+            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            for key in sorted(keys):
+                usage[key] = measure(root_fd, key)
+            if os.path.lexists(self.root / LOCK_DIR_NAME):  # shared: measured too
+                usage[LOCK_DIR_NAME] = measure(root_fd, LOCK_DIR_NAME)
+        finally:
+            os.close(root_fd)
+        self.usage = usage
+        limit = self.size_limit_bytes
+        if limit is None:
+            return
+        holders = {
+            cache_key(by_resource[Resource.MEMORY]): f"{h.namespace}/{h.pod}/{h.container}"
+            for h, by_resource in snapshot.devices.items()
+            if by_resource.get(Resource.MEMORY)
+        }
+        over = {key for key, used in usage.items() if used.bytes > limit}
+        if over - self._over_limit and self.claim_holders is not None:
+            holders.update(self.claim_holders())
+        for key in sorted(over - self._over_limit):
+            used, holder = usage[key], holders.get(key)
+            log.warning(
+                "cache_dir_over_limit",
+                key=key,
+                bytes=used.bytes,
+                limit_bytes=limit,
+                entries=used.entries,
+                measured_completely=used.complete,
+                holder=holder,
+            )
+        self._over_limit = over
+
+    def total_cache_bytes(self) -> int:
+        """Bytes of every cache directory at the last pass (a lower bound, see diskuse)."""
+        return sum(used.bytes for used in self.usage.values())
+
+    @property
+    def over_limit(self) -> int:
+        return len(self._over_limit)
+
+
+class RetiredLibraries:
+    """Old versioned interposer files: retired the first time a pass finds they are no
+    longer current (with the containers alive then, in ``libraries.json``), removed once
+    none of those remains and the grace period has passed."""
+
+    def __init__(
+        self,
+        host_dir: Path,
+        current_library: Path | None,
+        grace_seconds: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.host_dir = host_dir
+        self.current_library = current_library
+        self.grace_seconds = grace_seconds
+        self._clock = clock
+
+    def _load(self) -> dict[str, dict[str, Any]]:
         data = _read_record(self.host_dir / RETIRED_FILE)
         if data is None:
             return {}
@@ -349,7 +387,9 @@ class GarbageCollector:
             and isinstance(entry.get("holders"), list)
         }
 
-    def _collect_libraries(self, snapshot: Snapshot, collected: Collected) -> None:
+    def collect(self, snapshot: Snapshot) -> list[str]:
+        """One pass against a fresh, successful PodResources read: the files removed."""
+        removed: list[str] = []
         current = None
         if self.current_library is not None:
             match = _VERSIONED.match(self.current_library.name)
@@ -357,13 +397,13 @@ class GarbageCollector:
         try:
             names = [path.name for path in self.host_dir.iterdir()]
         except OSError:
-            return
+            return removed
         old_versions: dict[str, list[str]] = {}
         for name in names:
             match = _VERSIONED.match(name)
             if match is not None and match.group(1) != current:
                 old_versions.setdefault(match.group(1), []).append(name)
-        retired = self._load_retired()
+        retired = self._load()
         now = self._clock()
         alive = holder_keys(snapshot)
         changed = False
@@ -391,14 +431,15 @@ class GarbageCollector:
                 except OSError as exc:
                     log.warning("library_not_removed", path=str(path), error=str(exc))
                     continue
-                collected.libraries.append(name)
+                removed.append(name)
                 log.info("old_library_removed", path=str(path))
             del retired[version]
             changed = True
         if changed:
-            self._save_retired(retired)
+            self._save(retired)
+        return removed
 
-    def _save_retired(self, retired: dict[str, dict[str, Any]]) -> None:
+    def _save(self, retired: dict[str, dict[str, Any]]) -> None:
         target = self.host_dir / RETIRED_FILE
         tmp = target.with_name(f".{RETIRED_FILE}.tmp")
         try:
@@ -411,8 +452,8 @@ class GarbageCollector:
 class CacheDirMetrics:
     """The collector's figures as Prometheus gauges (register it in a registry)."""
 
-    def __init__(self, collector: GarbageCollector) -> None:
-        self._collector = collector
+    def __init__(self, sizes: CacheDirSizes) -> None:
+        self._sizes = sizes
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
@@ -422,10 +463,10 @@ class CacheDirMetrics:
             "Bytes on disk of the per-container and per-claim (DRA) cache directories and "
             "the lock directory at the last GC pass (a lower bound for a tree too large "
             "to measure)",
-            value=self._collector.total_cache_bytes(),
+            value=self._sizes.total_cache_bytes(),
         )
         yield GaugeMetricFamily(
             "gpushare_cache_dirs_over_limit",
             "Cache directories larger than --cache-dir-limit-mib at the last GC pass",
-            value=self._collector.over_limit,
+            value=self._sizes.over_limit,
         )

@@ -12,7 +12,8 @@ With ``NODE_NAME`` set, :class:`ApiLink` runs one background thread that
   is never written again: every :data:`RESYNC_SECONDS` what was written is read back and
   only what differs is written;
 * annotates each admitted pod with the card each of its containers got
-  (``<prefix>/gpu.<container>: <uuid>``), for people and for ``kubectl gpushare inspect``;
+  (``<prefix>/gpu.<container>: <uuid>``), for people and for ``kubectl gpushare inspect``
+  (:class:`~gpushare.kube.podannotations.PodAnnotator`);
 * starts the :class:`~gpushare.kube.podwatch.PodWatch` that keeps the
   :class:`~gpushare.kube.podspecs.PodSpecBook` of this node's pods (the placement hints)
   current, and re-reads it on demand when a request matches no known pod.
@@ -28,9 +29,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -38,14 +37,15 @@ import structlog
 from gpushare.gpu.health import HealthBoard
 from gpushare.kube import nodestate, stateobject
 from gpushare.kube.labels import LabelFacts, node_labels
+from gpushare.kube.podannotations import API_TIMEOUT, PodAnnotator, short_error
 from gpushare.kube.podspecs import PodSpecBook, only_uid_of
 from gpushare.kube.podwatch import PodWatch
 from gpushare.kube.statepublish import StatePublisher
-from gpushare.kube.stdlibclient import ApiClient, ApiStatusError, KubeConfigError, load_endpoint
+from gpushare.kube.stdlibclient import ApiClient, KubeConfigError, load_endpoint
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.records import Snapshot
 from gpushare.share.restartholders import RestartHolders
-from gpushare.share.usage import Holder, UsageLedger
+from gpushare.share.usage import UsageLedger
 
 log = structlog.get_logger(__name__)
 
@@ -57,12 +57,6 @@ MIN_PUBLISH_INTERVAL = 0.5
 #: How often what was published is read back (and rewritten only where it differs).
 RESYNC_SECONDS = 60.0
 MAX_BACKOFF = 60.0
-API_TIMEOUT = 5.0
-POD_ANNOTATION_TRIES = 10
-#: How many (pod, container, card) annotations are remembered to skip their repeats.
-ANNOTATED_MEMORY = 4096
-#: Answers to a pod patch that another try will not change (pod gone, RBAC, invalid).
-FINAL_POD_PATCH_STATUSES = frozenset({403, 404, 422})
 
 
 class ApiConfigMissing(Exception):
@@ -90,16 +84,14 @@ def connect_api() -> ApiClient:
         ) from None
 
 
-@dataclass
-class _PendingPodAnnotation:
-    resource: Resource | None  # None: a whole card or MIG device of ``exclusive``
-    uuid: str  # the annotation's value: the card, or the whole devices, comma-separated
-    first_id: str
-    tries: int = 0
-    exclusive: str = ""  # the exclusive resource's full name
-
-
 class ApiLink:
+    """The API link's thread: the node's published state, the pod annotations, the pod
+    watch. ``label_facts``: what the node labels say (default: the shared cards only);
+    ``card_extras``: who holds what whole, the cards' own health and the cards not
+    shared (:class:`gpushare.node.cardfacts.CardFacts`; None: shared cards only);
+    ``restart``: who held units before a kubelet restart and is not listed since
+    (published as ``kubeletRestarted`` while any is; None: never said)."""
+
     def __init__(
         self,
         node_name: str,
@@ -112,6 +104,10 @@ class ApiLink:
         extra_labels: Mapping[str, str] | None = None,
         state_mode: str = "both",
         namespace: str = "",
+        *,
+        label_facts: LabelFacts | None = None,
+        card_extras: Callable[[], nodestate.CardExtras] | None = None,
+        restart: RestartHolders | None = None,
     ) -> None:
         self.extra_labels = dict(extra_labels or {})  # fixed at start (MIG: mig.labels)
         self.node_name = node_name
@@ -142,25 +138,19 @@ class ApiLink:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pending: deque[_PendingPodAnnotation] = deque()
-        #: (pod UID, container, card) annotated lately, oldest first: skip the same again.
-        self._annotated: dict[tuple[str, str, str], None] = {}
-        self.annotations_handled = 0  # Allocates whose annotation was written or skipped
+        self.annotator = PodAnnotator(prefix, book)
         self._forget_health: Any = None
         self.pods = PodWatch(lambda: self._api, node_name, book)
         book.on_miss = self.pods.refresh_now
-        #: What the node labels say (the daemon adds the cards of every mode, the driver).
-        self.label_facts = LabelFacts(gpus=[card.gpu for card in inventory.cards.values()])
+        self.label_facts = label_facts or LabelFacts(
+            gpus=[card.gpu for card in inventory.cards.values()]
+        )
         #: Also given this node's pods after every list and watch event (the use-gputype
         #: choices, gputype.py).
         self.pod_listeners: list[Callable[[list[dict[str, Any]]], None]] = []
         self.pods.on_pods = self._pods_changed
-        #: Who holds what whole, the cards' own health and the cards not shared
-        #: (:class:`gpushare.node.cardfacts.CardFacts`); None: shared cards only.
-        self.card_extras: Callable[[], nodestate.CardExtras] | None = None
-        #: who held units before a kubelet restart and is not listed since (published as
-        #: ``kubeletRestarted`` while any is); None: never said
-        self.restart: RestartHolders | None = None
+        self.card_extras = card_extras
+        self.restart = restart
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -181,16 +171,13 @@ class ApiLink:
 
     def notify_allocated(self, resource: Resource, uuid: str, first_id: str) -> None:
         """Called after every Allocate: annotate the pod, publish the new use."""
-        self._pending.append(_PendingPodAnnotation(resource, uuid, first_id))
+        self.annotator.shared(resource, uuid, first_id)
         self._wake.set()
 
     def notify_exclusive_allocated(self, resource: str, device_ids: list[str]) -> None:
         """Called after every Allocate of whole cards or MIG devices: annotate the pod
         like a shared allocation (the value lists the devices), publish the new state."""
-        if device_ids:
-            item = _PendingPodAnnotation(None, ",".join(device_ids), device_ids[0])
-            item.exclusive = resource
-            self._pending.append(item)
+        self.annotator.exclusive(resource, device_ids)
         self._wake.set()
 
     def notify_changed(self) -> None:
@@ -220,14 +207,14 @@ class ApiLink:
                 self._annotate_pods()
                 backoff = 1.0
             except Exception as exc:  # the API server is down, RBAC is missing, ...
-                error = str(exc) if isinstance(exc, ApiConfigMissing) else _short(exc)
+                error = str(exc) if isinstance(exc, ApiConfigMissing) else short_error(exc)
                 log.warning("api_error", error=error, retry_seconds=backoff)
                 if self._stop.wait(backoff):
                     break
                 backoff = min(backoff * 2, MAX_BACKOFF)
                 continue
             wait = max(0.0, self.resync_seconds - (time.monotonic() - last_resync))
-            if self._pending:
+            if self.annotator:
                 wait = min(wait, DEBOUNCE_SECONDS)
             if self._wake.wait(wait) and not self._stop.is_set():
                 # Let a burst of changes settle, and keep writes apart.
@@ -311,68 +298,10 @@ class ApiLink:
 
     # ------------------------------------------------------------------ Pod annotations
     def _annotate_pods(self) -> None:
-        if not self._pending:
+        if not self.annotator:
             return
-        snapshot = self.read_records()
-        retry: list[_PendingPodAnnotation] = []
-        batch_only: list[tuple[str, str, str]] = []
-        while self._pending:
-            item = self._pending.popleft()
-            holder = _holder(snapshot, item)
-            if holder is None:
-                item.tries += 1
-                if item.tries < POD_ANNOTATION_TRIES:
-                    retry.append(item)
-                else:
-                    self.annotations_handled += 1
-                continue
-            # A container's two resources name the same card: annotate it once. The pod's
-            # UID keeps a pod re-created under the same name from being skipped.
-            uid = self.book.uid_of(holder.namespace, holder.pod)
-            done_key = (uid or f"{holder.namespace}/{holder.pod}", holder.container, item.uuid)
-            if done_key in self._annotated:
-                self.annotations_handled += 1
-                continue
-            key = nodestate.pod_annotation_key(self.prefix, holder.container)
-            body = {"metadata": {"annotations": {key: item.uuid}}}
-            path = f"/api/v1/namespaces/{holder.namespace}/pods/{holder.pod}"
-            try:
-                assert self._api is not None
-                self._api.merge_patch(path, body, timeout=API_TIMEOUT)
-            except Exception as exc:
-                if isinstance(exc, ApiStatusError) and exc.status in FINAL_POD_PATCH_STATUSES:
-                    # Gone, forbidden or refused: no retry will change that; move on.
-                    log.warning(
-                        "pod_annotation_dropped",
-                        pod=holder.pod,
-                        namespace=holder.namespace,
-                        error=_short(exc),
-                    )
-                    self.annotations_handled += 1
-                    continue
-                # The API server is down or busy: keep it (and the rest) for later.
-                self._pending.extendleft(reversed([item, *retry]))
-                for done in batch_only:
-                    self._annotated.pop(done, None)
-                raise
-            log.info(
-                "pod_annotated",
-                pod=holder.pod,
-                namespace=holder.namespace,
-                container=holder.container,
-                gpu=item.uuid,
-            )
-            self.annotations_handled += 1
-            if item.resource is None:
-                self._wake.set()  # publish again: the records now name the holder
-            self._annotated[done_key] = None
-            while len(self._annotated) > ANNOTATED_MEMORY:
-                self._annotated.pop(next(iter(self._annotated)))
-            if uid is None:  # without a UID only this batch may skip the other resource
-                batch_only.append(done_key)
-        for done in batch_only:
-            self._annotated.pop(done, None)
-        self._pending.extend(retry)
+        assert self._api is not None
+        self.annotator.annotate(self._api, self.read_records(), self._wake.set)
 
     def _pods_changed(self, pods: list[dict[str, Any]]) -> None:
         for listener in self.pod_listeners:
@@ -381,16 +310,3 @@ class ApiLink:
     def refresh_pods_now(self) -> bool:
         """Re-read this node's pods now (bounded and rate-limited); True if it did."""
         return self.pods.refresh_now()
-
-
-def _holder(snapshot: Snapshot | None, item: _PendingPodAnnotation) -> Holder | None:
-    if snapshot is None:
-        return None
-    if item.resource is None:
-        return snapshot.exclusive.get(item.exclusive, {}).get(item.first_id)
-    return snapshot.holder_of(item.resource, item.first_id)
-
-
-def _short(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]

@@ -61,7 +61,7 @@ class LabelFacts:
     gpus: Sequence[Gpu] = field(default_factory=tuple)
     cuda_driver: tuple[int, int] | None = None
     nvidia_product: bool = False
-    #: each card's enforcement backends (node/backends.py)
+    #: each card's enforcement backends (node/backendfacts.py)
     enforcement: Sequence[nodestate.CardEnforcement] = field(default_factory=tuple)
 
 

@@ -272,7 +272,7 @@ MAX_ENFORCED_CARDS, MAX_BACKEND, MAX_REASON = 256, 16, 200
 
 @dataclass(frozen=True)
 class CardEnforcement:
-    """Which backend holds a card's memory and compute limits (share/backends.py), and
+    """Which backend holds a card's memory and compute limits (share/backendchoice.py), and
     why its memory backend is what it is (e.g. why not ``driver``)."""
 
     uuid: str

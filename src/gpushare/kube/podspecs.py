@@ -98,6 +98,52 @@ class _Entry:
     plan: tuple[tuple[str, str], ...] = ()
 
 
+def read_pod(
+    pod: Mapping[str, Any], prefix: str, mig_prefix: str
+) -> tuple[str, _Entry | None]:
+    """(uid, what the book keeps of the pod, or None when it holds no live GPU container)."""
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    uid = str(meta.get("uid", ""))
+    containers = []
+    for init, listed in ((True, spec.get("initContainers")), (False, spec.get("containers"))):
+        for container in listed or []:
+            wanted = container_requests(container, prefix)
+            if any(wanted.values()):
+                containers.append(_kept(container, wanted, prefix, mig_prefix, init=init))
+    phase = str((pod.get("status") or {}).get("phase", "Pending"))
+    if not uid or not containers or phase in TERMINAL_PHASES:
+        return uid, None
+    namespace, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
+    deleting = bool(meta.get("deletionTimestamp"))
+    annotations = meta.get("annotations")
+    text = (
+        annotations.get(plan_annotation_key(prefix))
+        if isinstance(annotations, Mapping)
+        else None
+    )
+    plan = tuple(sorted(decode_plan(text).items()))
+    return uid, _Entry(namespace, name, phase, tuple(containers), deleting, plan)
+
+
+def _kept(
+    container: Mapping[str, Any],
+    wanted: dict[Resource, int],
+    prefix: str,
+    mig_prefix: str,
+    *,
+    init: bool,
+) -> SpecContainer:
+    """A GPU container as kept (an init container not a sidecar runs alone)."""
+    return SpecContainer(
+        str(container.get("name", "")),
+        wanted,
+        init=init and container.get("restartPolicy") != "Always",
+        exclusive=exclusive_requests(container, prefix, mig_prefix),
+        tampers=tampering(container) or "",
+    )
+
+
 def _planned(entry: _Entry, container: str) -> tuple[str, ...] | None:
     """The extender's card for each container placed together from ``container`` on,
     or None if it planned not all of them (an init container is never planned: it fits
@@ -122,7 +168,12 @@ def _plan_from(containers: Sequence[SpecContainer]) -> list[Need]:
 
 
 class PodSpecBook:
-    """Thread-safe record of the GPU containers of pods on this node."""
+    """Thread-safe record of the GPU containers of pods on this node.
+
+    The book keeps what :func:`read_pod` reads of each pod and re-reads the pods
+    (``on_miss``) when they cannot answer; which container is being admitted is decided
+    over a copy of its entries by the pure functions below it (:func:`_candidates`,
+    :func:`_agreed`, :func:`_mixer`)."""
 
     def __init__(self, prefix: str, mig_prefix: str | None = None) -> None:
         self.prefix = prefix
@@ -133,46 +184,15 @@ class PodSpecBook:
         self._lock = threading.Lock()
         self._pods: dict[str, _Entry] = {}  # by pod uid
 
-    def _entry(self, pod: Mapping[str, Any]) -> tuple[str, _Entry | None]:
-        """(uid, what to keep of the pod, or None when it holds no live GPU container)."""
-        meta = pod.get("metadata") or {}
-        spec = pod.get("spec") or {}
-        uid = str(meta.get("uid", ""))
-        containers = []
-        for init, listed in ((True, spec.get("initContainers")), (False, spec.get("containers"))):
-            for container in listed or []:
-                wanted = container_requests(container, self.prefix)
-                if any(wanted.values()):
-                    containers.append(self._container(container, wanted, init=init))
-        phase = str((pod.get("status") or {}).get("phase", "Pending"))
-        if not uid or not containers or phase in TERMINAL_PHASES:
-            return uid, None
-        namespace, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
-        deleting = bool(meta.get("deletionTimestamp"))
-        annotations = meta.get("annotations")
-        text = (
-            annotations.get(plan_annotation_key(self.prefix))
-            if isinstance(annotations, Mapping)
-            else None
-        )
-        plan = tuple(sorted(decode_plan(text).items()))
-        return uid, _Entry(namespace, name, phase, tuple(containers), deleting, plan)
-
-    def _container(
-        self, container: Mapping[str, Any], wanted: dict[Resource, int], *, init: bool
-    ) -> SpecContainer:
-        """A GPU container as kept (an init container not a sidecar runs alone)."""
-        return SpecContainer(
-            str(container.get("name", "")),
-            wanted,
-            init=init and container.get("restartPolicy") != "Always",
-            exclusive=exclusive_requests(container, self.prefix, self.mig_prefix),
-            tampers=tampering(container) or "",
-        )
+    def name_mig_resources_under(self, mig_prefix: str) -> None:
+        """For a book made before the node's settings were final (the fast suite hands
+        the daemon one): the prefix MIG devices are served under, known once the core
+        is built (before the daemon reads any pod)."""
+        self.mig_prefix = mig_prefix
 
     def update(self, pod: Mapping[str, Any]) -> None:
         """Record (or replace) a pod as the API server shows it."""
-        uid, entry = self._entry(pod)
+        uid, entry = read_pod(pod, self.prefix, self.mig_prefix)
         if not uid:
             return
         with self._lock:
@@ -189,7 +209,7 @@ class PodSpecBook:
         """Swap in a fresh list at once: a reader never sees a half-filled book."""
         fresh = {}
         for pod in pods:
-            uid, entry = self._entry(pod)
+            uid, entry = read_pod(pod, self.prefix, self.mig_prefix)
             if uid and entry is not None:
                 fresh[uid] = entry
         with self._lock:
@@ -249,30 +269,9 @@ class PodSpecBook:
         that is being admitted now and would get this request: it holds units of one kind
         (per the fresh ``records``) and still waits for ``shared`` (or ``exclusive``).
         The kubelet admits one container at a time, so such a container is the asker."""
-        holding_exclusive = {h for held in records.exclusive.values() for h in held.values()}
         with self._lock:
             pods = [e for e in self._pods.values() if e.phase == "Pending" and not e.deleting]
-        for entry in pods:
-            for c in entry.containers:
-                if not c.exclusive:
-                    continue
-                holder = Holder(entry.namespace, entry.name, c.name)
-                held = records.devices.get(holder, {})
-                waits_shared = (
-                    shared is not None
-                    and holder in holding_exclusive
-                    and bool(c.needs.get(shared, 0))
-                    and not held.get(shared)
-                )
-                waits_exclusive = (
-                    exclusive is not None
-                    and exclusive in c.exclusive
-                    and bool(held)
-                    and holder not in set(records.exclusive.get(exclusive, {}).values())
-                )
-                if waits_shared or waits_exclusive:
-                    return holder
-        return None
+        return _mixer(pods, records, shared, exclusive)
 
     def init_waiting(self, bound: Resource, bound_size: int, resource: Resource, size: int) -> bool:
         """Whether an ordinary init container asking ``bound_size`` of ``bound`` and
@@ -329,7 +328,7 @@ class PodSpecBook:
         found = self._asking(resource, size, records, last_holder)
         if not found:
             return None, []
-        agreed = self._agreed([needs for _holder, needs in found])
+        agreed = _agreed([needs for _holder, needs in found])
         plans = []
         for holder, needs in found:
             if needs != agreed:
@@ -345,15 +344,6 @@ class PodSpecBook:
             return [
                 (u, e) for u, e in self._pods.items() if (e.namespace, e.name) == (namespace, name)
             ]
-
-    @staticmethod
-    def _agreed(candidates: list[list[Need]]) -> list[Need] | None:
-        first = candidates[0]
-        if all(c == first for c in candidates):
-            return first
-        if all(c[0] == first[0] for c in candidates):
-            return first[:1]
-        return None
 
     def asking_without_memory(
         self, size: int, records: Snapshot | None, last_holder: Holder | None = None
@@ -389,34 +379,7 @@ class PodSpecBook:
     ) -> list[tuple[Holder, list[Need]]]:
         with self._lock:
             pods = list(self._pods.values())
-
-        def holds(entry: _Entry, container: SpecContainer) -> bool:
-            return Holder(entry.namespace, entry.name, container.name) in held
-
-        if last_holder is not None:
-            for entry in pods:
-                if (entry.namespace, entry.name) != (last_holder.namespace, last_holder.pod):
-                    continue
-                names = [c.name for c in entry.containers]
-                if last_holder.container not in names:
-                    break
-                after = entry.containers[names.index(last_holder.container) + 1 :]
-                rest = [c for c in after if not holds(entry, c)]
-                if rest and rest[0].needs.get(resource, 0) == size:
-                    return [(Holder(entry.namespace, entry.name, rest[0].name), _plan_from(rest))]
-                break
-        found = []
-        for entry in pods:
-            if entry.phase != "Pending" or entry.deleting:
-                continue
-            if any(holds(entry, c) for c in entry.containers if not c.init):
-                continue
-            first = entry.containers[0]
-            if first.needs.get(resource, 0) == size:
-                holder = Holder(entry.namespace, entry.name, first.name)
-                found.append((holder, _plan_from(entry.containers)))
-        return found
-
+        return _candidates(pods, resource, size, held, last_holder)
 
 def asking_tampering(
     book: PodSpecBook,
@@ -459,3 +422,83 @@ def only_uid_of(book: PodSpecBook, namespace: str, name: str) -> str | None:
 def _plan_of(book: PodSpecBook, holder: Holder) -> tuple[str, ...] | None:
     entries = book.named(holder.namespace, holder.pod)
     return _planned(entries[0][1], holder.container) if len(entries) == 1 else None
+
+
+def _candidates(
+    pods: Sequence[_Entry],
+    resource: Resource,
+    size: int,
+    held: Mapping[Holder, Any],
+    last_holder: Holder | None,
+) -> list[tuple[Holder, list[Need]]]:
+    """The containers that can be the one asking ``size`` units of ``resource`` now,
+    each with what to place together with it: the next GPU container holding nothing
+    in the pod of ``last_holder`` (the container bound last), else the first GPU
+    container of each Pending pod none of whose app containers holds units yet."""
+
+    def holds(entry: _Entry, container: SpecContainer) -> bool:
+        return Holder(entry.namespace, entry.name, container.name) in held
+
+    if last_holder is not None:
+        for entry in pods:
+            if (entry.namespace, entry.name) != (last_holder.namespace, last_holder.pod):
+                continue
+            names = [c.name for c in entry.containers]
+            if last_holder.container not in names:
+                break
+            after = entry.containers[names.index(last_holder.container) + 1 :]
+            rest = [c for c in after if not holds(entry, c)]
+            if rest and rest[0].needs.get(resource, 0) == size:
+                return [(Holder(entry.namespace, entry.name, rest[0].name), _plan_from(rest))]
+            break
+    found = []
+    for entry in pods:
+        if entry.phase != "Pending" or entry.deleting:
+            continue
+        if any(holds(entry, c) for c in entry.containers if not c.init):
+            continue
+        first = entry.containers[0]
+        if first.needs.get(resource, 0) == size:
+            holder = Holder(entry.namespace, entry.name, first.name)
+            found.append((holder, _plan_from(entry.containers)))
+    return found
+
+
+def _agreed(candidates: list[list[Need]]) -> list[Need] | None:
+    """What the candidates agree on placing: all of it, only the asker, or nothing."""
+    first = candidates[0]
+    if all(c == first for c in candidates):
+        return first
+    if all(c[0] == first[0] for c in candidates):
+        return first[:1]
+    return None
+
+
+def _mixer(
+    pods: Sequence[_Entry], records: Snapshot, shared: Resource | None, exclusive: str | None
+) -> Holder | None:
+    """The container of ``pods`` (Pending) asking shared units and whole cards or MIG
+    devices that holds one kind per ``records`` and still waits for ``shared`` (or
+    ``exclusive``): see :meth:`PodSpecBook.mixer_being_admitted`."""
+    holding_exclusive = {h for held in records.exclusive.values() for h in held.values()}
+    for entry in pods:
+        for c in entry.containers:
+            if not c.exclusive:
+                continue
+            holder = Holder(entry.namespace, entry.name, c.name)
+            held = records.devices.get(holder, {})
+            waits_shared = (
+                shared is not None
+                and holder in holding_exclusive
+                and bool(c.needs.get(shared, 0))
+                and not held.get(shared)
+            )
+            waits_exclusive = (
+                exclusive is not None
+                and exclusive in c.exclusive
+                and bool(held)
+                and holder not in set(records.exclusive.get(exclusive, {}).values())
+            )
+            if waits_shared or waits_exclusive:
+                return holder
+    return None

@@ -54,6 +54,7 @@ class CardFacts:
         records: Callable[[], Snapshot | None],
         mig_prefix: str,
         replicas: Mapping[str, str] | None = None,
+        enforcement: tuple[CardEnforcement, ...] = (),
     ) -> None:
         self.cards = list(cards)
         self.shared = set(shared)
@@ -71,8 +72,8 @@ class CardFacts:
         #: card UUID -> the memory (MiB) and cores the DRA driver publishes of it
         self.dra_cards: dict[str, tuple[int, int]] = {}
         self.dra_claims: Callable[[], Mapping[str, Sequence[DraClaimState]]] | None = None
-        #: each card's enforcement backends, decided at start (node/backends.py)
-        self.enforcement: tuple[CardEnforcement, ...] = ()
+        #: each card's enforcement backends, decided at start (node/backendfacts.py)
+        self.enforcement = enforcement
 
     def serve_dra(
         self,

@@ -11,8 +11,7 @@ and GPU-model choices. :func:`build_core` only builds; :func:`core_parts` and
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -20,12 +19,13 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from gpushare.base.kubeletgrpc import socket_identity
 from gpushare.base.memory import return_free_memory
 from gpushare.base.parts import Part, Task
 from gpushare.base.startup import ConfigurationRefused, NodeConfigurationError, StartupError
 from gpushare.config import Settings
 from gpushare.gpu import mig
-from gpushare.gpu.gpus import Gpu
+from gpushare.gpu.gpus import Gpu, MigDevice
 from gpushare.gpu.health import HealthBoard, HealthMonitor, HealthPolicy
 from gpushare.host.gc import GarbageCollector
 from gpushare.host.grantspecs import GrantSpecs
@@ -34,8 +34,9 @@ from gpushare.host.mps import MpsControl, MpsError, MpsGrants
 from gpushare.host.tombstones import Reaper
 from gpushare.host.unitguard import UnitSizeChanged, guard_unit_size
 from gpushare.kube.labels import LabelFacts
+from gpushare.kube.nodestate import DraClaimState
 from gpushare.kube.podspecs import PodSpecBook, holder_live
-from gpushare.node.backends import (
+from gpushare.node.backendfacts import (
     DEVICE_PLUGIN_HOOKS,
     card_traits,
     decide_backends,
@@ -48,7 +49,7 @@ from gpushare.node.podresources import PodResourcesClient
 from gpushare.node.refresh import UsageRefresher
 from gpushare.node.releases import watch_releases
 from gpushare.share.answers import DeviceListing, Enforcement
-from gpushare.share.backends import Choice, ComputeBackend
+from gpushare.share.backendchoice import Choice, ComputeBackend
 from gpushare.share.cardmodes import (
     CardMode,
     card_modes,
@@ -97,7 +98,6 @@ class NodeCore:
     whole: list[WholeResource]
     pod_resources: PodResourcesClient
     collector: GarbageCollector
-    refresher: UsageRefresher
     monitor: HealthMonitor
     card_facts: CardFacts  # whole holders, own health, unshared cards: annotation and metrics
     reaper: Reaper | None = None
@@ -106,13 +106,33 @@ class NodeCore:
     #: who held units before a kubelet restart, until the records list them again
     restart: RestartHolders = field(default_factory=RestartHolders)
     specs: PodSpecBook | None = None
-    choices: ChoiceBook | None = None
-    api_link: ApiLink | None = None
-    #: each card's enforcement backends and why (node/backends.py), by UUID
+    #: each card's enforcement backends and why (node/backendfacts.py), by UUID
     backends: dict[str, Choice] = field(default_factory=dict)
     #: the node's MPS control daemon and its containers' namespaces, where a card's
     #: compute is MPS's
     mps: MpsGrants | None = None
+    #: keeps the usage ledger in step with the kubelet's records; its hooks are the
+    #: core's own (built in :meth:`__post_init__`)
+    refresher: UsageRefresher = field(init=False)
+    choices: ChoiceBook | None = field(default=None, init=False)
+    api_link: ApiLink | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.refresher = UsageRefresher(
+            self.pod_resources.list,
+            self.usage,
+            self.settings.pod_resources_interval_seconds,
+            after_read=self.after_read,
+            read_listeners=[self.records_read_after_restart],
+            # After a kubelet restart: read at once, then every second until the records
+            # list every container again (the extender keeps pods off the node until then).
+            hurry=lambda: bool(self.restart.restarted_at()),
+        )
+        self.restart.listeners.append(self.refresher.poke)
+
+    def link_to_api(self, link: ApiLink, choices: ChoiceBook) -> None:
+        """With a node name: the API link and the GPU-model choices its pod watch keeps."""
+        self.api_link, self.choices = link, choices
 
     @property
     def no_gpus(self) -> bool:
@@ -135,7 +155,7 @@ class NodeCore:
         or holds as being deleted, is gone)."""
         specs = self.specs
         alive = partial(holder_live, specs) if specs is not None else None
-        kubelet = _identity(self.settings.kubelet_socket)
+        kubelet = socket_identity(Path(self.settings.kubelet_socket))
         given_up = self.restart.records_read(snapshot.holders_by_card(), alive, kubelet)
         if given_up:
             log.warning("kubelet_restart_holders_given_up", holders=given_up)
@@ -156,6 +176,24 @@ class NodeCore:
         self.refresher.poke()
         if self.api_link is not None:
             self.api_link.notify_exclusive_allocated(name, [d.id for d in devices])
+
+    def state_changed(self) -> None:
+        """Something shown in the node's state changed (a DRA claim prepared or
+        unprepared): publish it again."""
+        if self.api_link is not None:
+            self.api_link.notify_changed()
+
+    def dra_serving(
+        self,
+        published: Mapping[str, tuple[int, int]],
+        claims: Callable[[], Mapping[str, Sequence[DraClaimState]]],
+        cache_holders: Callable[[], dict[str, str]],
+    ) -> None:
+        """The DRA driver serves: what it publishes of each card and the claims on them
+        (the card facts, for the node's state and metrics), and who holds each claim's
+        cache directory (named by the garbage collector when one is over its limit)."""
+        self.card_facts.serve_dra(published, claims)
+        self.collector.sizes.name_claim_holders_with(cache_holders)
 
     def after_read(self, snapshot: Snapshot) -> None:
         """Each fresh read of the kubelet's records: whole cards held, and the GC."""
@@ -196,19 +234,14 @@ def _modes_and_inventory(
     return modes, inventory
 
 
-def _identity(path: Path) -> tuple[int, int] | None:
-    """Which kubelet serves now: its socket's inode and change time (None: none)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_ino, st.st_ctime_ns)
-
-
 def build_core(
     settings: Settings, found: Discovered, specs: PodSpecBook | None = None
 ) -> NodeCore:
-    """Build the core (nothing started); :class:`StartupError` when it cannot work."""
+    """Build the core (nothing started); :class:`StartupError` when it cannot work.
+
+    Each object is built with what it needs, in the order they need each other; the
+    hooks between them (the refresher's, the kubelet-restart listeners) are the core's
+    own methods, given at construction (:meth:`NodeCore.__post_init__`)."""
     modes, inventory = _modes_and_inventory(settings, found)
     if not found.gpus and not found.mig_plan.mig_devices and not found.dra_mig_cards:
         log.warning(
@@ -216,8 +249,72 @@ def build_core(
             detail="no GPU to serve: none found by NVML, or all in MIG mode and not "
             "served; serving empty device lists, /readyz answers 503",
         )
-    enforcement = prepare_enforcement(settings)
+    prepared = prepare_enforcement(settings)
     listing = device_listing(settings, found.gpus, found.mig_plan, found.dra_mig_cards)
+    backends, enforcement = _card_enforcement(settings, found, modes, listing, prepared)
+    whole = _whole_resources(settings, found, modes)
+    boards = _health_boards(found, inventory, whole)
+    availability = boards.availability
+    usage = UsageLedger(inventory)
+    mig_prefix = mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix)
+    card_facts, pod_resources = _card_facts_and_records(
+        settings, found, inventory, boards, whole, backends, mig_prefix
+    )
+    reaper, collector = _janitors(settings, enforcement.library, listing)
+    exclusive_ledger = ExclusiveLedger()
+    specs = _spec_book(settings, specs, mig_prefix)
+    core = NodeCore(
+        settings=settings,
+        found=found,
+        modes=modes,
+        inventory=inventory,
+        enforcement=enforcement,
+        listing=listing,
+        health=boards.health,
+        mig_health=boards.mig,
+        availability=availability,
+        usage=usage,
+        whole=whole,
+        pod_resources=pod_resources,
+        collector=collector,
+        monitor=_health_monitor(settings, found, boards),
+        card_facts=card_facts,
+        reaper=reaper,
+        exclusion=Exclusion(boards.health, availability, usage, whole, exclusive_ledger)
+        if whole
+        else None,
+        exclusive_ledger=exclusive_ledger,
+        specs=specs,
+        backends=backends,
+        mps=_mps_grants(settings, backends),
+    )
+    if settings.node_name:
+        assert specs is not None
+        _link_to_api(core, specs)
+    return core
+
+
+def _spec_book(
+    settings: Settings, given: PodSpecBook | None, mig_prefix: str
+) -> PodSpecBook | None:
+    """The pod specs the doors read: the book handed in (the fast suite's, made before
+    the settings were final: it learns the prefix of the MIG resources a container must
+    not mix with units), else, with a node name, one the API link's pod watch fills."""
+    if given is not None:
+        given.name_mig_resources_under(mig_prefix)
+        return given
+    return PodSpecBook(settings.resource_prefix, mig_prefix) if settings.node_name else None
+
+
+def _card_enforcement(
+    settings: Settings,
+    found: Discovered,
+    modes: dict[str, CardMode],
+    listing: DeviceListing,
+    prepared: Enforcement,
+) -> tuple[dict[str, Choice], Enforcement]:
+    """Each card's enforcement backends (node/backendfacts.py) and the enforcement every
+    answer carries (``prepared``: the node's, before the backends), with them."""
     traits = card_traits(
         found.gpus,
         [*found.mig_plan.mig_cards, *found.dra_mig_cards],
@@ -227,9 +324,20 @@ def build_core(
     backends = decide_backends(settings, found.backend, traits)
     serves_dra = any(mode is CardMode.DRA for mode in modes.values())
     totals = {g.uuid: g.memory_mib for g in found.gpus}
-    enforcement = with_backends(
-        enforcement, settings, backends, found.backend, serves_dra, totals
-    )
+    enforcement = with_backends(prepared, settings, backends, found.backend, serves_dra, totals)
+    return backends, enforcement
+
+
+@dataclass(frozen=True)
+class _Boards:
+    health: HealthBoard  # the cards' own health (and the MIG devices of DRA's MIG cards)
+    mig: HealthBoard  # MIG cards and devices served by the device plugin, by UUID
+    #: a card in MIG mode given to DRA -> its MIG devices
+    dra_mig_of: dict[str, tuple[MigDevice, ...]]
+    availability: HealthBoard  # whether each card's shared units can be offered now
+
+
+def _health_boards(found: Discovered, inventory: Inventory, whole: list[WholeResource]) -> _Boards:
     # The cards' own health; a card in MIG mode given to DRA brings its MIG devices too
     # (the DRA driver publishes each, and an XID naming its GPU instance is its alone).
     dra_mig_of = {card.uuid: card.mig_devices for card in found.dra_mig_cards}
@@ -237,7 +345,20 @@ def build_core(
         [g.uuid for g in found.gpus + found.dra_mig_cards]
         + [d.uuid for devices in dra_mig_of.values() for d in devices]
     )
-    mig_health = HealthBoard(mig.health_keys(found.mig_plan))
+    # With whole cards, shared units are offered from the cards' health and from
+    # whether a card is held whole (see exclusion.py).
+    availability = health
+    if whole:
+        availability = HealthBoard(inventory.cards, event="gpu_offer_changed", level="info")
+    return _Boards(
+        health, HealthBoard(mig.health_keys(found.mig_plan)), dra_mig_of, availability
+    )
+
+
+def _whole_resources(
+    settings: Settings, found: Discovered, modes: dict[str, CardMode]
+) -> list[WholeResource]:
+    """Whole cards and time-sliced replicas: exclusive devices of resources of their own."""
     whole: list[WholeResource] = []
     if settings.whole_cards:
         resource = whole_cards(g for g in found.gpus if modes[g.uuid].exclusive)
@@ -249,31 +370,47 @@ def build_core(
         resource = time_sliced(sliced, counts)
         board = HealthBoard(resource.devices, event="gpu_offer_changed", level="info")
         whole.append((resource.name_with(settings.resource_prefix), resource, board))
-    # With whole cards, shared units are offered from the cards' health and from
-    # whether a card is held whole (see exclusion.py).
-    availability = health
-    if whole:
-        availability = HealthBoard(inventory.cards, event="gpu_offer_changed", level="info")
-    usage = UsageLedger(inventory)
+    return whole
+
+
+def _card_facts_and_records(
+    settings: Settings,
+    found: Discovered,
+    inventory: Inventory,
+    boards: _Boards,
+    whole: list[WholeResource],
+    backends: dict[str, Choice],
+    mig_prefix: str,
+) -> tuple[CardFacts, PodResourcesClient]:
+    """The card facts (holders, each card's own health, cards not shared) and the
+    kubelet's records they read: each needs the other (the facts name the exclusive
+    resources the client reads; the facts read the client's last records)."""
     plan = found.mig_plan
-    card_facts = CardFacts(  # holders, each card's own health, cards not shared
+    card_facts = CardFacts(
         [g for g in found.gpus if not g.parent_uuid] + list(plan.mig_cards) + found.dra_mig_cards,
         inventory.cards,
         plan,
-        health,
-        mig_health,
+        boards.health,
+        boards.mig,
         lambda: pod_resources.last,
-        mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix),
+        mig_prefix,
         replicas={d.id: d.parent for _n, r, _b in whole if r.name == TIME_SLICED_RESOURCE
                   for d in r.devices.values()},
+        enforcement=shown_enforcement(backends),
     )
     pod_resources = PodResourcesClient(
         Path(settings.pod_resources_socket),
         {resource.name_with(settings.resource_prefix): resource for resource in Resource},
         exclusive=[name for name, _r, _b in whole] + card_facts.exclusive_resource_names(),
     )
-    listing = device_listing(settings, found.gpus, found.mig_plan, found.dra_mig_cards)
-    library = enforcement.library
+    return card_facts, pod_resources
+
+
+def _janitors(
+    settings: Settings, library: Path | None, listing: DeviceListing
+) -> tuple[Reaper | None, GarbageCollector]:
+    """The host's janitors: the reaper of buried cache directories (with an interposer)
+    and the garbage collector."""
     reaper = Reaper(cache_root(Path(settings.host_lib_dir))) if library is not None else None
     collector = GarbageCollector(
         Path(settings.host_lib_dir),
@@ -288,60 +425,30 @@ def build_core(
         if listing.uses_cdi
         else None,
     )
-    monitor = HealthMonitor(
+    return reaper, collector
+
+
+def _health_monitor(settings: Settings, found: Discovered, boards: _Boards) -> HealthMonitor:
+    return HealthMonitor(
         found.backend,
-        health,
+        boards.health,
         HealthPolicy(
-            health.cards() + mig_health.cards(),
+            boards.health.cards() + boards.mig.cards(),
             settings.ignored_xid_set(),
             settings.health_recovery_seconds,
         ),
-        mig_of={**found.mig_plan.mig_of(), **dra_mig_of},
-        mig_board=mig_health,
+        mig_of={**found.mig_plan.mig_of(), **boards.dra_mig_of},
+        mig_board=boards.mig,
     )
-    refresher = UsageRefresher(pod_resources.list, usage, settings.pod_resources_interval_seconds)
-    core = NodeCore(
-        settings,
-        found,
-        modes,
-        inventory,
-        enforcement,
-        listing,
-        health,
-        mig_health,
-        availability,
-        usage,
-        whole,
-        pod_resources,
-        collector,
-        refresher,
-        monitor,
-        card_facts,
-        reaper=reaper,
-        backends=backends,
-    )
-    refresher.after_read = core.after_read
-    refresher.read_listeners.append(core.records_read_after_restart)
-    # After a kubelet restart: read at once, then every second until the records list
-    # every container again (the extender keeps pods off the node until then).
-    refresher.hurry = lambda: bool(core.restart.restarted_at())
-    core.restart.listeners.append(refresher.poke)
-    card_facts.enforcement = shown_enforcement(backends)
-    if ComputeBackend.MPS in {c.compute for c in backends.values()}:
-        control = MpsControl(Path(settings.mps_control), Path(settings.host_lib_dir))
-        core.mps = MpsGrants(control, Path(settings.host_lib_dir))
-    mig_prefix = mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix)
-    if specs is not None:  # the fast suite hands in a book without a node name
-        specs.mig_prefix = mig_prefix  # MIG resources a container must not mix with units
-    core.specs = specs
-    if whole:
-        core.exclusion = Exclusion(health, availability, usage, whole, core.exclusive_ledger)
-    if settings.node_name:
-        _link_to_api(
-            core,
-            specs or PodSpecBook(settings.resource_prefix, mig_prefix),
-        )
-    return core
+
+
+def _mps_grants(settings: Settings, backends: dict[str, Choice]) -> MpsGrants | None:
+    """The node's MPS control daemon and its containers' namespaces, where a card's
+    compute is MPS's."""
+    if ComputeBackend.MPS not in {c.compute for c in backends.values()}:
+        return None
+    control = MpsControl(Path(settings.mps_control), Path(settings.host_lib_dir))
+    return MpsGrants(control, Path(settings.host_lib_dir))
 
 
 def _link_to_api(core: NodeCore, specs: PodSpecBook) -> None:
@@ -351,6 +458,7 @@ def _link_to_api(core: NodeCore, specs: PodSpecBook) -> None:
 
     settings, plan = core.settings, core.found.mig_plan
     prefix = settings.resource_prefix
+    driver = getattr(core.found.backend, "cuda_driver_version", None)
     link = ApiLink(
         settings.node_name,
         prefix,
@@ -361,24 +469,24 @@ def _link_to_api(core: NodeCore, specs: PodSpecBook) -> None:
         core.pod_resources.list,
         extra_labels=mig.labels(plan, prefix),
         state_mode=settings.node_state,
+        label_facts=LabelFacts(
+            gpus=core.physical_cards(),
+            cuda_driver=driver() if driver is not None else None,
+            nvidia_product=settings.nvidia_product_label,
+            enforcement=core.card_facts.enforcement,
+        ),
+        card_extras=core.card_facts.extras,
+        restart=core.restart,
     )
-    link.restart = core.restart
     core.restart.listeners.append(link.notify_changed)  # published at once
     choices = ChoiceBook(
-        prefix, [r.name_with(prefix) for r in Resource] + [name for name, _r, _b in core.whole]
+        prefix,
+        [r.name_with(prefix) for r in Resource] + [name for name, _r, _b in core.whole],
+        on_miss=link.refresh_pods_now,
     )
-    link.card_extras = core.card_facts.extras
-    choices.on_miss = link.refresh_pods_now
     link.pod_listeners.append(choices.replace_all)
     watch_releases(core.refresher, link)  # freed units published within about a second
-    driver = getattr(core.found.backend, "cuda_driver_version", None)
-    link.label_facts = LabelFacts(
-        gpus=core.physical_cards(),
-        cuda_driver=driver() if driver is not None else None,
-        nvidia_product=settings.nvidia_product_label,
-        enforcement=core.card_facts.enforcement,
-    )
-    core.specs, core.choices, core.api_link = specs, choices, link
+    core.link_to_api(link, choices)
 
 
 class PodResourcesPart:

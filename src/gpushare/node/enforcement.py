@@ -24,7 +24,7 @@ from gpushare.host.library import (
 )
 from gpushare.host.mps import mps_dirs, mps_shm_dir
 from gpushare.share.answers import DeviceListing, DriverHook, Enforcement
-from gpushare.share.backends import Choice, ComputeBackend, MemoryBackend
+from gpushare.share.backendchoice import Choice, ComputeBackend, MemoryBackend
 
 log = structlog.get_logger(__name__)
 
@@ -80,7 +80,7 @@ def with_backends(
     serves_dra: bool = False,
     totals: Mapping[str, int] | None = None,
 ) -> Enforcement:
-    """``enforcement`` with each card's backends (:mod:`gpushare.node.backends`) and, where
+    """``enforcement`` with each card's backends (:mod:`gpushare.node.backendfacts`) and, where
     a card's memory is the driver's, the memory hook installed on the host. ``gpus``: the
     GPU backend (a simulated one adds the stand-in NVML to the hook's arguments). Where the
     DRA driver serves a card (``serves_dra``) and the interposer is on, the same program is

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import structlog
 
@@ -49,6 +49,8 @@ class UsageRefresher:
         interval_seconds: float,
         *,
         after_read: Callable[[Snapshot], object] | None = None,
+        read_listeners: Sequence[Callable[[Snapshot], object]] = (),
+        hurry: Callable[[], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._read = read
@@ -63,9 +65,9 @@ class UsageRefresher:
         self._poked_first: float | None = None  # first Allocate of the pending burst
         self._poked_last: float | None = None
         #: Also called with every snapshot adopted, after ``after_read``.
-        self.read_listeners: list[Callable[[Snapshot], object]] = []
+        self.read_listeners: list[Callable[[Snapshot], object]] = list(read_listeners)
         #: True while fresh records are awaited: read every HURRY_SECONDS, not the interval
-        self.hurry: Callable[[], bool] | None = None
+        self.hurry = hurry
         self.reads = 0  # successful reads adopted, for tests and metrics
         self.failures = 0
 

@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from gpushare.base.buildinfo import build_info
-from gpushare.base.connguard import ConnectionGuard, GuardedHTTPServer, Limits
+from gpushare.base.connguard import ConnectionGuard, ConnectionLimits, GuardedHTTPServer
 from gpushare.gpu.health import HealthBoard
 from gpushare.kube.nodestate import DRA_MODE, TIMESLICE_MODE, CardExtras
 from gpushare.share.devices import Inventory, Resource
@@ -445,7 +445,7 @@ def render_not_ready() -> bytes:
 REQUEST_TIMEOUT = 10.0
 #: The bounds of the metrics listener (base/connguard.py): 32 connections (and so
 #: handler threads) at once, 8 from one address, 10 s for a whole request.
-METRICS_LIMITS = Limits(max_connections=32, max_per_peer=8, deadline=10.0)
+METRICS_LIMITS = ConnectionLimits(max_connections=32, max_per_peer=8, deadline=10.0)
 
 
 #: Scrapes rendering at once (issue 32.10: a flood of scrapes must not cost Allocate).
@@ -464,7 +464,7 @@ class MetricsServer:
         port: int,
         ready: Callable[[], tuple[bool, str]] | None = None,
         request_timeout: float = REQUEST_TIMEOUT,
-        limits: Limits = METRICS_LIMITS,
+        limits: ConnectionLimits = METRICS_LIMITS,
     ) -> None:
         self.guard = ConnectionGuard(limits)
         self.render = render

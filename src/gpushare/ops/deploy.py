@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -175,11 +175,33 @@ def install(
         if problem:
             raise DeployError(f"--image {image!r}: {problem}")
     objects = load_objects()
-    key, value = opt_in_label(objects)
+    label = opt_in_label(objects)
     found = {name: cluster.node(name) for name in nodes}
     missing = [name for name, node in found.items() if node is None]
     if missing:
         raise DeployError(f"no such node: {', '.join(missing)}")
+    pairs = _to_apply(cluster, objects, say, image, runtime_class)
+    _warn(pairs, objects, found, say, image)
+    if dry_run:
+        _say_what_would_be_done(pairs, found, label, say)
+        return
+    _apply_and_label(cluster, pairs, nodes, label, say)
+
+
+if TYPE_CHECKING:  # an alias for annotations only: the kubectl plugin runs on Python 3.9
+    #: An object to apply and what the cluster holds of it now (None: nothing).
+    _Pair = tuple[dict[str, Any], dict[str, Any] | None]
+
+
+def _to_apply(
+    cluster: Cluster,
+    objects: list[dict[str, Any]],
+    say: Say,
+    image: str | None,
+    runtime_class: str | None,
+) -> list[_Pair]:
+    """The objects to apply (the policies only where served; the DaemonSet customised)
+    with what is stored of each; a DeployError when one exists that is not ours."""
     objects = _served_policies(cluster, objects, say)
     stored = [cluster.read(obj) for obj in objects]
     pairs = list(zip_strict(objects, stored))
@@ -189,10 +211,20 @@ def install(
             f"{', '.join(foreign)} already exist and were not created by kubectl-gpushare "
             "(kubectl apply -k or Helm?); leaving them alone"
         )
-    pairs = [
+    return [
         (customise(obj, now, image, runtime_class) if obj.get("kind") == "DaemonSet" else obj, now)
         for obj, now in pairs
     ]
+
+
+def _warn(
+    pairs: list[_Pair],
+    objects: list[dict[str, Any]],
+    found: dict[str, dict[str, Any] | None],
+    say: Say,
+    image: str | None,
+) -> None:
+    """An image never built (the shipped name, no ``--image``); a node with no GPU."""
     for obj, _ in pairs:
         if obj.get("kind") == "DaemonSet" and image is None:
             shipped = shipped_image(objects)
@@ -205,17 +237,34 @@ def install(
                 f"{GPU_PRODUCT_LABEL} label): the daemon will run there and, without a GPU, "
                 "offer nothing; uninstall --node to undo"
             )
-    if dry_run:
-        for obj, before in pairs:
-            say(f"would {'create' if before is None else 'apply'} {describe(obj)}")
-        for name, node in found.items():
-            labels = ((node or {}).get("metadata") or {}).get("labels") or {}
-            if labels.get(key) != value:
-                say(f"would label node {name} {key}={value}")
-            else:
-                say(f"node {name} already labelled {key}={value}")
-        say("dry run: nothing changed")
-        return
+
+
+def _say_what_would_be_done(
+    pairs: list[_Pair],
+    found: dict[str, dict[str, Any] | None],
+    label: tuple[str, str],
+    say: Say,
+) -> None:
+    key, value = label
+    for obj, before in pairs:
+        say(f"would {'create' if before is None else 'apply'} {describe(obj)}")
+    for name, node in found.items():
+        labels = ((node or {}).get("metadata") or {}).get("labels") or {}
+        if labels.get(key) != value:
+            say(f"would label node {name} {key}={value}")
+        else:
+            say(f"node {name} already labelled {key}={value}")
+    say("dry run: nothing changed")
+
+
+def _apply_and_label(
+    cluster: Cluster,
+    pairs: list[_Pair],
+    nodes: Sequence[str],
+    label: tuple[str, str],
+    say: Say,
+) -> None:
+    key, value = label
     for obj, before in pairs:
         after = cluster.apply(managed(obj))
         version = (after.get("metadata") or {}).get("resourceVersion")
@@ -382,29 +431,10 @@ def _forget_published_state(
     """Remove the daemon's labels and annotation from ``nodes``, and delete their state
     objects, once no gpushare pod runs there (waiting up to ``wait_seconds``); name the
     nodes where one still does."""
-    labels = dict.fromkeys(nodestate.label_keys(prefix))
-    annotations = {nodestate.annotation_key(prefix): None}
-    selector = daemon_pod_selector(objects)
-
-    def still_running(among: Sequence[str]) -> set[str]:
-        hosts = {
-            str((pod.get("spec") or {}).get("nodeName", ""))
-            for pod in cluster.pods(label_selector=selector)
-            if (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
-        }
-        return hosts & set(among)
-
     try:
-        waiting = still_running(nodes)
-        deadline = time.monotonic() + wait_seconds
-        if waiting:
-            say(
-                f"waiting up to {wait_seconds:g} s for the gpushare pod to leave "
-                f"{', '.join(sorted(waiting))}"
-            )
-        while waiting and (left := deadline - time.monotonic()) > 0:
-            time.sleep(min(poll_seconds, left))
-            waiting = still_running(sorted(waiting))
+        waiting = _wait_for_daemon_pods(
+            cluster, daemon_pod_selector(objects), nodes, say, wait_seconds, poll_seconds
+        )
     except ApiError as exc:
         say(
             f"cannot tell whether the gpushare pods have gone ({exc}); the "
@@ -418,19 +448,60 @@ def _forget_published_state(
                 "annotation are left; run uninstall again once it has gone"
             )
             continue
-        node = cluster.node(name) or {}
-        meta = node.get("metadata") or {}
-        present_labels = {k: v for k, v in labels.items() if k in (meta.get("labels") or {})}
-        present_labels |= {k: None for k in meta.get("labels") or {} if mig.is_label(prefix, k)}
-        present_annotations = {
-            k: v for k, v in annotations.items() if k in (meta.get("annotations") or {})
+        _forget_node(cluster, objects, name, prefix, say)
+
+
+def _wait_for_daemon_pods(
+    cluster: Cluster,
+    selector: str,
+    nodes: Sequence[str],
+    say: Say,
+    wait_seconds: float,
+    poll_seconds: float,
+) -> set[str]:
+    """Of ``nodes``, those where a gpushare pod still runs after up to ``wait_seconds``."""
+
+    def still_running(among: Sequence[str]) -> set[str]:
+        hosts = {
+            str((pod.get("spec") or {}).get("nodeName", ""))
+            for pod in cluster.pods(label_selector=selector)
+            if (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
         }
-        if present_labels or present_annotations:
-            cluster.patch_node_metadata(name, present_labels, present_annotations)
-            say(f"removed what the daemon published on {name}")
-        state = _state_object(objects, name)
-        if state is not None and cluster.read(state) is not None and cluster.delete(state):
-            say(f"deleted {describe(state)}")
+        return hosts & set(among)
+
+    waiting = still_running(nodes)
+    deadline = time.monotonic() + wait_seconds
+    if waiting:
+        say(
+            f"waiting up to {wait_seconds:g} s for the gpushare pod to leave "
+            f"{', '.join(sorted(waiting))}"
+        )
+    while waiting and (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(poll_seconds, left))
+        waiting = still_running(sorted(waiting))
+    return waiting
+
+
+def _forget_node(
+    cluster: Cluster, objects: Sequence[Mapping[str, Any]], name: str, prefix: str, say: Say
+) -> None:
+    """Remove what the daemon published on node ``name``: its labels (the MIG ones too)
+    and annotation, and its state object."""
+    labels = dict.fromkeys(nodestate.label_keys(prefix))
+    annotations = {nodestate.annotation_key(prefix): None}
+    node = cluster.node(name) or {}
+    meta = node.get("metadata") or {}
+    present_labels = {k: v for k, v in labels.items() if k in (meta.get("labels") or {})}
+    present_labels |= {k: None for k in meta.get("labels") or {} if mig.is_label(prefix, k)}
+    present_annotations = {
+        k: v for k, v in annotations.items() if k in (meta.get("annotations") or {})
+    }
+    if present_labels or present_annotations:
+        cluster.patch_node_metadata(name, present_labels, present_annotations)
+        say(f"removed what the daemon published on {name}")
+    state = _state_object(objects, name)
+    if state is not None and cluster.read(state) is not None and cluster.delete(state):
+        say(f"deleted {describe(state)}")
 
 
 def _state_object(objects: Sequence[Mapping[str, Any]], node: str) -> dict[str, Any] | None:

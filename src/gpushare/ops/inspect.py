@@ -397,69 +397,84 @@ def render_table(view: ClusterView, details: bool = False, wide: bool = False) -
     ``wide`` adds each card's UUID (``-o wide``)."""
     lines: list[str] = []
     for node in view.nodes:
-        if node.problem:
-            lines += [f"NODE {printable(node.name)}: {printable(node.problem, 400)}", ""]
+        lines += _node_lines(node, details, wide)
+    lines += _cluster_lines(totals(view))
+    return "\n".join(lines) + "\n"
+
+
+def _node_lines(node: NodeView, details: bool, wide: bool) -> list[str]:
+    """A node's block: its heading, a row per card in index order, its enforcement."""
+    if node.problem:
+        return [f"NODE {printable(node.name)}: {printable(node.problem, 400)}", ""]
+    unit = node.memory_unit_mib
+    lines = [
+        f"NODE {printable(node.name)}  ({_count(node.card_count, 'card')}, {unit} MiB units, "
+        f"generation {node.generation}, updated {printable(node.updated, 40)})"
+    ]
+    rows: list[list[str]] = [["GPU", "NAME", "MEMORY MiB", "", "UNITS", "CORES", "HEALTH"]]
+    if wide:
+        rows[0].append("UUID")
+    entries: list[tuple[int, int, InspectedCard | nodestate.WholeCardState]] = [
+        (c.card.index, 0, c) for c in node.cards
+    ] + [(w.index, 1, w) for w in node.whole]
+    for _index, _kind, entry in sorted(entries, key=lambda e: (e[0], e[1])):
+        if isinstance(entry, nodestate.WholeCardState):
+            if is_dra(entry):
+                rows += _dra_rows(entry, unit, details, wide)
+            else:
+                rows += _whole_rows(entry, wide)
             continue
-        unit = node.memory_unit_mib
-        lines.append(
-            f"NODE {printable(node.name)}  ({_count(node.card_count, 'card')}, {unit} MiB units, "
-            f"generation {node.generation}, updated {printable(node.updated, 40)})"
+        rows += _shared_rows(entry, unit, details, wide)
+    lines += ["  " + row for row in _align(rows)]
+    lines += enforcement_lines(node.enforcement, details)
+    lines.append("")
+    return lines
+
+
+def _shared_rows(
+    view_card: InspectedCard, unit: int, details: bool, wide: bool
+) -> list[list[str]]:
+    """A shared card's row; with ``details``, why containers are not listed and a row
+    per container listed."""
+    card = view_card.card
+    rows = [
+        [
+            str(card.index),
+            printable(card.name, 64),
+            f"{card.memory_units_used * unit}/{card.memory_units * unit}",
+            f"({_percent(card.memory_units_used, card.memory_units)})",
+            f"{card.memory_units_used}/{card.memory_units}",
+            f"{card.core_units_used}/{card.core_units}",
+            printable(card_health(card), 200),
+            *([printable(card.uuid)] if wide else []),
+        ]
+    ]
+    if details and view_card.disputed:
+        rows.append(["", "  (not listed: pod annotations claim more than the daemon counts)"])
+    if details and view_card.unbacked:
+        rows.append(
+            [
+                "",
+                f"  (not listed: {_count(view_card.unbacked, 'container')} whose pod "
+                "annotation names this card, not backed by the daemon's pod list)",
+            ]
         )
-        rows: list[list[str]] = [["GPU", "NAME", "MEMORY MiB", "", "UNITS", "CORES", "HEALTH"]]
-        if wide:
-            rows[0].append("UUID")
-        entries: list[tuple[int, int, InspectedCard | nodestate.WholeCardState]] = [
-            (c.card.index, 0, c) for c in node.cards
-        ] + [(w.index, 1, w) for w in node.whole]
-        for _index, _kind, entry in sorted(entries, key=lambda e: (e[0], e[1])):
-            if isinstance(entry, nodestate.WholeCardState):
-                if is_dra(entry):
-                    rows += _dra_rows(entry, unit, details, wide)
-                else:
-                    rows += _whole_rows(entry, wide)
-                continue
-            view_card = entry
-            card = view_card.card
+    if details:
+        for c in view_card.containers:
             rows.append(
                 [
-                    str(card.index),
-                    printable(card.name, 64),
-                    f"{card.memory_units_used * unit}/{card.memory_units * unit}",
-                    f"({_percent(card.memory_units_used, card.memory_units)})",
-                    f"{card.memory_units_used}/{card.memory_units}",
-                    f"{card.core_units_used}/{card.core_units}",
-                    printable(card_health(card), 200),
-                    *([printable(card.uuid)] if wide else []),
+                    "",
+                    "  " + "/".join(map(printable, (c.namespace, c.pod, c.container))),
+                    f"{c.memory_units * unit}",
+                    "",
+                    f"{c.memory_units}",
+                    f"{c.core_units}",
                 ]
             )
-            if details and view_card.disputed:
-                rows.append(
-                    ["", "  (not listed: pod annotations claim more than the daemon counts)"]
-                )
-            if details and view_card.unbacked:
-                rows.append(
-                    [
-                        "",
-                        f"  (not listed: {_count(view_card.unbacked, 'container')} whose pod "
-                        "annotation names this card, not backed by the daemon's pod list)",
-                    ]
-                )
-            if details:
-                for c in view_card.containers:
-                    rows.append(
-                        [
-                            "",
-                            "  " + "/".join(map(printable, (c.namespace, c.pod, c.container))),
-                            f"{c.memory_units * unit}",
-                            "",
-                            f"{c.memory_units}",
-                            f"{c.core_units}",
-                        ]
-                    )
-        lines += ["  " + row for row in _align(rows)]
-        lines += enforcement_lines(node.enforcement, details)
-        lines.append("")
-    total = totals(view)
+    return rows
+
+
+def _cluster_lines(total: Totals) -> list[str]:
     reporting = (
         f" ({total.nodes - total.unreported_nodes} reporting, "
         f"{total.unreported_nodes} {NO_REPORT})"
@@ -467,7 +482,7 @@ def render_table(view: ClusterView, details: bool = False, wide: bool = False) -
         else ""
     )
     held = f", {total.held_whole} held whole" if total.held_whole else ""
-    lines += [
+    return [
         f"CLUSTER  {_count(total.nodes, 'node')}{reporting}, {_count(total.cards, 'card')} "
         f"({total.healthy_cards} healthy{held})",
         f"  memory  {total.memory_used_mib}/{total.memory_mib} MiB "
@@ -475,7 +490,6 @@ def render_table(view: ClusterView, details: bool = False, wide: bool = False) -
         f"  cores   {total.core_units_used}/{total.core_units} "
         f"({_percent(total.core_units_used, total.core_units)})",
     ]
-    return "\n".join(lines) + "\n"
 
 
 def enforcement_lines(
@@ -621,81 +635,84 @@ def _camel_keys(value: Any) -> Any:
 
 def view_data(view: ClusterView) -> dict[str, Any]:
     """The view as plain data with camelCase keys (containers always included)."""
-    nodes = []
-    for node in view.nodes:
-        unit = node.memory_unit_mib
-        gpus = [
+    nodes = [_node_data(node) for node in view.nodes]
+    data: dict[str, Any] = _camel_keys({"nodes": nodes, "totals": _totals_data(totals(view))})
+    return data
+
+
+def _node_data(node: NodeView) -> dict[str, Any]:
+    unit = node.memory_unit_mib
+    return {
+        "name": node.name,
+        "memory_unit_mib": unit or None,
+        "generation": node.generation,
+        "updated": node.updated or None,
+        "problem": node.problem or None,
+        "card_count": node.card_count,
+        **({"enforcement": [asdict(e) for e in node.enforcement]} if node.enforcement else {}),
+        "gpus": [_shared_card_data(c, unit) for c in node.cards],
+        "whole_gpus": [_whole_card_data(w, unit) for w in node.whole],
+    }
+
+
+def _shared_card_data(c: InspectedCard, unit: int) -> dict[str, Any]:
+    """A card whose units are shared, with the containers on it."""
+    return {
+        "index": c.card.index,
+        "uuid": c.card.uuid,
+        "name": c.card.name,
+        "healthy": _own_health(c.card),
+        "offered": c.card.healthy,
+        "held_by": c.card.held_by or None,
+        "memory_mib": c.card.memory_mib,
+        "memory_units": c.card.memory_units,
+        "memory_units_used": c.card.memory_units_used,
+        "memory_total_mib": c.card.memory_units * unit,
+        "memory_used_mib": c.card.memory_units_used * unit,
+        "core_units": c.card.core_units,
+        "core_units_used": c.card.core_units_used,
+        **({"containers_disputed": True} if c.disputed else {}),
+        **({"containers_unbacked": c.unbacked} if c.unbacked else {}),
+        "containers": [
             {
-                "index": c.card.index,
-                "uuid": c.card.uuid,
-                "name": c.card.name,
-                "healthy": _own_health(c.card),
-                "offered": c.card.healthy,
-                "held_by": c.card.held_by or None,
-                "memory_mib": c.card.memory_mib,
-                "memory_units": c.card.memory_units,
-                "memory_units_used": c.card.memory_units_used,
-                "memory_total_mib": c.card.memory_units * unit,
-                "memory_used_mib": c.card.memory_units_used * unit,
-                "core_units": c.card.core_units,
-                "core_units_used": c.card.core_units_used,
-                **({"containers_disputed": True} if c.disputed else {}),
-                **({"containers_unbacked": c.unbacked} if c.unbacked else {}),
-                "containers": [
-                    {
-                        "namespace": x.namespace,
-                        "pod": x.pod,
-                        "container": x.container,
-                        "memory_units": x.memory_units,
-                        "memory_mib": x.memory_units * unit,
-                        "core_units": x.core_units,
-                    }
-                    for x in c.containers
-                ],
+                "namespace": x.namespace,
+                "pod": x.pod,
+                "container": x.container,
+                "memory_units": x.memory_units,
+                "memory_mib": x.memory_units * unit,
+                "core_units": x.core_units,
             }
-            for c in node.cards
-        ]
-        nodes.append(
+            for x in c.containers
+        ],
+    }
+
+
+def _whole_card_data(w: nodestate.WholeCardState, unit: int) -> dict[str, Any]:
+    """A card not shared by units: whole, in MIG mode, time-sliced or DRA's."""
+    return {
+        "index": w.index,
+        "uuid": w.uuid,
+        "name": w.name,
+        "healthy": w.healthy,
+        "memory_mib": w.memory_mib,
+        "held_by": w.held_by or None,
+        "mig": [
             {
-                "name": node.name,
-                "memory_unit_mib": unit or None,
-                "generation": node.generation,
-                "updated": node.updated or None,
-                "problem": node.problem or None,
-                "card_count": node.card_count,
-                **(
-                    {"enforcement": [asdict(e) for e in node.enforcement]}
-                    if node.enforcement
-                    else {}
-                ),
-                "gpus": gpus,
-                "whole_gpus": [
-                    {
-                        "index": w.index,
-                        "uuid": w.uuid,
-                        "name": w.name,
-                        "healthy": w.healthy,
-                        "memory_mib": w.memory_mib,
-                        "held_by": w.held_by or None,
-                        "mig": [
-                            {
-                                "uuid": d.uuid,
-                                "profile": d.profile,
-                                "resource": d.resource,
-                                "healthy": d.healthy,
-                                "held_by": d.held_by or None,
-                            }
-                            for d in w.mig
-                        ],
-                        **(_dra_data(w, unit) if is_dra(w) else {}),
-                        **(_replica_data(w) if w.mode == nodestate.TIMESLICE_MODE else {}),
-                    }
-                    for w in node.whole
-                ],
+                "uuid": d.uuid,
+                "profile": d.profile,
+                "resource": d.resource,
+                "healthy": d.healthy,
+                "held_by": d.held_by or None,
             }
-        )
-    t = totals(view)
-    summary = {
+            for d in w.mig
+        ],
+        **(_dra_data(w, unit) if is_dra(w) else {}),
+        **(_replica_data(w) if w.mode == nodestate.TIMESLICE_MODE else {}),
+    }
+
+
+def _totals_data(t: Totals) -> dict[str, Any]:
+    return {
         "nodes": t.nodes,
         "unreported_nodes": t.unreported_nodes,
         "cards": t.cards,
@@ -708,8 +725,6 @@ def view_data(view: ClusterView) -> dict[str, Any]:
         "core_units_used": t.core_units_used,
         "core_percent": round(100 * t.core_units_used / t.core_units, 1) if t.core_units else 0,
     }
-    data: dict[str, Any] = _camel_keys({"nodes": nodes, "totals": summary})
-    return data
 
 
 def render_json(view: ClusterView) -> str:

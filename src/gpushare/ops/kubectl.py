@@ -136,7 +136,7 @@ def _uninstall(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    request = verify.Request(
+    request = verify.VerifyRequest(
         node=args.node,
         namespace=args.namespace,
         image=args.image,

@@ -44,7 +44,7 @@ class MetricsPart:
             ready=lambda: self.readiness()[0],
             registered=registered,
         )
-        metrics.registry.register(CacheDirMetrics(core.collector))
+        metrics.registry.register(CacheDirMetrics(core.collector.sizes))
         metrics.card_extras = core.card_facts.extras
         metrics.registry.register(  # what the containers really use (HAMi-core's own file)
             ActualUseMetrics(

@@ -53,7 +53,7 @@ POD_LABEL = ("app.kubernetes.io/name", "gpushare-verify")
 
 
 @dataclass(frozen=True)
-class Request:
+class VerifyRequest:
     node: str
     namespace: str = "default"
     image: str | None = None
@@ -98,7 +98,7 @@ def offered_backends(
     return [b for b in VERIFIABLE if b in found] or ["interposer"]
 
 
-def driver_claim(request: Request, name: str, memory_mib: int) -> dict[str, Any]:
+def driver_claim(request: VerifyRequest, name: str, memory_mib: int) -> dict[str, Any]:
     """A ResourceClaim for ``memory_mib`` of a card whose memory the driver holds."""
     expression = f'device.attributes["{request.dra_driver}"].memoryEnforcement == "driver"'
     return {
@@ -127,7 +127,7 @@ def driver_claim(request: Request, name: str, memory_mib: int) -> dict[str, Any]
 
 
 def driver_pod(
-    request: Request, image: str, name: str, claim: str, memory_mib: int
+    request: VerifyRequest, image: str, name: str, claim: str, memory_mib: int
 ) -> dict[str, Any]:
     """The probe's pod on a ``driver`` card: its claim, the limit it must find."""
     pod = verify_pod(request, image, name)
@@ -153,7 +153,7 @@ def installed_image(cluster: Cluster) -> str | None:
     return None
 
 
-def verify_pod(request: Request, image: str, name: str) -> dict[str, Any]:
+def verify_pod(request: VerifyRequest, image: str, name: str) -> dict[str, Any]:
     """The pod that runs the probe on the node."""
     limits = {
         f"{request.prefix}/vcuda-memory": str(request.memory_units),
@@ -225,7 +225,7 @@ class BadRequest(ValueError):
     """An argument verify cannot work with; the message is one line for the operator."""
 
 
-def check_request(cluster: Cluster, request: Request) -> None:
+def check_request(cluster: Cluster, request: VerifyRequest) -> None:
     """Refuse, in one line, what cannot be verified: impossible unit counts, an image
     that is no reference, a node that does not exist or runs no gpushare."""
     if request.memory_units < 1:
@@ -274,7 +274,7 @@ def _same_pod(stored: Mapping[str, Any] | None, uid: str) -> bool:
 
 def run(
     cluster: Cluster,
-    request: Request,
+    request: VerifyRequest,
     say: Callable[[str], None],
     *,
     poll_seconds: float = 1.0,
@@ -302,7 +302,7 @@ def run(
 
 def _run_one(
     cluster: Cluster,
-    request: Request,
+    request: VerifyRequest,
     image: str,
     backend: str,
     say: Callable[[str], None],
@@ -326,34 +326,8 @@ def _run_one(
         f"{', a driver claim' if claim else ''})"
     )
     try:
-        started = clock()
-        deadline = started + request.timeout_seconds
-        stored: dict[str, Any] | None = None
-        shown, shown_at = "", started
-        while clock() < deadline:
-            stored = cluster.read(pod)
-            if stored is None or not _same_pod(stored, uid):
-                say("the pod is gone before it finished (deleted by someone?)")
-                return EXIT_NO_REPORT
-            if (stored.get("status") or {}).get("phase") in TERMINAL:
-                break
-            stuck = _stuck(stored)
-            if stuck is not None:
-                say(f"the pod cannot run: {printable(stuck, 400)}")
-                return EXIT_NO_REPORT
-            now, state = clock(), _progress(stored)
-            if state != shown or now - shown_at >= PROGRESS_SECONDS:
-                say(
-                    f"waiting for pod {request.namespace}/{name}: {printable(state, 200)} "
-                    f"({now - started:.0f} s of {request.timeout_seconds:.0f} s)"
-                )
-                shown, shown_at = state, now
-            time.sleep(poll_seconds)
-        else:
-            say(
-                f"the pod did not finish within {request.timeout_seconds:.0f} s: "
-                f"{printable(_why_not_running(stored or {}), 400)}"
-            )
+        stored = _finished(cluster, pod, uid, request, name, say, poll_seconds, clock)
+        if stored is None:
             return EXIT_NO_REPORT
         log = cluster.pod_log(request.namespace, name) or ""
         if not _same_pod(cluster.read(pod), uid):  # the log read may be another pod's
@@ -376,6 +350,48 @@ def _run_one(
             say(f"deleted pod {request.namespace}/{name}")
 
 
+def _finished(
+    cluster: Cluster,
+    pod: dict[str, Any],
+    uid: str,
+    request: VerifyRequest,
+    name: str,
+    say: Callable[[str], None],
+    poll_seconds: float,
+    clock: Callable[[], float],
+) -> dict[str, Any] | None:
+    """The probe pod once it has finished, its progress said meanwhile; None (said why)
+    when it is gone or replaced, cannot run, or did not finish in time."""
+    started = clock()
+    deadline = started + request.timeout_seconds
+    stored: dict[str, Any] | None = None
+    shown, shown_at = "", started
+    while clock() < deadline:
+        stored = cluster.read(pod)
+        if stored is None or not _same_pod(stored, uid):
+            say("the pod is gone before it finished (deleted by someone?)")
+            return None
+        if (stored.get("status") or {}).get("phase") in TERMINAL:
+            return stored
+        stuck = _stuck(stored)
+        if stuck is not None:
+            say(f"the pod cannot run: {printable(stuck, 400)}")
+            return None
+        now, state = clock(), _progress(stored)
+        if state != shown or now - shown_at >= PROGRESS_SECONDS:
+            say(
+                f"waiting for pod {request.namespace}/{name}: {printable(state, 200)} "
+                f"({now - started:.0f} s of {request.timeout_seconds:.0f} s)"
+            )
+            shown, shown_at = state, now
+        time.sleep(poll_seconds)
+    say(
+        f"the pod did not finish within {request.timeout_seconds:.0f} s: "
+        f"{printable(_why_not_running(stored or {}), 400)}"
+    )
+    return None
+
+
 def report(checks: list[Check], say: Callable[[str], None]) -> int:
     for check in checks:
         mark = "GAP " if check.gap else {True: "ok  ", False: "FAIL", None: "--  "}[check.ok]
@@ -388,4 +404,4 @@ def report(checks: list[Check], say: Callable[[str], None]) -> int:
     return EXIT_NOT_ENFORCED
 
 
-__all__ = ["REPORT_MARKER", "Request", "run", "verify_pod"]
+__all__ = ["REPORT_MARKER", "VerifyRequest", "run", "verify_pod"]

@@ -172,7 +172,7 @@ CREATE_RUNTIME = "createRuntime"
 class Enforcement:
     """How limits reach the container: HAMi-core's interposer (``library`` None when
     running without it) and, per card, the backend of its memory and compute limits
-    (``share/backends.py``; a card not named has the interposer's)."""
+    (``share/backendchoice.py``; a card not named has the interposer's)."""
 
     library: Path | None  # the versioned host file, e.g. /usr/local/vgpu/libvgpu.so.1a2b3c4d5e6f
     preload_file: Path | None  # host file listing CONTAINER_LIBRARY, for /etc/ld.so.preload
@@ -199,7 +199,7 @@ class Enforcement:
     mps_shm: Path | None = None
 
     def by_mps(self, uuid: str) -> bool:
-        """The card's compute caps are MPS's (``share/backends.py``)."""
+        """The card's compute caps are MPS's (``share/backendchoice.py``)."""
         return self.compute.get(uuid) == "mps"
 
     def memory_soft(self, uuid: str) -> bool:

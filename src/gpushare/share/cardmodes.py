@@ -9,31 +9,23 @@ publishes it in the node's ResourceSlice instead.
 from __future__ import annotations
 
 import enum
-import re
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
+
+from gpushare.share.cardoverrides import Wording, any_case, overrides_pattern, parse_overrides
 
 if TYPE_CHECKING:
     from gpushare.gpu.gpus import Gpu
 
 
-def _any_case(word: str) -> str:
-    """A regex matching ``word`` in any letter case, without flags (Go and Python alike)."""
-    return "".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else c for c in word)
-
-
 _MODE = (
-    "(" + "|".join(_any_case(m) for m in ("shared", "exclusive", "both", "dra", "timeslice")) + ")"
+    "(" + "|".join(any_case(m) for m in ("shared", "exclusive", "both", "dra", "timeslice")) + ")"
 )
-#: A card as cardModes names it: its index or its UUID (``GPU-...``).
-CARD_KEY = "[A-Za-z0-9_.:-]+"
-_ENTRY = f"{CARD_KEY} *= *{_MODE}"
-#: The whole cardModes value (blanks are spaces; empty entries are allowed). Anchored with
-#: ``^``/``$`` in the dialect of :mod:`gpushare.config` (Python reads ``$`` via its matcher).
-CARD_MODES_PATTERN = f"^ *({_ENTRY})?( *, *({_ENTRY})?)* *$"
+#: The whole cardModes value: ``<card index or UUID>=<mode>`` entries, no node-wide one
+#: (:mod:`gpushare.share.cardoverrides`; Python reads ``$`` via the config's matcher).
+CARD_MODES_PATTERN = overrides_pattern(_MODE, node_wide=False)
 #: Found in a cardModes value that puts some card in exclusive mode.
-EXCLUSIVE_ENTRY = f"= *{_any_case('exclusive')} *(,|$)"
-_KEY = re.compile(CARD_KEY)
+EXCLUSIVE_ENTRY = f"= *{any_case('exclusive')} *(,|$)"
 
 
 class CardMode(enum.Enum):
@@ -61,24 +53,16 @@ def parse_card_modes(text: str) -> dict[str, CardMode]:
     Exactly the values :data:`CARD_MODES_PATTERN` matches parse, unless a card is named
     twice (tested both ways).
     """
-    modes: dict[str, CardMode] = {}
-    for part in text.split(","):
-        part = part.strip(" ")
-        if not part:
-            continue
-        key, sep, value = part.partition("=")
-        key, value = key.strip(" "), value.strip(" ")
-        if not sep or not _KEY.fullmatch(key):
-            raise ValueError(f"{part!r} is not <card index or UUID>=<mode>")
+
+    def mode(part: str, value: str) -> CardMode:
         try:
-            mode = CardMode(value.lower() if value.isascii() else value)
+            return CardMode(value.lower() if value.isascii() else value)
         except ValueError:
             raise ValueError(
                 f"{part!r}: mode {value!r} is not one of shared, exclusive, both, dra, timeslice"
             ) from None
-        if key in modes:
-            raise ValueError(f"card {key} is given a mode twice")
-        modes[key] = mode
+
+    _node, modes = parse_overrides(text, mode, Wording("mode", "modes", "a mode"), node_wide=False)
     return modes
 
 
@@ -106,36 +90,21 @@ def dra_cards(gpus: Iterable[Gpu], modes: Mapping[str, CardMode]) -> list[Gpu]:
 #: The most replicas one card may offer (each replica is a device of the kubelet's list).
 MAX_REPLICAS = 64
 _COUNT = "([1-9]|[1-5][0-9]|6[0-4])"
-_REPLICA_ENTRY = f"({CARD_KEY} *= *)?{_COUNT}"
 #: ``timeSliceReplicas``: a node-wide count and/or ``<card>=<count>``, comma-separated.
-REPLICAS_PATTERN = f"^ *({_REPLICA_ENTRY})?( *, *({_REPLICA_ENTRY})?)* *$"
+REPLICAS_PATTERN = overrides_pattern(_COUNT)
 
 
 def parse_replicas(text: str) -> tuple[int | None, dict[str, int]]:
     """``4,0=8`` -> (4, {"0": 8}): the node-wide count (None: not given) and per card.
     ValueError (one line) for a count outside 1..64, a bad key, two node-wide counts or
     a card named twice."""
-    node: int | None = None
-    cards: dict[str, int] = {}
-    for part in text.split(","):
-        part = part.strip(" ")
-        if not part:
-            continue
-        key, sep, value = part.rpartition("=")
-        key, value = key.strip(" "), value.strip(" ")
+
+    def count(part: str, value: str) -> int:
         if not value.isdigit() or not 1 <= int(value) <= MAX_REPLICAS:
             raise ValueError(f"{part!r}: {value!r} is not a count of replicas from 1 to 64")
-        if not sep:
-            if node is not None:
-                raise ValueError(f"two node-wide replica counts, {node} and {value}")
-            node = int(value)
-            continue
-        if not _KEY.fullmatch(key):
-            raise ValueError(f"{part!r} is not <card index or UUID>=<replicas>")
-        if key in cards:
-            raise ValueError(f"card {key} is given replicas twice")
-        cards[key] = int(value)
-    return node, cards
+        return int(value)
+
+    return parse_overrides(text, count, Wording("replicas", "replica counts", "replicas"))
 
 
 def replicas_for(gpu: Gpu, text: str, default: int = 4) -> int:

@@ -103,11 +103,16 @@ class ChoiceBook:
     Fed with every pod list the API link reads (:meth:`replace_all`). Thread-safe.
     """
 
-    def __init__(self, prefix: str, resources: Iterable[str]) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        resources: Iterable[str],
+        on_miss: Callable[[], bool] | None = None,
+    ) -> None:
         self.prefix = prefix
         self.resources = tuple(resources)  # full resource names
         #: Re-reads the pods when no pending pod can be the one asking; True if it did.
-        self.on_miss: Callable[[], bool] | None = None
+        self.on_miss = on_miss
         self._lock = threading.Lock()
         # (container key, resource, units) -> the pod's choice
         self._asks: list[tuple[ContainerKey, str, int, CardChoice]] = []

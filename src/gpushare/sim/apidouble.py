@@ -156,6 +156,11 @@ def _is_collection(parts: list[str]) -> bool:
     return len(rest) == 1
 
 
+#: One change kept in the history: (resourceVersion, ADDED|MODIFIED|DELETED, key, the
+#: object, the object before it).
+_Event = tuple[int, str, str, dict[str, Any], dict[str, Any] | None]
+
+
 class ObjectStore:
     """The double's objects: one version counter, every change an event (what watches
     replay), and the helpers tests use to put objects in place without HTTP."""
@@ -167,7 +172,7 @@ class ObjectStore:
         self._changed = threading.Condition(self._lock)
         self._version = 1
         #: (resourceVersion, type, key, object, the object's previous copy or None)
-        self.events: list[tuple[int, str, str, dict[str, Any], dict[str, Any] | None]] = []
+        self.events: list[_Event] = []
         self._recorded: dict[str, dict[str, Any]] = {}  # key -> the copy last recorded
         self._oldest = 1  # watches from before this version answer 410 Gone
         self._stopping = False
@@ -260,6 +265,17 @@ class ObjectStore:
             if "namespaces" in parts and key.rsplit("/", 1)[0] != path.rstrip("/"):
                 continue
             yield key, obj
+
+    def _selected(self, path: str, query: dict[str, list[str]]) -> list[str]:
+        """The keys of the collection at ``path`` its label and field selectors match
+        (lock held)."""
+        labels = (query.get("labelSelector") or [""])[0]
+        fields = (query.get("fieldSelector") or [""])[0]
+        return [
+            key
+            for key, o in self._collections(path)
+            if _matches_labels(o, labels) and _matches_fields(o, fields)
+        ]
 
     def add_many(self, objs: Iterator[dict[str, Any]]) -> int:
         """Store objects as if they had been there before any watch began: no events,
@@ -363,6 +379,21 @@ def _metadata_of(obj: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _status(code: int, message: str) -> dict[str, Any]:
+    """A ``Status`` answer, as the real server gives with an error."""
+    reason = {404: "NotFound", 409: "AlreadyExists", 400: "BadRequest"}.get(
+        code, "InternalError"
+    )
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
+
+
 def _not_acceptable(asked: str, what: str) -> dict[str, Any]:
     return {
         "kind": "Status",
@@ -385,24 +416,18 @@ class CollectionReads(ObjectStore):
         """A list, in pages when asked (``limit``, ``continue``), streamed one item at a
         time: each item is serialised under the lock, written without it, so a list of
         thousands of large objects never sits in this process as one answer."""
-        labels = (query.get("labelSelector") or [""])[0]
-        fields = (query.get("fieldSelector") or [""])[0]
         try:
             limit = int((query.get("limit") or ["0"])[0] or 0)
             version, _, start = ((query.get("continue") or [""])[0] or ":0").partition(":")
             offset = int(start)
         except ValueError:
-            return self._reply(request, 400, self._status(400, "limit/continue is not valid"))
+            return self._reply(request, 400, _status(400, "limit/continue is not valid"))
         with self._lock:
             version = version or str(self._version)
             if int(version) < self._oldest - 1:
-                gone = self._status(410, "the continue token has expired") | {"reason": "Expired"}
+                gone = _status(410, "the continue token has expired") | {"reason": "Expired"}
                 return self._reply(request, 410, gone | {"code": 410})
-            keys = [
-                key
-                for key, o in self._collections(path)
-                if _matches_labels(o, labels) and _matches_fields(o, fields)
-            ]
+            keys = self._selected(path, query)
         page = keys[offset : offset + limit] if limit > 0 else keys[offset:]
         more = limit > 0 and offset + limit < len(keys)
         meta: dict[str, Any] = {"resourceVersion": version}
@@ -416,16 +441,31 @@ class CollectionReads(ObjectStore):
         if as_metadata:
             head = {"kind": as_metadata, "apiVersion": "meta.k8s.io/v1", "metadata": meta}
         if kind == "PodList" and not as_metadata and self.protobuf and _wants_protobuf(request):
-            with self._lock:
-                pods = [self.objects[key] for key in page if key in self.objects]
-                answer = _pod_list_protobuf(meta, pods)
-            request.send_response(200)
-            request.send_header("Content-Type", PROTOBUF)
-            request.send_header("Content-Length", str(len(answer)))
-            request.end_headers()
-            with contextlib.suppress(OSError):
-                request.wfile.write(answer)
-            return None
+            return self._send_pod_list_protobuf(request, meta, page)
+        return self._stream_list(request, head, page, bool(as_metadata))
+
+    def _send_pod_list_protobuf(
+        self, request: BaseHTTPRequestHandler, meta: dict[str, Any], page: list[str]
+    ) -> None:
+        """A page of pods in protobuf, as kube-apiserver answers a client asking it first."""
+        with self._lock:
+            pods = [self.objects[key] for key in page if key in self.objects]
+            answer = _pod_list_protobuf(meta, pods)
+        request.send_response(200)
+        request.send_header("Content-Type", PROTOBUF)
+        request.send_header("Content-Length", str(len(answer)))
+        request.end_headers()
+        with contextlib.suppress(OSError):
+            request.wfile.write(answer)
+
+    def _stream_list(
+        self,
+        request: BaseHTTPRequestHandler,
+        head: dict[str, Any],
+        page: list[str],
+        as_metadata: bool,
+    ) -> None:
+        """The list's JSON, chunked: ``head`` then each item of ``page`` still stored."""
         request.send_response(200)
         request.send_header("Content-Type", "application/json")
         request.send_header("Transfer-Encoding", "chunked")
@@ -464,7 +504,7 @@ class CollectionReads(ObjectStore):
         try:
             since = int((query.get("resourceVersion") or ["0"])[0] or 0)
         except ValueError:
-            return self._reply(request, 400, self._status(400, "resourceVersion is not a number"))
+            return self._reply(request, 400, _status(400, "resourceVersion is not a number"))
         as_metadata = _wants_metadata(request)
         if as_metadata == "PartialObjectMetadataList":
             return self._reply(request, 406, _not_acceptable(as_metadata, "not a list"))
@@ -483,12 +523,7 @@ class CollectionReads(ObjectStore):
         next_bookmark = time.monotonic() + self.bookmark_seconds
         try:
             with self._lock:
-                if fault == "gone" or (since and since < self._oldest - 1):
-                    gone = self._status(410, "too old resource version") | {"reason": "Expired"}
-                    pending: list[dict[str, Any]] = [{"type": "ERROR", "object": gone}]
-                    position = None
-                else:
-                    pending, position = [], since or self._version
+                pending, position = self._watch_from(since, fault)
             while position is not None:
                 for event in pending:
                     send(event)
@@ -496,28 +531,11 @@ class CollectionReads(ObjectStore):
                     now = time.monotonic()
                     if self._stopping or now >= deadline:
                         break
-                    fresh = [e for e in self.events if e[0] > position]
-                    if not fresh:
-                        wait = min(deadline, next_bookmark if bookmarks else deadline) - now
-                        self._changed.wait(max(0.0, wait))
-                        fresh = [e for e in self.events if e[0] > position]
-                    pending = []
-                    for version, kind, key, obj, previous in fresh:
-                        position = version
-                        if not self._in_collection(key, path):
-                            continue
-                        now_in = _matches_labels(obj, labels) and _matches_fields(obj, fields)
-                        was_in = previous is not None and (
-                            _matches_labels(previous, labels) and _matches_fields(previous, fields)
-                        )
-                        if kind == "MODIFIED" and now_in != was_in:
-                            # An object that enters or leaves a watch's selectors is
-                            # ADDED or DELETED there, as the real server sends it.
-                            kind = "ADDED" if now_in else "DELETED"
-                            now_in = True
-                        if now_in:
-                            shown = _metadata_of(obj) if as_metadata else deepcopy(obj)
-                            pending.append({"type": kind, "object": shown})
+                    wait = min(deadline, next_bookmark if bookmarks else deadline) - now
+                    fresh = self._events_after(position, wait)
+                    if fresh:
+                        position = fresh[-1][0]
+                    pending = self._watch_events(fresh, path, labels, fields, bool(as_metadata))
                     if bookmarks and time.monotonic() >= next_bookmark:
                         next_bookmark = time.monotonic() + self.bookmark_seconds
                         pending.append(
@@ -535,19 +553,50 @@ class CollectionReads(ObjectStore):
             pass  # the client went away
         request.close_connection = True
 
-    @staticmethod
-    def _status(code: int, message: str) -> dict[str, Any]:
-        reason = {404: "NotFound", 409: "AlreadyExists", 400: "BadRequest"}.get(
-            code, "InternalError"
-        )
-        return {
-            "kind": "Status",
-            "apiVersion": "v1",
-            "status": "Failure",
-            "message": message,
-            "reason": reason,
-            "code": code,
-        }
+    def _watch_from(self, since: int, fault: str) -> tuple[list[dict[str, Any]], int | None]:
+        """Where a watch from ``since`` starts: (no events, the version), or (a 410
+        ERROR event, None) before the oldest kept version (lock held)."""
+        if fault == "gone" or (since and since < self._oldest - 1):
+            gone = _status(410, "too old resource version") | {"reason": "Expired"}
+            return [{"type": "ERROR", "object": gone}], None
+        return [], since or self._version
+
+    def _events_after(self, position: int, wait: float) -> list[_Event]:
+        """The kept history after ``position``; when there is none yet, what came within
+        ``wait`` seconds (lock held, released while waiting)."""
+        fresh = [e for e in self.events if e[0] > position]
+        if not fresh:
+            self._changed.wait(max(0.0, wait))
+            fresh = [e for e in self.events if e[0] > position]
+        return fresh
+
+    def _watch_events(
+        self,
+        fresh: list[_Event],
+        path: str,
+        labels: str,
+        fields: str,
+        as_metadata: bool,
+    ) -> list[dict[str, Any]]:
+        """The events a watch of ``path`` with these selectors sends of ``fresh`` (the
+        kept history's newer entries; lock held)."""
+        pending = []
+        for _version, kind, key, obj, previous in fresh:
+            if not self._in_collection(key, path):
+                continue
+            now_in = _matches_labels(obj, labels) and _matches_fields(obj, fields)
+            was_in = previous is not None and (
+                _matches_labels(previous, labels) and _matches_fields(previous, fields)
+            )
+            if kind == "MODIFIED" and now_in != was_in:
+                # An object that enters or leaves a watch's selectors is
+                # ADDED or DELETED there, as the real server sends it.
+                kind = "ADDED" if now_in else "DELETED"
+                now_in = True
+            if now_in:
+                shown = _metadata_of(obj) if as_metadata else deepcopy(obj)
+                pending.append({"type": kind, "object": shown})
+        return pending
 
     @staticmethod
     def _reply(request: BaseHTTPRequestHandler, status: int, answer: Any) -> None:
@@ -563,13 +612,179 @@ class CollectionReads(ObjectStore):
             exists = pod_key in self.objects
             text = self.logs.get(pod_key, "")
         if not exists:
-            return self._reply(request, 404, self._status(404, "pod not found"))
+            return self._reply(request, 404, _status(404, "pod not found"))
         data = text.encode()
         request.send_response(200)
         request.send_header("Content-Type", "text/plain")
         request.send_header("Content-Length", str(len(data)))
         request.end_headers()
         request.wfile.write(data)
+
+
+class ObjectWrites(ObjectStore):
+    """The double's writes: create, replace (PUT), merge patch, server-side apply,
+    delete (one object or what a collection's selectors match), and the pod binding;
+    ResourceSlices stored as a server with the DRA feature gates off stores them."""
+
+    #: DRAConsumableCapacity / DRADeviceTaints of the server (False: dropped on write).
+    consumable_capacity = True
+    device_taints = True
+
+    def _dispatch(
+        self, method: str, path: str, query: dict[str, list[str]], content_type: str, body: Any
+    ) -> tuple[int, Any]:
+        """A request that is not a list, a watch, discovery or a log (lock held)."""
+        parts = path.rstrip("/").split("/")
+        dry_run = (query.get("dryRun") or [""])[0] == "All"
+        if method in ("POST", "PUT") and isinstance(body, dict):
+            body = self._drop_disabled(body)
+        if method == "DELETE" and parts[-1] in KINDS:
+            for key in self._selected(path, query):
+                self._drop(key)
+            return 200, _status(200, "deleted") | {"status": "Success"}
+        if method == "POST" and parts[-1] in KINDS:
+            return self._create(path, body, dry_run)
+        key = path.rstrip("/")
+        current = self.objects.get(key)
+        if method == "POST" and parts[-1] == "binding":
+            return self._bind(key.rsplit("/", 1)[0], body)
+        if method == "PATCH" and "apply-patch" in content_type:
+            return self._apply(parts, key, current, query, body)
+        if method not in ("PUT", "GET", "DELETE", "PATCH"):
+            return 400, _status(400, f"{method} {path} is not supported by the double")
+        if current is None:
+            return 404, _status(404, f"{parts[-1]} not found")
+        if method == "PUT":
+            return self._replace(key, current, body, dry_run)
+        if method == "GET":
+            return 200, deepcopy(current)
+        if method == "DELETE":
+            self._drop(key)
+            return 200, _status(200, "deleted") | {"status": "Success"}
+        if "json-patch" in content_type:  # a PATCH
+            return 400, _status(400, "json-patch is not supported by the double")
+        merged = merge_patch(current, body)
+        self._put(key, merged)
+        return 200, deepcopy(merged)
+
+    def _create(self, path: str, body: Any, dry_run: bool) -> tuple[int, Any]:
+        """POST to a collection: 409 when the name is taken."""
+        name = body["metadata"]["name"]
+        key = f"{path.rstrip('/')}/{name}"
+        if key in self.objects:
+            return 409, _status(409, f"{name} already exists")
+        if dry_run:
+            return 201, deepcopy(body)
+        self._put(key, body)
+        return 201, deepcopy(body)
+
+    def _replace(
+        self, key: str, current: dict[str, Any], body: Any, dry_run: bool
+    ) -> tuple[int, Any]:
+        """PUT: a stale ``metadata.resourceVersion`` is a 409; the UID stays."""
+        asked = (body.get("metadata") or {}).get("resourceVersion")
+        if asked and asked != current["metadata"].get("resourceVersion"):
+            return 409, _status(409, "the object has been modified") | {"reason": "Conflict"}
+        body.setdefault("metadata", {})["uid"] = current["metadata"].get("uid")
+        if dry_run:
+            return 200, deepcopy(body)
+        self._put(key, body)
+        return 200, deepcopy(body)
+
+    def _drop_disabled(self, body: dict[str, Any]) -> dict[str, Any]:
+        """What a server with the DRA gates off stores of a ResourceSlice: the gated
+        device fields are dropped without a word, as the real strategy's
+        dropDisabledFields does."""
+        if body.get("kind") != "ResourceSlice":
+            return body
+        body = deepcopy(body)
+        for device in (body.get("spec") or {}).get("devices") or []:
+            if not isinstance(device, dict):
+                continue
+            if not self.consumable_capacity:
+                device.pop("allowMultipleAllocations", None)
+                for entry in (device.get("capacity") or {}).values():
+                    if isinstance(entry, dict):
+                        entry.pop("requestPolicy", None)
+            if not self.device_taints:
+                device.pop("taints", None)
+        return body
+
+    def _bind(self, pod_key: str, body: Any) -> tuple[int, Any]:
+        """``pods/{name}/binding``: what the real server checks, then ``spec.nodeName``
+        and the Binding's annotations merged into the pod's. A UID in the Binding must
+        be the pod's (409 otherwise); a bound pod is 409."""
+        pod = self.objects.get(pod_key)
+        name = pod_key.rsplit("/", 1)[-1]
+        if pod is None:
+            return 404, _status(404, f'pods "{name}" not found')
+        target = body.get("target") if isinstance(body, dict) else None
+        meta = body.get("metadata") if isinstance(body, dict) else None
+        if not isinstance(target, dict) or not target.get("name") or not isinstance(meta, dict):
+            return 400, _status(400, "a Binding needs metadata and target.name")
+        uid = meta.get("uid")
+        if uid and uid != pod["metadata"]["uid"]:
+            return 409, _status(
+                409,
+                f"Precondition failed: UID in precondition: {uid}, "
+                f"UID in object meta: {pod['metadata']['uid']}",
+            )
+        if (pod.get("spec") or {}).get("nodeName"):
+            return 409, _status(
+                409, f'pod {name} is already assigned to node "{pod["spec"]["nodeName"]}"'
+            )
+        pod.setdefault("spec", {})["nodeName"] = target["name"]
+        annotations = meta.get("annotations")
+        if isinstance(annotations, dict) and annotations:  # merged, as the real server does
+            pod["metadata"].setdefault("annotations", {}).update(
+                {str(k): str(v) for k, v in annotations.items()}
+            )
+        self._put(pod_key, pod)  # a MODIFIED event for watches
+        return 201, {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}
+
+    def _apply(
+        self,
+        parts: list[str],
+        key: str,
+        current: dict[str, Any] | None,
+        query: dict[str, list[str]],
+        body: Any,
+    ) -> tuple[int, Any]:
+        """Server-side apply, as far as a double can: the checks the real server makes on
+        the request, create-or-merge, and no new resourceVersion when nothing changed."""
+        manager = (query.get("fieldManager") or [""])[0]
+        if not manager:
+            return 400, _status(400, "PATCH: fieldManager is required for apply requests")
+        group_version = "/".join(parts[2:4]) if parts[1] == "apis" else parts[2]
+        plural = parts[-2]
+        meta = body.get("metadata") if isinstance(body, dict) else None
+        if (
+            not isinstance(meta, dict)
+            or body.get("apiVersion") != group_version
+            or body.get("kind") != KINDS.get(plural)
+            or meta.get("name") != parts[-1]
+        ):
+            return 400, _status(400, "apply body does not match the URL")
+        namespace = parts[parts.index("namespaces") + 1] if "namespaces" in parts[:-2] else None
+        if meta.get("namespace", namespace) != namespace:
+            return 400, _status(400, "the namespace of the body does not match the URL")
+        merged = merge_patch(current or {}, body)
+        merged_meta = merged.setdefault("metadata", {})
+        if namespace:
+            merged_meta["namespace"] = namespace
+        managers = [m for m in merged_meta.get("managedFields", []) if m["manager"] != manager]
+        merged_meta["managedFields"] = [*managers, {"manager": manager, "operation": "Apply"}]
+
+        def content(obj: dict[str, Any]) -> dict[str, Any]:
+            view = deepcopy(obj)
+            for name in _SERVER_FIELDS:
+                view.get("metadata", {}).pop(name, None)
+            return view
+
+        if current is not None and content(merged) == content(current):
+            return 200, deepcopy(current)
+        self._put(key, merged)
+        return (201 if current is None else 200), deepcopy(merged)
 
 
 class Faults:
@@ -609,7 +824,7 @@ class Faults:
         self._open.set()
 
 
-class KubeApiDouble(CollectionReads, Faults):
+class KubeApiDouble(CollectionReads, ObjectWrites, Faults):
     """An API server over HTTP(S) for tests: the verbs, binding, apply, logs, discovery."""
 
     def __init__(self) -> None:
@@ -619,9 +834,6 @@ class KubeApiDouble(CollectionReads, Faults):
         self._scheme = "http"
         #: The group/versions served (drop one to play an older cluster).
         self.groups = dict(GROUPS)
-        #: DRAConsumableCapacity / DRADeviceTaints of the server (False: dropped on write).
-        self.consumable_capacity = True
-        self.device_taints = True
 
     # ------------------------------------------------------------------ control
     def start(self, tls: ssl.SSLContext | None = None) -> str:
@@ -728,7 +940,7 @@ class KubeApiDouble(CollectionReads, Faults):
             )
             failure = self._next_failure(parsed.path)
         if failure is not None:
-            return self._reply(request, failure, self._status(failure, "injected failure"))
+            return self._reply(request, failure, _status(failure, "injected failure"))
         if request.command == "GET" and (query.get("watch") or [""])[0] in ("1", "true"):
             return self._watch(request, parsed.path, query)
         if request.command == "GET" and parsed.path.rstrip("/").split("/")[-1] in KINDS:
@@ -736,7 +948,7 @@ class KubeApiDouble(CollectionReads, Faults):
         version = parsed.path.rstrip("/").removeprefix("/apis/").removeprefix("/api/")
         if request.command == "GET" and version in GROUPS:
             if version not in self.groups:
-                return self._reply(request, 404, self._status(404, "the server could not find it"))
+                return self._reply(request, 404, _status(404, "the server could not find it"))
             resources = [{"name": p, "kind": KINDS[p]} for p in self.groups[version]]
             listing = {"kind": "APIResourceList", "groupVersion": version, "resources": resources}
             return self._reply(request, 200, listing)
@@ -745,172 +957,6 @@ class KubeApiDouble(CollectionReads, Faults):
         with self._lock:
             status, answer = self._dispatch(request.command, parsed.path, query, content_type, body)
         self._reply(request, status, answer)
-
-    def _dispatch(
-        self, method: str, path: str, query: dict[str, list[str]], content_type: str, body: Any
-    ) -> tuple[int, Any]:
-        parts = path.rstrip("/").split("/")
-        is_collection = parts[-1] in KINDS or (
-            len(parts) >= 2 and parts[-2] == "namespaces" and False
-        )
-        dry_run = (query.get("dryRun") or [""])[0] == "All"
-        if method in ("POST", "PUT") and isinstance(body, dict):
-            body = self._drop_disabled(body)
-        if method == "DELETE" and is_collection:
-            labels = (query.get("labelSelector") or [""])[0]
-            fields = (query.get("fieldSelector") or [""])[0]
-            doomed = [
-                key
-                for key, o in self._collections(path)
-                if _matches_labels(o, labels) and _matches_fields(o, fields)
-            ]
-            for key in doomed:
-                self._drop(key)
-            return 200, self._status(200, "deleted") | {"status": "Success"}
-        if method == "POST" and is_collection:
-            name = body["metadata"]["name"]
-            key = f"{path.rstrip('/')}/{name}"
-            if key in self.objects:
-                return 409, self._status(409, f"{name} already exists")
-            if dry_run:
-                return 201, deepcopy(body)
-            self._put(key, body)
-            return 201, deepcopy(body)
-        key = path.rstrip("/")
-        current = self.objects.get(key)
-        if method == "PUT":
-            if current is None:
-                return 404, self._status(404, f"{parts[-1]} not found")
-            asked = (body.get("metadata") or {}).get("resourceVersion")
-            if asked and asked != current["metadata"].get("resourceVersion"):
-                return 409, self._status(409, "the object has been modified") | {
-                    "reason": "Conflict"
-                }
-            body.setdefault("metadata", {})["uid"] = current["metadata"].get("uid")
-            if dry_run:
-                return 200, deepcopy(body)
-            self._put(key, body)
-            return 200, deepcopy(body)
-        if method == "GET":
-            if current is None:
-                return 404, self._status(404, f"{parts[-1]} not found")
-            return 200, deepcopy(current)
-        if method == "DELETE":
-            if current is None:
-                return 404, self._status(404, f"{parts[-1]} not found")
-            self._drop(key)
-            return 200, self._status(200, "deleted") | {"status": "Success"}
-        if method == "POST" and parts[-1] == "binding":
-            return self._bind(key.rsplit("/", 1)[0], body)
-        if method == "PATCH" and "apply-patch" in content_type:
-            return self._apply(parts, key, current, query, body)
-        if method == "PATCH":
-            if current is None:
-                return 404, self._status(404, f"{parts[-1]} not found")
-            elif "json-patch" in content_type:
-                return 400, self._status(400, "json-patch is not supported by the double")
-            else:
-                merged = merge_patch(current, body)
-            self._put(key, merged)
-            return 200, deepcopy(merged)
-        return 400, self._status(400, f"{method} {path} is not supported by the double")
-
-    def _drop_disabled(self, body: dict[str, Any]) -> dict[str, Any]:
-        """What a server with the DRA gates off stores of a ResourceSlice: the gated
-        device fields are dropped without a word, as the real strategy's
-        dropDisabledFields does."""
-        if body.get("kind") != "ResourceSlice":
-            return body
-        body = deepcopy(body)
-        for device in (body.get("spec") or {}).get("devices") or []:
-            if not isinstance(device, dict):
-                continue
-            if not self.consumable_capacity:
-                device.pop("allowMultipleAllocations", None)
-                for entry in (device.get("capacity") or {}).values():
-                    if isinstance(entry, dict):
-                        entry.pop("requestPolicy", None)
-            if not self.device_taints:
-                device.pop("taints", None)
-        return body
-
-    def _bind(self, pod_key: str, body: Any) -> tuple[int, Any]:
-        """``pods/{name}/binding``: what the real server checks, then ``spec.nodeName``
-        and the Binding's annotations merged into the pod's. A UID in the Binding must
-        be the pod's (409 otherwise); a bound pod is 409."""
-        pod = self.objects.get(pod_key)
-        name = pod_key.rsplit("/", 1)[-1]
-        if pod is None:
-            return 404, self._status(404, f'pods "{name}" not found')
-        target = body.get("target") if isinstance(body, dict) else None
-        meta = body.get("metadata") if isinstance(body, dict) else None
-        if not isinstance(target, dict) or not target.get("name") or not isinstance(meta, dict):
-            return 400, self._status(400, "a Binding needs metadata and target.name")
-        uid = meta.get("uid")
-        if uid and uid != pod["metadata"]["uid"]:
-            return 409, self._status(
-                409,
-                f"Precondition failed: UID in precondition: {uid}, "
-                f"UID in object meta: {pod['metadata']['uid']}",
-            )
-        if (pod.get("spec") or {}).get("nodeName"):
-            return 409, self._status(
-                409, f'pod {name} is already assigned to node "{pod["spec"]["nodeName"]}"'
-            )
-        pod.setdefault("spec", {})["nodeName"] = target["name"]
-        annotations = meta.get("annotations")
-        if isinstance(annotations, dict) and annotations:  # merged, as the real server does
-            pod["metadata"].setdefault("annotations", {}).update(
-                {str(k): str(v) for k, v in annotations.items()}
-            )
-        self._put(pod_key, pod)  # a MODIFIED event for watches
-        return 201, {"kind": "Status", "apiVersion": "v1", "status": "Success", "code": 201}
-
-    def _apply(
-        self,
-        parts: list[str],
-        key: str,
-        current: dict[str, Any] | None,
-        query: dict[str, list[str]],
-        body: Any,
-    ) -> tuple[int, Any]:
-        """Server-side apply, as far as a double can: the checks the real server makes on
-        the request, create-or-merge, and no new resourceVersion when nothing changed."""
-        manager = (query.get("fieldManager") or [""])[0]
-        if not manager:
-            return 400, self._status(400, "PATCH: fieldManager is required for apply requests")
-        group_version = "/".join(parts[2:4]) if parts[1] == "apis" else parts[2]
-        plural = parts[-2]
-        meta = body.get("metadata") if isinstance(body, dict) else None
-        if (
-            not isinstance(meta, dict)
-            or body.get("apiVersion") != group_version
-            or body.get("kind") != KINDS.get(plural)
-            or meta.get("name") != parts[-1]
-        ):
-            return 400, self._status(400, "apply body does not match the URL")
-        namespace = parts[parts.index("namespaces") + 1] if "namespaces" in parts[:-2] else None
-        if meta.get("namespace", namespace) != namespace:
-            return 400, self._status(400, "the namespace of the body does not match the URL")
-        merged = merge_patch(current or {}, body)
-        merged_meta = merged.setdefault("metadata", {})
-        if namespace:
-            merged_meta["namespace"] = namespace
-        managers = [m for m in merged_meta.get("managedFields", []) if m["manager"] != manager]
-        merged_meta["managedFields"] = [*managers, {"manager": manager, "operation": "Apply"}]
-
-        def content(obj: dict[str, Any]) -> dict[str, Any]:
-            view = deepcopy(obj)
-            for name in _SERVER_FIELDS:
-                view.get("metadata", {}).pop(name, None)
-            return view
-
-        if current is not None and content(merged) == content(current):
-            return 200, deepcopy(current)
-        self._put(key, merged)
-        return (201 if current is None else 200), deepcopy(merged)
-
-    # ------------------------------------------------------------------ watches
 
 
 def main() -> None:

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpushare.extender.server import ExtenderSettings, build_app, start
+from gpushare.extender.httpserver import ExtenderSettings, build_app, start
 from gpushare.sim.apidouble import KubeApiDouble
+from gpushare.sim.daemonnode import DaemonNode
 from gpushare.sim.kubeletdouble import AdmissionError
-from gpushare.sim.rig import DaemonNode
 
 NODE = "churn-node"
 P4_MIB = 7611  # 29 units

@@ -20,7 +20,7 @@ from gpushare.base.startup import StartupError
 from gpushare.config import LOG_LEVELS, Settings
 from gpushare.daemon import Daemon
 from gpushare.host.elf import stand_in
-from gpushare.share.devices import Resource
+from gpushare.share.devices import Inventory, Resource
 from gpushare.sim.kubeletdouble import AdmissionError, Admitted, SimulatedKubelet
 
 THREE_TESLA_P4 = {
@@ -78,21 +78,7 @@ def print_container_view(admitted: Admitted) -> None:
 
 
 def run_demo(workdir: Path) -> int:
-    node_file = workdir / "node.yaml"
-    node_file.write_text(yaml.safe_dump(THREE_TESLA_P4))
-    library = workdir / "libvgpu.so"
-    library.write_bytes(
-        stand_in(b"placeholder for HAMi-core libvgpu.so (the demo enforces nothing)\n")
-    )
-    settings = Settings(
-        kubelet_dir=str(workdir / "device-plugins"),
-        pod_resources_socket=str(workdir / "pod-resources" / "kubelet.sock"),
-        simulate=str(node_file),
-        library=str(library),
-        host_lib_dir=str(workdir / "vgpu"),
-        metrics_port=0,
-        whole_cards=True,
-    )
+    settings = _node_settings(workdir)
     kubelet = SimulatedKubelet(Path(settings.kubelet_dir), Path(settings.pod_resources_socket))
     kubelet.start()
     daemon = Daemon(settings, kubelet_version=lambda: kubelet.version)
@@ -100,79 +86,16 @@ def run_demo(workdir: Path) -> int:
     whole = f"{settings.resource_prefix}/gpu"
     try:
         daemon.start()
-        print(f"simulated node: {node_file} (3 x Tesla P4, 7611 MiB)")
+        print(f"simulated node: {settings.simulate} (3 x Tesla P4, 7611 MiB)")
         if not kubelet.wait_for(
             lambda k: bool(k.devices(memory)) and bool(k.devices(core)) and bool(k.devices(whole))
         ):
             print("the plugin did not register within 30 s", file=sys.stderr)
             return 1
-        print("\nregistered with the kubelet:")
-        for resource, endpoint in kubelet.registrations:
-            print(
-                f"  {resource:28} endpoint {endpoint:28} {len(kubelet.devices(resource))} devices"
-            )
-        print(
-            f"  ({settings.memory_unit_mib} MiB per memory unit: floor(7611/256) = 29 per card; "
-            "100 core units per card; one whole-card device per card)"
-        )
-
-        print("\nadmitting a training container asking for a whole card:")
-        for pod in ("train-a",):
-            try:
-                admitted = kubelet.admit(pod, "main", {whole: 1})
-            except AdmissionError as exc:
-                print(f"  {pod}: NOT admitted: {exc}")
-                continue
-            print(f"  {pod}/main: 1 whole card -> {admitted.card()}")
-            print_container_view(admitted)
-
-        print(
-            "\nadmitting containers the way the kubelet does "
-            "(GetPreferredAllocation, then Allocate; core first):"
-        )
-        for pod, memory_units, core_units in CONTAINERS:
-            try:
-                admitted = kubelet.admit(
-                    pod, "main", {core: core_units, memory: memory_units}, order=[core, memory]
-                )
-            except AdmissionError as exc:
-                print(
-                    f"  {pod}/main: {memory_units} memory units + {core_units} core units "
-                    "-> NOT admitted"
-                )
-                print(f"    the pod fails with: {exc}")
-                continue
-            print(
-                f"  {pod}/main: {memory_units} memory units + {core_units} core units "
-                f"-> card {admitted.card()}"
-            )
-            print_container_view(admitted)
-
-        print(
-            "\nanother whole card? Cards with shared units in use are listed Unhealthy as "
-            "whole cards, so the kubelet has none to give:"
-        )
-        try:
-            kubelet.admit("train-b", "main", {whole: 1})
-            print("  train-b: admitted (unexpected)")
-        except AdmissionError as exc:
-            print(f"  train-b: NOT admitted: {exc}")
-
+        _show_registrations(kubelet, settings)
+        _admit(kubelet, memory, core, whole)
         assert daemon.core is not None
-        print("\nper card (from the kubelet's allocations):")
-        print(f"  {'GPU':4} {'UUID':42} {'memory units':>14} {'core units':>12}  containers")
-        held_whole = kubelet.allocated(whole)
-        for card in daemon.core.inventory.cards.values():
-            mem_used = sum(1 for d in kubelet.allocated(memory) if d.startswith(card.uuid + "::"))
-            core_used = sum(1 for d in kubelet.allocated(core) if d.startswith(card.uuid + "::"))
-            pods = sorted(a.pod for a in kubelet.admitted.values() if a.card() == card.uuid)
-            if card.uuid in held_whole:
-                pods = [f"{p} (whole card)" for p in pods]
-            print(
-                f"  {card.gpu.index:<4} {card.uuid:42} "
-                f"{f'{mem_used}/{card.memory_units}':>14} "
-                f"{f'{core_used}/{card.units(Resource.CORE)}':>12}  {', '.join(pods)}"
-            )
+        _show_cards(daemon.core.inventory, kubelet, memory, core, whole)
         print()
         print(NOT_ENFORCED)
     except StartupError as exc:
@@ -182,6 +105,99 @@ def run_demo(workdir: Path) -> int:
         daemon.stop()
         kubelet.stop()
     return 0
+
+
+def _node_settings(workdir: Path) -> Settings:
+    """The simulated node of three Tesla P4 under ``workdir``, whole cards offered too."""
+    node_file = workdir / "node.yaml"
+    node_file.write_text(yaml.safe_dump(THREE_TESLA_P4))
+    library = workdir / "libvgpu.so"
+    library.write_bytes(
+        stand_in(b"placeholder for HAMi-core libvgpu.so (the demo enforces nothing)\n")
+    )
+    return Settings(
+        kubelet_dir=str(workdir / "device-plugins"),
+        pod_resources_socket=str(workdir / "pod-resources" / "kubelet.sock"),
+        simulate=str(node_file),
+        library=str(library),
+        host_lib_dir=str(workdir / "vgpu"),
+        metrics_port=0,
+        whole_cards=True,
+    )
+
+
+def _show_registrations(kubelet: SimulatedKubelet, settings: Settings) -> None:
+    print("\nregistered with the kubelet:")
+    for resource, endpoint in kubelet.registrations:
+        print(f"  {resource:28} endpoint {endpoint:28} {len(kubelet.devices(resource))} devices")
+    print(
+        f"  ({settings.memory_unit_mib} MiB per memory unit: floor(7611/256) = 29 per card; "
+        "100 core units per card; one whole-card device per card)"
+    )
+
+
+def _admit(kubelet: SimulatedKubelet, memory: str, core: str, whole: str) -> None:
+    """A whole card, the shared containers, then a whole card that cannot be had."""
+    print("\nadmitting a training container asking for a whole card:")
+    for pod in ("train-a",):
+        try:
+            admitted = kubelet.admit(pod, "main", {whole: 1})
+        except AdmissionError as exc:
+            print(f"  {pod}: NOT admitted: {exc}")
+            continue
+        print(f"  {pod}/main: 1 whole card -> {admitted.card()}")
+        print_container_view(admitted)
+
+    print(
+        "\nadmitting containers the way the kubelet does "
+        "(GetPreferredAllocation, then Allocate; core first):"
+    )
+    for pod, memory_units, core_units in CONTAINERS:
+        try:
+            admitted = kubelet.admit(
+                pod, "main", {core: core_units, memory: memory_units}, order=[core, memory]
+            )
+        except AdmissionError as exc:
+            print(
+                f"  {pod}/main: {memory_units} memory units + {core_units} core units "
+                "-> NOT admitted"
+            )
+            print(f"    the pod fails with: {exc}")
+            continue
+        print(
+            f"  {pod}/main: {memory_units} memory units + {core_units} core units "
+            f"-> card {admitted.card()}"
+        )
+        print_container_view(admitted)
+
+    print(
+        "\nanother whole card? Cards with shared units in use are listed Unhealthy as "
+        "whole cards, so the kubelet has none to give:"
+    )
+    try:
+        kubelet.admit("train-b", "main", {whole: 1})
+        print("  train-b: admitted (unexpected)")
+    except AdmissionError as exc:
+        print(f"  train-b: NOT admitted: {exc}")
+
+
+def _show_cards(
+    inventory: Inventory, kubelet: SimulatedKubelet, memory: str, core: str, whole: str
+) -> None:
+    print("\nper card (from the kubelet's allocations):")
+    print(f"  {'GPU':4} {'UUID':42} {'memory units':>14} {'core units':>12}  containers")
+    held_whole = kubelet.allocated(whole)
+    for card in inventory.cards.values():
+        mem_used = sum(1 for d in kubelet.allocated(memory) if d.startswith(card.uuid + "::"))
+        core_used = sum(1 for d in kubelet.allocated(core) if d.startswith(card.uuid + "::"))
+        pods = sorted(a.pod for a in kubelet.admitted.values() if a.card() == card.uuid)
+        if card.uuid in held_whole:
+            pods = [f"{p} (whole card)" for p in pods]
+        print(
+            f"  {card.gpu.index:<4} {card.uuid:42} "
+            f"{f'{mem_used}/{card.memory_units}':>14} "
+            f"{f'{core_used}/{card.units(Resource.CORE)}':>12}  {', '.join(pods)}"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -468,6 +468,24 @@ class PodResourcesLister(pr_pb2_grpc.PodResourcesListerServicer):
         return self.list_response()
 
 
+def _merge(record: Admitted, response: api_pb2.ContainerAllocateResponse) -> None:
+    """What the runtime makes of one resource's answer: its env, mounts and annotations
+    added to the container's; an env or mount another resource's answer set otherwise
+    is a conflict (kept first-come)."""
+    for name, value in response.envs.items():
+        if name in record.envs and record.envs[name] != value:
+            record.conflicts.append(f"env {name}: {record.envs[name]} vs {value}")
+            continue
+        record.envs.setdefault(name, value)
+    for mount in response.mounts:
+        old = record.mounts.get(mount.container_path)
+        if old is not None and old.host_path != mount.host_path:
+            record.conflicts.append(f"mount {mount.container_path}")
+            continue
+        record.mounts.setdefault(mount.container_path, mount)
+    record.annotations.update(response.annotations)
+
+
 class SimulatedKubelet(PluginRegistry, PodResourcesLister):
     """A kubelet's device manager and PodResources server, over real sockets: plugins
     register and stream their devices (:class:`PluginRegistry`), containers are admitted
@@ -684,31 +702,7 @@ class SimulatedKubelet(PluginRegistry, PodResourcesLister):
             if len(reused) == units:
                 chosen = reused
             elif endpoint.options.get_preferred_allocation_available:
-                offer = reused + available
-                request = api_pb2.PreferredAllocationRequest(
-                    container_requests=[
-                        api_pb2.ContainerPreferredAllocationRequest(
-                            available_deviceIDs=offer,
-                            must_include_deviceIDs=reused,
-                            allocation_size=units,
-                        )
-                    ]
-                )
-                started = clock()
-                reply = endpoint.stub.GetPreferredAllocation(
-                    request, timeout=ADMISSION_CALL_TIMEOUT
-                )
-                if self.observe is not None:
-                    self.observe(resource, "GetPreferredAllocation", clock() - started)
-                offered = set(offer)
-                preferred = list(reused)
-                for d in reply.container_responses[0].deviceIDs:
-                    if d in offered and d not in preferred and len(preferred) < units:
-                        preferred.append(d)
-                picked = set(preferred)
-                chosen = (
-                    preferred + [d for d in available if d not in picked][: units - len(preferred)]
-                )
+                chosen = self._preferred(endpoint, resource, reused, available, units)
             else:
                 chosen = reused + available[: units - len(reused)]
             allocate = api_pb2.AllocateRequest(
@@ -725,18 +719,39 @@ class SimulatedKubelet(PluginRegistry, PodResourcesLister):
             ) from None
         record.devices[resource] = chosen
         record.responses[resource] = response
-        for name, value in response.envs.items():
-            if name in record.envs and record.envs[name] != value:
-                record.conflicts.append(f"env {name}: {record.envs[name]} vs {value}")
-                continue
-            record.envs.setdefault(name, value)
-        for mount in response.mounts:
-            old = record.mounts.get(mount.container_path)
-            if old is not None and old.host_path != mount.host_path:
-                record.conflicts.append(f"mount {mount.container_path}")
-                continue
-            record.mounts.setdefault(mount.container_path, mount)
-        record.annotations.update(response.annotations)
+        _merge(record, response)
+
+    def _preferred(
+        self,
+        endpoint: Endpoint,
+        resource: str,
+        reused: list[str],
+        available: list[str],
+        units: int,
+    ) -> list[str]:
+        """The devices to allocate as the plugin prefers them (GetPreferredAllocation),
+        ``reused`` first; what it does not name is filled from ``available`` in order."""
+        offer = reused + available
+        request = api_pb2.PreferredAllocationRequest(
+            container_requests=[
+                api_pb2.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=offer,
+                    must_include_deviceIDs=reused,
+                    allocation_size=units,
+                )
+            ]
+        )
+        started = time.perf_counter()
+        reply = endpoint.stub.GetPreferredAllocation(request, timeout=ADMISSION_CALL_TIMEOUT)
+        if self.observe is not None:
+            self.observe(resource, "GetPreferredAllocation", time.perf_counter() - started)
+        offered = set(offer)
+        preferred = list(reused)
+        for d in reply.container_responses[0].deviceIDs:
+            if d in offered and d not in preferred and len(preferred) < units:
+                preferred.append(d)
+        picked = set(preferred)
+        return preferred + [d for d in available if d not in picked][: units - len(preferred)]
 
     def release(self, pod: str, container: str | None = None, namespace: str = "default") -> None:
         with self._lock:

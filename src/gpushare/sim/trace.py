@@ -33,6 +33,7 @@ extender's runs must still see no admission failure.
 
 from __future__ import annotations
 
+import argparse
 import heapq
 import math
 import random
@@ -57,7 +58,7 @@ from gpushare.extender.fit import (
     score,
 )
 from gpushare.ops.mdsection import replace_section
-from gpushare.sim.rig import DaemonNode
+from gpushare.sim.daemonnode import DaemonNode
 
 UNIT_MIB = 256
 
@@ -253,24 +254,10 @@ def _simulate(
             nodes[node_number].rooms = rigs[node_number].rooms()
         account(pod.arrival)
         need = pod.need
-        candidates = [
-            (number, node)
-            for number, node in enumerate(nodes)
-            if node.memory_free >= need.memory_units and node.core_free >= need.core_units
-        ]
-        if extender:
-            fits = [(n, node, fit_pod(node.rooms, need, placement)) for n, node in candidates]
-            ranked = [
-                ((score(fit, placement), _totals_score(node, need, placement), -n), n)
-                for n, node, fit in fits
-                if fit.fits
-            ]
-        else:
-            ranked = [((0, _totals_score(node, need, placement), -n), n) for n, node in candidates]
-        if not ranked:
+        chosen = _schedule(nodes, need, placement, extender)
+        if chosen is None:
             result.unschedulable += 1
             continue
-        chosen = max(ranked)[1]
         use = rigs[chosen].admit(f"pod-{pod.number}", need)  # the daemon, card by card
         if use is None:
             result.admission_failures += 1
@@ -280,7 +267,36 @@ def _simulate(
         heapq.heappush(departures, (pod.arrival + pod.duration, pod.number, chosen))
     end = trace[-1].arrival if trace else 0.0
     account(end)
-    span = max(end - measure_from, 1e-9)
+    _card_use(result, nodes, max(end - measure_from, 1e-9))
+    return result
+
+
+def _schedule(
+    nodes: list[SimNode], need: PodNeed, placement: str, extender: bool
+) -> int | None:
+    """The node the scheduler binds a pod of ``need`` to (None: unschedulable): among
+    the nodes whose totals hold it, with the extender the best fit its cards allow,
+    without it the best by the totals alone (ties: the lowest number)."""
+    candidates = [
+        (number, node)
+        for number, node in enumerate(nodes)
+        if node.memory_free >= need.memory_units and node.core_free >= need.core_units
+    ]
+    if extender:
+        fits = [(n, node, fit_pod(node.rooms, need, placement)) for n, node in candidates]
+        ranked = [
+            ((score(fit, placement), _totals_score(node, need, placement), -n), n)
+            for n, node, fit in fits
+            if fit.fits
+        ]
+    else:
+        ranked = [((0, _totals_score(node, need, placement), -n), n) for n, node in candidates]
+    return max(ranked)[1] if ranked else None
+
+
+def _card_use(result: RunResult, nodes: list[SimNode], span: float) -> None:
+    """Each card's mean memory and core use over the measured ``span``, and the mean
+    memory use by node shape (its number of cards)."""
     by_shape: dict[int, list[float]] = {}
     for node in nodes:
         for i, room in enumerate(node.rooms):
@@ -289,7 +305,6 @@ def _simulate(
             result.card_core_use.append(node.core_area[i] / span / room.core_units)
             by_shape.setdefault(node.cards, []).append(memory)
     result.use_by_shape = {k: statistics.fmean(v) for k, v in sorted(by_shape.items())}
-    return result
 
 
 def _pct(value: float) -> str:
@@ -358,7 +373,7 @@ def run(
     return results, render_report(results, pods, seed, load, list_delay)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> Parser:
     parser = Parser(
         prog="python -m gpushare.sim.trace",
         description="Trace-driven placement simulation, with and without the scheduler extender.",
@@ -382,6 +397,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also put the report, with the command, into PATH's 'simulate' section "
         "(e.g. docs/benchmarks.md)",
     )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.pods < 20 or args.load <= 0 or not 0 <= args.list_delay <= 60:
         parser.error(
@@ -402,23 +422,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             out.write(report)
         print(f"wrote {args.write}", file=sys.stderr)
     if args.section:
-        command = f"python -m gpushare.sim.trace --pods {args.pods} --seed {args.seed}"
-        report += (
-            "\nEvery pod is admitted by the real daemon (its binder behind the kubelet "
-            "stand-in), so admission failures are ones that can really happen.\n"
-        )
-        if args.load != 1.0:
-            command += f" --load {args.load}"
-        if args.list_delay:
-            command += f" --list-delay {args.list_delay:g}"
-        body = f"Produced by `make simulate` (`{command}`).\n\n{report}"
-        replace_section(Path(args.section), "simulate", body)
-        print(f"rewrote the simulate section of {args.section}", file=sys.stderr)
+        _write_section(Path(args.section), report, args)
     failures = sum(r.admission_failures for r in results if r.extender)
     if failures:
         print(f"FAILED: {failures} admission failures with the extender", file=sys.stderr)
         return 1
     return 0
+
+
+def _write_section(path: Path, report: str, args: argparse.Namespace) -> None:
+    """The report, with the command that made it, as ``path``'s 'simulate' section."""
+    command = f"python -m gpushare.sim.trace --pods {args.pods} --seed {args.seed}"
+    report += (
+        "\nEvery pod is admitted by the real daemon (its binder behind the kubelet "
+        "stand-in), so admission failures are ones that can really happen.\n"
+    )
+    if args.load != 1.0:
+        command += f" --load {args.load}"
+    if args.list_delay:
+        command += f" --list-delay {args.list_delay:g}"
+    body = f"Produced by `make simulate` (`{command}`).\n\n{report}"
+    replace_section(path, "simulate", body)
+    print(f"rewrote the simulate section of {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -153,18 +153,46 @@ def _metrics_lines(daemon: Daemon, names: tuple[str, ...]) -> str:
 
 def run(root: Path) -> str:
     """The walk-through's markdown (commands and their outputs)."""
-    t = Transcript()
     api = KubeApiDouble()
     api.start()
     saved = {k: os.environ.get(k) for k in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
     os.environ["KUBECONFIG"] = str(api.kubeconfig(root / "kubeconfig"))
     os.environ.pop("KUBERNETES_SERVICE_HOST", None)
-    daemon: Daemon | None = None
-    kubelet: SimulatedKubelet | None = None
+    walk = _Walk(api, root)
     try:
+        walk.install()
+        walk.verify()
+        walk.watch()
+        walk.upgrade()
+        walk.remove()
+    finally:
+        walk.close()
+        api.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return walk.t.render()
+
+
+class _Walk:
+    """The walk-through's steps, each a section of the page: the cluster (the API-server
+    double with a GPU node and a CPU node), then the daemon on a simulated node of two
+    Tesla P4 under a simulated kubelet."""
+
+    def __init__(self, api: KubeApiDouble, root: Path) -> None:
+        self.t = Transcript()
+        self.api = api
+        self.root = root
+        self.daemon: Daemon | None = None
+        self.kubelet: SimulatedKubelet | None = None
+
+    def install(self) -> None:
+        t = self.t
         for name, labels in ((NODE, {"nvidia.com/gpu.present": "true"}), ("cpu-node-1", {})):
-            api.add({"apiVersion": "v1", "kind": "Node",
-                     "metadata": {"name": name, "labels": labels}})  # fmt: skip
+            self.api.add({"apiVersion": "v1", "kind": "Node",
+                          "metadata": {"name": name, "labels": labels}})  # fmt: skip
         t.text("### 1. Install\n\nApply the manifests and opt the GPU node in:")
         t.command(
             f"kubectl gpushare install --node {NODE} --image {IMAGE}",
@@ -176,6 +204,25 @@ def run(root: Path) -> str:
             "of two Tesla P4, and two workloads admitted, one of 20 units and 30 cores, one "
             "of 4 units):"
         )
+        daemon, kubelet = self._start_node()
+        settings = daemon.settings
+        for pod, requests in (("train", {"vcuda-memory": 20, "vcuda-core": 30}),
+                              ("notebook", {"vcuda-memory": 4})):  # fmt: skip
+            limits = {f"{settings.resource_prefix}/{k}": v for k, v in requests.items()}
+            self.api.add(_pod(pod, limits))
+            kubelet.admit(pod, "main", limits)
+        assert daemon.core is not None
+        link = daemon.core.api_link
+        assert link is not None
+        _wait(lambda: link.annotator.handled >= 3)  # train: two resources, notebook: one
+        link.published.clear()
+        link.notify_changed()
+        _wait(link.published.is_set)
+        t.command("kubectl gpushare inspect -d", _kubectl(["inspect", "-d"])[1])
+
+    def _start_node(self) -> tuple[Daemon, SimulatedKubelet]:
+        """The simulated GPU node: its kubelet, then the daemon, registered."""
+        root = self.root
         gpus = [
             {"uuid": f"GPU-0000000{i}-0000-4000-8000-00000000000{i}", **P4, "numa_node": 0}
             for i in range(2)
@@ -193,25 +240,16 @@ def run(root: Path) -> str:
             node_name=NODE,
         )
         kubelet = SimulatedKubelet(Path(settings.kubelet_dir), Path(settings.pod_resources_socket))
+        self.kubelet = kubelet
         kubelet.start()
         daemon = Daemon(settings)
+        self.daemon = daemon
         daemon.start()
         _wait(lambda: bool(kubelet.devices(settings.memory_resource)))
-        for pod, requests in (("train", {"vcuda-memory": 20, "vcuda-core": 30}),
-                              ("notebook", {"vcuda-memory": 4})):  # fmt: skip
-            limits = {f"{settings.resource_prefix}/{k}": v for k, v in requests.items()}
-            api.add(_pod(pod, limits))
-            kubelet.admit(pod, "main", limits)
-        assert daemon.core is not None
-        core = daemon.core
-        link = core.api_link
-        assert link is not None
-        _wait(lambda: link.annotations_handled >= 3)  # train: two resources, notebook: one
-        link.published.clear()
-        link.notify_changed()
-        _wait(link.published.is_set)
-        t.command("kubectl gpushare inspect -d", _kubectl(["inspect", "-d"])[1])
-        t.text(
+        return daemon, kubelet
+
+    def verify(self) -> None:
+        self.t.text(
             "### 2. Verify on your node\n\n"
             "`verify` runs a short-lived pod on the node asking for 4 memory units and 30 core "
             "units, with the image's enforcement probe, and prints the probe's verdict "
@@ -219,27 +257,40 @@ def run(root: Path) -> str:
             "the node is simulated and has no GPU, so the probe says it cannot run (exit 3); "
             "on a GPU node its report follows (see below):"
         )
-        with ProbeNode(api, kubelet):
+        assert self.kubelet is not None and self.daemon is not None
+        with ProbeNode(self.api, self.kubelet):
             code, out = _kubectl(["verify", "--node", NODE])
-        t.command(f"kubectl gpushare verify --node {NODE}", out + f"(exit {code})")
+        self.t.command(f"kubectl gpushare verify --node {NODE}", out + f"(exit {code})")
+        core = self.daemon.core
+        assert core is not None
         core.refresher.refresh_once()  # the probe pod has ended: the kubelet's records now
-        t.text("### 3. Watch\n\nPer card and per container, from the daemon's `/metrics`:")
-        t.command(
+
+    def watch(self) -> None:
+        assert self.daemon is not None
+        self.t.text("### 3. Watch\n\nPer card and per container, from the daemon's `/metrics`:")
+        self.t.command(
             "curl -s http://<pod IP>:9445/metrics | grep -E "
             "'^gpushare_(memory_allocated_bytes|container_memory_bytes|gpu_healthy)'",
-            _metrics_lines(daemon, ("gpushare_memory_allocated_bytes",
-                                    "gpushare_container_memory_bytes", "gpushare_gpu_healthy")),
+            _metrics_lines(self.daemon, ("gpushare_memory_allocated_bytes",
+                                         "gpushare_container_memory_bytes",
+                                         "gpushare_gpu_healthy")),
         )  # fmt: skip
-        t.text(
+
+    def upgrade(self) -> None:
+        self.t.text(
             "### 4. Upgrade\n\nBuild and push the new image, then install again with it: the "
             "DaemonSet rolls one node at a time; running containers keep their limits."
         )
-        t.command(
+        self.t.command(
             f"kubectl gpushare install --node {NODE} --image {UPGRADE}",
             _kubectl(["install", "--node", NODE, "--image", UPGRADE])[1],
         )
-        daemon.stop()
-        daemon = None
+        if self.daemon is not None:
+            self.daemon.stop()
+            self.daemon = None
+
+    def remove(self) -> None:
+        t = self.t
         t.text(
             "### 5. Remove\n\nUnlabel the nodes; with none left, everything `install` created "
             "is deleted (objects it did not create are never touched). `uninstall` first lists "
@@ -255,18 +306,12 @@ def run(root: Path) -> str:
             "kubectl gpushare uninstall --all --wait 0",
             _kubectl(["uninstall", "--all", "--wait", "0"])[1],
         )
-    finally:
-        if daemon is not None:
-            daemon.stop()
-        if kubelet is not None:
-            kubelet.stop()
-        api.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    return t.render()
+
+    def close(self) -> None:
+        if self.daemon is not None:
+            self.daemon.stop()
+        if self.kubelet is not None:
+            self.kubelet.stop()
 
 
 def _pod(name: str, limits: dict[str, int]) -> dict[str, Any]:

@@ -94,7 +94,7 @@ def test_admitted_pods_are_annotated_and_use_is_published(node: Node, api: KubeA
     # ...and each container annotated once, not once per resource.
     link = node.daemon.core.api_link if node.daemon is not None else None
     assert link is not None
-    eventually(lambda: link.annotations_handled >= 6)
+    eventually(lambda: link.annotator.handled >= 6)
     for name in ("a", "b", "c"):
         assert len(api.calls("PATCH", f"/namespaces/default/pods/{name}")) == 1, name
 

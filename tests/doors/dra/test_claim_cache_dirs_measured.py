@@ -63,7 +63,7 @@ def test_a_claims_cache_directory_is_measured_and_bounded(node: Node, api: KubeA
                 out.write(os.urandom(3 << 20))
                 out.flush()
                 os.fsync(out.fileno())
-            assert poll(lambda: collector.over_limit == 1, 20.0)
+            assert poll(lambda: collector.sizes.over_limit == 1, 20.0)
         over = [e for e in logs if e["event"] == "cache_dir_over_limit"]
         assert len(over) == 1 and over[0]["holder"] == "claim ml/filler"
         # The measurement may land while the write is under way: over the limit, maybe not all.
@@ -76,7 +76,7 @@ def test_a_claims_cache_directory_is_measured_and_bounded(node: Node, api: KubeA
             assert poll(lambda last=last: collector._last_run != last, 20.0)
         assert cache.is_dir() and (cache / "fill").exists()
         assert kubelet.unprepare([ref]) == {ref[2]: ""}
-        assert poll(lambda: collector.over_limit == 0, 20.0)
+        assert poll(lambda: collector.sizes.over_limit == 0, 20.0)
     finally:
         kubelet.close()
 

@@ -269,7 +269,7 @@ def test_fit_places_containers_as_the_daemon_would() -> None:
 
 def test_main_serves_on_the_port_it_logs(tmp_path: Any) -> None:
     command = [
-        sys.executable, "-m", "gpushare.extender.server",
+        sys.executable, "-m", "gpushare.extender.httpserver",
         "--address", "127.0.0.1", "--port", "0", "--url-prefix", "/x",
         "--log-format", "json", "--placement", "spread",
     ]  # fmt: skip

@@ -35,8 +35,8 @@ from kit.sizes import at_two_sizes
 
 from gpushare.extender import verbs
 from gpushare.extender.body import BadRequest, nesting_depth, parse_json
+from gpushare.extender.httpserver import PROBES, ExtenderSettings, build_app
 from gpushare.extender.ledger import AdmissionLedger
-from gpushare.extender.server import PROBES, ExtenderSettings, build_app
 from gpushare.extender.verbs import BindRefused, ExtenderPolicy, ExtenderState
 
 __all__ = ["extender", "extender_factory"]  # fixtures

@@ -26,8 +26,8 @@ import pytest
 from conftest import TESLA_P4, Node, cards
 from kit.procs import daemon_command, free_port, poll, scrape
 
-from gpushare.base.connguard import ConnectionGuard, Limits
-from gpushare.extender.server import ExtenderSettings, build_app, start
+from gpushare.base.connguard import ConnectionGuard, ConnectionLimits
+from gpushare.extender.httpserver import ExtenderSettings, build_app, start
 from gpushare.ops.daemonmetrics import MetricsServer
 
 
@@ -64,7 +64,7 @@ def _metrics_server(deadline: float) -> Iterator[MetricsServer]:
         lambda: (True, "ok"),
         "127.0.0.1",
         0,
-        limits=Limits(max_connections=6, max_per_peer=3, deadline=deadline),
+        limits=ConnectionLimits(max_connections=6, max_per_peer=3, deadline=deadline),
     )
     server.start()
     try:
@@ -159,7 +159,8 @@ def test_the_extender_listeners_cap_connections_and_cut_slow_requests() -> None:
             return slow
 
         # The caps, with a deadline no loaded machine reaches while they are checked.
-        guard = ConnectionGuard(Limits(max_connections=4, max_per_peer=2, deadline=PATIENT))
+        limits = ConnectionLimits(max_connections=4, max_per_peer=2, deadline=PATIENT)
+        guard = ConnectionGuard(limits)
         runner, port = await start(build_app(settings), "127.0.0.1", 0, guard=guard)
         try:
             slow = await hold_two(port, guard)
@@ -181,7 +182,7 @@ def test_the_extender_listeners_cap_connections_and_cut_slow_requests() -> None:
         finally:
             await runner.cleanup()
         # The deadline: two silent connections are cut.
-        guard = ConnectionGuard(Limits(max_connections=4, max_per_peer=2, deadline=SHORT))
+        guard = ConnectionGuard(ConnectionLimits(max_connections=4, max_per_peer=2, deadline=SHORT))
         runner, port = await start(build_app(settings), "127.0.0.1", 0, guard=guard)
         try:
             for r, w in await hold_two(port, guard):
@@ -303,7 +304,7 @@ def test_an_extender_client_that_does_not_read_its_answer_is_cut_at_the_deadline
     and the buffered answer for ever (the timer stopped when the answer was prepared)."""
 
     async def scenario() -> None:
-        limits = Limits(max_connections=4, max_per_peer=2, deadline=3.0)
+        limits = ConnectionLimits(max_connections=4, max_per_peer=2, deadline=3.0)
         settings = ExtenderSettings(api_server="http://127.0.0.1:9", max_body_bytes=64 << 20)
         guard = ConnectionGuard(limits)
         runner, port = await start(build_app(settings), "127.0.0.1", 0, guard=guard)

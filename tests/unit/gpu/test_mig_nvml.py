@@ -94,20 +94,20 @@ def test_probe_sees_a_mig_device_vanish_and_return_and_a_layout_change_once(
     backend.discover()
     lost: set[str] = set()
     seen: list[GpuEvent] = []
-    backend._probe(lost, seen.append)
+    backend.events.probe(lost, seen.append)
     assert seen == []
     vanished = card.migs.pop(3)
-    backend._probe(lost, seen.append)
+    backend.events.probe(lost, seen.append)
     assert seen == [GpuEvent("MIG-d", gone=True)]
     card.migs.append(vanished)
-    backend._probe(lost, seen.append)
+    backend.events.probe(lost, seen.append)
     assert seen[1:] == [GpuEvent("MIG-d", gone=False)]
     card.migs.append(FakeMig("MIG-new", 11, 0, 0, 0, 4864, 14, index=3))
-    backend._probe(lost, seen.append)
-    backend._probe(lost, seen.append)
+    backend.events.probe(lost, seen.append)
+    backend.events.probe(lost, seen.append)
     assert seen[2:] == [GpuEvent(card.uuid, mig_changed=True)]  # once
     _fake.cards[1].mig = (0, 1)  # the plain card will be in MIG mode after a reset
-    backend._probe(lost, seen.append)
+    backend.events.probe(lost, seen.append)
     assert seen[3:] == [GpuEvent("GPU-plain", mig_changed=True)]
 
 

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kit.memhook import HAVE_GCC, UUID, HookWorld, build, oci_state, tree
 
-from gpushare.gpu.memlimits import Limits
+from gpushare.gpu.memlimits import MemoryLimits
 
 pytestmark = pytest.mark.skipif(not HAVE_GCC, reason="needs gcc")
 
@@ -54,9 +54,9 @@ def test_sets_the_hard_limit_on_the_containers_own_cgroup(world: HookWorld) -> N
     namespace = world.container(PID, LEAF)
     result = world.run(oci_state(PID))
     assert result.returncode == 0 and result.stderr == "", result
-    assert world.store.limits() == {(UUID, namespace): Limits(0, 512 << 20)}
+    assert world.store.limits() == {(UUID, namespace): MemoryLimits(0, 512 << 20)}
     # the Python simulation reads what the hook set through the C stand-in
-    assert world.store.get_memory_limits(UUID, namespace) == Limits(0, 512 << 20)
+    assert world.store.get_memory_limits(UUID, namespace) == MemoryLimits(0, 512 << 20)
 
 
 def test_a_nested_pid_is_not_the_containers(world: HookWorld) -> None:

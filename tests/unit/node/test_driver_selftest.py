@@ -15,10 +15,10 @@ import yaml
 from gpushare.base.startup import NodeConfigurationError
 from gpushare.config import Settings
 from gpushare.gpu.gpus import GpuError
-from gpushare.gpu.memlimits import UNLIMITED, Limits
+from gpushare.gpu.memlimits import UNLIMITED, MemoryLimits
 from gpushare.gpu.simulated import SimulatedBackend
-from gpushare.node.backends import card_traits, cgroup_type, decide_backends, self_test
-from gpushare.share.backends import ComputeBackend, MemoryBackend
+from gpushare.node.backendfacts import card_traits, cgroup_type, decide_backends, self_test
+from gpushare.share.backendchoice import ComputeBackend, MemoryBackend
 from gpushare.share.cardmodes import CardMode
 
 A, B = "GPU-aaaa", "GPU-bbbb"
@@ -60,8 +60,8 @@ def test_the_simulated_driver_keeps_limits_per_cgroup(tmp_path: Path) -> None:
     assert backend.get_memory_limits(A, str(one)) is None  # no limit: NOT_SUPPORTED
     backend.set_memory_limits(A, str(one), 0, 1 << 30)
     backend.set_memory_limits(B, str(one), 0, 2 << 30)
-    assert backend.get_memory_limits(A, str(one)) == Limits(0, 1 << 30)
-    assert backend.get_memory_limits(B, str(one)) == Limits(0, 2 << 30)
+    assert backend.get_memory_limits(A, str(one)) == MemoryLimits(0, 1 << 30)
+    assert backend.get_memory_limits(B, str(one)) == MemoryLimits(0, 2 << 30)
     assert backend.get_memory_limits(A, str(two)) is None
     backend.set_memory_limits(A, str(one), 0, UNLIMITED)
     assert backend.get_memory_limits(A, str(one)) is None

@@ -133,8 +133,8 @@ def _run(api: KubeApiDouble, cluster: Cluster, phase: str | None, log: str,
     said: list[str] = []
     try:
         code = verify.run(
-            cluster, verify.Request(node="gpu-1", image="reg/gpushare:1", **request), said.append,
-            poll_seconds=0.02,
+            cluster, verify.VerifyRequest(node="gpu-1", image="reg/gpushare:1", **request),
+            said.append, poll_seconds=0.02,
         )  # fmt: skip
     finally:
         node.stop()
@@ -205,7 +205,7 @@ def test_without_an_image_it_warns_and_uses_the_shipped_reference(
     node = StandInNode(api, "Succeeded", probe.render(GOOD))
     said: list[str] = []
     try:
-        verify.run(cluster, verify.Request(node="gpu-1"), said.append, poll_seconds=0.02)
+        verify.run(cluster, verify.VerifyRequest(node="gpu-1"), said.append, poll_seconds=0.02)
     finally:
         node.stop()
     assert said[0].startswith("warning: no --image given")
@@ -262,7 +262,7 @@ def test_a_pod_replaced_under_the_same_name_gives_no_verdict(
     said: list[str] = []
     try:
         code = verify.run(
-            cluster, verify.Request(node="gpu-1", image="reg/gpushare:1"), said.append,
+            cluster, verify.VerifyRequest(node="gpu-1", image="reg/gpushare:1"), said.append,
             poll_seconds=0.02,
         )  # fmt: skip
     finally:
@@ -293,7 +293,8 @@ def test_a_hostile_status_of_a_pod_that_never_finishes_is_printed_escaped(
     said: list[str] = []
     try:
         code = verify.run(
-            cluster, verify.Request(node="gpu-1", image="reg/gpushare:1", timeout_seconds=0.5),
+            cluster,
+            verify.VerifyRequest(node="gpu-1", image="reg/gpushare:1", timeout_seconds=0.5),
             said.append, poll_seconds=0.02,
         )  # fmt: skip
     finally:
@@ -336,7 +337,7 @@ def test_a_pod_that_cannot_pull_its_image_stops_verify_at_once_with_the_reason(
     try:
         code = verify.run(
             cluster,
-            verify.Request(node="gpu-1", image="reg/gpushare:1", timeout_seconds=3600),
+            verify.VerifyRequest(node="gpu-1", image="reg/gpushare:1", timeout_seconds=3600),
             said.append,
             poll_seconds=0.02,
         )
@@ -354,7 +355,7 @@ def test_verify_says_what_it_waits_for(api: KubeApiDouble, cluster: Cluster) -> 
     try:
         code = verify.run(
             cluster,
-            verify.Request(node="gpu-1", image="reg/gpushare:1", timeout_seconds=60),
+            verify.VerifyRequest(node="gpu-1", image="reg/gpushare:1", timeout_seconds=60),
             said.append,
             poll_seconds=0.01,
             clock=lambda: float(next(ticks)),

@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpushare.config import matcher
-from gpushare.share.backends import (
+from gpushare.share.backendchoice import (
     AUTO,
     COMPUTE_PINS,
     COMPUTE_PINS_PATTERN,

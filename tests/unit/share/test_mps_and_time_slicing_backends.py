@@ -1,4 +1,4 @@
-"""``mps`` in the one backend decision (share/backends.py), over every small world with an
+"""``mps`` in the one backend decision (share/backendchoice.py), over every small world with an
 MPS control daemon present or not, and time-sliced cards: MPS only where the node has the
 control daemon and the card is shared; on an MPS card the interposer never holds memory
 (the driver's limit where it can, otherwise MPS's pinned limit, shown ``soft``); a
@@ -10,7 +10,7 @@ import itertools
 
 from test_enforcement_backends import facts, outcome, worlds
 
-from gpushare.share.backends import (
+from gpushare.share.backendchoice import (
     AUTO,
     COMPUTE_PINS,
     MEMORY_PINS,

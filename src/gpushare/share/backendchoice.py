@@ -20,9 +20,10 @@ with the results.
 from __future__ import annotations
 
 import enum
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from gpushare.share.cardoverrides import Wording, any_case, overrides_pattern, parse_overrides
 
 #: The first driver branch with per-cgroup GPU memory limits (NVML
 #: ``nvmlDeviceSetMemoryLimits_v1``).
@@ -65,23 +66,16 @@ COMPUTE_STRENGTH = (
 )
 
 
-def _any_case(word: str) -> str:
-    return "".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else c for c in word)
-
-
 def _pins_pattern(words: Sequence[str]) -> str:
-    """``<backend>`` (node-wide) and/or ``<card index or UUID>=<backend>`` entries,
-    comma-separated, blanks as spaces; in the shared dialect of :mod:`gpushare.config`."""
-    word = "(" + "|".join(_any_case(w) for w in words) + ")"
-    entry = f"([A-Za-z0-9_.:-]+ *= *)?{word}"
-    return f"^ *({entry})?( *, *({entry})?)* *$"
+    """``<backend>`` (node-wide) and/or ``<card index or UUID>=<backend>`` entries
+    (:mod:`gpushare.share.cardoverrides`)."""
+    return overrides_pattern("(" + "|".join(any_case(w) for w in words) + ")")
 
 
 MEMORY_PINS_PATTERN = _pins_pattern(MEMORY_PINS)
 COMPUTE_PINS_PATTERN = _pins_pattern(COMPUTE_PINS)
 #: Found in a memoryEnforcement value that pins some card (or the node) to interposer.
-PINS_INTERPOSER = f"(^|[=, ]){_any_case('interposer')} *(,|$)"
-_KEY = re.compile(r"[A-Za-z0-9_.:-]+")
+PINS_INTERPOSER = f"(^|[=, ]){any_case('interposer')} *(,|$)"
 
 
 @dataclass(frozen=True)
@@ -100,27 +94,15 @@ def parse_pins(text: str, allowed: Sequence[str], what: str = "memoryEnforcement
     """``auto,0=driver,GPU-1=interposer`` -> :class:`Pins`. ValueError (one line) for a
     word not in ``allowed``, two node-wide words or a card named twice. Exactly what
     the option's pattern accepts parses, unless something is given twice."""
-    node: str | None = None
-    cards: dict[str, str] = {}
-    for part in text.split(","):
-        part = part.strip(" ")
-        if not part:
-            continue
-        key, sep, value = part.rpartition("=")
-        key, value = key.strip(" "), value.strip(" ")
+
+    def backend(part: str, value: str) -> str:
         word = value.lower() if value.isascii() else value
         if word not in allowed:
             raise ValueError(f"{what}: {part!r}: {value!r} is not one of {', '.join(allowed)}")
-        if not sep:
-            if node is not None:
-                raise ValueError(f"{what}: two node-wide backends, {node} and {word}")
-            node = word
-            continue
-        if not _KEY.fullmatch(key):
-            raise ValueError(f"{what}: {part!r} is not <card index or UUID>=<backend>")
-        if key in cards:
-            raise ValueError(f"{what}: card {key} is given a backend twice")
-        cards[key] = word
+        return word
+
+    wording = Wording("backend", "backends", "a backend", option=what)
+    node, cards = parse_overrides(text, backend, wording)
     return Pins(node or AUTO, cards)
 
 

@@ -1,4 +1,4 @@
-"""Each card's enforcement backend, decided at start (:mod:`gpushare.share.backends`) from
+"""Each card's enforcement backend, decided at start (:mod:`gpushare.share.backendchoice`) from
 what this node really offers: the driver's version, the cgroup file system, MIG, CDI, and
 for ``driver`` a self-test on a scratch cgroup of the daemon's own (set a limit, read it
 back, clear it: a read on a cgroup without a limit proves nothing). One
@@ -27,7 +27,7 @@ from gpushare.gpu.memlimits import (
 from gpushare.host.mps import available as mps_available
 from gpushare.kube.nodestate import MAX_REASON, CardEnforcement
 from gpushare.node.podcgroups import dmem_obstacle, pod_cgroups
-from gpushare.share.backends import (
+from gpushare.share.backendchoice import (
     COMPUTE_PINS,
     MEMORY_PINS,
     CardTraits,

@@ -18,7 +18,7 @@ pool, every call is timed into the one :data:`~gpushare.base.kubeletgrpc.CallHoo
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -37,7 +37,7 @@ from gpushare._proto.drahealth.v1alpha1 import api_pb2 as health_pb2
 from gpushare._proto.drahealth.v1alpha1 import api_pb2_grpc as health_grpc
 from gpushare._proto.pluginregistration.v1 import api_pb2 as reg_pb2
 from gpushare._proto.pluginregistration.v1 import api_pb2_grpc as reg_grpc
-from gpushare.base.kubeletgrpc import CallHook, KubeletServer, observed
+from gpushare.base.kubeletgrpc import CallHook, KubeletServer, board_stream, observed
 from gpushare.dra.claimread import ClaimRef
 from gpushare.dra.claims import ClaimPreparer
 from gpushare.gpu.health import HealthBoard
@@ -181,27 +181,16 @@ class _Health(health_grpc.DRAResourceHealthServicer):
         list goes out at once, after every health change and every
         :data:`HEALTH_RESEND_SECONDS` without one; a cancelled stream (the kubelet went
         away, the server stops) ends at its await."""
-        loop = asyncio.get_running_loop()
-        changed = asyncio.Event()
-
-        def wake() -> None:
-            loop.call_soon_threadsafe(changed.set)
-
-        forget = self.board.listen(wake)  # every change, and the board's wake at stop
-        try:
-            seen: int | None = None
-            while not self.stopping.is_set():
-                changed.clear()
-                if self.board.version != seen:
-                    seen = self.board.version
-                    yield self.snapshot()
-                    continue
-                try:
-                    await asyncio.wait_for(changed.wait(), HEALTH_RESEND_SECONDS)
-                except TimeoutError:
-                    seen = None  # nothing changed: the full list again
-        finally:
-            forget()
+        stream = board_stream(
+            self.board,
+            self.stopping,
+            self.snapshot,
+            HEALTH_RESEND_SECONDS,
+            resend_when_quiet=True,  # nothing changed: the full list again
+        )
+        async with contextlib.aclosing(stream) as messages:
+            async for message in messages:
+                yield message
 
 
 class DraServer:

@@ -25,7 +25,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpushare.base.cli import Parser, add_version, bounded_float
-from gpushare.base.connguard import ConnectionGuard, GuardedFactory, Limits
+from gpushare.base.connguard import ConnectionGuard, ConnectionLimits, GuardedFactory
 from gpushare.base.logs import configure_logging
 from gpushare.config import LOG_FORMATS, LOG_LEVELS
 from gpushare.extender.bindingclient import (
@@ -139,15 +139,50 @@ def build_app(
     url = settings.api_server or in_cluster_url()
     cache = NodeCache(expect_objects=True) if settings.watch_nodes and url else None
     state = ExtenderState(ledger, node_cache=cache)
-    policy = settings.policy
     metrics = ExtenderMetrics(
         lambda: len(state.ledger), lambda: len(state.pods), lambda: state.ledger.live_pods
     )
     if binder is None:
         binder = BindingClient(url, settings.token_file, settings.ca_file) if url else None
-    feeds: list[PodFeed | NodeFeed | StateFeed] = []
+    verbs = _Verbs(settings, state, metrics, binder)
+    feeds = _Feeds(settings, url, state)
+    probes = _Probes(state, metrics)
+    app = probes.routes(web.Application(client_max_size=settings.max_body_bytes))
+    app[PROBES] = probes.routes(web.Application(client_max_size=1024))
+    for verb, answer in (
+        ("filter", verbs.filter),
+        ("prioritize", verbs.prioritize),
+        ("bind", verbs.bind),
+    ):
+        app.router.add_post(_route(settings.url_prefix, verb), verbs.handler(verb, answer))
+    app.on_startup.append(feeds.start)
+    app.on_cleanup.append(feeds.stop)
+    app.on_cleanup.append(verbs.close)
+    return app
 
-    def verb_handler(verb: str, answer: Callable[[Any], Awaitable[Any]]) -> Handler:
+
+class _Verbs:
+    """The scheduler's three verbs over HTTP: each body read, answered by the pure
+    verbs (``verbs.py``), counted and timed; the Binding written for ``bind``."""
+
+    def __init__(
+        self,
+        settings: ExtenderSettings,
+        state: ExtenderState,
+        metrics: ExtenderMetrics,
+        binder: BindingClient | None,
+    ) -> None:
+        self.max_body_bytes = settings.max_body_bytes
+        self.policy = settings.policy
+        self.state = state
+        self.metrics = metrics
+        self.binder = binder
+
+    def handler(self, verb: str, answer: Callable[[Any], Awaitable[Any]]) -> Handler:
+        """The request handler of ``verb``: a body it cannot use is a 400 (413 when too
+        large), a bug a 500; it never ends the server."""
+        metrics, limit = self.metrics, self.max_body_bytes
+
         async def handle(request: web.Request) -> web.Response:
             started = time.perf_counter()
             try:
@@ -156,8 +191,8 @@ def build_app(
                 log.warning("bad_request", verb=verb, reason=str(exc)[:300])
                 response = _error(400, str(exc))
             except _TooLarge:
-                log.warning("body_too_large", verb=verb, limit=settings.max_body_bytes)
-                response = _error(413, f"the body is larger than {settings.max_body_bytes} bytes")
+                log.warning("body_too_large", verb=verb, limit=limit)
+                response = _error(413, f"the body is larger than {limit} bytes")
             except Exception as exc:  # a bug: logged and answered, the server goes on
                 log.exception("request_failed", verb=verb)
                 response = _error(500, f"internal error: {type(exc).__name__}")
@@ -167,128 +202,141 @@ def build_app(
 
         return handle
 
-    async def do_filter(body: Any) -> Any:
+    async def filter(self, body: Any) -> Any:
         started = time.perf_counter()
-        answer = filter_verb(body, policy, state)
+        answer = filter_verb(body, self.policy, self.state)
         for reason, count in answer.pop(VERDICTS_KEY, {}).items():
-            metrics.verdicts.labels(reason).inc(count)
+            self.metrics.verdicts.labels(reason).inc(count)
         log.info(
             "filter",
             kept=len(answer["NodeNames"] or (answer["Nodes"] or {}).get("items") or ()),
             failed=len(answer["FailedNodes"]),
-            holds=len(state.ledger),
+            holds=len(self.state.ledger),
             ms=round((time.perf_counter() - started) * 1000, 2),
         )
         return answer
 
-    async def do_prioritize(body: Any) -> Any:
-        return prioritize_verb(body, policy, state)
+    async def prioritize(self, body: Any) -> Any:
+        return prioritize_verb(body, self.policy, self.state)
 
-    async def do_bind(body: Any) -> Any:
+    async def bind(self, body: Any) -> Any:
+        state, bindings = self.state, self.metrics.bindings
         try:
-            args = bind_verb(body, policy, state)
+            args = bind_verb(body, self.policy, state)
         except BindRefused as exc:
-            metrics.bindings.labels("refused").inc()
+            bindings.labels("refused").inc()
             log.info("bind_refused", reason=str(exc))
             return {"Error": str(exc)}
-        if binder is None:
+        if self.binder is None:
             state.ledger.forget_pod(args.uid)
-            metrics.bindings.labels("failed").inc()
+            bindings.labels("failed").inc()
             return {"Error": "binding is not configured (no API server address)"}
         try:
             annotations = {}
             if args.plan:
-                key = nodestate.plan_annotation_key(policy.resource_prefix)
+                key = nodestate.plan_annotation_key(self.policy.resource_prefix)
                 annotations[key] = nodestate.encode_plan(dict(args.plan))
-            await binder.bind(args.namespace, args.name, args.uid, args.node, annotations)
+            await self.binder.bind(args.namespace, args.name, args.uid, args.node, annotations)
         except BindError as exc:
             state.ledger.forget_pod(args.uid)
-            metrics.bindings.labels("failed").inc()
+            bindings.labels("failed").inc()
             log.warning("bind_failed", pod=args.label, node=args.node, reason=str(exc))
             return {"Error": f"binding {args.label} to {args.node}: {exc}"}
-        metrics.bindings.labels("bound").inc()
+        bindings.labels("bound").inc()
         log.info("bound", pod=args.label, node=args.node, holds=len(state.ledger))
         return {"Error": ""}
 
-    async def healthz(_request: web.Request) -> web.Response:
+    async def close(self, _app: web.Application) -> None:
+        if self.binder is not None:
+            await self.binder.close()
+
+
+class _Feeds:
+    """What keeps the extender's view of the cluster current, started with the app:
+    the Nodes and the node-state objects (with ``watch_nodes``), the pods (with
+    ``watch_pods``; the start waits for their first list)."""
+
+    def __init__(self, settings: ExtenderSettings, url: str, state: ExtenderState) -> None:
+        self.settings = settings
+        self.url = url
+        self.state = state
+        self.running: list[PodFeed | NodeFeed | StateFeed] = []
+
+    async def start(self, _app: web.Application) -> None:
+        if not self.url:
+            return
+        settings, state = self.settings, self.state
+        prefix = settings.policy.resource_prefix
+        endpoint = endpoint_of(self.url, settings.token_file, settings.ca_file)
+        if state.node_cache is not None:
+            nodes = NodeFeed(
+                ApiClient(endpoint, metadata_only=True),
+                prefix,
+                state.node_cache,
+                asyncio.get_running_loop(),
+            )
+            self.running.append(nodes)
+            nodes.start()
+            objects = StateFeed(
+                ApiClient(endpoint),
+                prefix,
+                settings.state_namespace or stateobject.own_namespace(os.environ),
+                state.node_cache,
+                asyncio.get_running_loop(),
+            )
+            self.running.append(objects)
+            objects.start()
+        if not settings.watch_pods:
+            return
+        feed = PodFeed(
+            ApiClient(endpoint),
+            prefix,
+            state.ledger,
+            asyncio.get_running_loop(),
+            on_first_list=settle_heap,  # also when the list outlasts the start's wait
+        )
+        self.running.append(feed)
+        await feed.first_list()
+
+    async def stop(self, _app: web.Application) -> None:
+        loop = asyncio.get_running_loop()
+        for feed in self.running:
+            await loop.run_in_executor(None, feed.stop)
+
+
+class _Probes:
+    """``/healthz``, ``/readyz`` (the pods, and with a node cache the nodes, read once)
+    and ``/metrics``, on the verbs' listener and on the probe listener."""
+
+    def __init__(self, state: ExtenderState, metrics: ExtenderMetrics) -> None:
+        self.state = state
+        self.metrics = metrics
+
+    def routes(self, target: web.Application) -> web.Application:
+        target.router.add_get("/healthz", self.healthz)
+        target.router.add_get("/readyz", self.readyz)
+        target.router.add_get("/metrics", self.serve_metrics)
+        return target
+
+    async def healthz(self, _request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
-    async def readyz(_request: web.Request) -> web.Response:
+    async def readyz(self, _request: web.Request) -> web.Response:
+        state = self.state
         if state.ledger.awaiting_list:
             return web.Response(text="the cluster's pods are not read yet\n", status=503)
         if state.node_cache is not None and not state.node_cache.listed:
             return web.Response(text="the cluster's nodes are not read yet\n", status=503)
         return web.Response(text="ok\n")
 
-    async def start_feed(_app: web.Application) -> None:
-        if not url:
-            return
-        endpoint = endpoint_of(url, settings.token_file, settings.ca_file)
-        if state.node_cache is not None:
-            nodes = NodeFeed(
-                ApiClient(endpoint, metadata_only=True),
-                policy.resource_prefix,
-                state.node_cache,
-                asyncio.get_running_loop(),
-            )
-            feeds.append(nodes)
-            nodes.start()
-            objects = StateFeed(
-                ApiClient(endpoint),
-                policy.resource_prefix,
-                settings.state_namespace or stateobject.own_namespace(os.environ),
-                state.node_cache,
-                asyncio.get_running_loop(),
-            )
-            feeds.append(objects)
-            objects.start()
-        if not settings.watch_pods:
-            return
-        feed = PodFeed(
-            ApiClient(endpoint),
-            policy.resource_prefix,
-            state.ledger,
-            asyncio.get_running_loop(),
-            on_first_list=settle_heap,  # also when the list outlasts the start's wait
-        )
-        feeds.append(feed)
-        await feed.first_list()
-
-    async def stop_feed(_app: web.Application) -> None:
-        loop = asyncio.get_running_loop()
-        for feed in feeds:
-            await loop.run_in_executor(None, feed.stop)
-
-    async def serve_metrics(_request: web.Request) -> web.Response:
-        data = generate_latest(metrics.registry)
+    async def serve_metrics(self, _request: web.Request) -> web.Response:
+        data = generate_latest(self.metrics.registry)
         return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def close_binder(_app: web.Application) -> None:
-        if binder is not None:
-            await binder.close()
-
-    def probe_routes(target: web.Application) -> web.Application:
-        target.router.add_get("/healthz", healthz)
-        target.router.add_get("/readyz", readyz)
-        target.router.add_get("/metrics", serve_metrics)
-        return target
-
-    app = probe_routes(web.Application(client_max_size=settings.max_body_bytes))
-    app[PROBES] = probe_routes(web.Application(client_max_size=1024))
-    app.router.add_post(_route(settings.url_prefix, "filter"), verb_handler("filter", do_filter))
-    app.router.add_post(
-        _route(settings.url_prefix, "prioritize"), verb_handler("prioritize", do_prioritize)
-    )
-    app.router.add_post(_route(settings.url_prefix, "bind"), verb_handler("bind", do_bind))
-    app.on_startup.append(start_feed)
-    app.on_cleanup.append(stop_feed)
-    app.on_cleanup.append(close_binder)
-    return app
 
 
 #: The bounds of each extender listener (base/connguard.py): kube-scheduler keeps a few
 #: connections alive; probes open one per check.
-EXTENDER_LIMITS = Limits(max_connections=128, max_per_peer=64, deadline=10.0)
+EXTENDER_LIMITS = ConnectionLimits(max_connections=128, max_per_peer=64, deadline=10.0)
 
 
 class _GuardedSite(web.SockSite):

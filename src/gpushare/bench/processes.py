@@ -1,5 +1,6 @@
-"""The benchmark's rig: a temporary simulated node (the GPU file, the kubelet stand-in,
-the real daemon process) and the API-server double in a process of its own."""
+"""The processes the benchmark runs: a temporary simulated node (the GPU file, the
+kubelet stand-in, the real daemon process) and the API-server double in a process of
+its own."""
 
 from __future__ import annotations
 

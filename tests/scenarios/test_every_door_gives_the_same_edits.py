@@ -22,7 +22,7 @@ from kit.procs import free_port, scrape
 from test_metrics import samples
 from test_mig_serving import start as start_mig
 
-from gpushare.bench.rig import node_gpus
+from gpushare.bench.processes import node_gpus
 from gpushare.daemon import Daemon
 from gpushare.deviceplugin.binding import Binder
 from gpushare.deviceplugin.exclusive import sealed_by

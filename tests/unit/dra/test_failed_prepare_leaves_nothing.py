@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import NODE
 
-from gpushare.bench.rig import node_gpus
+from gpushare.bench.processes import node_gpus
 from gpushare.dra.claimread import ClaimRef
 from gpushare.dra.claims import ClaimPreparer
 from gpushare.dra.model import offered_devices

@@ -24,7 +24,7 @@ from gpushare.gpu.memlimits import (
     LimitStore,
     MemoryLimitError,
 )
-from gpushare.node.backends import self_test
+from gpushare.node.backendfacts import self_test
 from gpushare.share.answers import DriverHook, Enforcement, driver_hook
 
 pytestmark = pytest.mark.skipif(not HAVE_GCC, reason="needs gcc")

@@ -20,9 +20,9 @@ from gpushare.base.startup import NodeConfigurationError
 from gpushare.config import Settings
 from gpushare.gpu.memlimits import NVML_ERROR_NOT_FOUND, MemoryLimitError
 from gpushare.gpu.simulated import SimulatedBackend
-from gpushare.node.backends import card_traits, decide_backends
+from gpushare.node.backendfacts import card_traits, decide_backends
 from gpushare.node.podcgroups import memacct_backend, pod_cgroups
-from gpushare.share.backends import MemoryBackend
+from gpushare.share.backendchoice import MemoryBackend
 from gpushare.share.cardmodes import CardMode
 
 A, B = "GPU-aaaa", "GPU-bbbb"

@@ -26,19 +26,6 @@ LONG_BY_NATURE = {
     "add_argument per flag",
 }
 
-#: TEMPORARY, being divided on branch ``house`` (issue 40 items 1 and 2: the grant's host
-#: side in one room, plan then apply at both doors). Delete this set when that branch
-#: is merged: the rules below then hold for these too.
-BEING_DIVIDED_ON_BRANCH_HOUSE = {
-    "deviceplugin/binding.py:Binder",
-    "deviceplugin/binding.py:Binder._allocate",
-    "deviceplugin/binding.py:Binder.preferred",
-    "dra/claims.py:ClaimPreparer",
-    "dra/claims.py:ClaimPreparer._prepare_one",
-    "host/mps.py:MpsControl",
-}
-
-
 def _sizes(tree: ast.AST, where: str) -> dict[str, tuple[str, int]]:
     """Qualified name (``path:Class.method``, nested functions too) -> (``class`` or
     ``function``, its lines from ``def``/``class`` to its end, comments and docstrings
@@ -82,7 +69,6 @@ def too_long(found: dict[str, tuple[str, int]]) -> dict[str, int]:
         for name, (kind, lines) in found.items()
         if lines > limit[kind]
         and name not in LONG_BY_NATURE
-        and name not in BEING_DIVIDED_ON_BRANCH_HOUSE
     }
 
 

@@ -412,44 +412,61 @@ def run(
     driver = Driver(library)
     context = _context(driver)
     if limit:
-        free, total = ctypes.c_size_t(), ctypes.c_size_t()
-        driver.call("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
-        checks.append(judge_total("cuMemGetInfo reports the limit", total.value, limit))
-        checks.append(_nvml_check(limit))
-        chunk = max(limit // 64, 2 * MIB)
-        got, stopped, pointers = _allocate_until_oom(driver, chunk, int(limit * ALLOC_CEILING))
-        _free(driver, pointers)
-        checks.append(judge_allocation("cuMemAlloc_v2 stops at the limit", got, limit, stopped))
-        checks.append(judge_allocatable(limit, got, memory_backend, *_nvml_card()))
-        size = limit + 64 * MIB
-        code, unsupported = _bypass_async(driver, size)
-        checks.append(judge_bypass("cuMemAllocAsync cannot pass the limit", code, size, limit,
-                                   unsupported))  # fmt: skip
-        code, size, unsupported = _bypass_create(driver, limit)
-        checks.append(judge_bypass("cuMemCreate cannot pass the limit", code, size, limit,
-                                   unsupported))  # fmt: skip
-        size = limit + 64 * MIB
-        code, unsupported = _managed(driver, size)
-        checks.append(judge_managed(code, size, limit, memory_backend, unsupported))
-        checks.append(_two_processes(driver, env, limit, chunk, library))
+        checks += _memory_checks(driver, env, limit, memory_backend, library)
     else:
         checks.append(Check("memory limit", None, "no CUDA_DEVICE_MEMORY_LIMIT_0: not limited"))
     sm_limit = int(env.get("CUDA_DEVICE_SM_LIMIT", "0") or 0)
     throttles = 0 < sm_limit < 100
     throttled = spin_throughput(driver, spin_seconds, spin_warmup) if throttles else 0.0
     driver.try_call("cuCtxDestroy_v2", context)
-    child = ["--spin", "--spin-seconds", str(spin_seconds), "--spin-warmup", str(spin_warmup),
-             "--library", library]  # fmt: skip
-    free_rate = 0.0
-    if throttles:
-        free_env = _unthrottled(env)
-        try:
-            free_rate = _child_float(child, free_env)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(free_env["CUDA_DEVICE_MEMORY_SHARED_CACHE"])
+    free_rate = _free_rate(env, library, spin_seconds, spin_warmup) if throttles else 0.0
     checks.append(judge_compute(throttled, free_rate, sm_limit, spin_warmup))
     return checks
+
+
+def _memory_checks(
+    driver: Any, env: Mapping[str, str], limit: int, memory_backend: str, library: str
+) -> list[Check]:
+    """What the process can do against its memory ``limit`` (bytes): what the driver
+    reports, how far plain allocations go, what the grant can really hold, the ways
+    around an interposer (asynchronous, virtual, managed memory) and a second process."""
+    checks: list[Check] = []
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    driver.call("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
+    checks.append(judge_total("cuMemGetInfo reports the limit", total.value, limit))
+    checks.append(_nvml_check(limit))
+    chunk = max(limit // 64, 2 * MIB)
+    got, stopped, pointers = _allocate_until_oom(driver, chunk, int(limit * ALLOC_CEILING))
+    _free(driver, pointers)
+    checks.append(judge_allocation("cuMemAlloc_v2 stops at the limit", got, limit, stopped))
+    checks.append(judge_allocatable(limit, got, memory_backend, *_nvml_card()))
+    size = limit + 64 * MIB
+    code, unsupported = _bypass_async(driver, size)
+    checks.append(judge_bypass("cuMemAllocAsync cannot pass the limit", code, size, limit,
+                               unsupported))  # fmt: skip
+    code, size, unsupported = _bypass_create(driver, limit)
+    checks.append(judge_bypass("cuMemCreate cannot pass the limit", code, size, limit,
+                               unsupported))  # fmt: skip
+    size = limit + 64 * MIB
+    code, unsupported = _managed(driver, size)
+    checks.append(judge_managed(code, size, limit, memory_backend, unsupported))
+    checks.append(_two_processes(driver, env, limit, chunk, library))
+    return checks
+
+
+def _free_rate(
+    env: Mapping[str, str], library: str, spin_seconds: float, spin_warmup: float
+) -> float:
+    """The same spin's rate in a child process with the compute limit taken away: the
+    yardstick a throttled rate is judged against."""
+    child = ["--spin", "--spin-seconds", str(spin_seconds), "--spin-warmup", str(spin_warmup),
+             "--library", library]  # fmt: skip
+    free_env = _unthrottled(env)
+    try:
+        return _child_float(child, free_env)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(free_env["CUDA_DEVICE_MEMORY_SHARED_CACHE"])
 
 
 def _unthrottled(env: Mapping[str, str]) -> dict[str, str]:

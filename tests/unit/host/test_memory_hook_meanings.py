@@ -20,9 +20,9 @@ from gpushare.gpu.memlimits import (
     NVML_ERROR_NOT_FOUND,
     NVML_ERROR_OPERATING_SYSTEM,
     READBACK_UNSUPPORTED,
-    Limits,
     LimitStore,
     MemoryLimitError,
+    MemoryLimits,
 )
 from gpushare.node.backendfacts import self_test
 from gpushare.share.answers import DriverHook, Enforcement, driver_hook
@@ -51,7 +51,7 @@ def test_a_limit_above_the_cards_total_is_held_to_the_total(
     result = here.run(oci_state(41), args=here.args(limit_mib=CARD_MIB + 1024))
     assert result.returncode == 0, result.stderr
     assert "limited to the card's total" in result.stderr
-    assert here.store.get_memory_limits(UUID, namespace) == Limits(0, CARD_MIB << 20)
+    assert here.store.get_memory_limits(UUID, namespace) == MemoryLimits(0, CARD_MIB << 20)
     # the daemon never names more than the card either
     enforcement = Enforcement(None, None, False, driver_hook=DriverHook("/h/gpushare-memory-hook"),
                               card_memory_mib={UUID: CARD_MIB})  # fmt: skip

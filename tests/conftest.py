@@ -6,6 +6,8 @@ paths must stay under 108 bytes, so pytest's long tmp_path is not used for them)
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 import yaml
 from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
@@ -37,6 +40,68 @@ hypothesis_settings.register_profile(
     "gpushare", deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 hypothesis_settings.load_profile("gpushare")
+
+#: The daemon's own log format (the DaemonSet's JSON lines, base/logs.py) for what runs
+#: in this process: structlog's default console renderer (padding, colours, repr) cost
+#: about a tenth of the CPU of the tests that drive the daemon in-process. Every level
+#: is kept and each line goes to the current sys.stdout, as with structlog's defaults;
+#: tests that read log events use ``structlog.testing.capture_logs``, which replaces
+#: the processors and so does not depend on the renderer.
+structlog.configure(
+    processors=[
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.format_exc_info,
+        structlog.processors.JSONRenderer(),
+    ],
+    wrapper_class=structlog.make_filtering_bound_logger(logging.NOTSET),
+    logger_factory=structlog.PrintLoggerFactory(),
+    cache_logger_on_first_use=False,
+)
+
+
+def scratch_root() -> str:
+    """Where the tests' scratch files go: ``GPUSHARE_TEST_TMPDIR`` if set, else
+    ``/dev/shm`` where it is a writable file system with room (1 GiB) mounted without
+    noexec, nosuid or nodev (so compiled stand-ins run and modes mean what they mean),
+    else ``/tmp``. Tests make and delete thousands of directories (the tenant-directory
+    trees): on a disk-backed /tmp that is seconds of waiting for the disk per test, on a
+    RAM-backed one none. No test observes durability (nothing can pull the power in a
+    test). The simulated node (``short_tmp``: the kubelet's directory and sockets, the
+    host directories) stays on /tmp, a disk as on a node: on tmpfs every new kubelet.sock
+    gets a new inode, which changes the re-registration path a kubelet restart takes
+    (tests/doors/deviceplugin/test_registration.py's restart test then fails one run in
+    two)."""
+    chosen = os.environ.get("GPUSHARE_TEST_TMPDIR", "")
+    if chosen:
+        return chosen
+    try:
+        info = os.statvfs("/dev/shm")
+    except OSError:
+        return "/tmp"
+    unusable = os.ST_NOEXEC | os.ST_NOSUID | os.ST_NODEV | os.ST_RDONLY
+    room = info.f_bavail * info.f_frsize >= 1 << 30
+    if info.f_flag & unusable or not room or not os.access("/dev/shm", os.W_OK | os.X_OK):
+        return "/tmp"
+    return "/dev/shm"
+
+
+#: The root of the suite's scratch files: pytest's ``tmp_path``, ``tempfile``'s default
+#: here and, through TMPDIR, in the programs the tests start
+#: (set by :func:`pytest_configure`; /tmp for the e2e suite, whose real runtime and
+#: control plane keep the machine's own temporary directory).
+SCRATCH = "/tmp"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global SCRATCH
+    args = [str(arg) for arg in config.args]
+    if config.getoption("markexpr", "").strip() == "e2e" or any("e2e" in a for a in args):
+        return
+    SCRATCH = scratch_root()
+    tempfile.tempdir = SCRATCH
+    os.environ["TMPDIR"] = SCRATCH
 
 
 def nvml_loads() -> bool:

@@ -208,3 +208,17 @@ def get(server: RunningExtender, path: str) -> tuple[int, str]:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, error.read().decode()
+
+
+@pytest.fixture
+def event_loop_thread() -> Iterator[asyncio.AbstractEventLoop]:
+    """An event loop running in a thread, as the extender's: what its feeds write to."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="test-loop", daemon=True)
+    thread.start()
+    try:
+        yield loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()

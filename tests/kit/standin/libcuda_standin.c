@@ -1,5 +1,5 @@
 /* A stand-in for the CUDA driver with an interposer's memory limit, for testing the
- * enforcement probe without a GPU (tests/unit/gpu/test_probe_standin.py). Not NVIDIA's API beyond
+ * enforcement probe without a GPU (tests/unit/probe/test_checks_standin.py). Not NVIDIA's API beyond
  * the probe's prototypes: allocations are counted against STANDIN_LIMIT bytes, shared by
  * every process that names the same CUDA_DEVICE_MEMORY_SHARED_CACHE file (as HAMi-core
  * shares its accounting). STANDIN_BYPASS_ASYNC=1 lets cuMemAllocAsync past the limit

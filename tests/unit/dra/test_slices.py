@@ -11,6 +11,7 @@ from conftest import NODE
 from structlog.testing import capture_logs
 from test_dra_plugin import DRIVER, DraNode, gpu, wait_until
 
+from gpushare.dra import slices as slices_module
 from gpushare.sim.apidouble import KubeApiDouble
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
@@ -182,3 +183,27 @@ def test_a_restarted_daemon_rewrites_nothing_that_did_not_change(dra: DraNode) -
     dra.client.request("DELETE", SLICES, query={"fieldSelector": f"spec.nodeName={NODE}"})
     assert wait_until(lambda: bool(slices(dra.api)))
     assert slices(dra.api)[0]["spec"]["pool"]["generation"] > generation
+
+
+# -- what is compared of a slice (gpushare.dra.slices) ---------------------------------
+
+
+def test_the_shape_is_what_a_server_that_drops_fields_changes() -> None:
+    written = [
+        {"name": "gpu-0", "allowMultipleAllocations": True, "taints": [{"key": "k"}]},
+        {"name": "gpu-1", "capacity": {"memory": {"value": "16Gi"}}},
+    ]
+    kept = [{"name": "gpu-0"}, {"name": "gpu-1", "capacity": {}}]  # sharing and taints lost
+    assert slices_module.shape(written) == [("gpu-0", True, True), ("gpu-1", False, False)]
+    assert slices_module.shape(kept) == [("gpu-0", False, False), ("gpu-1", False, False)]
+    assert slices_module.shape(written) != slices_module.shape(kept)
+
+
+def test_the_digest_follows_the_content_not_the_key_order() -> None:
+    one = [{"name": "gpu-0", "attributes": {"a": 1, "b": 2}}]
+    same = [{"attributes": {"b": 2, "a": 1}, "name": "gpu-0"}]
+    other = [{"name": "gpu-0", "attributes": {"a": 1, "b": 3}}]
+    digest = slices_module.content_digest(one)
+    assert digest == slices_module.content_digest(same) and len(digest) == 64
+    assert digest != slices_module.content_digest(other)
+    assert slices_module.content_digest([]) != slices_module.content_digest([{}])

@@ -270,7 +270,8 @@ def test_a_watch_ended_by_the_server_resumes_from_the_last_version_seen(
 ) -> None:
     book, watch = watched
     api.add(pod("a"))
-    eventually(lambda: len(book) == 1)
+    # the pod may come by the first list, before the watch is open: wait for both
+    eventually(lambda: len(book) == 1 and watch._current is not None)
     seen = watch._resume
     current = watch._current
     assert current is not None

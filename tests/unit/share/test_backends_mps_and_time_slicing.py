@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 
-from test_enforcement_backends import facts, outcome, worlds
+from test_backends_enforcement import facts, outcome, worlds
 
 from gpushare.share.backendchoice import (
     AUTO,

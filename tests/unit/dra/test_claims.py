@@ -2,7 +2,8 @@
 (without the gRPC door in between): a share is prepared into a CDI spec and a
 checkpoint entry, prepared again it answers the same, one claim's refusal leaves the
 others prepared, and unprepare removes what prepare made; which shares get a directory
-of their own (``needs_dir``) follows the card's backends."""
+of their own (``host.grants.share_needs``, as the DRA door asks it) follows the card's
+backends."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 from test_dra_plugin import DRIVER, DraNode
 
 from gpushare.dra.claimread import ClaimRef
-from gpushare.dra.claims import ClaimPreparer, needs_dir
+from gpushare.dra.claims import ClaimPreparer
+from gpushare.host.grants import NodeDirs, share_needs
 from gpushare.share.answers import Enforcement
 from gpushare.sim.apidouble import KubeApiDouble
 
@@ -69,14 +71,23 @@ def test_past_the_deadline_nothing_is_started(preparer: tuple[DraNode, ClaimPrep
     assert claims.held.entries() == []
 
 
+def needs_dir(enforcement: Enforcement, uuid: str) -> bool:
+    """Whether a claim's share of card ``uuid`` gets a cache directory of its own."""
+    needs = share_needs(
+        enforcement, uuid, NodeDirs(Path("/nowhere")), key="k", memory_mib=1024, cores=None,
+        mps=False, claim=True,
+    )  # fmt: skip
+    return needs.cache_dir is not None
+
+
 def test_a_share_gets_a_directory_where_the_interposer_counts_or_mps_namespaces() -> None:
     interposer = Enforcement(library=Path("/lib/x.so"), preload_file=None, use_ld_preload_env=True)
-    assert needs_dir(interposer, None, "GPU-0")
+    assert needs_dir(interposer, "GPU-0")
     driver = Enforcement(
         library=Path("/lib/x.so"), preload_file=None, use_ld_preload_env=True,
         memory={"GPU-0": "driver"},
     )  # fmt: skip
-    assert not needs_dir(driver, None, "GPU-0")
-    assert needs_dir(driver, None, "GPU-1")  # another card keeps the interposer's
+    assert not needs_dir(driver, "GPU-0")
+    assert needs_dir(driver, "GPU-1")  # another card keeps the interposer's
     without = Enforcement(library=None, preload_file=None, use_ld_preload_env=False)
-    assert not needs_dir(without, None, "GPU-0")
+    assert not needs_dir(without, "GPU-0")

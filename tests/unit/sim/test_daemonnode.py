@@ -1,4 +1,4 @@
-"""gpushare.sim.rig: the simulation's node (the daemon in-process with a kubelet stand-in
+"""gpushare.sim.daemonnode: the simulation's node (the daemon in-process with a kubelet stand-in
 and its own pod specs): a pod's containers land on one card and the rooms say what is
 left there, a pod no card can hold is an admission failure recorded by name, and a
 released pod gives its units back."""
@@ -6,7 +6,7 @@ released pod gives its units back."""
 from __future__ import annotations
 
 from gpushare.extender.fit import ContainerNeed, PodNeed
-from gpushare.sim.rig import DaemonNode
+from gpushare.sim.daemonnode import DaemonNode
 
 CARDS = [("GPU-a", "Tesla T4", 4096), ("GPU-b", "Tesla T4", 4096)]  # 16 units each
 

@@ -1,4 +1,4 @@
-"""gpushare.dra.server: the DRA server listens where the kubelet's plugin watcher and
+"""gpushare.dra.kubeletplugin: the DRA server listens where the kubelet's plugin watcher and
 the kubelet look (the registration socket in ``plugins_registry``, the service under
 ``plugins/<driver>``), advertises the versions it serves, records what the kubelet says
 of the registration and tells its listeners, every time the kubelet registers it."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from test_dra_plugin import DRIVER, DraNode
 
-from gpushare.dra.server import (
+from gpushare.dra.kubeletplugin import (
     PLUGIN_TYPE,
     SUPPORTED_SERVICES,
     DraServer,

@@ -1,4 +1,4 @@
-"""gpushare.bench.rig: the benchmark's containers ask 1 to 6.25 GiB (four sizes) and 5 to
+"""gpushare.bench.processes: the benchmark's containers ask 1 to 6.25 GiB (four sizes) and 5 to
 20 % of a card, core first in three admissions of four (as the kubelet mostly does), on
 a node of H200s whose IDs stay within the kubelet's 63 characters."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from gpushare.bench.rig import (
+from gpushare.bench.processes import (
     CORE,
     MEMORY,
     container_needs,

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from conftest import CARD_4GIB, NODE, TESLA_P4, Node, cards
-from kit.extender import RunningExtender, args, container, extender_factory, kept, pod
+from kit.extender import RunningExtender, args, container, extender_factory, get, kept, pod
 from kit.kube_double import KubeApiDouble
 from kit.procs import eventually
 
@@ -34,7 +34,11 @@ class Cluster:
         self.extender = self.new_extender()
 
     def new_extender(self) -> RunningExtender:
-        return self.make(api_server=self.api.url, token_file="", ca_file="")
+        """An extender as kube-scheduler meets it: ready (its pods and Nodes read once;
+        before that it answers every node "retried", as it should)."""
+        extender = self.make(api_server=self.api.url, token_file="", ca_file="")
+        eventually(lambda: get(extender, "/readyz")[0] == 200)
+        return extender
 
     def node_object(self) -> dict[str, Any]:
         the_node = self.api.get("Node", NODE)

@@ -21,7 +21,11 @@ from gpushare.kube import nodestate, stateobject
 
 
 def state_object(name: str, owner_uid: str, used: int = 0) -> dict[str, Any]:
-    text = nodestate.encode(nodestate.NodeGpuState(3, "", 256, (card(0, used),)))
+    """A state object published after the nodes' annotations (13:00): the newer of the
+    two places is believed."""
+    text = nodestate.encode(
+        nodestate.NodeGpuState(3, "2026-11-22T13:05:00Z", 256, (card(0, used),))
+    )
     return stateobject.state_object(PREFIX, "kube-system", name, owner_uid, text)
 
 

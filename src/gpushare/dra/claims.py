@@ -2,12 +2,14 @@
 
 The kubelet sends only a claim's namespace, name and UID. For each claim this reads
 the claim from the API server, refuses it unless it is allocated and has that UID,
-takes the results of this driver on this node's pool, and for each one builds the
-container's edits with the answer port every door calls
-(:func:`~gpushare.share.answers.container_edits`: for a share of a card HAMi-core's
-limits from the rounded ``consumedCapacity``, the preload, the lock directory and a
-fresh cache directory; for a MIG device the raw device), then writes one CDI spec per
-claim holding one CDI device per result and answers the CDI names. Every share result
+takes the results of this driver on this node's pool, and plans the claim
+(:func:`~gpushare.dra.claimplan.plan_claim`, pure: for each result the container's edits
+from the answer port every door calls, :func:`~gpushare.share.answers.container_edits`:
+for a share of a card HAMi-core's limits from the rounded ``consumedCapacity``, the
+preload, the lock directory and a fresh cache directory; for a MIG device the raw
+device and, with ``--mig-device-specs``, its device nodes), then applies the plan: the
+host side made by :class:`~gpushare.host.grants.GrantHost`, one CDI spec per claim
+holding one CDI device per result, and answers the CDI names. Every share result
 of a claim sets the same limits for every index: the smallest shares of the claim and
 of every claim it shares a container with (:mod:`gpushare.dra.mates`, read from the
 pods the claim is reserved for); a claim is refused while one it shares a container

@@ -22,6 +22,7 @@ itself); memory alone runs unthrottled; cores alone also takes all the memory.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -108,24 +109,47 @@ def share_of(consumed: Mapping[str, Any] | None, card_memory_mib: int, unit_mib:
     capacity) means the whole card: the published memory, no core limit.
     Raises :class:`ShareError` for a value the card cannot hold or that is not a quantity.
     """
-    published_mib = card_memory_mib // unit_mib * unit_mib
     if not consumed:
-        return Share(published_mib, 0)
+        return Share(card_memory_mib // unit_mib * unit_mib, 0)
+    key = (MEMORY in consumed, consumed.get(MEMORY), CORES in consumed, consumed.get(CORES))
     try:
-        memory = parse_quantity(consumed[MEMORY]) if MEMORY in consumed else None
-        cores = parse_quantity(consumed[CORES]) if CORES in consumed else Fraction(0)
+        hash(key)
+    except TypeError:  # not a quantity (the parse says so, in one line)
+        return _share(*key, card_memory_mib, unit_mib)
+    return _parsed_share(*key, card_memory_mib, unit_mib)
+
+
+def _share(
+    has_memory: bool,
+    memory_value: Any,
+    has_cores: bool,
+    cores_value: Any,
+    card_memory_mib: int,
+    unit_mib: int,
+) -> Share:
+    """:func:`share_of` of the ``memory`` and ``cores`` entries (each: there?, value)."""
+    published_mib = card_memory_mib // unit_mib * unit_mib
+    try:
+        memory = parse_quantity(memory_value) if has_memory else None
+        cores = parse_quantity(cores_value) if has_cores else Fraction(0)
     except QuantityError as exc:
         raise ShareError(f"consumedCapacity: {exc}") from None
     mib = published_mib if memory is None else math.ceil(memory / MIB)
     if mib < 1 or mib > card_memory_mib:
         raise ShareError(
-            f"consumedCapacity memory {consumed.get(MEMORY)} is not between 1Mi "
+            f"consumedCapacity memory {memory_value} is not between 1Mi "
             f"and the card's {card_memory_mib}Mi"
         )
     whole_cores = math.ceil(cores)
     if not 0 <= whole_cores <= FULL_CORES:
-        raise ShareError(f"consumedCapacity cores {consumed.get(CORES)} is not within 0..100")
+        raise ShareError(f"consumedCapacity cores {cores_value} is not within 0..100")
     return Share(mib, whole_cores)
+
+
+#: A prepare reads a result's share three times (its mates' limits, its own limits, its
+#: grant) and the node's claims ask few distinct sizes: each is parsed once. Pure (a
+#: value that fails is not kept: the error is raised again).
+_parsed_share = functools.lru_cache(maxsize=512)(_share)
 
 
 # --------------------------------------------------------------------------- devices

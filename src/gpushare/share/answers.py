@@ -7,8 +7,8 @@ into :class:`ContainerEdits`, the edits the runtime applies: environment, mounts
 nodes (``device_specs``), the devices' names (``NVIDIA_VISIBLE_DEVICES`` and/or CDI
 names, as the node's :class:`DeviceListing` says) and OCI hooks (:class:`Hook`: the
 driver memory hook, the limit check). Every front door calls it (shared units and whole
-cards in ``deviceplugin/binding.py`` and ``deviceplugin/exclusive.py``, MIG devices in
-``deviceplugin/migserve.py``, DRA claims in ``dra/claims.py``); a door only chooses
+cards in ``deviceplugin/shareplan.py`` and ``deviceplugin/exclusive.py``, MIG devices in
+``deviceplugin/migserve.py``, DRA claims in ``dra/claimplan.py``); a door only chooses
 the grant and translates the edits to its wire format (``deviceplugin/plugin.py``'s
 ``answer_to_proto``, ``host/cdi.py``'s ``claim_device``). ``tests/test_layout.py``
 checks that no other module builds edits.

@@ -60,8 +60,10 @@ def spec_refusal(
     """Why the container now asking for ``size`` units of ``resource`` is refused by
     what its pod spec says (``seen``: the binding made before this decision), or None."""
     if snapshot is not None:
-        mixer = specs.mixer_being_admitted(snapshot, shared=resource, size=size)
-        if mixer is not None:
+        mixer = specs.mixer_being_admitted(snapshot, shared=resource)
+        # mid-admission for this request only if it waits for this many units: records
+        # still showing a failed mixer's whole card must not refuse a neighbour
+        if mixer is not None and (specs.requests_of(mixer) or {}).get(resource) == size:
             return mixed_kinds(mixer)
     if decision.partner is not None:
         return None  # the second half of a container whose first half was checked

@@ -243,18 +243,12 @@ class PodSpecBook:
         return {resource: 0 for resource in Resource}  # a container with no GPU units
 
     def mixer_being_admitted(
-        self,
-        records: Snapshot,
-        shared: Resource | None = None,
-        exclusive: str | None = None,
-        size: int | None = None,
+        self, records: Snapshot, shared: Resource | None = None, exclusive: str | None = None
     ) -> Holder | None:
         """A container asking for shared units together with whole cards or MIG devices
         that is being admitted now and would get this request: it holds units of one kind
-        (per the fresh ``records``) and still waits for ``shared`` (``size`` of them, when
-        given) or ``exclusive``. The kubelet admits one container at a time, so such a
-        container is the asker; one waiting for another number of units is not (its
-        records are older than its pod's end: issue 41 item 10), and refuses nobody."""
+        (per the fresh ``records``) and still waits for ``shared`` (or ``exclusive``).
+        The kubelet admits one container at a time, so such a container is the asker."""
         holding_exclusive = {h for held in records.exclusive.values() for h in held.values()}
         with self._lock:
             pods = [e for e in self._pods.values() if e.phase == "Pending" and not e.deleting]
@@ -268,7 +262,6 @@ class PodSpecBook:
                     shared is not None
                     and holder in holding_exclusive
                     and bool(c.needs.get(shared, 0))
-                    and (size is None or c.needs.get(shared) == size)
                     and not held.get(shared)
                 )
                 waits_exclusive = (

@@ -12,6 +12,7 @@ and GPU-model choices. :func:`build_core` only builds; :func:`core_parts` and
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -30,7 +31,8 @@ from gpushare.gpu.health import HealthBoard, HealthMonitor, HealthPolicy
 from gpushare.host.gc import GarbageCollector
 from gpushare.host.grantspecs import GrantSpecs
 from gpushare.host.library import cache_root
-from gpushare.host.mps import MpsControl, MpsError, MpsGrants
+from gpushare.host.mps import MpsControl, MpsError, MpsGrants, mps_shm_dir
+from gpushare.host.mpsshm import MpsShm, clients_live
 from gpushare.host.tombstones import Reaper
 from gpushare.host.unitguard import UnitSizeChanged, guard_unit_size
 from gpushare.kube.labels import LabelFacts
@@ -113,6 +115,8 @@ class NodeCore:
     #: the node's MPS control daemon and its containers' namespaces, where a card's
     #: compute is MPS's
     mps: MpsGrants | None = None
+    #: the /dev/shm the MPS daemons and clients share: measured and swept at each GC pass
+    mps_shm: MpsShm | None = None
 
     @property
     def no_gpus(self) -> bool:
@@ -165,7 +169,18 @@ class NodeCore:
         if self.collector.maybe_collect(snapshot) is not None:
             if self.mps is not None:  # the namespaces of containers whose units were freed
                 self.mps.collect()
+            if self.mps_shm is not None:
+                self._sweep_mps_shm(snapshot)
             return_free_memory()  # at most once a minute: after a burst, not during
+
+    def _sweep_mps_shm(self, snapshot: Snapshot) -> None:
+        """Measure the MPS /dev/shm; sweep it while no MPS client lives (host/mpsshm.py)."""
+        assert self.mps_shm is not None
+        mps_cards = {u for u, c in self.backends.items() if c.compute is ComputeBackend.MPS}
+        namespaces = len(self.mps.control.caps()) if self.mps is not None else 0
+        claims = self.card_facts.dra_claims() if self.card_facts.dra_claims else None
+        live = clients_live(snapshot, mps_cards, namespaces, claims)
+        self.mps_shm.pass_(clients_live=live, now=time.time())
 
 
 def _modes_and_inventory(
@@ -205,9 +220,7 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return (st.st_ino, st.st_ctime_ns)
 
 
-def build_core(
-    settings: Settings, found: Discovered, specs: PodSpecBook | None = None
-) -> NodeCore:
+def build_core(settings: Settings, found: Discovered, specs: PodSpecBook | None = None) -> NodeCore:
     """Build the core (nothing started); :class:`StartupError` when it cannot work."""
     modes, inventory = _modes_and_inventory(settings, found)
     if not found.gpus and not found.mig_plan.mig_devices and not found.dra_mig_cards:
@@ -261,8 +274,12 @@ def build_core(
         mig_health,
         lambda: pod_resources.last,
         mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix),
-        replicas={d.id: d.parent for _n, r, _b in whole if r.name == TIME_SLICED_RESOURCE
-                  for d in r.devices.values()},
+        replicas={
+            d.id: d.parent
+            for _n, r, _b in whole
+            if r.name == TIME_SLICED_RESOURCE
+            for d in r.devices.values()
+        },
     )
     pod_resources = PodResourcesClient(
         Path(settings.pod_resources_socket),
@@ -327,6 +344,10 @@ def build_core(
     if ComputeBackend.MPS in {c.compute for c in backends.values()}:
         control = MpsControl(Path(settings.mps_control), Path(settings.host_lib_dir))
         core.mps = MpsGrants(control, Path(settings.host_lib_dir))
+        core.mps_shm = MpsShm(
+            mps_shm_dir(Path(settings.host_lib_dir)),
+            limit_bytes=settings.cache_dir_limit_mib << 20,
+        )
     mig_prefix = mig.resource_prefix(settings.mig_nvidia_names, settings.resource_prefix)
     if specs is not None:  # the fast suite hands in a book without a node name
         specs.mig_prefix = mig_prefix  # MIG resources a container must not mix with units

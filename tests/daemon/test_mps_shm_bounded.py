@@ -158,3 +158,14 @@ def test_the_chart_bounds_the_shm_where_mps_is_on() -> None:
     values = chart_values()
     values["config"]["mpsControl"] = "/usr/bin/nvidia-cuda-mps-control"  # type: ignore[index]
     assert "--mps-shm-size-mib=256" in init_args(values)
+
+
+def test_the_shm_figures_pass_the_metrics_lint(tmp_path: Path) -> None:
+    from kit import promlint
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    registry = CollectorRegistry()
+    registry.register(MpsShmMetrics(MpsShm(shm, limit_bytes=1 << 20)))
+    assert promlint.problems(generate_latest(registry).decode()) == []

@@ -311,3 +311,33 @@ def test_the_claims_holder_record_is_out_of_every_tenants_reach(
     finally:
         kubelet.close()
     assert not holder.exists()
+
+
+def test_containers_of_one_claim_started_at_once_get_one_limit(
+    node: Node, api: KubeApiDouble, built: tuple[Path, Path]
+) -> None:
+    """Eight containers of one claim whose hooks run at the same moment (a pod of eight
+    containers listing the claim): the holder lock lets exactly one through."""
+    store = start_r615(node, built)
+    spec = prepare(node, api, "wide", "1Gi")
+    ((hook,),) = [driver_hooks(d["containerEdits"]) for d in spec["devices"]]
+    env = dict(e.split("=", 1) for e in hook.get("env", []))
+    proc = node.root / "proc"
+    running = []
+    for pid in range(301, 309):
+        container(node, pid, f"/kubepods/pod-w/c{pid}")
+        started = subprocess.Popen(
+            [hook["path"], *hook["args"][1:], "--proc-root", str(proc)],
+            stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+        )  # fmt: skip
+        running.append(started)
+    for started in running:
+        assert started.stdin is not None
+        started.stdin.write(json.dumps(oci_state(301 + running.index(started))))
+        started.stdin.close()
+    codes = sorted(started.wait(timeout=60) for started in running)
+    for started in running:
+        assert started.stderr is not None
+        started.stderr.close()
+    assert codes == [0] + [1] * 7
+    assert len(store.limits()) == 1  # one charge on the card

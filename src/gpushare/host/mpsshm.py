@@ -56,6 +56,7 @@ class ShmState:
     usage: Usage = field(default_factory=lambda: Usage(0, 0, True))
     removed_total: int = 0
     over_limit: bool = False
+    unsure: bool = False  # a process's maps could not be read at the last sweep (logged once)
 
 
 def clients_live(
@@ -150,10 +151,14 @@ class MpsShm:
         try:
             device = os.fstat(fd).st_dev
             held = held_inodes(device, self.proc_root)
-            if held is None:
-                log.info("mps_shm_not_swept", reason="a process's maps could not be read")
-                return []
-            return self._remove_free(fd, held, now)
+            if held is None and not self.state.unsure:
+                log.warning(
+                    "mps_shm_not_swept",
+                    path=str(self.path),
+                    reason="a process's maps could not be read: nothing can be called free",
+                )
+            self.state.unsure = held is None
+            return [] if held is None else self._remove_free(fd, held, now)
         finally:
             os.close(fd)
 

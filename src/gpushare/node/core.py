@@ -170,10 +170,10 @@ class NodeCore:
             if self.mps is not None:  # the namespaces of containers whose units were freed
                 self.mps.collect()
             if self.mps_shm is not None:
-                self._sweep_mps_shm(snapshot)
+                self.sweep_mps_shm(snapshot)
             return_free_memory()  # at most once a minute: after a burst, not during
 
-    def _sweep_mps_shm(self, snapshot: Snapshot) -> None:
+    def sweep_mps_shm(self, snapshot: Snapshot) -> None:
         """Measure the MPS /dev/shm; sweep it while no MPS client lives (host/mpsshm.py)."""
         assert self.mps_shm is not None
         mps_cards = {u for u, c in self.backends.items() if c.compute is ComputeBackend.MPS}

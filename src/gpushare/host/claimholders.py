@@ -44,6 +44,7 @@ def make_holder_dir(path: Path) -> None:
     """Make ``path`` (and its parent) private to the daemon, or keep it as it is when it
     is already there (a recovered claim's running container holds its record). OSError
     when something else than the daemon's own directory stands there."""
+    path.parent.parent.mkdir(parents=True, exist_ok=True)
     for here in (path.parent, path):
         with contextlib.suppress(FileExistsError):
             os.mkdir(here, PRIVATE_MODE)

@@ -5,7 +5,7 @@
  * each grant on a card whose memory backend is `driver` (docs/choosing.md). Nothing comes
  * from the environment: the tenant writes its pod's env.
  *
- *   gpushare-memory-hook --gpu GPU-<uuid> --limit-mib N
+ *   gpushare-memory-hook --gpu GPU-<uuid> --limit-mib N [--holder DIR]
  *       [--nvml-lib PATH] [--cgroup-root DIR] [--proc-root DIR]
  *
  * stdin: the OCI state (JSON, at most 64 KiB) with the container's init `pid`. Its cgroup
@@ -15,9 +15,10 @@
  * nvmlDeviceGetMemoryInfo: the setter refuses more with INVALID_ARGUMENT), read back with
  * nvmlDeviceGetMemoryLimits_v1 (NOT_SUPPORTED after a set that succeeded: not enforced).
  * A refused set says what NVML's answer means (explain()). Any failure: exit 1 with one
- * line on stderr, and the
- * runtime does not create the container (fail closed). It writes nothing itself: the
- * only change it makes is the limit, through NVML. It gives up after 10 s (SIGALRM).
+ * line on stderr, and the runtime does not create the container (fail closed). It writes
+ * nothing itself but the limit, through NVML, and, for a DRA claim's share (--holder), the
+ * claim's holder record in the daemon's own directory for it (one live container per
+ * claim share: see "--holder" below, docs/dra.md). It gives up after 10 s (SIGALRM).
  *
  * The NVML structures (no version field; x86-64 sizes 24 and 32 bytes), as NVIDIA's
  * nvml.h of CUDA 13.4 (cuda-nvml-dev-13-4) declares them; read through the search tool in
@@ -50,6 +51,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/vfs.h>
 #include <unistd.h>
@@ -78,8 +80,9 @@ enum { STATE_MAX = 64 << 10, CGROUP_FILE_MAX = 16 << 10, DEPTH_MAX = 32, TIMEOUT
 static void fail(const char *fmt, ...) __attribute__((noreturn, format(printf, 1, 2)));
 static void usage(void) __attribute__((noreturn));
 static void usage(void) {
-    fputs("usage: gpushare-memory-hook --gpu GPU-<uuid> --limit-mib N [--nvml-lib PATH] "
-          "[--cgroup-root DIR] [--proc-root DIR] < OCI state; or gpushare-memory-hook "
+    fputs("usage: gpushare-memory-hook --gpu GPU-<uuid> --limit-mib N [--holder DIR] "
+          "[--nvml-lib PATH] [--cgroup-root DIR] [--proc-root DIR] < OCI state; or "
+          "gpushare-memory-hook "
           "--check-limits [--memory-mib N] [--cores C] [--neutral NAME=VALUE]... < OCI state\n",
           stderr);
     exit(2);
@@ -370,6 +373,19 @@ static long state_pid(void) { return read_state(1).pid; }
 
 /* ------------------------------------------------------------------ the cgroup */
 
+/* Whether the path after its leading '/' has only plain components: no empty one, no
+ * "." or "..", nothing after a final '/'. */
+static int plain_components(const char *path) {
+    for (const char *c = path + 1;;) {
+        const char *slash = strchr(c, '/');
+        size_t len = slash ? (size_t)(slash - c) : strlen(c);
+        if (len == 0 || (len == 1 && c[0] == '.') || (len == 2 && c[0] == '.' && c[1] == '.'))
+            return 0;
+        if (!slash) return 1;
+        c = slash + 1;
+    }
+}
+
 /* The `0::` path of /proc/<pid>/cgroup, checked; returned in a static buffer. */
 static const char *cgroup_of(const char *proc_root, long pid) {
     static char buf[CGROUP_FILE_MAX + 1];
@@ -409,15 +425,8 @@ static const char *cgroup_of(const char *proc_root, long pid) {
     size_t n = strlen(found);
     if (found[0] != '/' || n >= PATH_MAX - 256) fail("process %ld's cgroup is not a path", pid);
     if (n == 1) fail("process %ld is in the root cgroup: refusing to limit it", pid);
-    /* components: no empty, no "." or "..", nothing after a final '/' */
-    for (const char *c = found + 1;;) {
-        const char *slash = strchr(c, '/');
-        size_t len = slash ? (size_t)(slash - c) : strlen(c);
-        if (len == 0 || (len == 1 && c[0] == '.') || (len == 2 && c[0] == '.' && c[1] == '.'))
-            fail("process %ld's cgroup path %.200s has an empty, . or .. component", pid, found);
-        if (!slash) break;
-        c = slash + 1;
-    }
+    if (!plain_components(found))
+        fail("process %ld's cgroup path %.200s has an empty, . or .. component", pid, found);
     return found;
 }
 
@@ -450,6 +459,126 @@ static void walk(const char *root, const char *rel, int check_fs) {
         c = slash + 1;
     }
     close(dir);
+}
+
+/* ------------------------------------------------------------------ --holder */
+
+/* A DRA claim's share of a `driver` card is one budget, but the driver's limit is set per
+ * container (on its own cgroup): two live containers of one claim would each get all of
+ * it. So the claim's spec names --holder DIR, a directory the daemon made for that share
+ * when it prepared the claim (root's, 0700, outside everything a container mounts), and
+ * the hook records there the cgroup of the one container that holds the share:
+ *
+ *   DIR/lock    flock()ed while the record is read and replaced (a crashed hook's lock
+ *               goes with its process)
+ *   DIR/holder  "<cgroup path>\n" of the holder, replaced by rename (never torn)
+ *
+ * A record whose cgroup is gone, or has no process left (`populated 0` in its
+ * cgroup.events: the container ended; a restart of it is a new container in a new
+ * cgroup), is stale and taken over; a record naming this container's own cgroup (the
+ * runtime ran the hook again) is kept. Otherwise the container is refused. When the
+ * hook fails after it wrote the record, it takes the record back before it exits. */
+
+static int holder_fd = -1;  /* the holder directory, once this hook's record is in it */
+static int holder_kept;     /* the limit is set: the record stays */
+
+static void drop_holder(void) {
+    if (holder_fd >= 0 && !holder_kept) unlinkat(holder_fd, "holder", 0);
+}
+
+/* The record's cgroup path (into ``out``), or 0 when there is none or it is not one. */
+static int read_holder(int dir, char *out, size_t max) {
+    int fd = openat(dir, "holder", O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) {
+        if (errno == ENOENT) return 0;
+        fail("cannot read the claim's holder record: %s", strerror(errno));
+    }
+    struct stat st;
+    if (fstat(fd, &st) || !S_ISREG(st.st_mode)) fail("the claim's holder record is not a file");
+    size_t got = 0;
+    for (;;) {
+        ssize_t r = read(fd, out + got, max - 1 - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break;
+        got += (size_t)r;
+        if (got >= max - 1) break;
+    }
+    close(fd);
+    out[got] = 0;
+    if (got < 3 || out[0] != '/' || out[got - 1] != '\n' || memchr(out, 0, got)) return 0;
+    out[got - 1] = 0;
+    return strchr(out, '\n') == NULL && plain_components(out);
+}
+
+/* Whether cgroup ``rel`` under ``root`` still holds a process: missing is no; a cgroup
+ * whose events cannot be read counts as live (the container is refused, never doubled). */
+static int cgroup_live(const char *root, const char *rel) {
+    int dir = open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir < 0) return 1;
+    char part[NAME_MAX + 1];
+    for (const char *c = rel + 1; *c;) {
+        const char *slash = strchr(c, '/');
+        size_t len = slash ? (size_t)(slash - c) : strlen(c);
+        if (len > NAME_MAX) return close(dir), 0;
+        memcpy(part, c, len);
+        part[len] = 0;
+        int next = openat(dir, part, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        int err = errno;
+        close(dir);
+        if (next < 0) return !(err == ENOENT || err == ENOTDIR || err == ELOOP);
+        dir = next;
+        if (!slash) break;
+        c = slash + 1;
+    }
+    int fd = openat(dir, "cgroup.events", O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    close(dir);
+    if (fd < 0) return 1; /* no events file to read: the directory is all we know */
+    char buf[4096];
+    ssize_t got = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (got <= 0) return 1;
+    buf[got] = 0;
+    for (char *line = buf; line;) {
+        if (strncmp(line, "populated ", 10) == 0) return line[10] != '0';
+        line = strchr(line, '\n');
+        if (line) line++;
+    }
+    return 1;
+}
+
+/* Take the claim's holder record in ``path`` for the container in cgroup ``rel``, or
+ * refuse the container. */
+static void take_holder(const char *path, const char *root, const char *rel, const char *uuid) {
+    int dir = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dir < 0)
+        fail("cannot open the claim's holder directory %.200s: %s (is the claim still "
+             "prepared?)", path, strerror(errno));
+    struct stat st;
+    if (fstat(dir, &st) || st.st_uid != geteuid() || (st.st_mode & 022))
+        fail("the claim's holder directory %.200s is not the hook's own (owner %u, mode %o)",
+             path, (unsigned)st.st_uid, (unsigned)(st.st_mode & 07777));
+    int lock = openat(dir, "lock", O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (lock < 0) fail("cannot open the claim's holder lock: %s", strerror(errno));
+    while (flock(lock, LOCK_EX) < 0)
+        if (errno != EINTR) fail("cannot lock the claim's holder record: %s", strerror(errno));
+    static char other[PATH_MAX];
+    if (read_holder(dir, other, sizeof other) && strcmp(other, rel) && cgroup_live(root, other))
+        fail("this claim's share of %s is held by another running container (cgroup "
+             "%.200s): the driver's memory limit is set per container, so a claim on a "
+             "card whose memory is `driver` serves one container at a time, or each would "
+             "get the whole charge; give each container its own claim (a "
+             "ResourceClaimTemplate, or one request per container), or start this one "
+             "after the other has ended", uuid, other);
+    int fd = openat(dir, "holder.new", O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC,
+                    0600);
+    if (fd < 0) fail("cannot write the claim's holder record: %s", strerror(errno));
+    size_t n = strlen(rel);
+    if (write(fd, rel, n) != (ssize_t)n || write(fd, "\n", 1) != 1 || close(fd))
+        fail("cannot write the claim's holder record: %s", strerror(errno));
+    if (renameat(dir, "holder.new", dir, "holder"))
+        fail("cannot write the claim's holder record: %s", strerror(errno));
+    holder_fd = dir; /* the lock stays held until the hook exits */
+    atexit(drop_holder);
 }
 
 /* ------------------------------------------------------------------ NVML */
@@ -708,7 +837,7 @@ static int good_uuid(const char *u) {
 
 int main(int argc, char **argv) {
     const char *uuid = NULL, *limit = NULL, *nvml_lib = "libnvidia-ml.so.1";
-    const char *cgroup_root = DEFAULT_CGROUP_ROOT, *proc_root = "/proc";
+    const char *cgroup_root = DEFAULT_CGROUP_ROOT, *proc_root = "/proc", *holder = NULL;
     int custom_root = 0;
     alarm(TIMEOUT_S); /* a hung driver call must not hold the container's creation */
     if (argc > 1 && !strcmp(argv[1], "--check-limits")) return check_limits(argc - 1, argv + 1);
@@ -720,6 +849,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(flag, "--nvml-lib")) nvml_lib = arg;
         else if (!strcmp(flag, "--cgroup-root")) cgroup_root = arg, custom_root = 1;
         else if (!strcmp(flag, "--proc-root")) proc_root = arg;
+        else if (!strcmp(flag, "--holder")) holder = arg;
         else usage();
     }
     if (!uuid || !limit) usage();
@@ -731,6 +861,8 @@ int main(int argc, char **argv) {
         fail("--limit-mib %.40s is not a positive number of MiB", limit);
     if (cgroup_root[0] != '/' || strlen(cgroup_root) > 1024)
         fail("--cgroup-root must be an absolute path");
+    if (holder && (holder[0] != '/' || strlen(holder) > 1024))
+        fail("--holder must be an absolute path");
     long pid = state_pid();
     const char *rel = cgroup_of(proc_root, pid);
     walk(cgroup_root, rel, !custom_root);
@@ -739,6 +871,8 @@ int main(int argc, char **argv) {
     while (root_len > 1 && cgroup_root[root_len - 1] == '/') root_len--;
     if ((size_t)snprintf(ns, sizeof ns, "%.*s%s", (int)root_len, cgroup_root, rel) >= sizeof ns)
         fail("the cgroup path is too long");
+    if (holder) take_holder(holder, cgroup_root, rel, uuid);
     set_limit(nvml_lib, uuid, ns, mib << 20);
+    holder_kept = 1;
     return 0;
 }

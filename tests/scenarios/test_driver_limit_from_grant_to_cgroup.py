@@ -229,3 +229,115 @@ def test_a_device_plugin_grant_under_cdi_gets_its_limit_from_its_own_spec(
     results = [r for s in specs for r in run_hooks(s, node.root / "proc", 201)]
     assert [r.returncode for r in results] == [0], [r.stderr for r in results]
     assert store.limits() == {(gpu_uuid(1), cgroup): MemoryLimits(0, limit << 20)}
+
+
+def holder_of(spec: dict[str, Any]) -> Path:
+    """The claim share's holder directory its driver hook names (``--holder``)."""
+    ((hook,),) = [driver_hooks(d["containerEdits"]) for d in spec["devices"]]
+    return Path(hook["args"][hook["args"].index("--holder") + 1])
+
+
+def test_a_claim_on_a_driver_card_serves_one_live_container_at_a_time(
+    node: Node, api: KubeApiDouble, built: tuple[Path, Path]
+) -> None:
+    """Issue 41 item 1: one claim's charge, one driver limit at a time. Two containers
+    using one claim (two pods reserving it, or two containers of one pod) each got the
+    whole charge as a limit on its own cgroup; the second is now refused at createRuntime
+    while the first one's cgroup holds a process, and starts once it has ended (a
+    restart is a new container in a new cgroup)."""
+    store = start_r615(node, built)
+    spec = prepare(node, api, "shared", "1Gi")
+    proc = node.root / "proc"
+    first = container(node, 101, "/kubepods/pod-a/main")
+    assert [r.returncode for r in run_hooks(spec, proc, 101)] == [0]
+
+    container(node, 102, "/kubepods/pod-b/main")  # a second pod reserving the claim
+    container(node, 103, "/kubepods/pod-a/sidecar")  # or a second container of the pod
+    for pid in (102, 103):
+        (refused,) = run_hooks(spec, proc, pid)
+        assert refused.returncode == 1
+        assert "held by another running container" in refused.stderr
+        assert "its own claim" in refused.stderr  # what to do instead
+    assert store.limits() == {(gpu_uuid(0), first): MemoryLimits(0, 1024 << 20)}  # one charge
+
+    # the first container ends (its cgroup empties, then goes): the claim is free again
+    (Path(first) / "cgroup.events").write_text("populated 0\nfrozen 0\n")
+    restarted = container(node, 104, "/kubepods/pod-a/main-restarted")
+    assert [r.returncode for r in run_hooks(spec, proc, 104)] == [0]
+    (node.root / "cgroup" / "kubepods/pod-a/main-restarted").rename(node.root / "cgroup" / "gone")
+    assert [r.returncode for r in run_hooks(spec, proc, 102)] == [0]
+    assert (gpu_uuid(0), restarted) in store.limits()
+
+
+def test_the_claims_holder_record_is_out_of_every_tenants_reach(
+    node: Node, api: KubeApiDouble, built: tuple[Path, Path]
+) -> None:
+    """The record lives in a directory of the daemon's own (0700, on the host's disk, not
+    mounted into any container); a hook that fails after taking it gives it back; the
+    directory goes when the claim is unprepared."""
+    store = start_r615(node, built)
+    spec = prepare(node, api, "shared", "1Gi")
+    holder = holder_of(spec)
+    assert holder.stat().st_mode & 0o777 == 0o700
+    mounted = [
+        Path(m["hostPath"]) for d in spec["devices"] for m in d["containerEdits"].get("mounts", [])
+    ]
+    assert not any(holder.is_relative_to(m) or m.is_relative_to(holder) for m in mounted)
+    assert not holder.is_relative_to(node.root / "vgpu" / "containers")  # a tenant can fill it
+
+    # the driver stops keeping limits: the hook fails and leaves no record behind
+    proc = node.root / "proc"
+    container(node, 101, "/kubepods/pod-a/main")
+    data = yaml.safe_load(node.gpus_file.read_text())
+    store.publish("615.20.01", {data["gpus"][0]["uuid"]: "broken", data["gpus"][1]["uuid"]: "ok"})
+    (failed,) = run_hooks(spec, proc, 101)
+    assert failed.returncode == 1 and not (holder / "holder").exists()
+    store.publish("615.20.01", {data["gpus"][0]["uuid"]: "ok", data["gpus"][1]["uuid"]: "ok"})
+    container(node, 102, "/kubepods/pod-b/main")
+    assert [r.returncode for r in run_hooks(spec, proc, 102)] == [0]
+    assert (holder / "holder").read_text() == "/kubepods/pod-b/main\n"
+
+    # a holder directory that is not the daemon's (mode opened up): refused, fail closed
+    holder.chmod(0o777)
+    (refused,) = run_hooks(spec, proc, 101)
+    assert refused.returncode == 1 and "not the hook's own" in refused.stderr
+    holder.chmod(0o700)
+
+    kubelet = DraKubelet(node.root / "kubelet")
+    try:
+        assert kubelet.register() == "v1.DRAPlugin"
+        uid = spec["devices"][0]["name"].split("-r-")[0]
+        assert kubelet.unprepare([("default", "shared", uid)])[uid] == ""
+    finally:
+        kubelet.close()
+    assert not holder.exists()
+
+
+def test_containers_of_one_claim_started_at_once_get_one_limit(
+    node: Node, api: KubeApiDouble, built: tuple[Path, Path]
+) -> None:
+    """Eight containers of one claim whose hooks run at the same moment (a pod of eight
+    containers listing the claim): the holder lock lets exactly one through."""
+    store = start_r615(node, built)
+    spec = prepare(node, api, "wide", "1Gi")
+    ((hook,),) = [driver_hooks(d["containerEdits"]) for d in spec["devices"]]
+    env = dict(e.split("=", 1) for e in hook.get("env", []))
+    proc = node.root / "proc"
+    running = []
+    for pid in range(301, 309):
+        container(node, pid, f"/kubepods/pod-w/c{pid}")
+        started = subprocess.Popen(
+            [hook["path"], *hook["args"][1:], "--proc-root", str(proc)],
+            stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+        )  # fmt: skip
+        running.append(started)
+    for started in running:
+        assert started.stdin is not None
+        started.stdin.write(json.dumps(oci_state(301 + running.index(started))))
+        started.stdin.close()
+    codes = sorted(started.wait(timeout=60) for started in running)
+    for started in running:
+        assert started.stderr is not None
+        started.stderr.close()
+    assert codes == [0] + [1] * 7
+    assert len(store.limits()) == 1  # one charge on the card

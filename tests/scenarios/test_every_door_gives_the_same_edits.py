@@ -313,6 +313,17 @@ def same_card(edits: dict[str, Any], uuid: str) -> dict[str, Any]:
     return json.loads(json.dumps(edits).replace(uuid, "<card>"))
 
 
+def _drop_holder(hook: dict[str, Any]) -> Path | None:
+    """Take ``--holder DIR`` out of a hook's arguments; DIR, or None."""
+    args = hook.get("args", [])
+    if "--holder" not in args:
+        return None
+    at = args.index("--holder")
+    holder = Path(args[at + 1])
+    hook["args"] = args[:at] + args[at + 2 :]
+    return holder
+
+
 @pytest.mark.parametrize("backend", ["interposer", "driver", "mps", "soft", "none"])
 def test_every_backend_gives_the_same_edits_and_host_side_from_both_doors(
     short_tmp: Path, api: KubeApiDouble, monkeypatch: pytest.MonkeyPatch, backend: str
@@ -398,11 +409,19 @@ def test_every_backend_gives_the_same_edits_and_host_side_from_both_doors(
             assert value in (memory, str(CORES), NEUTRAL_SWITCHES.get(name)), name
         assert dra["env"] == plugin["env"]
 
-        # the same hooks (the card's UUID aside), but the claim's limit check
+        # the same hooks (the card's UUID aside), but the claim's limit check, and the
+        # claim's holder directory on a driver card (one live container per claim share,
+        # docs/dra.md: a device-plugin grant is one container's already)
         claim_hooks = [h for h in dra["hooks"] if "--check-limits" not in h.get("args", [])]
+        holders = [_drop_holder(h) for h in claim_hooks]
         assert same_card(claim_hooks, uuids[0]) == same_card(plugin["hooks"], uuids[1])
         if backend in ("driver", "mps"):
             assert claim_hooks  # the driver's memory hook, through both doors
+            (holder,) = [h for h in holders if h is not None]
+            assert holder.is_dir() and holder.stat().st_mode & 0o777 == 0o700
+            assert not any("--holder" in h.get("args", []) for h in plugin["hooks"])
+        else:
+            assert holders == [None] * len(holders)
 
         # the same mounts; the cache directory or MPS namespace each its own, made on the
         # host before the answer left, in the same place

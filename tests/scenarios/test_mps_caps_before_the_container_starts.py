@@ -184,3 +184,40 @@ def test_a_dra_claim_on_an_mps_card_gets_its_own_capped_namespace(
     control_pipe = mps_dirs(Path(node.settings.host_lib_dir))[0]
     (ns,) = standin_state(control_pipe)["namespaces"].values()
     assert pipe == [ns["pipe"]] and ns["percent"] == 40 and ns["mib"] == 1024
+
+
+def test_the_shared_dev_shm_is_swept_only_once_no_client_lives(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 41 item 2, wired: the daemon measures the MPS /dev/shm at each GC pass and
+    removes a left segment only when the kubelet's records show no MPS client."""
+    import os
+
+    from gpushare.host.mps import mps_shm_dir
+    from gpushare.share.devices import Resource
+    from gpushare.share.records import Snapshot
+    from gpushare.share.usage import Holder
+
+    monkeypatch.delenv("STANDIN_MPS_V3", raising=False)
+    start_mps(node)
+    assert node.daemon is not None and node.daemon.core is not None
+    core = node.daemon.core
+    assert core.mps_shm is not None
+    # what the daemon's pod sees of /proc: itself (here the test process) and the MPS
+    # control daemon it runs (this machine's pid 1 is not a process of that pod)
+    seen = node.root / "proc-seen"
+    seen.mkdir()
+    control = standin_state(mps_dirs(Path(node.settings.host_lib_dir))[0])["pid"]
+    for pid in (os.getpid(), control):
+        (seen / str(pid)).symlink_to(f"/proc/{pid}")
+    core.mps_shm.proc_root = seen
+    shm = mps_shm_dir(Path(node.settings.host_lib_dir))
+    left = shm / "cuda.shm.999.1"
+    left.write_bytes(b"x" * 8192)
+    os.utime(left, (0, 0))
+    client = Holder("t", "a", "main")
+    live = Snapshot(0.0, holders={(Resource.MEMORY, f"{gpu_uuid(0)}::3"): client})
+    core.sweep_mps_shm(live)
+    assert left.exists() and core.mps_shm.state.usage.bytes >= 8192
+    core.sweep_mps_shm(Snapshot(0.0))
+    assert not left.exists() and core.mps_shm.state.removed_total == 1

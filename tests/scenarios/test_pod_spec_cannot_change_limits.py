@@ -454,3 +454,45 @@ def test_what_the_pod_watch_keeps_gives_the_daemon_the_same_verdict(
     kept = slim({**pod, "spec": {"containers": [many]}}, "gpushare.io")
     assert kept is not None
     assert len(str(kept)) < 4_000 + 2 * len(str(container.get("volumeMounts", "")))
+
+
+@pytest.mark.parametrize("strategy", ["envvar", "cdi-cri"])
+def test_a_tampering_pod_cannot_deny_its_neighbour_of_the_same_shape(
+    node: Node, strategy: str
+) -> None:
+    """Issue 41 item 10: two pods of one shape pending together, one setting reserved
+    names and one setting nothing. The device-plugin API does not name the pod, and the
+    daemon refused the request whenever any candidate tampered: the innocent pod was
+    refused with the hostile pod's reason (4 of 4 runs on a real kubelet). Now a refusal
+    from a pod spec needs every candidate to earn it: the innocent pod is admitted first,
+    and the hostile one, alone left, is refused; admitted first instead (the daemon
+    cannot tell), its grant's CDI spec replaces what it set."""
+    node.with_pod_specs()
+    node.start(cards(TESLA_P4, 2), device_list_strategy=strategy)
+    _tampering_pod(node, "hostile", env=ISSUE_ENV)
+    _tampering_pod(node, "innocent")
+    innocent = node.kubelet.admit("innocent", "main", {node.memory: 4})
+    assert innocent.devices[node.memory]
+    with pytest.raises(AdmissionError, match="container hostile/main sets CUDA_DEVICE_MEMORY"):
+        node.kubelet.admit("hostile", "main", {node.memory: 4})
+
+
+def test_when_the_daemon_cannot_tell_the_grants_spec_holds_the_limits(node: Node) -> None:
+    """The other order: the hostile pod's request comes first while both are pending; it
+    is admitted (refusing would refuse whichever pod it is), and under a CDI strategy its
+    final env keeps the grant's limits; the innocent pod is admitted after it."""
+    node.with_pod_specs()
+    node.start(cards(TESLA_P4, 2), device_list_strategy="cdi-cri")
+    _tampering_pod(node, "hostile", env=ISSUE_ENV)
+    _tampering_pod(node, "innocent")
+    hostile = node.kubelet.admit("hostile", "main", {node.memory: 4})
+    names = [d.name for r in hostile.responses.values() for d in r.cdi_devices]
+    pod_env = [(e["name"], e["value"]) for e in ISSUE_ENV]
+    env, _mounts = final(
+        [*hostile.envs.items(), *pod_env],
+        [],
+        [n for n in names if "/grant=" in n],
+        [Path(node.settings.dra_cdi_dir)],
+    )
+    assert env["CUDA_DEVICE_MEMORY_LIMIT_0"] == "1024m" and env["LD_PRELOAD"]
+    assert node.kubelet.admit("innocent", "main", {node.memory: 4}).devices[node.memory]

@@ -6,6 +6,14 @@ beside whole cards or MIG devices (its answers would name different GPUs), cores
 without memory units (it would run with no memory limit on a shared card), and a spec
 that sets what carries its limits (``share/reserved.py``). :func:`spec_refusal` says
 why, or None; ``Binder._plan`` refuses with it.
+
+The device-plugin API does not name the pod being admitted, so each refusal speaks only
+when the Allocate is certainly that pod's (issue 41 item 10): a container the fresh
+records show mid-admission (it holds one kind and waits for this request, of this size),
+or a request whose every candidate (the pending pods of its shape the records leave)
+would be refused. Otherwise it is admitted: a tenant creating a pod of its neighbour's
+shape must not deny the neighbour, and under a CDI strategy the grant's spec replaces
+what the tenant's spec set.
 """
 
 from __future__ import annotations
@@ -53,7 +61,9 @@ def spec_refusal(
     what its pod spec says (``seen``: the binding made before this decision), or None."""
     if snapshot is not None:
         mixer = specs.mixer_being_admitted(snapshot, shared=resource)
-        if mixer is not None:
+        # mid-admission for this request only if it waits for this many units: records
+        # still showing a failed mixer's whole card must not refuse a neighbour
+        if mixer is not None and (specs.requests_of(mixer) or {}).get(resource) == size:
             return mixed_kinds(mixer)
     if decision.partner is not None:
         return None  # the second half of a container whose first half was checked

@@ -47,6 +47,7 @@ from gpushare.dra.checkpoint import (
     PreparedDevice,
 )
 from gpushare.host.cdi import spec_file_name
+from gpushare.host.claimholders import holder_dir, holders_root, release_holder_dir
 from gpushare.host.library import CLAIM_KEY_PREFIX, cache_root, release_cache_dir
 from gpushare.share import answers
 
@@ -71,6 +72,18 @@ def _mount_paths(device: dict[str, Any]) -> list[str]:
     edits = device.get("containerEdits")
     mounts = edits.get("mounts") if isinstance(edits, dict) else None
     return [str(m.get("hostPath")) for m in mounts or () if isinstance(m, dict)]
+
+
+def _holder_paths(device: dict[str, Any]) -> list[str]:
+    """The ``--holder`` directories the device's hooks name (a ``driver`` card's share)."""
+    edits = device.get("containerEdits")
+    hooks = edits.get("hooks") if isinstance(edits, dict) else None
+    found = []
+    for hook in hooks or ():
+        args = hook.get("args") if isinstance(hook, dict) else None
+        if isinstance(args, list) and "--holder" in args[:-1]:
+            found.append(str(args[args.index("--holder") + 1]))
+    return found
 
 
 class Leftovers:
@@ -114,6 +127,7 @@ class Leftovers:
         if not isinstance(devices, list):
             raise ValueError(f"the CDI spec of claim {uid} has no devices list")
         root = cache_root(self.host_lib_dir)
+        holders = holders_root(self.host_lib_dir)
         names = sorted(self.device_names(), key=len, reverse=True)
         keys: list[str] = []
         prepared = []
@@ -124,6 +138,10 @@ class Leftovers:
             for host_path in _mount_paths(device):
                 path = Path(host_path)
                 if path.parent == root and path.name.startswith(CLAIM_KEY_PREFIX):
+                    keys.append(path.name)
+            for held in _holder_paths(device):
+                path = Path(held)
+                if path.parent == holders and path.name.startswith(CLAIM_KEY_PREFIX):
                     keys.append(path.name)
             env = _env(device)
             memory = _MIB.match(env.get(answers.MEMORY_LIMIT, ""))
@@ -193,6 +211,7 @@ class Leftovers:
         remove_spec_file(self.spec_path(uid))
         for key in recovered.cache_keys:
             release_cache_dir(self.host_lib_dir, key)
+            release_holder_dir(holder_dir(self.host_lib_dir, key))
         return True
 
     # ------------------------------------------------------------------ start
@@ -259,6 +278,7 @@ class Leftovers:
         return doubtful
 
     def _tidy_cache_dirs(self, named: set[str]) -> None:
+        self._tidy_holder_dirs(named)
         try:
             names = os.listdir(cache_root(self.host_lib_dir))
         except OSError:
@@ -272,6 +292,21 @@ class Leftovers:
                     log.info("claim_cache_dir_tidied", key=key)
             except (OSError, ValueError) as exc:
                 log.warning("claim_cache_dir_not_tidied", key=key, error=str(exc)[:300])
+
+    def _tidy_holder_dirs(self, named: set[str]) -> None:
+        """Holder directories (``host/claimholders.py``) of claims no entry names."""
+        try:
+            names = os.listdir(holders_root(self.host_lib_dir))
+        except OSError:
+            return
+        for key in sorted(names):
+            if not key.startswith(CLAIM_KEY_PREFIX) or key in named:
+                continue
+            try:
+                if release_holder_dir(holder_dir(self.host_lib_dir, key)):
+                    log.info("claim_holder_dir_tidied", key=key)
+            except (OSError, ValueError) as exc:
+                log.warning("claim_holder_dir_not_tidied", key=key, error=str(exc)[:300])
 
 
 def remove_spec_file(path: Path) -> bool:

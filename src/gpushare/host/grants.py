@@ -10,6 +10,9 @@ and this module is the one place that makes it, for every door, and undoes it:
 * the container's MPS namespace, where the card's compute is MPS's and the control
   daemon has namespaces (``host/mps.py``): made and capped before the container
   exists (fail closed: no cap, no grant), its marker directory in the private root;
+* a DRA claim's holder directory, where the card's memory limit is the driver's
+  (``host/claimholders.py``): the memory hook records there the one container that holds
+  the share;
 * the grant's own CDI spec (``host/grantspecs.py`` for a device-plugin grant under a
   CDI device-list strategy, ``host/cdi.py`` for a DRA claim, always): the edits
   written, the kubelet's answer sealed to name them (:func:`~gpushare.share.answers.sealed`).
@@ -31,6 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gpushare.host.cdi import CdiDevice, write_spec
+from gpushare.host.claimholders import holder_dir, make_holder_dir, release_holder_dir
 from gpushare.host.grantspecs import GrantSpecs
 from gpushare.host.library import (
     cache_root,
@@ -61,6 +65,9 @@ class NodeDirs:
     def cache_dir(self, key: str) -> Path:
         return cache_root(self.lib_dir) / key
 
+    def holder(self, key: str) -> Path:
+        return holder_dir(self.lib_dir, key)
+
 
 @dataclass(frozen=True)
 class MpsNeed:
@@ -90,17 +97,20 @@ class HostNeeds:
     keep: bool = False
     mps: MpsNeed | None = None
     mps_pipe: Path | None = None  # the namespace's pipe directory the container mounts
+    #: a claim's share of a ``driver`` card: the directory where the memory hook records
+    #: the one container holding it (``host/claimholders.py``)
+    holder: Path | None = None
 
     @property
     def nothing(self) -> bool:
-        return self.cache_dir is None and self.mps is None
+        return self.cache_dir is None and self.mps is None and self.holder is None
 
     @property
     def made_keys(self) -> list[str]:
         """The keys of the private root's directories :meth:`GrantHost.make` makes (a
         claim's, released at unprepare; a device-plugin grant's are collected by GC)."""
         made = self.cache_dir is not None or (self.mps is not None and self.mps_pipe is not None)
-        return [self.key] if made else []
+        return [self.key] if made or self.holder is not None else []
 
 
 def share_needs(
@@ -125,8 +135,11 @@ def share_needs(
     A cache directory where the interposer counts the card's memory and the grant
     carries a memory limit; a namespace where the card's compute is MPS's (without
     namespaces, a device-plugin answer still asks the control daemon, which makes
-    nothing; a claim asks nothing)."""
-    cache_dir = None
+    nothing; a claim asks nothing). A claim's share of a card whose memory limit is
+    the driver's gets a holder directory (one live container per share)."""
+    cache_dir = holder = None
+    if claim and memory_mib is not None and enforcement.by_driver(uuid):
+        holder = dirs.holder(key)
     if memory_mib is not None and enforcement.interposer_counts_memory(uuid):
         cache_dir = dirs.cache_dir(key)
     need = pipe = None
@@ -137,12 +150,12 @@ def share_needs(
         need = MpsNeed(memory_mib, cores, pinned, other, claim)
         if namespaces is not None and memory_mib is not None:
             pipe = namespaces / key
-    return HostNeeds(key, tuple(units), cache_dir, keep, need, pipe)
+    return HostNeeds(key, tuple(units), cache_dir, keep, need, pipe, holder)
 
 
 def with_dirs(grant: answers.Grant, needs: HostNeeds) -> answers.Grant:
     """``grant`` naming the directories ``needs`` says the container gets."""
-    return replace(grant, cache_dir=needs.cache_dir, mps_pipe=needs.mps_pipe)
+    return replace(grant, cache_dir=needs.cache_dir, mps_pipe=needs.mps_pipe, holder=needs.holder)
 
 
 class GrantHost:
@@ -197,6 +210,11 @@ class GrantHost:
                 raise HostGrantError(
                     f"cannot create the container's cache directory: {exc}"
                 ) from None
+        if needs.holder is not None:
+            try:
+                make_holder_dir(needs.holder)
+            except OSError as exc:
+                raise HostGrantError(f"cannot create the claim's holder directory: {exc}") from None
         if needs.mps is not None and self.mps is not None:
             try:
                 pipe = self._namespace(needs, needs.mps, self.mps)
@@ -255,10 +273,12 @@ class GrantHost:
     # ------------------------------------------------------------------ undo
     def release(self, keys: Iterable[str]) -> None:
         """Undo the directories of a claim's grants (buried: the reaper deletes them;
-        their MPS namespaces go with their marker, ``MpsGrants.collect``). OSError or
-        ValueError for a key that cannot be released (unprepare reports it)."""
+        their MPS namespaces go with their marker, ``MpsGrants.collect``; their holder
+        directories removed). OSError or ValueError for a key that cannot be released
+        (unprepare reports it)."""
         for key in keys:
             release_cache_dir(self.dirs.lib_dir, key)
+            release_holder_dir(self.dirs.holder(key))
 
 
 def _kept(path: Path) -> bool:

@@ -388,22 +388,32 @@ def asking_tampering(
     records: Snapshot | None,
     last_holder: Holder | None = None,
 ) -> tuple[Holder, str] | None:
-    """A container that may be the one now asking ``size`` units of ``resource`` and
-    whose own spec sets what carries its limits (reserved env names, envFrom without a
-    safe prefix, a volume over the interposer: ``share/reserved.py``; under every
-    device-list strategy, a grant's CDI spec replaces only the names it sets), with why;
-    None when no candidate does or the book cannot tell which container asks.
+    """The container now asking ``size`` units of ``resource`` when its own spec sets
+    what carries its limits (reserved env names, envFrom without a safe prefix, a volume
+    over the interposer: ``share/reserved.py``; under every device-list strategy, a
+    grant's CDI spec replaces only the names it sets), with why; None when the book
+    cannot tell which container asks, or it does not tamper.
 
-    Any candidate suffices (fail safe): with the admission policy in force such a pod
-    never reaches the node, so this only speaks where the policy is off."""
-    for holder, _plan in book._asking(resource, size, records, last_holder):
-        for _uid, entry in book.named(holder.namespace, holder.pod):
-            for container in entry.containers:
-                if container.name != holder.container:
-                    continue
-                if container.tampers:
-                    return holder, container.tampers
-    return None
+    Only when EVERY candidate the records and specs leave tampers (issue 41 item 10):
+    the device-plugin API does not name the pod, so refusing because one candidate
+    tampers let a tenant deny GPU admission to every pod of its shape that was pending
+    beside its own. With the admission policy in force such a pod never reaches the
+    node; this speaks only where the policy is off, and where it cannot be sure it
+    admits, and the grant's CDI spec (a CDI strategy) replaces what it sets."""
+    candidates = book._asking(resource, size, records, last_holder)
+    found = [(holder, _tampers(book, holder)) for holder, _plan in candidates]
+    if not found or not all(why for _holder, why in found):
+        return None
+    return found[0]
+
+
+def _tampers(book: PodSpecBook, holder: Holder) -> str:
+    """What ``holder``'s own spec sets that carries its limits ("" nothing)."""
+    for _uid, entry in book.named(holder.namespace, holder.pod):
+        for container in entry.containers:
+            if container.name == holder.container and container.tampers:
+                return container.tampers
+    return ""
 
 
 def holder_live(book: PodSpecBook, holder: Holder) -> bool:

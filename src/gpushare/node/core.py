@@ -11,6 +11,7 @@ and GPU-model choices. :func:`build_core` only builds; :func:`core_parts` and
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -30,7 +31,8 @@ from gpushare.gpu.health import HealthBoard, HealthMonitor, HealthPolicy
 from gpushare.host.gc import GarbageCollector
 from gpushare.host.grantspecs import GrantSpecs
 from gpushare.host.library import cache_root
-from gpushare.host.mps import MpsControl, MpsError, MpsGrants
+from gpushare.host.mps import MpsControl, MpsError, MpsGrants, mps_shm_dir
+from gpushare.host.mpsshm import MpsShm, clients_live
 from gpushare.host.tombstones import Reaper
 from gpushare.host.unitguard import UnitSizeChanged, guard_unit_size
 from gpushare.kube.labels import LabelFacts
@@ -133,6 +135,8 @@ class NodeCore:
     def link_to_api(self, link: ApiLink, choices: ChoiceBook) -> None:
         """With a node name: the API link and the GPU-model choices its pod watch keeps."""
         self.api_link, self.choices = link, choices
+    #: the /dev/shm the MPS daemons and clients share: measured and swept at each GC pass
+    mps_shm: MpsShm | None = None
 
     @property
     def no_gpus(self) -> bool:
@@ -203,7 +207,18 @@ class NodeCore:
         if self.collector.maybe_collect(snapshot) is not None:
             if self.mps is not None:  # the namespaces of containers whose units were freed
                 self.mps.collect()
+            if self.mps_shm is not None:
+                self.sweep_mps_shm(snapshot)
             return_free_memory()  # at most once a minute: after a burst, not during
+
+    def sweep_mps_shm(self, snapshot: Snapshot) -> None:
+        """Measure the MPS /dev/shm; sweep it while no MPS client lives (host/mpsshm.py)."""
+        assert self.mps_shm is not None
+        mps_cards = {u for u, c in self.backends.items() if c.compute is ComputeBackend.MPS}
+        namespaces = len(self.mps.control.caps()) if self.mps is not None else 0
+        claims = self.card_facts.dra_claims() if self.card_facts.dra_claims else None
+        live = clients_live(snapshot, mps_cards, namespaces, claims)
+        self.mps_shm.pass_(clients_live=live, now=time.time())
 
 
 def _modes_and_inventory(
@@ -287,6 +302,7 @@ def build_core(
         specs=specs,
         backends=backends,
         mps=_mps_grants(settings, backends),
+        mps_shm=_mps_shm(settings, backends),
     )
     if settings.node_name:
         assert specs is not None
@@ -449,6 +465,16 @@ def _mps_grants(settings: Settings, backends: dict[str, Choice]) -> MpsGrants | 
         return None
     control = MpsControl(Path(settings.mps_control), Path(settings.host_lib_dir))
     return MpsGrants(control, Path(settings.host_lib_dir))
+
+
+def _mps_shm(settings: Settings, backends: dict[str, Choice]) -> MpsShm | None:
+    """The /dev/shm the node's MPS daemons and clients share, bounded like the cache
+    directories (``--cache-dir-limit-mib``), where a card's compute is MPS's."""
+    if ComputeBackend.MPS not in {c.compute for c in backends.values()}:
+        return None
+    return MpsShm(
+        mps_shm_dir(Path(settings.host_lib_dir)), limit_bytes=settings.cache_dir_limit_mib << 20
+    )
 
 
 def _link_to_api(core: NodeCore, specs: PodSpecBook) -> None:

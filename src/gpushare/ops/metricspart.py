@@ -10,6 +10,7 @@ from pathlib import Path
 from gpushare.base.startup import StartupError
 from gpushare.config import Settings
 from gpushare.host.gc import CacheDirMetrics
+from gpushare.host.mpsshm import MpsShmMetrics
 from gpushare.node.core import NodeCore
 from gpushare.ops.actualuse import ActualUseMetrics
 from gpushare.ops.daemonmetrics import Metrics, MetricsServer, render_not_ready
@@ -45,6 +46,8 @@ class MetricsPart:
             registered=registered,
         )
         metrics.registry.register(CacheDirMetrics(core.collector.sizes))
+        if core.mps_shm is not None:
+            metrics.registry.register(MpsShmMetrics(core.mps_shm))
         metrics.card_extras = core.card_facts.extras
         metrics.registry.register(  # what the containers really use (HAMi-core's own file)
             ActualUseMetrics(

@@ -225,17 +225,23 @@ class Enforcement:
         return not self.by_driver(uuid) or self.compute_by_interposer(uuid)
 
 
-def driver_hook(enforcement: Enforcement, uuid: str, memory_mib: int) -> Hook:
+def driver_hook(
+    enforcement: Enforcement, uuid: str, memory_mib: int, holder: Path | None = None
+) -> Hook:
     """The createRuntime hook that sets card ``uuid``'s hard limit to ``memory_mib`` on
     the container's own cgroup: card and limit in the ARGUMENTS (a tenant writes its
     pod's env, never a hook's arguments). A limit above the card's total is held to the
     total: NVML would refuse it (INVALID_ARGUMENT) and the container would not start,
-    though the card cannot give it more than all it has (the hook clamps the same way)."""
+    though the card cannot give it more than all it has (the hook clamps the same way).
+    ``holder``: a claim share's holder directory (``--holder``): the hook refuses a second
+    live container of that share."""
     hook = enforcement.driver_hook
     if hook is None:
         raise ValueError(f"card {uuid} is enforced by the driver, but no hook is installed")
     memory_mib = min(memory_mib, enforcement.card_memory_mib.get(uuid, memory_mib))
-    args = (Path(hook.path).name, "--gpu", uuid, "--limit-mib", str(memory_mib), *hook.args)
+    held = ("--holder", str(holder)) if holder is not None else ()
+    args = (Path(hook.path).name, "--gpu", uuid, "--limit-mib", str(memory_mib), *held)
+    args += hook.args
     return Hook(CREATE_RUNTIME, hook.path, args, hook.env)
 
 
@@ -318,6 +324,10 @@ class Grant:
     #: below it (a DRA claim held to the smallest share of its containers): the most its
     #: limit check lets any card index of the container have. None: its own limits.
     charged: tuple[int, int | None] | None = None
+    #: A DRA claim's share of a ``driver`` card: the host directory where the memory hook
+    #: records the one live container holding it (``host/claimholders.py``), passed as
+    #: its ``--holder``. None: every container sets its own limit (a device-plugin grant).
+    holder: Path | None = None
 
     @property
     def ids(self) -> list[str]:
@@ -386,7 +396,7 @@ def container_edits(grant: Grant, listing: DeviceListing | None = None) -> Conta
         compute_capped = enforcement.compute_by_interposer(uuid)
         if grant.memory_mib is not None:
             if by_driver:  # the driver's limit, set by the hook: nothing for libvgpu
-                hooks.append(driver_hook(enforcement, uuid, grant.memory_mib))
+                hooks.append(driver_hook(enforcement, uuid, grant.memory_mib, grant.holder))
             else:
                 envs[MEMORY_LIMIT] = f"{grant.memory_mib}m"
                 if grant.every_index:
@@ -460,7 +470,7 @@ def _mps_edits(
         if enforcement.mps_shm is not None:
             mounts.append(Mount(CONTAINER_SHM, str(enforcement.mps_shm), read_only=False))
         if enforcement.by_driver(uuid):
-            hooks.append(driver_hook(enforcement, uuid, grant.memory_mib))
+            hooks.append(driver_hook(enforcement, uuid, grant.memory_mib, grant.holder))
         else:
             envs[MPS_PINNED_MEMORY] = f"0={grant.memory_mib}M"
     if grant.cores is not None:

@@ -250,3 +250,56 @@ def test_arbitrary_input_sets_nothing_unless_it_is_a_state(
         assert world.store.limits() == {}
     for entry in list(world.store.limits()):
         world.store.set_memory_limits(entry[0], entry[1], 0, (1 << 64) - 1)
+
+
+# -- a claim share's holder record (--holder; docs/dra.md, "One container at a time")
+
+
+def holder_args(world: HookWorld, holder: Path) -> list[str]:
+    return [*world.args(), "--holder", str(holder)]
+
+
+def test_a_holder_directory_that_is_a_link_or_shared_is_refused(
+    world: HookWorld, tmp_path: Path
+) -> None:
+    world.container(PID, LEAF)
+    real = tmp_path / "real-holder"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "holder-link"
+    link.symlink_to(real)
+    result = world.run(oci_state(PID), args=holder_args(world, link))
+    assert result.returncode == 1 and "cannot open the claim's holder directory" in result.stderr
+    real.chmod(0o777)
+    result = world.run(oci_state(PID), args=holder_args(world, real))
+    assert result.returncode == 1 and "not the hook's own" in result.stderr
+    assert world.store.limits() == {} and list(real.iterdir()) == []
+
+
+def test_a_fifo_or_a_link_as_the_record_refuses_without_waiting(
+    world: HookWorld, tmp_path: Path
+) -> None:
+    world.container(PID, LEAF)
+    holder = tmp_path / "holder"
+    holder.mkdir(mode=0o700)
+    os.mkfifo(holder / "holder")  # nothing would ever write it: a blocking open hangs
+    result = world.run(oci_state(PID), args=holder_args(world, holder))
+    assert result.returncode == 1 and "not a file" in result.stderr
+    (holder / "holder").unlink()
+    (holder / "holder").symlink_to("/etc/hostname")
+    result = world.run(oci_state(PID), args=holder_args(world, holder))
+    assert result.returncode == 1 and "holder record" in result.stderr
+    assert world.store.limits() == {}
+
+
+@pytest.mark.parametrize("record", [b"", b"/\n", b"../../etc\n", b"/a/../b\n", b"/a\n/b\n"])
+def test_a_record_that_names_no_cgroup_is_taken_over(
+    world: HookWorld, tmp_path: Path, record: bytes
+) -> None:
+    namespace = world.container(PID, LEAF)
+    holder = tmp_path / "holder"
+    holder.mkdir(mode=0o700)
+    (holder / "holder").write_bytes(record)
+    result = world.run(oci_state(PID), args=holder_args(world, holder))
+    assert result.returncode == 0, result.stderr
+    assert (holder / "holder").read_text() == f"{LEAF}\n"
+    assert world.store.limits() == {(UUID, namespace): Limits(0, 512 << 20)}

@@ -302,4 +302,4 @@ def test_a_record_that_names_no_cgroup_is_taken_over(
     result = world.run(oci_state(PID), args=holder_args(world, holder))
     assert result.returncode == 0, result.stderr
     assert (holder / "holder").read_text() == f"{LEAF}\n"
-    assert world.store.limits() == {(UUID, namespace): Limits(0, 512 << 20)}
+    assert world.store.limits() == {(UUID, namespace): MemoryLimits(0, 512 << 20)}

@@ -151,3 +151,82 @@ def slim(pod: Mapping[str, Any], prefix: str) -> dict[str, Any] | None:
         kept_meta["annotations"] = choice
     result = {"metadata": kept_meta, "spec": kept_spec, "status": {"phase": phase}}
     return result if asks_for_gpus(result) else None
+
+
+#: Of a pod that uses ResourceClaims, at most this many pod claims, claim statuses,
+#: claims per container and extended-resource mappings are kept (the API server allows
+#: 32 pod claims); a pod with more is not kept at all (its reader asks the API server).
+MAX_POD_CLAIMS = 64
+
+
+class _TooBig(Exception):
+    pass
+
+
+def _named(
+    entries: Any, fields: tuple[str, ...], most: int = MAX_POD_CLAIMS
+) -> list[dict[str, str]]:
+    """Of each mapping in ``entries``, ``fields`` that are strings (valid ones are
+    never cut); :class:`_TooBig` beyond ``most`` entries."""
+    found = _entries(entries)
+    if len(found) > most:
+        raise _TooBig
+    return [{f: _text(e[f]) for f in fields if isinstance(e.get(f), str)} for e in found]
+
+
+def claim_view(pod: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The part of ``pod`` that says which ResourceClaims its containers use (what the
+    DRA driver reads of a pod that reserves a claim, ``dra/mates.py``): UID, namespace,
+    name, phase, ``spec.resourceClaims``, each container's name and
+    ``resources.claims``, ``status.resourceClaimStatuses`` and
+    ``status.extendedResourceClaimStatus``, whole. None for a terminal pod, for one
+    whose spec names no claim and no extended resource's claim, and for one past the
+    bounds (:data:`MAX_POD_CLAIMS`, :data:`MAX_CONTAINERS`): never a part of the list."""
+    spec = pod.get("spec")
+    spec = spec if isinstance(spec, Mapping) else {}
+    status = pod.get("status")
+    status = status if isinstance(status, Mapping) else {}
+    phase = _text(status.get("phase") or "Pending")
+    extended = status.get("extendedResourceClaimStatus")
+    if phase in TERMINAL_PHASES or not (spec.get("resourceClaims") or extended):
+        return None
+    meta = pod.get("metadata")
+    meta = meta if isinstance(meta, Mapping) else {}
+    try:
+        kept_spec: dict[str, Any] = {
+            "resourceClaims": _named(
+                spec.get("resourceClaims"),
+                ("name", "resourceClaimName", "resourceClaimTemplateName"),
+            )
+        }
+        for field in ("initContainers", "containers"):
+            containers = _entries(spec.get(field))
+            if len(containers) > MAX_CONTAINERS:
+                return None
+            kept_spec[field] = [_claims_of(c) for c in containers]
+        kept_status: dict[str, Any] = {
+            "phase": phase,
+            "resourceClaimStatuses": _named(
+                status.get("resourceClaimStatuses"), ("name", "resourceClaimName")
+            ),
+        }
+        if isinstance(extended, Mapping):
+            kept_status["extendedResourceClaimStatus"] = {
+                **_named([extended], ("resourceClaimName",), 1)[0],
+                "requestMappings": _named(
+                    extended.get("requestMappings"), ("containerName",), MAX_CONTAINERS
+                ),
+            }
+    except _TooBig:
+        return None
+    kept_meta = {key: _text(meta.get(key)) for key in ("uid", "namespace", "name")}
+    return {"metadata": kept_meta, "spec": kept_spec, "status": kept_status}
+
+
+def _claims_of(container: Mapping[str, Any]) -> dict[str, Any]:
+    resources = container.get("resources")
+    claims = resources.get("claims") if isinstance(resources, Mapping) else None
+    return {
+        "name": _text(container.get("name")),
+        "resources": {"claims": _named(claims, ("name",))},
+    }

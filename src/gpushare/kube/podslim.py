@@ -159,29 +159,37 @@ def slim(pod: Mapping[str, Any], prefix: str) -> dict[str, Any] | None:
 MAX_POD_CLAIMS = 64
 
 
-class _TooBig(Exception):
-    pass
+class _NotKept(Exception):
+    """The pod is past a bound, or holds a value the API server would not send."""
 
 
 def _named(
     entries: Any, fields: tuple[str, ...], most: int = MAX_POD_CLAIMS
-) -> list[dict[str, str]]:
-    """Of each mapping in ``entries``, ``fields`` that are strings (valid ones are
-    never cut); :class:`_TooBig` beyond ``most`` entries."""
+) -> list[dict[str, Any]]:
+    """Of each mapping in ``entries`` (other items are no entries), ``fields`` as they
+    are: absent or null ones left out; :class:`_NotKept` beyond ``most`` entries or for a
+    field that is not a string of at most :data:`MAX_FIELD_CHARS`, so that what is kept
+    is read exactly as the whole object would be, or not kept at all."""
     found = _entries(entries)
     if len(found) > most:
-        raise _TooBig
-    return [{f: _text(e[f]) for f in fields if isinstance(e.get(f), str)} for e in found]
+        raise _NotKept
+    kept = []
+    for entry in found:
+        values = {f: entry.get(f) for f in fields if entry.get(f) is not None}
+        if not all(isinstance(v, str) and len(v) <= MAX_FIELD_CHARS for v in values.values()):
+            raise _NotKept
+        kept.append(values)
+    return kept
 
 
 def claim_view(pod: Mapping[str, Any]) -> dict[str, Any] | None:
     """The part of ``pod`` that says which ResourceClaims its containers use (what the
     DRA driver reads of a pod that reserves a claim, ``dra/mates.py``): UID, namespace,
-    name, phase, ``spec.resourceClaims``, each container's name and
-    ``resources.claims``, ``status.resourceClaimStatuses`` and
-    ``status.extendedResourceClaimStatus``, whole. None for a terminal pod, for one
-    whose spec names no claim and no extended resource's claim, and for one past the
-    bounds (:data:`MAX_POD_CLAIMS`, :data:`MAX_CONTAINERS`): never a part of the list."""
+    name, ``spec.resourceClaims``, each container's name and ``resources.claims``,
+    ``status.resourceClaimStatuses`` and ``status.extendedResourceClaimStatus``, whole.
+    None for a terminal pod, for one whose spec names no claim and no extended
+    resource's claim, and for one past the bounds (:data:`MAX_POD_CLAIMS`,
+    :data:`MAX_CONTAINERS`) or holding a value no API server sends: never a part of it."""
     spec = pod.get("spec")
     spec = spec if isinstance(spec, Mapping) else {}
     status = pod.get("status")
@@ -200,10 +208,9 @@ def claim_view(pod: Mapping[str, Any]) -> dict[str, Any] | None:
             )
         }
         for field in ("initContainers", "containers"):
-            containers = _entries(spec.get(field))
-            if len(containers) > MAX_CONTAINERS:
+            kept_spec[field] = [_claims_of(c) for c in _entries(spec.get(field))]
+            if len(kept_spec[field]) > MAX_CONTAINERS:
                 return None
-            kept_spec[field] = [_claims_of(c) for c in containers]
         kept_status: dict[str, Any] = {
             "phase": phase,
             "resourceClaimStatuses": _named(
@@ -217,7 +224,7 @@ def claim_view(pod: Mapping[str, Any]) -> dict[str, Any] | None:
                     extended.get("requestMappings"), ("containerName",), MAX_CONTAINERS
                 ),
             }
-    except _TooBig:
+    except _NotKept:
         return None
     kept_meta = {key: _text(meta.get(key)) for key in ("uid", "namespace", "name")}
     return {"metadata": kept_meta, "spec": kept_spec, "status": kept_status}
@@ -227,6 +234,6 @@ def _claims_of(container: Mapping[str, Any]) -> dict[str, Any]:
     resources = container.get("resources")
     claims = resources.get("claims") if isinstance(resources, Mapping) else None
     return {
-        "name": _text(container.get("name")),
+        **_named([container], ("name",), 1)[0],
         "resources": {"claims": _named(claims, ("name",))},
     }

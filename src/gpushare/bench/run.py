@@ -354,9 +354,14 @@ def measure_dra(plan: Plan, report: Report) -> None:
         try:
             client = ApiClient(kubeconfig_endpoint(api.kubeconfig))
 
-            def post_double(claim: dict[str, Any]) -> None:
+            def post_double(claim: dict[str, Any], pod: dict[str, Any]) -> str:
+                if api.call("POST", "/api/v1/namespaces/default/pods", pod) != 201:
+                    raise RuntimeError("the API-server double refused a pod")
+                made = client.get(f"/api/v1/namespaces/default/pods/{pod_name(pod)}")
+                _reserve(claim, pod, made["metadata"]["uid"])
                 if api.call("POST", claims, claim) != 201:
                     raise RuntimeError("the API-server double refused a claim")
+                return str(made["metadata"]["uid"])
 
             row = _dra_rounds(plan, root, client, post_double, rounds)
         finally:
@@ -382,7 +387,9 @@ def measure_dra(plan: Plan, report: Report) -> None:
             plane.add_node()
             admin = plane.admin
 
-            def post_real(claim: dict[str, Any]) -> None:
+            def post_real(claim: dict[str, Any], pod: dict[str, Any]) -> str:
+                made = admin.request("POST", "/api/v1/namespaces/default/pods", body=pod)
+                _reserve(claim, pod, made["metadata"]["uid"])
                 status = claim.pop("status")
                 claim["spec"]["devices"]["requests"] = [
                     {"name": "gpu", "exactly": {"deviceClassName": "gpushare.io"}}
@@ -392,6 +399,7 @@ def measure_dra(plan: Plan, report: Report) -> None:
                 name = created["metadata"]["name"]
                 stored = admin.request("PUT", f"{claims}/{name}/status", body=created)
                 claim["metadata"]["uid"] = stored["metadata"]["uid"]
+                return str(made["metadata"]["uid"])
 
             row = _dra_rounds(plan, root, admin, post_real, rounds)
         finally:
@@ -399,29 +407,50 @@ def measure_dra(plan: Plan, report: Report) -> None:
     report.add(f"DRA NodePrepareResources, one share, real kube-apiserver ({row[0]}", *row[1:])
 
 
+def pod_name(pod: dict[str, Any]) -> str:
+    return str(pod["metadata"]["name"])
+
+
+def _reserve(claim: dict[str, Any], pod: dict[str, Any], uid: str) -> None:
+    """Reserve ``claim`` for ``pod`` (UID ``uid``), as the scheduler does before binding."""
+    claim["status"]["reservedFor"] = [{"resource": "pods", "name": pod_name(pod), "uid": uid}]
+
+
 def _dra_rounds(
-    plan: Plan, root: Path, client: Any, create: Callable[[dict[str, Any]], None], rounds: int
+    plan: Plan,
+    root: Path,
+    client: Any,
+    create: Callable[[dict[str, Any], dict[str, Any]], str],
+    rounds: int,
 ) -> tuple[str, str, str, str, bool]:
     """The DRA part serving ``plan.cards`` simulated H200 in this process, the stand-in
     kubelet calling over the plugin's unix socket from a process of its own (as the
     kubelet does: the caller's side of gRPC is not this process's work, and the two do
-    not share one interpreter lock). Each round creates one allocated claim (not timed),
-    prepares it (timed by the caller: the GET, the checks, the answer, a cache
-    directory, the CDI spec and the checkpoint entry), GETs the same claim with the
-    part's client (timed: the baseline), makes the same call with no claim (timed by the
-    caller: the gRPC floor, for context) and unprepares it. Returns the row's cells."""
+    not share one interpreter lock). Each round creates, not timed, a pod bound to the
+    node whose container uses one claim, and that claim allocated and reserved for the
+    pod (as the kubelet sees every claim it prepares), and waits until the part's pod
+    watch (the daemon's, :class:`~gpushare.kube.podwatch.PodWatch`) holds the pod, as it
+    normally does by the time the kubelet, which learns of the pod from its own watch,
+    prepares its claims; then it prepares the claim (timed by the caller: the GET, the
+    claim's mates from the pod, the checks, the answer, a cache directory, the CDI spec
+    and the checkpoint entry), GETs the same claim with the part's client (timed: the
+    baseline), makes the same call with no claim (timed by the caller: the gRPC floor,
+    for context) and unprepares it. Returns the row's cells."""
     from gpushare.base.logs import configure_logging
     from gpushare.config import Settings
     from gpushare.dra.part import build_dra_part
     from gpushare.gpu.health import HealthBoard
     from gpushare.host.library import ensure_lock_dir, install_hook, install_library
+    from gpushare.kube.podspecs import PodSpecBook
+    from gpushare.kube.podwatch import PodWatch
     from gpushare.share.answers import DeviceListing, Enforcement
-    from gpushare.sim.drakubeletdouble import allocated_claim
+    from gpushare.sim.drakubeletdouble import allocated_claim, pod_using_claims
 
     # The part logs as the DaemonSet's daemon does: JSON lines, info and up, here to a file.
     log_file = (root / "dra.log").open("w")
     configure_logging("json", "info", log_file)
-    part = None
+    part = watch = None
+    watched = 0  # rounds whose pod the watch held when prepared
     kubelet = DraCaller(root / "kubelet")
     prepare: list[float] = []
     get: list[float] = []
@@ -442,6 +471,8 @@ def _dra_rounds(
             limit_check=str(install_hook(hook, host)),
         )
         settings = Settings(host_lib_dir=str(host), dra_cdi_dir=str(root / "cdi"))
+        watch = PodWatch(lambda: client, NODE_NAME, PodSpecBook(settings.resource_prefix))
+        watch.start()
         part = build_dra_part(
             settings,
             gpus,
@@ -453,6 +484,7 @@ def _dra_rounds(
             NODE_NAME,
             root / "kubelet",
             pcie_roots={},
+            watched_pod=watch.claim_pod,
         )
         part.start()
         kubelet.register()
@@ -470,7 +502,13 @@ def _dra_rounds(
                     }
                 ],
             )
-            create(claim)
+            pod = pod_using_claims("default", f"bench-{i}", NODE_NAME, {"main": [f"bench-{i}"]})
+            pod["spec"]["containers"][0]["image"] = "registry.invalid/app"  # never pulled
+            uid = create(claim, pod)  # the pod's
+            deadline = time.monotonic() + 10
+            while watch.claim_pod(uid) is None and time.monotonic() < deadline:
+                time.sleep(0.001)  # not timed: the watch normally holds it by now
+            watched += watch.claim_pod(uid) is not None
             ref = ("default", f"bench-{i}", claim["metadata"]["uid"])
             seconds, error = kubelet.call("prepare", ref)
             if error:
@@ -485,10 +523,13 @@ def _dra_rounds(
         kubelet.close()
         if part is not None:
             part.stop()
+        if watch is not None:
+            watch.stop()
         log_file.close()
     p50, base = percentile(prepare, 50), percentile(get, 50)
     return (
-        f"{plan.cards} x H200, {rounds} claims, {kubelet.kind})",
+        f"{plan.cards} x H200, {rounds} claims reserved for pods, {watched} of them "
+        f"held by the pod watch, {kubelet.kind})",
         f"p50 {ms(p50)}, p99 {ms(percentile(prepare, 99))}",
         "p50 <= 2x one GET of the claim",
         f"GET p50 {ms(base)}; {p50 / base:.1f}x (empty call {ms(percentile(empty, 50))})",
@@ -604,10 +645,19 @@ def machine() -> str:
     )
 
 
+#: The phases by the name ``--only`` takes, in the order a whole run makes them.
+PHASES: dict[str, Callable[[Plan, Report], None]] = {
+    "messages": measure_messages,
+    "start": measure_start,
+    "daemon": measure_daemon,
+    "dra": measure_dra,
+    "hook": measure_memory_hook,
+}
+
+
 def run(plan: Plan, phases: Sequence[Callable[[Plan, Report], None]] | None = None) -> Report:
     report = Report()
-    default = (measure_messages, measure_start, measure_daemon, measure_dra, measure_memory_hook)
-    for phase in phases or default:
+    for phase in phases or PHASES.values():
         phase(plan, report)
     return report
 
@@ -624,22 +674,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         "DRA or hook rows: minutes, not ten); printed and --out only, never --write",
     )
     parser.add_argument(
+        "--only",
+        choices=sorted(PHASES),
+        action="append",
+        help="only these phases' rows (repeatable; dra: the DRA prepare rows, a minute): "
+        "printed and --out only, never --write",
+    )
+    parser.add_argument(
         "--idle-seconds",
         type=bounded_float(0.1, 86400),
         help="length of the idle CPU measurement (default 60)",
     )
     args = parser.parse_args(argv)
-    if args.latency_only and args.write:
-        parser.error("--latency-only measures a few rows: it does not --write the bench section")
+    if (args.latency_only or args.only) and args.write:
+        parser.error("--latency-only and --only measure a few rows: they do not --write")
+    if args.latency_only and args.only:
+        parser.error("--latency-only and --only do not go together")
     plan = QUICK if args.quick else FULL
     if args.idle_seconds is not None:
         plan = Plan(**{**plan.__dict__, "idle_seconds": args.idle_seconds})
     about = machine()
     started = time.perf_counter()
     try:
-        report = run(
-            plan, [partial(measure_daemon, latency_only=True)] if args.latency_only else None
-        )
+        phases: list[Callable[[Plan, Report], None]]
+        if args.latency_only:
+            phases = [partial(measure_daemon, latency_only=True)]
+        else:
+            phases = [PHASES[name] for name in PHASES if name in (args.only or PHASES)]
+        report = run(plan, phases)
     except Exception as exc:
         print(f"gpushare.bench: the benchmark failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
@@ -653,6 +715,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "python -m gpushare.bench"
         + (" --quick" if args.quick else "")
         + (" --latency-only" if args.latency_only else "")
+        + "".join(f" --only {name}" for name in args.only or ())
     )
     summary = (
         f"{len(missed)} target(s) missed: " + "; ".join(row.figure for row in missed)

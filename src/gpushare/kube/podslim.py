@@ -153,10 +153,12 @@ def slim(pod: Mapping[str, Any], prefix: str) -> dict[str, Any] | None:
     return result if asks_for_gpus(result) else None
 
 
-#: Of a pod that uses ResourceClaims, at most this many pod claims, claim statuses,
-#: claims per container and extended-resource mappings are kept (the API server allows
-#: 32 pod claims); a pod with more is not kept at all (its reader asks the API server).
-MAX_POD_CLAIMS = 64
+#: Of a pod that uses ResourceClaims, at most this many entries are kept in all (pod
+#: claims, claim statuses, containers' claim references, extended-resource mappings; a
+#: valid pod has at most 32 pod claims, and real ones a handful of references): a pod
+#: with more is not kept at all (its reader asks the API server), so that a tenant's
+#: pods cost the daemon at most about 60 KiB each, whatever they hold.
+MAX_CLAIM_ENTRIES = 128
 
 
 class _NotKept(Exception):
@@ -164,7 +166,7 @@ class _NotKept(Exception):
 
 
 def _named(
-    entries: Any, fields: tuple[str, ...], most: int = MAX_POD_CLAIMS
+    entries: Any, fields: tuple[str, ...], most: int = MAX_CLAIM_ENTRIES
 ) -> list[dict[str, Any]]:
     """Of each mapping in ``entries`` (other items are no entries), ``fields`` as they
     are: absent or null ones left out; :class:`_NotKept` beyond ``most`` entries or for a
@@ -208,9 +210,10 @@ def claim_view(pod: Mapping[str, Any]) -> dict[str, Any] | None:
             )
         }
         for field in ("initContainers", "containers"):
-            kept_spec[field] = [_claims_of(c) for c in _entries(spec.get(field))]
-            if len(kept_spec[field]) > MAX_CONTAINERS:
-                return None
+            # a container that names no claim uses none (an extended resource's claim
+            # names its containers itself)
+            users = [_claims_of(c) for c in _entries(spec.get(field))]
+            kept_spec[field] = [c for c in users if c["resources"]["claims"]]
         kept_status: dict[str, Any] = {
             "phase": phase,
             "resourceClaimStatuses": _named(
@@ -220,14 +223,25 @@ def claim_view(pod: Mapping[str, Any]) -> dict[str, Any] | None:
         if isinstance(extended, Mapping):
             kept_status["extendedResourceClaimStatus"] = {
                 **_named([extended], ("resourceClaimName",), 1)[0],
-                "requestMappings": _named(
-                    extended.get("requestMappings"), ("containerName",), MAX_CONTAINERS
-                ),
+                "requestMappings": _named(extended.get("requestMappings"), ("containerName",)),
             }
     except _NotKept:
         return None
+    if _entry_count(kept_spec, kept_status) > MAX_CLAIM_ENTRIES:
+        return None
     kept_meta = {key: _text(meta.get(key)) for key in ("uid", "namespace", "name")}
     return {"metadata": kept_meta, "spec": kept_spec, "status": kept_status}
+
+
+def _entry_count(spec: Mapping[str, Any], status: Mapping[str, Any]) -> int:
+    containers = [*spec["initContainers"], *spec["containers"]]
+    extended = status.get("extendedResourceClaimStatus") or {}
+    return (
+        len(spec["resourceClaims"])
+        + len(status["resourceClaimStatuses"])
+        + sum(len(c["resources"]["claims"]) for c in containers)
+        + len(extended.get("requestMappings") or ())
+    )
 
 
 def _claims_of(container: Mapping[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from gpushare.dra.mates import MatesUnknown, claims_by_container
-from gpushare.kube.podslim import MAX_POD_CLAIMS, claim_view
+from gpushare.kube.podslim import MAX_CLAIM_ENTRIES, claim_view
 from gpushare.sim.drakubeletdouble import pod_using_claims
 
 
@@ -42,7 +42,7 @@ def test_terminal_pods_pods_without_claims_and_pods_past_the_bounds_are_not_kept
     assert claim_view(pod) is not None
     assert claim_view({**pod, "status": {"phase": "Succeeded"}}) is None
     assert claim_view({"metadata": {}, "spec": {"containers": [{"name": "a"}]}}) is None
-    many = [{"name": f"pc-{i}", "resourceClaimName": f"c-{i}"} for i in range(MAX_POD_CLAIMS + 1)]
+    many = [{"name": f"pc-{i}", "resourceClaimName": f"c{i}"} for i in range(MAX_CLAIM_ENTRIES)]
     assert claim_view({**pod, "spec": {**pod["spec"], "resourceClaims": many}}) is None
     assert claim_view({**pod, "spec": {**pod["spec"], "resourceClaims": [{"name": 7}]}}) is None
 

@@ -92,6 +92,23 @@ def test_latency_only_prints_the_call_and_pairing_rows_and_never_writes_the_doc(
     assert not (tmp_path / "doc.md").exists()
 
 
+def test_only_a_phase_prints_its_rows_and_never_writes_the_doc(tmp_path: Path) -> None:
+    out = tmp_path / "messages.md"
+    command = [sys.executable, "-m", "gpushare.bench", "--quick", "--only", "messages"]
+    result = subprocess.run(
+        [*command, "--out", str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode in (0, 1), result.stderr
+    body = [line for line in result.stdout.splitlines() if line.startswith("| ")][1:]
+    assert len(body) == 2 and ROWS[0] in body[0] and ROWS[1] in body[1], body
+    assert "`python -m gpushare.bench --quick --only messages`" in out.read_text()
+    refused = subprocess.run(
+        [*command, "--write", str(tmp_path / "doc.md")], capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and "--only" in refused.stderr
+    assert not (tmp_path / "doc.md").exists()
+
+
 def test_make_bench_and_simulate_leave_the_tracked_doc_alone_unless_asked() -> None:
     """Issue 33.8: they rewrote docs/benchmarks.md on every run; now only UPDATE_DOCS=1."""
     root = Path(__file__).resolve().parents[2]

@@ -27,7 +27,7 @@ from gpushare.kube import nodestate
 from gpushare.kube.kubectlapi import Cluster
 from gpushare.ops import inspect
 from gpushare.ops.daemonmetrics import RENAMED
-from gpushare.sim.drakubeletdouble import DraKubelet, allocated_claim
+from gpushare.sim.drakubeletdouble import DraKubelet, allocated_claim, pod_using_claims
 
 PREFIX = "gpushare.io"
 DRIVER = "gpu.gpushare.io"
@@ -235,3 +235,35 @@ def test_dra_claims_are_published_inspected_and_exported_beside_device_plugin_sh
     assert dra.kubelet.unprepare([refs[1]]) == {refs[1][2]: ""}
     eventually(lambda: claims_of(node_annotation(api)) == {one: set(), two: set()})
     assert per_card(port, "gpushare_dra_memory_allocated_bytes") == {one: 0, two: 0}
+
+
+def test_the_daemon_takes_a_reserving_pod_from_its_pod_watch(
+    dra: DraDaemon, node: Node, api: KubeApiDouble
+) -> None:
+    """The daemon's own pod watch feeds the DRA driver: a pod whose container uses two
+    claims is not read at prepare once the watch holds it, and both claims are held to
+    the smaller share."""
+    pod = api.add(pod_using_claims("ml", "both", NODE, {"main": ["small", "large"]}))
+    uid = pod["metadata"]["uid"]
+    assert node.daemon is not None and node.daemon.core is not None
+    link = node.daemon.core.api_link
+    assert link is not None
+    eventually(lambda: link.pods.claim_pod(uid))
+    refs = []
+    for name, device, memory in (("small", "gpu-1", "1Gi"), ("large", "gpu-2", "4Gi")):
+        claim = allocated_claim(
+            "ml",
+            name,
+            DRIVER,
+            NODE,
+            [{"request": "gpu", "device": device, "consumedCapacity": {"memory": memory}}],
+            reserved_for=[("both", uid)],
+        )
+        refs.append(("ml", name, api.add(claim)["metadata"]["uid"]))
+    answers = dra.kubelet.prepare(refs)
+    assert [a.error for a in answers.values()] == ["", ""]
+    assert api.calls("GET", "/namespaces/ml/pods/") == []
+    for ref in refs:
+        spec = json.loads((node.root / "cdi" / f"{DRIVER}-claim_{ref[2]}.json").read_text())
+        env = dict(e.split("=", 1) for e in spec["devices"][0]["containerEdits"]["env"])
+        assert env["CUDA_DEVICE_MEMORY_LIMIT"] == "1024m"

@@ -62,6 +62,7 @@ from gpushare.sim.kubeletdouble import AdmissionError
 
 if TYPE_CHECKING:  # the DRA part is imported by the DRA phase only
     from gpushare.dra.part import DraPart
+    from gpushare.kube.podwatch import PodWatch
 
 # --------------------------------------------------------------------------- phases
 
@@ -366,23 +367,10 @@ def measure_dra(plan: Plan, report: Report) -> None:
     """NodePrepareResources against one GET of the claim (docs/dra.md), against the
     API-server double (in its own process) and, where ``make e2e`` built them, a real
     kube-apiserver v1.36.3 (TLS, token authentication, RBAC, etcd)."""
-    from gpushare.kube.stdlibclient import ApiClient, kubeconfig_endpoint
     from gpushare.sim import controlplane
 
     rounds = max(20, plan.latency_containers // 2)
-    claims = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims"
-    with temporary_root() as root:
-        api = ApiServer(root)
-        try:
-            client = ApiClient(kubeconfig_endpoint(api.kubeconfig))
-
-            def post_double(claim: dict[str, Any]) -> None:
-                if api.call("POST", claims, claim) != 201:
-                    raise RuntimeError("the API-server double refused a claim")
-
-            row = _dra_rounds(plan, root, client, post_double, rounds)
-        finally:
-            api.stop()
+    row = _dra_on_double(plan, rounds)
     # Information only: the double's GET (a dict lookup behind Python's HTTP server) costs
     # less than an empty gRPC call, so 2x of it is no yardstick; the target is the real one.
     report.add(
@@ -398,76 +386,157 @@ def measure_dra(plan: Plan, report: Report) -> None:
             f"{controlplane.BIN} (make e2e builds them; GPUSHARE_E2E_BIN)"
         )
         return
+    row = _dra_on_real_server(plan, rounds)
+    report.add(f"DRA NodePrepareResources, one share, real kube-apiserver ({row[0]}", *row[1:])
+
+
+CLAIMS = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims"
+
+
+def _dra_on_double(plan: Plan, rounds: int) -> tuple[str, str, str, str, bool]:
+    """The DRA rounds against the API-server double, in a process of its own."""
+    from gpushare.kube.stdlibclient import ApiClient, kubeconfig_endpoint
+
+    with temporary_root() as root:
+        api = ApiServer(root)
+        try:
+            client = ApiClient(kubeconfig_endpoint(api.kubeconfig))
+
+            def post_double(claim: dict[str, Any], pod: dict[str, Any]) -> str:
+                if api.call("POST", "/api/v1/namespaces/default/pods", pod) != 201:
+                    raise RuntimeError("the API-server double refused a pod")
+                made = client.get(f"/api/v1/namespaces/default/pods/{pod_name(pod)}")
+                _reserve(claim, pod, made["metadata"]["uid"])
+                if api.call("POST", CLAIMS, claim) != 201:
+                    raise RuntimeError("the API-server double refused a claim")
+                return str(made["metadata"]["uid"])
+
+            return _dra_rounds(plan, root, client, post_double, rounds)
+        finally:
+            api.stop()
+
+
+def _dra_on_real_server(plan: Plan, rounds: int) -> tuple[str, str, str, str, bool]:
+    """The DRA rounds against a real kube-apiserver and etcd (``make e2e``'s binaries):
+    each claim created as a user would, then allocated as the scheduler writes it."""
+    from gpushare.sim import controlplane
+
     with temporary_root() as root:
         plane = controlplane.ControlPlane(root, {"DRAConsumableCapacity": True}, node=NODE_NAME)
         try:
             plane.add_node()
             admin = plane.admin
 
-            def post_real(claim: dict[str, Any]) -> None:
+            def post_real(claim: dict[str, Any], pod: dict[str, Any]) -> str:
+                made = admin.request("POST", "/api/v1/namespaces/default/pods", body=pod)
+                _reserve(claim, pod, made["metadata"]["uid"])
                 status = claim.pop("status")
                 claim["spec"]["devices"]["requests"] = [
                     {"name": "gpu", "exactly": {"deviceClassName": "gpushare.io"}}
                 ]
-                created = admin.request("POST", claims, body=claim)
+                created = admin.request("POST", CLAIMS, body=claim)
                 created["status"] = status  # as the scheduler writes it
                 name = created["metadata"]["name"]
-                stored = admin.request("PUT", f"{claims}/{name}/status", body=created)
+                stored = admin.request("PUT", f"{CLAIMS}/{name}/status", body=created)
                 claim["metadata"]["uid"] = stored["metadata"]["uid"]
+                return str(made["metadata"]["uid"])
 
-            row = _dra_rounds(plan, root, admin, post_real, rounds)
+            return _dra_rounds(plan, root, admin, post_real, rounds)
         finally:
             plane.stop()
-    report.add(f"DRA NodePrepareResources, one share, real kube-apiserver ({row[0]}", *row[1:])
+
+
+def pod_name(pod: dict[str, Any]) -> str:
+    return str(pod["metadata"]["name"])
+
+
+def _reserve(claim: dict[str, Any], pod: dict[str, Any], uid: str) -> None:
+    """Reserve ``claim`` for ``pod`` (UID ``uid``), as the scheduler does before binding."""
+    claim["status"]["reservedFor"] = [{"resource": "pods", "name": pod_name(pod), "uid": uid}]
 
 
 def _dra_rounds(
-    plan: Plan, root: Path, client: Any, create: Callable[[dict[str, Any]], None], rounds: int
+    plan: Plan,
+    root: Path,
+    client: Any,
+    create: Callable[[dict[str, Any], dict[str, Any]], str],
+    rounds: int,
 ) -> tuple[str, str, str, str, bool]:
     """The DRA part serving ``plan.cards`` simulated H200 in this process, the stand-in
     kubelet calling over the plugin's unix socket from a process of its own (as the
     kubelet does: the caller's side of gRPC is not this process's work, and the two do
-    not share one interpreter lock). Each round creates one allocated claim (not timed),
-    prepares it (timed by the caller: the GET, the checks, the answer, a cache
-    directory, the CDI spec and the checkpoint entry), GETs the same claim with the
-    part's client (timed: the baseline), makes the same call with no claim (timed by the
-    caller: the gRPC floor, for context) and unprepares it. Returns the row's cells."""
+    not share one interpreter lock). Each round creates, not timed, a pod bound to the
+    node whose container uses one claim, and that claim allocated and reserved for the
+    pod (as the kubelet sees every claim it prepares), and waits until the part's pod
+    watch (the daemon's, :class:`~gpushare.kube.podwatch.PodWatch`) holds the pod, as it
+    normally does by the time the kubelet, which learns of the pod from its own watch,
+    prepares its claims; then it prepares the claim (timed by the caller: the GET, the
+    claim's mates from the pod, the checks, the answer, a cache directory, the CDI spec
+    and the checkpoint entry), GETs the same claim with the part's client (timed: the
+    baseline), makes the same call with no claim (timed by the caller: the gRPC floor,
+    for context) and unprepares it. Returns the row's cells."""
     from gpushare.base.logs import configure_logging
 
     # The part logs as the DaemonSet's daemon does: JSON lines, info and up, here to a file.
     log_file = (root / "dra.log").open("w")
     configure_logging("json", "info", log_file)
-    part = None
+    part = watch = None
+    watched = 0  # rounds whose pod the watch held when prepared
     kubelet = DraCaller(root / "kubelet")
-    prepare: list[float] = []
-    get: list[float] = []
-    empty: list[float] = []
-    path = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims"
+    times = _DraTimes()
     try:
-        part, driver = _dra_part(plan, root, client)
+        part, driver, watch = _dra_part(plan, root, client)
+        watch.start()
         part.start()
         kubelet.register()
         for i in range(rounds):
             claim = _bench_claim(i, plan.cards, driver)
-            create(claim)
-            ref = ("default", f"bench-{i}", claim["metadata"]["uid"])
-            seconds, error = kubelet.call("prepare", ref)
-            if error:
-                raise RuntimeError(f"prepare failed: {error}")
-            prepare.append(seconds)
-            began = time.perf_counter()
-            client.get(f"{path}/bench-{i}")
-            get.append(time.perf_counter() - began)
-            empty.append(kubelet.call("empty")[0])  # the gRPC floor: no claim
-            kubelet.call("unprepare", ref)
+            uid = create(claim, _bench_pod(i))  # the pod's
+            watched += _held_by_watch(watch, uid)
+            times.round(kubelet, client, ("default", f"bench-{i}", claim["metadata"]["uid"]))
     finally:
         kubelet.close()
         if part is not None:
             part.stop()
+        if watch is not None:
+            watch.stop()
         log_file.close()
+    setting = (
+        f"{plan.cards} x H200, {rounds} claims reserved for pods, {watched} of them "
+        f"held by the pod watch, {kubelet.kind})"
+    )
+    return _dra_row(setting, times.prepare, times.get, times.empty)
+
+
+@dataclass
+class _DraTimes:
+    """What the DRA rounds measured, in seconds."""
+
+    prepare: list[float] = field(default_factory=list)  # as the caller saw it
+    get: list[float] = field(default_factory=list)  # one GET of the claim: the baseline
+    empty: list[float] = field(default_factory=list)  # the same call with no claim
+
+    def round(self, kubelet: DraCaller, client: Any, ref: tuple[str, str, str]) -> None:
+        """Prepare claim ``ref`` (timed by the caller), GET it (timed here), make the
+        empty call (the gRPC floor), and unprepare it."""
+        seconds, error = kubelet.call("prepare", ref)
+        if error:
+            raise RuntimeError(f"prepare failed: {error}")
+        self.prepare.append(seconds)
+        began = time.perf_counter()
+        client.get(f"{CLAIMS}/{ref[1]}")
+        self.get.append(time.perf_counter() - began)
+        self.empty.append(kubelet.call("empty")[0])  # the gRPC floor: no claim
+        kubelet.call("unprepare", ref)
+
+
+def _dra_row(
+    setting: str, prepare: list[float], get: list[float], empty: list[float]
+) -> tuple[str, str, str, str, bool]:
+    """The DRA row's cells: the prepare's p50 and p99 against 2x one GET's p50."""
     p50, base = percentile(prepare, 50), percentile(get, 50)
     return (
-        f"{plan.cards} x H200, {rounds} claims, {kubelet.kind})",
+        setting,
         f"p50 {ms(p50)}, p99 {ms(percentile(prepare, 99))}",
         "p50 <= 2x one GET of the claim",
         f"GET p50 {ms(base)}; {p50 / base:.1f}x (empty call {ms(percentile(empty, 50))})",
@@ -494,13 +563,16 @@ def _bench_claim(index: int, cards: int, driver: str) -> dict[str, Any]:
     )
 
 
-def _dra_part(plan: Plan, root: Path, client: Any) -> tuple[DraPart, str]:
+def _dra_part(plan: Plan, root: Path, client: Any) -> tuple[DraPart, str, PodWatch]:
     """The DRA part of the bench (not started), on ``plan.cards`` simulated H200 with a
-    stand-in interposer and memory hook installed under ``root``; and its driver name."""
+    stand-in interposer and memory hook installed under ``root``; its driver name; and
+    the daemon's pod watch it reads the reserving pods from (not started either)."""
     from gpushare.config import Settings
     from gpushare.dra.part import build_dra_part
     from gpushare.gpu.health import HealthBoard
     from gpushare.host.library import ensure_lock_dir, install_hook, install_library
+    from gpushare.kube.podspecs import PodSpecBook
+    from gpushare.kube.podwatch import PodWatch
     from gpushare.share.answers import DeviceListing, Enforcement
 
     gpus = node_gpus(plan.cards, H200_MIB)
@@ -517,6 +589,7 @@ def _dra_part(plan: Plan, root: Path, client: Any) -> tuple[DraPart, str]:
         limit_check=str(install_hook(hook, host)),
     )
     settings = Settings(host_lib_dir=str(host), dra_cdi_dir=str(root / "cdi"))
+    watch = PodWatch(lambda: client, NODE_NAME, PodSpecBook(settings.resource_prefix))
     part = build_dra_part(
         settings,
         gpus,
@@ -528,8 +601,29 @@ def _dra_part(plan: Plan, root: Path, client: Any) -> tuple[DraPart, str]:
         NODE_NAME,
         root / "kubelet",
         pcie_roots={},
+        watched_pod=watch.claim_pod,
     )
-    return part, settings.dra_driver
+    return part, settings.dra_driver, watch
+
+
+def _bench_pod(index: int) -> dict[str, Any]:
+    """Pod ``bench-<index>``, bound to the node, its container using claim ``bench-<index>``
+    (as the kubelet sees every claim it prepares: reserved for a pod of its node)."""
+    from gpushare.sim.drakubeletdouble import pod_using_claims
+
+    pod = pod_using_claims("default", f"bench-{index}", NODE_NAME, {"main": [f"bench-{index}"]})
+    pod["spec"]["containers"][0]["image"] = "registry.invalid/app"  # never pulled
+    return pod
+
+
+def _held_by_watch(watch: PodWatch, uid: str) -> bool:
+    """Wait (not timed: the watch normally holds a pod by the time the kubelet, which
+    learns of it from its own watch, prepares its claims) until ``watch`` holds pod
+    ``uid``; False if it did not within 10 s (the prepare then GETs the pod)."""
+    deadline = time.monotonic() + 10
+    while watch.claim_pod(uid) is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return watch.claim_pod(uid) is not None
 
 
 class DraCaller:
@@ -640,10 +734,19 @@ def machine() -> str:
     )
 
 
+#: The phases by the name ``--only`` takes, in the order a whole run makes them.
+PHASES: dict[str, Callable[[Plan, Report], None]] = {
+    "messages": measure_messages,
+    "start": measure_start,
+    "daemon": measure_daemon,
+    "dra": measure_dra,
+    "hook": measure_memory_hook,
+}
+
+
 def run(plan: Plan, phases: Sequence[Callable[[Plan, Report], None]] | None = None) -> Report:
     report = Report()
-    default = (measure_messages, measure_start, measure_daemon, measure_dra, measure_memory_hook)
-    for phase in phases or default:
+    for phase in phases or PHASES.values():
         phase(plan, report)
     return report
 
@@ -660,6 +763,13 @@ def build_parser() -> Parser:
         "DRA or hook rows: minutes, not ten); printed and --out only, never --write",
     )
     parser.add_argument(
+        "--only",
+        choices=sorted(PHASES),
+        action="append",
+        help="only these phases' rows (repeatable; dra: the DRA prepare rows, a minute): "
+        "printed and --out only, never --write",
+    )
+    parser.add_argument(
         "--idle-seconds",
         type=bounded_float(0.1, 86400),
         help="length of the idle CPU measurement (default 60)",
@@ -670,17 +780,22 @@ def build_parser() -> Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.latency_only and args.write:
-        parser.error("--latency-only measures a few rows: it does not --write the bench section")
+    if (args.latency_only or args.only) and args.write:
+        parser.error("--latency-only and --only measure a few rows: they do not --write")
+    if args.latency_only and args.only:
+        parser.error("--latency-only and --only do not go together")
     plan = QUICK if args.quick else FULL
     if args.idle_seconds is not None:
         plan = Plan(**{**plan.__dict__, "idle_seconds": args.idle_seconds})
     about = machine()
     started = time.perf_counter()
     try:
-        report = run(
-            plan, [partial(measure_daemon, latency_only=True)] if args.latency_only else None
-        )
+        phases: list[Callable[[Plan, Report], None]]
+        if args.latency_only:
+            phases = [partial(measure_daemon, latency_only=True)]
+        else:
+            phases = [PHASES[name] for name in PHASES if name in (args.only or PHASES)]
+        report = run(plan, phases)
     except Exception as exc:
         print(f"gpushare.bench: the benchmark failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
@@ -700,6 +815,7 @@ def _publish(report: Report, args: argparse.Namespace, took: float, about: str) 
         "python -m gpushare.bench"
         + (" --quick" if args.quick else "")
         + (" --latency-only" if args.latency_only else "")
+        + "".join(f" --only {name}" for name in args.only or ())
     )
     summary = (
         f"{len(missed)} target(s) missed: " + "; ".join(row.figure for row in missed)

@@ -192,6 +192,9 @@ class ClaimSource:
     pool: str
     unit_mib: int
     api_timeout: float
+    #: this node's pods by UID as the pod watch holds them (``PodWatch.claim_pod``): a
+    #: reserving pod found there is not read (:class:`~gpushare.dra.mates.MateReader`)
+    watched: Callable[[str], Mapping[str, Any] | None] | None = None
 
 
 def read_pending(
@@ -212,6 +215,7 @@ def read_pending(
         lambda obj: claim_shares(obj, driver, pool, offered, source.unit_mib),
         api_timeout=api_timeout,
         deadline=deadline,
+        watched=source.watched,
     )
     for claim in pending:
         left = None if deadline is None else deadline - time.monotonic()

@@ -140,8 +140,12 @@ class ClaimPreparer:
         api_timeout: float = 5.0,
         mps: MpsGrants | None = None,
         mig_nodes: Mapping[str, Sequence[str]] | None = None,
+        watched_pod: Callable[[str], Mapping[str, Any] | None] | None = None,
     ) -> None:
         self.api = api
+        #: this node's pods by UID as the pod watch holds them: the reserving pods found
+        #: there are not read again (:mod:`gpushare.dra.mates`)
+        self.watched_pod = watched_pod
         self.driver = driver
         self.pool = pool
         self.devices = devices
@@ -199,7 +203,9 @@ class ClaimPreparer:
                         outcomes[claim.uid], changed = outcome, changed or fresh
         except LockTimeout as exc:
             return _unfinished(claims, outcomes, str(exc))
-        source = ClaimSource(self.api, self.driver, self.pool, self.unit_mib, self.api_timeout)
+        source = ClaimSource(
+            self.api, self.driver, self.pool, self.unit_mib, self.api_timeout, self.watched_pod
+        )
         read, refused = read_pending(source, pending, self.devices(), deadline, cancelled)
         for claim, why in refused:
             outcomes[claim.uid] = _refused(claim, why)

@@ -17,10 +17,20 @@ pod's ``containers[].resources.claims`` (init containers too) name pod claims, a
 for extended resources backed by a claim) turn those into ResourceClaim names. A
 container naming one request of a claim is counted as using the whole claim (its limits
 are the whole claim's anyway). Every pod and claim is read once per prepare call, each
-read bounded by the API client's timeout and the kubelet's deadline. What cannot be read
-refuses the claim (the kubelet retries; the claim itself was just read from the same API
-server): a guess could let a card be used beyond its charge. A pod that is gone (not
-found, or found with another UID) or has ended runs no container again and is skipped.
+read bounded by the API client's timeout and the kubelet's deadline. A reserving pod is
+not read at all where the daemon's pod watch holds it (``watched``: the kubelet prepares
+a claim for a pod bound to this node, which the watch sees) with every claim name its
+containers use resolved: those fields do not change once set (``spec.resourceClaims``
+and the containers' ``resources.claims`` are immutable, a claim status is written once
+by the resourceclaim controller, the extended resource's claim by the scheduler before
+it binds the pod, so before the watch, which follows the node's pods, can see it); a
+pod the watch does not hold, or holds with a claim name not resolved yet, is read. What
+cannot be read refuses the claim (the kubelet retries; the claim itself was just read
+from the same API server): a guess could let a card be used beyond its charge. A pod
+that is gone (not found, or found with another UID) or has ended runs no container
+again and is skipped (a pod the watch still holds for a moment after it ended can
+only hold a claim to a smaller share, or refuse it until the watch catches up, never
+give it more).
 """
 
 from __future__ import annotations
@@ -193,8 +203,10 @@ class MateReader:
     """Finds the mates of the claims of one prepare call.
 
     ``shares_of`` gives a claim object's own smallest shares on this node (None: none of
-    its results is a share of one of this node's cards). Pods and claims are read once,
-    each read bounded by ``api_timeout`` and ``deadline`` (``time.monotonic()``)."""
+    its results is a share of one of this node's cards). ``watched`` gives a pod of this
+    node by UID as the pod watch holds it (``PodWatch.claim_pod``), or None. Pods and
+    claims are read once, each read bounded by ``api_timeout`` and ``deadline``
+    (``time.monotonic()``)."""
 
     def __init__(
         self,
@@ -203,9 +215,11 @@ class MateReader:
         *,
         api_timeout: float,
         deadline: float | None,
+        watched: Callable[[str], Mapping[str, Any] | None] | None = None,
     ) -> None:
         self.api = api
         self.shares_of = shares_of
+        self.watched = watched
         self.api_timeout = api_timeout
         self.deadline = deadline
         self._claims: dict[tuple[str, str], Mate] = {}
@@ -259,6 +273,8 @@ class MateReader:
     def _pod(self, namespace: str, name: str, uid: str) -> Mapping[str, Any] | None:
         """The pod, or None when it is gone or has ended (it runs no container again)."""
         key = (namespace, _checked(name, "reserved for pod"), uid)
+        if key not in self._pods and (known := self._watched(namespace, name, uid)):
+            self._pods[key] = known
         if key not in self._pods:
             found = self._read(
                 f"/api/v1/namespaces/{namespace}/pods/{name}", f"pod {namespace}/{name}"
@@ -276,6 +292,19 @@ class MateReader:
                 found = None
             self._pods[key] = found
         return self._pods[key]
+
+    def _watched(self, namespace: str, name: str, uid: str) -> Mapping[str, Any] | None:
+        """The pod as the pod watch holds it, when it names every claim its containers
+        use (else None: it is read)."""
+        found = self.watched(uid) if self.watched is not None else None
+        meta = _map(_map(found).get("metadata"))
+        if found is None or (meta.get("namespace"), meta.get("name")) != (namespace, name):
+            return None
+        try:
+            claims_by_container(found)
+        except MatesUnknown:  # a template's claim the watch has not seen named yet
+            return None
+        return found
 
     def _claim(self, namespace: str, name: str) -> Mate:
         key = (namespace, _checked(name, "a container's claim"))

@@ -18,8 +18,9 @@ metrics through the core (:meth:`DraPart.report_to`).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -196,11 +197,14 @@ def build_dra_part(
     observe: CallHook | None = None,
     mps: MpsGrants | None = None,
     mig_nodes: Mapping[str, Sequence[str]] | None = None,
+    watched_pod: Callable[[str], Mapping[str, Any] | None] | None = None,
 ) -> DraPart:
     """The DRA part for ``gpus`` (the cards in ``dra`` card mode; one in MIG mode is
     published as its MIG devices). ``board`` must hold every card of ``gpus`` by UUID,
     and each MIG device of those in MIG mode by its own.
     ``mig_nodes``: MIG UUID -> its device nodes (``--mig-device-specs``).
+    ``watched_pod``: this node's pods by UID as the daemon's pod watch holds them
+    (``PodWatch.claim_pod``): a claim's reserving pod found there is not read again.
     ``pcie_roots`` (card UUID -> root) default to what sysfs says."""
     if not node_name:
         raise ValueError("the DRA driver needs the node's name (NODE_NAME / --node-name)")
@@ -210,7 +214,7 @@ def build_dra_part(
     driver = settings.dra_driver
     preparer = _preparer(
         settings, devices, board, enforcement, listing, host_lib_dir, api, node_name, mps,
-        mig_nodes,
+        mig_nodes, watched_pod,
     )
     publisher = SlicePublisher(
         api=api,
@@ -250,6 +254,7 @@ def _preparer(
     node_name: str,
     mps: MpsGrants | None,
     mig_nodes: Mapping[str, Sequence[str]] | None,
+    watched_pod: Callable[[str], Mapping[str, Any] | None] | None,
 ) -> ClaimPreparer:
     """The prepare side of the driver, its checkpoint in ``--dra-state-dir`` (default:
     ``dra`` under the host directory) and its claims' CDI specs in ``--dra-cdi-dir``."""
@@ -269,6 +274,7 @@ def _preparer(
         state_dir=state_dir,
         mps=mps,
         mig_nodes=mig_nodes,
+        watched_pod=watched_pod,
     )
 
 
@@ -325,6 +331,7 @@ def dra_part_for(core: NodeCore, observe: CallHook | None = None) -> DraPart | N
             observe=observe,
             mps=core.mps,
             mig_nodes=_mig_nodes(cards) if settings.mig_device_specs else None,
+            watched_pod=core.api_link.pods.claim_pod if core.api_link is not None else None,
         )
     except (ValueError, ApiConfigMissing) as exc:
         raise NodeConfigurationError(f"card mode dra: {exc}") from None

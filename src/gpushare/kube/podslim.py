@@ -151,3 +151,104 @@ def slim(pod: Mapping[str, Any], prefix: str) -> dict[str, Any] | None:
         kept_meta["annotations"] = choice
     result = {"metadata": kept_meta, "spec": kept_spec, "status": {"phase": phase}}
     return result if asks_for_gpus(result) else None
+
+
+#: Of a pod that uses ResourceClaims, at most this many entries are kept in all (pod
+#: claims, claim statuses, containers' claim references, extended-resource mappings; a
+#: valid pod has at most 32 pod claims, and real ones a handful of references): a pod
+#: with more is not kept at all (its reader asks the API server), so that a tenant's
+#: pods cost the daemon at most about 80 KiB each (names of the longest valid length), whatever
+#: they hold (110 such pods, a node's default, about 9 MiB).
+MAX_CLAIM_ENTRIES = 128
+
+
+class _NotKept(Exception):
+    """The pod is past a bound, or holds a value the API server would not send."""
+
+
+def _named(
+    entries: Any, fields: tuple[str, ...], most: int = MAX_CLAIM_ENTRIES
+) -> list[dict[str, Any]]:
+    """Of each mapping in ``entries`` (other items are no entries), ``fields`` as they
+    are: absent or null ones left out; :class:`_NotKept` beyond ``most`` entries or for a
+    field that is not a string of at most :data:`MAX_FIELD_CHARS`, so that what is kept
+    is read exactly as the whole object would be, or not kept at all."""
+    found = _entries(entries)
+    if len(found) > most:
+        raise _NotKept
+    kept = []
+    for entry in found:
+        values = {f: entry.get(f) for f in fields if entry.get(f) is not None}
+        if not all(isinstance(v, str) and len(v) <= MAX_FIELD_CHARS for v in values.values()):
+            raise _NotKept
+        kept.append(values)
+    return kept
+
+
+def claim_view(pod: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The part of ``pod`` that says which ResourceClaims its containers use (what the
+    DRA driver reads of a pod that reserves a claim, ``dra/mates.py``): UID, namespace,
+    name, ``spec.resourceClaims``, each container's name and ``resources.claims``,
+    ``status.resourceClaimStatuses`` and ``status.extendedResourceClaimStatus``, whole.
+    None for a terminal pod, for one whose spec names no claim and no extended
+    resource's claim, and for one past the bounds (:data:`MAX_POD_CLAIMS`,
+    :data:`MAX_CONTAINERS`) or holding a value no API server sends: never a part of it."""
+    spec = pod.get("spec")
+    spec = spec if isinstance(spec, Mapping) else {}
+    status = pod.get("status")
+    status = status if isinstance(status, Mapping) else {}
+    phase = _text(status.get("phase") or "Pending")
+    extended = status.get("extendedResourceClaimStatus")
+    if phase in TERMINAL_PHASES or not (spec.get("resourceClaims") or extended):
+        return None
+    meta = pod.get("metadata")
+    meta = meta if isinstance(meta, Mapping) else {}
+    try:
+        kept_spec: dict[str, Any] = {
+            "resourceClaims": _named(
+                spec.get("resourceClaims"),
+                ("name", "resourceClaimName", "resourceClaimTemplateName"),
+            )
+        }
+        for field in ("initContainers", "containers"):
+            # a container that names no claim uses none (an extended resource's claim
+            # names its containers itself)
+            users = [_claims_of(c) for c in _entries(spec.get(field))]
+            kept_spec[field] = [c for c in users if c["resources"]["claims"]]
+        kept_status: dict[str, Any] = {
+            "phase": phase,
+            "resourceClaimStatuses": _named(
+                status.get("resourceClaimStatuses"), ("name", "resourceClaimName")
+            ),
+        }
+        if isinstance(extended, Mapping):
+            kept_status["extendedResourceClaimStatus"] = {
+                **_named([extended], ("resourceClaimName",), 1)[0],
+                "requestMappings": _named(extended.get("requestMappings"), ("containerName",)),
+            }
+    except _NotKept:
+        return None
+    if _entry_count(kept_spec, kept_status) > MAX_CLAIM_ENTRIES:
+        return None
+    kept_meta = {key: _text(meta.get(key)) for key in ("uid", "namespace", "name")}
+    return {"metadata": kept_meta, "spec": kept_spec, "status": kept_status}
+
+
+def _entry_count(spec: Mapping[str, Any], status: Mapping[str, Any]) -> int:
+    containers = [*spec["initContainers"], *spec["containers"]]
+    extended = status.get("extendedResourceClaimStatus") or {}
+    return (
+        len(spec["resourceClaims"])
+        + len(status["resourceClaimStatuses"])
+        + sum(len(c["resources"]["claims"]) for c in containers)
+        + len(extended.get("requestMappings") or ())
+    )
+
+
+def _claims_of(container: Mapping[str, Any]) -> dict[str, Any]:
+    resources = container.get("resources")
+    claims = resources.get("claims") if isinstance(resources, Mapping) else None
+    return {
+        **_named([container], ("name",), 1)[0],
+        "resources": {"claims": _named(claims, ("name",))},
+    }

@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-from gpushare.kube.podslim import slim
+from gpushare.kube.podslim import claim_view, slim
 from gpushare.kube.podspecs import PodSpecBook
 from gpushare.kube.stdlibclient import ApiClient, Watch
 from gpushare.kube.watching import open_watch, raise_if_error, run_until_stopped
@@ -64,6 +64,9 @@ class PodWatch:
         self._current: Watch | None = None
         self._thread: threading.Thread | None = None
         self._objects: dict[str, dict[str, Any]] = {}  # this node's pods as listed, by uid
+        #: this node's pods that use ResourceClaims, by uid: which claims each container
+        #: uses (``podslim.claim_view``), for the DRA driver (:meth:`claim_pod`)
+        self._claim_pods: dict[str, dict[str, Any]] = {}
         #: Called with every pod of the node after each list and each event.
         self.on_pods: Callable[[list[dict[str, Any]]], None] | None = None
 
@@ -89,6 +92,7 @@ class PodWatch:
     # ------------------------------------------------------------------ list
     def _list(self, api: ApiClient, timeout: float) -> None:
         kept: dict[str, dict[str, Any]] = {}
+        claim_pods: dict[str, dict[str, Any]] = {}
         seen, token, version = 0, "", ""
         while True:
             query = {**self.query, "limit": str(PAGE_LIMIT)}
@@ -98,9 +102,12 @@ class PodWatch:
                 for item in stream.items():
                     seen += 1
                     pod = slim(item, self.book.prefix) if isinstance(item, dict) else None
+                    view = claim_view(item) if isinstance(item, dict) else None
                     del item  # the full object goes now, before the next one is read
                     if pod is not None and _uid(pod):
                         kept[_uid(pod)] = pod
+                    if view is not None and _uid(view):
+                        claim_pods[_uid(view)] = view
                 meta = stream.fields.get("metadata")
             meta = meta if isinstance(meta, dict) else {}
             version = str(meta.get("resourceVersion") or version)
@@ -113,6 +120,7 @@ class PodWatch:
             self._epoch += 1
             self._resume = version
             self._objects = kept
+            self._claim_pods = claim_pods
             self._tell()
         self.listed.set()
         log.debug("pods_listed", node=self.node_name, pods=seen, kept=len(kept))
@@ -130,6 +138,14 @@ class PodWatch:
             log.warning("pod_list_failed", error=str(exc)[:300])
             return False
         return True
+
+    def claim_pod(self, uid: str) -> dict[str, Any] | None:
+        """The pod ``uid`` of this node, as far as the ResourceClaims its containers use
+        (``podslim.claim_view``), as the watch last saw it; None when the watch does not
+        hold it (not listed yet, not on this node, ended or gone, or past the bounds).
+        Without the watch's lock (a prepare never waits for the listeners it calls): one
+        lookup in a dict that a list replaces whole and an event changes by one key."""
+        return self._claim_pods.get(uid)
 
     def _tell(self) -> None:
         """Hand every pod of the node to ``on_pods`` (lock held: calls stay in order)."""
@@ -175,7 +191,12 @@ class PodWatch:
                 return False  # resume from the newer list's version
             version, uid = _version(obj), _uid(obj)
             pod = slim(obj, self.book.prefix) if kind in ("ADDED", "MODIFIED") else None
-            obj.clear()  # the full object goes now: only ``pod`` is kept
+            view = claim_view(obj) if kind in ("ADDED", "MODIFIED") else None
+            obj.clear()  # the full object goes now: only ``pod`` and ``view`` are kept
+            if view is not None and uid:
+                self._claim_pods[uid] = view
+            elif kind != "BOOKMARK" and uid:
+                self._claim_pods.pop(uid, None)
             if pod is not None and uid:
                 self.book.update(pod)
                 self._objects[uid] = pod

@@ -86,6 +86,8 @@ class DraNode:
         self.listing = DeviceListing()
         self.part: DraPart | None = None
         self.kubelet = DraKubelet(self.kubelet_root)
+        #: the node's pods by UID as a pod watch holds them (the daemon's PodWatch)
+        self.watched_pod: Any = None
 
     def build(self) -> DraPart:
         return build_dra_part(
@@ -99,6 +101,7 @@ class DraNode:
             NODE,
             self.kubelet_root,
             pcie_roots={},
+            watched_pod=self.watched_pod,
         )
 
     def start(self) -> DraPart:

@@ -236,6 +236,13 @@ def test_an_allocate_reuses_the_preferred_decision_only_while_nothing_was_bound(
     desk.refused()
     assert desk.pairing.last is None
     assert desk.decided(Resource.CORE, 1, 3.5)[1].basis is Basis.NOTHING_TO_PAIR
+    # even a decision kept with nothing to pair is not the next pod's: records read anew
+    with_specs = KubeletRecords(Snapshot(0.0))
+    desk = PairingDesk(with_specs, book(1, 1))
+    desk.decide(Resource.MEMORY, 1, 4.0, for_allocate=True)
+    desk.refused()
+    desk.decided(Resource.MEMORY, 1, 5.0)
+    assert with_specs.reads == [(4.0, RECORDS_WAIT), (5.0, RECORDS_WAIT)]
 
 
 def test_the_records_are_read_outside_the_desks_lock() -> None:

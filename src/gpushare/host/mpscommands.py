@@ -51,8 +51,6 @@ V3: dict[str, tuple[str, ...]] = {
 }
 #: How long a command or the daemon's start may take before it counts as failed.
 COMMAND_TIMEOUT = 10.0
-#: How long a command or the daemon's start may take before it counts as failed.
-COMMAND_TIMEOUT = 10.0
 #: The mode of the pipe tree: read by every client (through read-only mounts).
 PIPE_MODE = 0o755
 

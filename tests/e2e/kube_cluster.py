@@ -349,7 +349,7 @@ class NodeSpec:
     #: a cgroup v2 hierarchy for the node's containers: the kernel's own, mounted at
     #: ``<node>/cgroup`` inside the node's mount namespace (a machine whose /sys/fs/cgroup is
     #: v1 has it too, unmounted), with the CRI fake run in that namespace and told to put
-    #: each container's process in ``<node>/cgroup/crifake/<container id>``
+    #: each container's process in ``<node>/cgroup/k8s.io/<container id>`` (containerd's path)
     cgroup2: bool = False
     #: the node's container runtime: ``crifake`` (Kubernetes' CRI fake, recording each
     #: container's config) or ``containerd`` (real containerd and runc, tests/e2e/real_runtime.py:

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1418,11 +1419,13 @@ class Cluster:
         if node not in self.nodes:
             raise ValueError(f"pod {ns}/{pod} is on no node of this cluster ({node})")
         port = self.nodes[node].kubelet_port
-        reply = requests.get(
-            f"https://127.0.0.1:{port}/containerLogs/{ns}/{pod}/{container}",
-            verify=False,  # the kubelet's self-signed serving certificate
-            timeout=10,
-        )
+        with warnings.catch_warnings():  # the kubelet's self-signed certificate, on loopback
+            warnings.simplefilter("ignore", urllib3.exceptions.InsecureRequestWarning)
+            reply = requests.get(
+                f"https://127.0.0.1:{port}/containerLogs/{ns}/{pod}/{container}",
+                verify=False,
+                timeout=10,
+            )
         reply.raise_for_status()
         return reply.text
 

@@ -413,7 +413,9 @@ class NodeAgent:
             "mount -t tmpfs -o mode=0755 gpushare-e2e /var/lib && mkdir /var/lib/kubelet "
             '&& mount --bind "$1" /var/lib/kubelet '
             '&& { [ -z "$4" ] || mount -t cgroup2 gpushare-e2e "$4"; } '
-            '&& { [ -z "$5" ] || mount -t tmpfs -o mode=0755 gpushare-e2e /var/log; } '
+            '&& { [ -z "$5" ] || { mount -t tmpfs -o mode=0755 gpushare-e2e /var/log '
+            "&& mkdir -p /run/containerd "
+            "&& mount -t tmpfs -o mode=0700 gpushare-e2e /run/containerd; }; } "
             '&& touch "$3" && exec sleep infinity'
         )
         self.holder = Proc(
@@ -432,7 +434,10 @@ class NodeAgent:
                 str(self.vgpu),
                 str(ready),
                 str(self.cgroup) if self.spec.cgroup2 else "",
-                # a real runtime's pod logs (/var/log/pods) stay in the node
+                # a real runtime's pod logs (/var/log/pods) stay in the node, and so do the
+                # paths containerd and its shim fix whatever the config says (the IO fifos'
+                # /run/containerd/fifo, the shim's fallback runc root /run/containerd/runc):
+                # on the host at most the empty mount point /run/containerd
                 "log" if self.containerd is not None else "",
             ],
             self.dir / "namespace.log",

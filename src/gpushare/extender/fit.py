@@ -324,7 +324,7 @@ def _misfit(rooms: Sequence[CardRoom], pod: PodNeed, plan: PodPlacement) -> str:
         return explain_misfit(rooms, pod.init_containers[plan.init_misfit], init=True)
     if plan.misfit is None:
         return explain_misfit(rooms, pod.containers[0]) if pod.containers else "no card"
-    placed = list(zip_strict(plan.placed, pod.containers[: len(plan.placed)]))
+    placed = [(uuid, pod.containers[i]) for i, uuid in enumerate(plan.placed)]
     current = list(rooms)
     for uuid, need in placed:
         current = [

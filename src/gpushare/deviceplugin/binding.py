@@ -37,12 +37,12 @@ import structlog
 from gpushare.deviceplugin.pairingdesk import RECORDS_WAIT as RECORDS_WAIT
 from gpushare.deviceplugin.pairingdesk import PairingDesk, PodResourceRecords
 from gpushare.deviceplugin.shareplan import SharePlan, partner_refusal, plan_share, span_refusal
-from gpushare.deviceplugin.specrefusals import spec_refusal
 from gpushare.gpu.health import HealthBoard, unhealthy
 from gpushare.host.grants import GrantHost, HostGrantError
 from gpushare.host.grantspecs import GrantSpecs
 from gpushare.host.mps import MpsGrants
 from gpushare.kube.podspecs import PodSpecBook, holder_live
+from gpushare.kube.specrefusals import spec_refusal
 from gpushare.share.answers import ContainerEdits, DeviceListing, Enforcement
 from gpushare.share.devices import InvalidDeviceIds, Inventory, Resource, format_device_id
 from gpushare.share.pairing import Binding, Decision

@@ -42,11 +42,11 @@ from gpushare.deviceplugin.plugin import (
     device_list_message,
 )
 from gpushare.deviceplugin.registration import KubeletLink
-from gpushare.deviceplugin.specrefusals import mixed_kinds
 from gpushare.gpu import mig
 from gpushare.gpu.gpus import GpuBackend, GpuError
 from gpushare.gpu.topology import Topology, prefer
 from gpushare.host.cdi import CdiCheck
+from gpushare.kube.specrefusals import mixed_kinds
 from gpushare.node.core import NodeCore
 from gpushare.share.devices import Inventory, Resource
 from gpushare.share.gputype import CardChoice

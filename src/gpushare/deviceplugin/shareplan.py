@@ -87,11 +87,14 @@ def plan_share(
     units = len(numbers)
     memory_mib = units * unit_mib if resource is Resource.MEMORY else None
     cores = units if resource is Resource.CORE else None
+    # The host's names first (the cache directory's key, the grant's spec), then what
+    # must exist there, then the container's edits that point at it.
+    key, spec_name = cache_key(device_ids), grant_name(resource.value, device_ids)
     needs = share_needs(
         enforcement,
         uuid,
         dirs,
-        key=cache_key(device_ids),
+        key=key,
         memory_mib=memory_mib,
         cores=cores,
         mps=mps,
@@ -109,5 +112,5 @@ def plan_share(
         grant,
         needs,
         answers.container_edits(grant, listing),
-        grant_name(resource.value, device_ids),
+        spec_name,
     )

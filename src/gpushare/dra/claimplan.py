@@ -91,12 +91,15 @@ def plan_claim(
     keys, whose directories its running container may use). ClaimRefused if refused."""
     chosen = _chosen(claim, results, node)
     _needs_no_missing_check(node.enforcement, claim, [d for _, d, _ in chosen])
+    # First the claim among its mates (what they hold it to, what it must not exceed
+    # for them, what they must not exceed for it), then its results one by one.
     hold = smallest([together.hold(), promised(held, claim.uid)])
     limits = claim_limits(claim, chosen, node.unit_mib, hold)
     if limits.memory_mib is not None:
         why = overreaching(together, claim.uid, applied)
         if why:
             raise ClaimRefused(f"claim {claim.describe()}: {why}")
+    floors = together.floors(claim.uid)
     kept = set(keep)
     planned = [_result(claim, r, d, res, limits, node, kept) for r, d, res in chosen]
     entry = ClaimEntry(
@@ -108,7 +111,7 @@ def plan_claim(
         devices=[p.record for p in planned],
         memory_limit_mib=limits.memory_mib,
         core_limit=None if limits.memory_mib is None else limits.cores or FULL_CORES,
-        held_with=together.floors(claim.uid),
+        held_with=floors,
     )
     return ClaimPlan(planned, entry)
 

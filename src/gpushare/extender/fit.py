@@ -2,10 +2,11 @@
 
 The kubelet and the default scheduler only see a node's totals of ``vcuda-memory`` and
 ``vcuda-core``. This module looks at the cards, and the decision is not its own: it
-reads the pod and the node's published cards and asks ``placement.place_containers``,
-the function the daemon's binder calls, so the card predicted for each container is
-the card the daemon will choose. The containers of one pod are placed together, so
-their sum counts on a shared card.
+reads the pod and the node's published cards and asks ``placement.place_pod``, whose
+containers go where ``placement.place_containers`` puts them, the function the
+daemon's binder calls, so the card predicted for each container is the card the
+daemon will choose; what is left here is to tell a misfit in the cards' words. The
+containers of one pod are placed together, so their sum counts on a shared card.
 
 A container asking only memory needs no core units; one asking only cores needs no
 memory units (its limit is then the whole card's memory, but it holds no units).
@@ -26,7 +27,7 @@ from typing import Any
 
 from gpushare.base.compat import zip_strict
 from gpushare.kube.nodestate import NodeGpuState
-from gpushare.share.placement import BINPACK, Need, Policy, Room, best, place_containers
+from gpushare.share.placement import BINPACK, Need, PodPlacement, Policy, Room, place_pod
 
 __all__ = ["BINPACK", "PLACEMENTS", "Policy"]
 
@@ -273,12 +274,6 @@ def _rooms(rooms: Sequence[CardRoom]) -> list[Room]:
     return [r.room for r in rooms]
 
 
-def choose_room(rooms: Sequence[CardRoom], need: ContainerNeed, policy: str) -> CardRoom | None:
-    """The card the daemon would give this container alone, or None if no card holds it."""
-    chosen = best(_rooms(rooms), need.need, Policy.parse(policy))
-    return next(r for r in rooms if r.uuid == chosen.uuid) if chosen is not None else None
-
-
 def _count(number: int, noun: str) -> str:
     return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
 
@@ -322,33 +317,31 @@ def explain_misfit(
     return text + ": " + ", ".join(_describe_room(room, need) for room in rooms)
 
 
-def _greedy_misfit(rooms: Sequence[CardRoom], needs: Sequence[ContainerNeed], policy: str) -> str:
-    """Why a pod cannot be placed: the first container that finds no card when the
-    others before it take their best cards (if no assignment exists, this one fails)."""
+def _misfit(rooms: Sequence[CardRoom], pod: PodNeed, plan: PodPlacement) -> str:
+    """Why the pod does not fit, told at the container placement stopped at: an init
+    container alone, or a container after those before it took their best cards."""
+    if plan.init_misfit is not None:
+        return explain_misfit(rooms, pod.init_containers[plan.init_misfit], init=True)
+    if plan.misfit is None:
+        return explain_misfit(rooms, pod.containers[0]) if pod.containers else "no card"
+    placed = [(uuid, pod.containers[i]) for i, uuid in enumerate(plan.placed)]
     current = list(rooms)
-    placed: list[tuple[str, ContainerNeed]] = []
-    for need in needs:
-        room = choose_room(current, need, policy)
-        if room is None:
-            return explain_misfit(current, need, placed)
-        placed.append((room.uuid, need))
+    for uuid, need in placed:
         current = [
-            r.minus(need.memory_units, need.core_units) if r.uuid == room.uuid else r
-            for r in current
+            r.minus(need.memory_units, need.core_units) if r.uuid == uuid else r for r in current
         ]
-    return explain_misfit(rooms, needs[0]) if needs else "no card"
+    return explain_misfit(current, pod.containers[plan.misfit], placed)
 
 
 def fit_pod(rooms: Sequence[CardRoom], pod: PodNeed, policy: str = BINPACK) -> Fit:
-    """The cards the daemon will give the pod's containers (``placement``), or why not."""
-    chosen_policy = Policy.parse(policy)
-    for init in pod.init_containers:
-        if choose_room(rooms, init, chosen_policy) is None:
-            return Fit(None, explain_misfit(rooms, init, init=True))
-    plan = place_containers(_rooms(rooms), [c.need for c in pod.containers], chosen_policy)
-    if plan is None:
-        return Fit(None, _greedy_misfit(rooms, pod.containers, chosen_policy))
-    placement = Placement(tuple(zip_strict(plan, pod.containers)))
+    """The cards the daemon will give the pod's containers (``placement``), or why not:
+    placement decides the whole pod at once, then the misfit is told in cards' words."""
+    cards = _rooms(rooms)
+    init_needs = [c.need for c in pod.init_containers]
+    plan = place_pod(cards, init_needs, [c.need for c in pod.containers], Policy.parse(policy))
+    if plan.cards is None:
+        return Fit(None, _misfit(rooms, pod, plan))
+    placement = Placement(tuple(zip_strict(plan.cards, pod.containers)))
     use = placement.use_by_card()
     after = tuple(r.minus(*use[r.uuid]) if r.uuid in use else r for r in rooms)
     return Fit(placement, rooms_after=after)

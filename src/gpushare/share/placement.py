@@ -128,9 +128,7 @@ def rank(rooms: Sequence[Room], need: Need, policy: Policy) -> list[Room]:
 def best(rooms: Sequence[Room], need: Need, policy: Policy) -> Room | None:
     """``rank(rooms, need, policy)[0]`` (None when no card holds ``need``), without
     sorting the others: the answer for a pod of one container."""
-    return min(
-        (room for room in rooms if room.holds(need)), key=_order(need, policy), default=None
-    )
+    return min((room for room in rooms if room.holds(need)), key=_order(need, policy), default=None)
 
 
 def place_containers(
@@ -167,6 +165,50 @@ def place_containers(
     if found is None and trials > SEARCH_LIMIT:
         return _greedy(rooms, needs, policy)
     return tuple(found) if found is not None else None
+
+
+@dataclass(frozen=True)
+class PodPlacement:
+    """A whole pod placed (:func:`place_pod`), or the container that stops it."""
+
+    #: one card UUID per container, in order; None: the pod does not fit
+    cards: tuple[str, ...] | None
+    #: the first init container that finds no card alone
+    init_misfit: int | None = None
+    #: where the containers do not fit together: the first that finds no card when
+    #: those before it take their best cards (None: each finds one, yet no assignment
+    #: holds them all), and the cards those before it took
+    misfit: int | None = None
+    placed: tuple[str, ...] = ()
+
+
+def place_pod(
+    rooms: Sequence[Room], init_needs: Sequence[Need], needs: Sequence[Need], policy: Policy
+) -> PodPlacement:
+    """A pod on the node's cards: each ordinary init container alone first (each must
+    find a card), then the containers together (:func:`place_containers`). Where the
+    pod does not fit, which container stops it, so that the caller can say why."""
+    for position, need in enumerate(init_needs):
+        if best(rooms, need, policy) is None:
+            return PodPlacement(None, init_misfit=position)
+    cards = place_containers(rooms, needs, policy)
+    if cards is not None:
+        return PodPlacement(cards)
+    return _greedy_stop(rooms, needs, policy)
+
+
+def _greedy_stop(rooms: Sequence[Room], needs: Sequence[Need], policy: Policy) -> PodPlacement:
+    """The containers placed one by one on their best cards: the first that finds none
+    (if no assignment exists, this one fails) and the cards taken before it."""
+    current = list(rooms)
+    placed: list[str] = []
+    for position, need in enumerate(needs):
+        chosen = best(current, need, policy)
+        if chosen is None:
+            return PodPlacement(None, misfit=position, placed=tuple(placed))
+        placed.append(chosen.uuid)
+        current = [r.minus(need) if r.uuid == chosen.uuid else r for r in current]
+    return PodPlacement(None)
 
 
 def plan_fits(rooms: Sequence[Room], needs: Sequence[Need], cards: Sequence[str]) -> bool:

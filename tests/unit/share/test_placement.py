@@ -18,8 +18,10 @@ from gpushare.share.placement import (
     Policy,
     Request,
     Room,
+    best,
     choose_card,
     place_containers,
+    place_pod,
     preferred_units,
     rank,
 )
@@ -231,6 +233,41 @@ def test_placing_the_first_container_then_the_rest_gives_the_same_cards(
         again = place_containers(current, needs[position:], policy)
         assert again == placed[position:]
         current = [r.minus(need) if r.uuid == placed[position] else r for r in current]
+
+
+@given(rooms_strategy, needs_strategy, needs_strategy, st.sampled_from(list(Policy)))
+def test_a_pod_placed_whole_names_the_container_that_stops_it(
+    spec: list[tuple[int, int, bool]],
+    raw_init: list[tuple[int, int]],
+    raw: list[tuple[int, int]],
+    policy: Policy,
+) -> None:
+    """place_pod: the init containers each alone, then place_containers' answer; where
+    the pod does not fit, the first init container with no card, else the first
+    container that finds none once those before it took their best cards."""
+    rooms = _rooms(spec)
+    init_needs = [Need(m, c) for m, c in raw_init]
+    needs = [Need(m, c) for m, c in raw]
+    plan = place_pod(rooms, init_needs, needs, policy)
+    lonely = [i for i, need in enumerate(init_needs) if best(rooms, need, policy) is None]
+    if lonely:
+        assert plan.cards is None and plan.init_misfit == lonely[0]
+        return
+    assert plan.init_misfit is None
+    assert plan.cards == place_containers(rooms, needs, policy)
+    if plan.cards is not None:
+        assert plan.misfit is None and plan.placed == ()
+        return
+    current = list(rooms)
+    for position, need in enumerate(needs):
+        chosen = best(current, need, policy)
+        if chosen is None:
+            assert plan.misfit == position
+            assert len(plan.placed) == position
+            return
+        assert plan.placed[position] == chosen.uuid
+        current = [r.minus(need) if r.uuid == chosen.uuid else r for r in current]
+    assert plan.misfit is None  # each fits alone in turn, yet the search found no whole
 
 
 def test_two_identical_containers_are_placed_for_the_pod() -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpushare.deviceplugin.specrefusals import spec_refusal
 from gpushare.kube.podspecs import PodSpecBook
+from gpushare.kube.specrefusals import spec_refusal
 from gpushare.share.devices import Resource
 from gpushare.share.pairing import Basis, Decision
 from gpushare.share.records import Snapshot

@@ -5,7 +5,9 @@ the kubelet's records, before anything is granted: a container asking shared uni
 beside whole cards or MIG devices (its answers would name different GPUs), cores
 without memory units (it would run with no memory limit on a shared card), and a spec
 that sets what carries its limits (``share/reserved.py``). :func:`spec_refusal` says
-why, or None; ``Binder._plan`` refuses with it.
+why, or None; the device plugin's ``Binder._plan`` refuses with it. Pure over the
+pod-spec book and plain data (the pairing decision, the records' snapshot), so it
+stands beside the book it reads rather than in the door that asks.
 
 The device-plugin API does not name the pod being admitted, so each refusal speaks only
 when the Allocate is certainly that pod's (issue 41 item 10): a container the fresh

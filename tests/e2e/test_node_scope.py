@@ -175,8 +175,17 @@ def test_the_daemon_may_write_no_other_state_object_and_no_other_configmap(
         "data": {"x": "y"},
     }
     assert daemon_api.create(any_other).status_code == 403
-    # RBAC: no delete, no list, and nothing outside its namespace
-    assert daemon_api.request("DELETE", f"{CONFIGMAPS}/gpushare-node-node-1").status_code == 403
+    # Delete: only its own state object (a daemon leaving the object mode retires it): RBAC
+    # lets it delete ConfigMaps in its namespace, the policy only that one name.
+    made = cluster.api.request("POST", CONFIGMAPS, json=any_other)
+    assert made.status_code == 201, made.text
+    try:
+        reply = daemon_api.request("DELETE", f"{CONFIGMAPS}/coredns-like")
+        assert reply.status_code == 403, reply.text
+        assert "may delete only the ConfigMap gpushare-node-node-1" in reply.json()["message"]
+    finally:
+        cluster.api.request("DELETE", f"{CONFIGMAPS}/coredns-like")
+    # ... no list, and nothing outside its namespace
     assert daemon_api.request("GET", CONFIGMAPS).status_code == 403
     elsewhere = _state_object(cluster, "node-1", namespace="default")
     assert daemon_api.create(elsewhere).status_code == 403

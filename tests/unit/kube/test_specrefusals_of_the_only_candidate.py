@@ -1,5 +1,5 @@
 """What the asking container's own pod spec makes a shared-units Allocate refuse
-(``deviceplugin/specrefusals.py``), where that container is the only one the pods on
+(``kube/specrefusals.py``), where that container is the only one the pods on
 record can be: a spec that sets what carries its limits (reserved env names, a volume
 over the interposer's paths), cores without memory units, shared units beside a whole
 card or MIG device the records show it holding. Each refusal is one line naming the
@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from kit.sizes import at_two_sizes
 from structlog.testing import capture_logs
 
-from gpushare.deviceplugin.specrefusals import core_without_memory, mixed_kinds, spec_refusal
 from gpushare.kube.podspecs import PodSpecBook
+from gpushare.kube.specrefusals import core_without_memory, mixed_kinds, spec_refusal
 from gpushare.share.devices import Resource
 from gpushare.share.pairing import Basis, Binding, Decision
 from gpushare.share.records import Snapshot

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from conftest import CARD_4GIB, NODE, TESLA_P4, Node, cards
-from kit.extender import RunningExtender, args, container, extender_factory, kept, pod
+from kit.extender import RunningExtender, args, container, extender_factory, get, kept, pod
 from kit.kube_double import KubeApiDouble
 from kit.procs import eventually
 
@@ -34,7 +34,12 @@ class Cluster:
         self.extender = self.new_extender()
 
     def new_extender(self) -> RunningExtender:
-        return self.make(api_server=self.api.url, token_file="", ca_file="")
+        """A started extender once it is ready (its pods and Nodes read: /readyz 200), as
+        the Service in front of it routes kube-scheduler to it only then; a filter before
+        that keeps no node (test_a_restarted_extender_keeps_no_node_until_it_has_read_the_pods)."""
+        server = self.make(api_server=self.api.url, token_file="", ca_file="")
+        eventually(lambda: get(server, "/readyz")[0] == 200)
+        return server
 
     def node_object(self) -> dict[str, Any]:
         the_node = self.api.get("Node", NODE)
@@ -214,7 +219,7 @@ def test_a_restarted_extender_keeps_no_node_until_it_has_read_the_pods(
 ) -> None:
     """Never from an empty ledger: while the pod list cannot be read, the filter keeps
     no node and /readyz says so; once it is read, the node is kept."""
-    from kit.extender import card, get, node
+    from kit.extender import card, node
 
     api.add(node("n0", [card(0)]))
     api.fail_next(1000, status=503)

@@ -10,11 +10,16 @@ comma  := ,
 demo: $(VENV)/.installed  ## run the daemon on a simulated node with a simulated kubelet
 	$(BIN)/gpushare-demo
 
+# The suite's test files run on TEST_WORKERS pytest-xdist workers, each file whole on one
+# worker (--dist loadfile): its tests mostly wait (daemons starting and stopping, gRPC
+# grace periods, subprocesses), so four workers overlap those waits even on 2 cores
+# (docs/benchmarks.md, "make test"). TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= 4
 test: $(VENV)/.installed-test  ## lint, type-check, check the layers and run the test suite
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # A real Kubernetes (etcd, kube-apiserver, kube-scheduler, kube-controller-manager and
 # kubelets on a CRI fake, and on a real containerd and runc for test_real_runtime.py) built

@@ -34,11 +34,12 @@ class Cluster:
         self.extender = self.new_extender()
 
     def new_extender(self) -> RunningExtender:
-        """An extender as kube-scheduler meets it: ready (its pods and Nodes read once;
-        before that it answers every node "retried", as it should)."""
-        extender = self.make(api_server=self.api.url, token_file="", ca_file="")
-        eventually(lambda: get(extender, "/readyz")[0] == 200)
-        return extender
+        """A started extender once it is ready (its pods and Nodes read: /readyz 200), as
+        the Service in front of it routes kube-scheduler to it only then; a filter before
+        that keeps no node (test_a_restarted_extender_keeps_no_node_until_it_has_read_the_pods)."""
+        server = self.make(api_server=self.api.url, token_file="", ca_file="")
+        eventually(lambda: get(server, "/readyz")[0] == 200)
+        return server
 
     def node_object(self) -> dict[str, Any]:
         the_node = self.api.get("Node", NODE)
@@ -218,7 +219,7 @@ def test_a_restarted_extender_keeps_no_node_until_it_has_read_the_pods(
 ) -> None:
     """Never from an empty ledger: while the pod list cannot be read, the filter keeps
     no node and /readyz says so; once it is read, the node is kept."""
-    from kit.extender import card, get, node
+    from kit.extender import card, node
 
     api.add(node("n0", [card(0)]))
     api.fail_next(1000, status=503)

@@ -150,9 +150,12 @@ def test_a_tenant_that_cannot_start_fails_its_steps_not_the_run(
 
 
 def test_gpu_proofs_mps_part_proves_a_v3_namespace_and_stops_its_daemon(
-    machine: Path, tmp_path: Path
+    machine: Path, short_tmp: Path
 ) -> None:
-    scratch = tmp_path / "mps"
+    # the namespace's socket is <scratch>/mps/pipe/gpushare/proof30/control: under
+    # tmp_path (popen-gwN/ under a parallel run) it passes the 107 bytes a unix socket
+    # path may have and the stand-in daemon dies binding it
+    scratch = short_tmp / "mps"
     done = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gpu-proof-mps.py"),
          str(machine / "bin" / "nvidia-cuda-mps-control"), UUID, str(scratch)],

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from kit.sizes import at_two_sizes
 from structlog.testing import capture_logs
 
+from gpushare.deviceplugin.specrefusals import core_without_memory, mixed_kinds, spec_refusal
 from gpushare.kube.podspecs import PodSpecBook
-from gpushare.kube.specrefusals import core_without_memory, mixed_kinds, spec_refusal
 from gpushare.share.devices import Resource
 from gpushare.share.pairing import Basis, Binding, Decision
 from gpushare.share.records import Snapshot

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 from kit.memhook import shared_hook
 
+from gpushare.base import logs
 from gpushare.config import Settings
 from gpushare.daemon import Daemon
 from gpushare.host.elf import stand_in
@@ -48,13 +49,7 @@ hypothesis_settings.load_profile("gpushare")
 #: tests that read log events use ``structlog.testing.capture_logs``, which replaces
 #: the processors and so does not depend on the renderer.
 structlog.configure(
-    processors=[
-        structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
-        structlog.processors.format_exc_info,
-        structlog.processors.JSONRenderer(),
-    ],
+    processors=logs.processors(structlog.processors.JSONRenderer()),
     wrapper_class=structlog.make_filtering_bound_logger(logging.NOTSET),
     logger_factory=structlog.PrintLoggerFactory(),
     cache_logger_on_first_use=False,

@@ -1,4 +1,5 @@
-"""The memory hook and the stand-in NVML built by gcc, and a world for them: a stand-in
+"""The memory hook, the stand-in NVML and the stand-in CUDA driver built by gcc, and a
+world for the hook: a stand-in
 cgroup v2 tree, a stand-in /proc and the simulated driver's limit store. Shared by the
 hook's tests, the end-to-end tests from Allocate or prepare to the limit, and the bench."""
 
@@ -17,6 +18,7 @@ from gpushare.gpu.memlimits import LimitStore
 ROOT = Path(__file__).resolve().parents[2]
 HOOK_SOURCE = ROOT / "hook" / "memory-hook.c"
 NVML_SOURCE = ROOT / "tests" / "kit" / "standin" / "libnvml_standin.c"
+CUDA_SOURCE = ROOT / "tests" / "kit" / "standin" / "libcuda_standin.c"
 UUID = "GPU-11111111-2222-3333-4444-555555555555"
 HAVE_GCC = shutil.which("gcc") is not None
 
@@ -30,6 +32,14 @@ def build(out: Path) -> tuple[Path, Path]:
     subprocess.run(["gcc", *flags, "-shared", "-fPIC", "-o", str(nvml), str(NVML_SOURCE)],
                    check=True, timeout=120)  # fmt: skip
     return hook, nvml
+
+
+def build_cuda(lib: Path) -> Path:
+    """The stand-in CUDA driver (``libcuda_standin.c``) built as the shared library ``lib``
+    (named as the test needs it: ``libcuda.so.1``, or as the interposer)."""
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(CUDA_SOURCE)], check=True,
+                   timeout=120)  # fmt: skip
+    return lib
 
 
 @dataclass

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import Node
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def free_port() -> int:
@@ -50,6 +51,22 @@ def scrape(port: int, path: str = "/metrics") -> tuple[int, str]:
             return reply.status, reply.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
+
+
+def metric_samples(text: str, name: str) -> list[dict[str, Any]]:
+    """The samples named ``name`` in the exposition ``text``, each its labels and ``value``."""
+    return [
+        {**sample.labels, "value": sample.value}
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    ]
+
+
+def daemon_samples(node: Node, name: str) -> list[dict[str, Any]]:
+    """:func:`metric_samples` of what the node's in-process daemon exports now."""
+    assert node.daemon is not None and node.daemon.metrics is not None
+    return metric_samples(node.daemon.metrics.render().decode(), name)
 
 
 def daemon_command(node: Node, *extra: str, port: int = 0) -> list[str]:

@@ -18,8 +18,7 @@ import pytest
 from conftest import NODE, TESLA_P4, Node, cards, gpu_uuid
 from kit import promlint
 from kit.kube_double import KubeApiDouble
-from kit.procs import free_port, scrape
-from prometheus_client.parser import text_string_to_metric_families
+from kit.procs import free_port, metric_samples, scrape
 from test_node_api import add_pod, eventually, node_annotation
 
 from gpushare.daemon import Daemon
@@ -55,12 +54,7 @@ def claims_of(state: nodestate.NodeGpuState | None) -> dict[str, set[tuple[Any, 
 def samples(port: int, name: str) -> list[dict[str, Any]]:
     status, text = scrape(port)
     assert status == 200
-    return [
-        {**sample.labels, "value": sample.value}
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    ]
+    return metric_samples(text, name)
 
 
 def per_card(port: int, name: str) -> dict[str, float]:

@@ -21,8 +21,7 @@ from typing import Any
 from conftest import NODE, RTX_3090, TESLA_P4, Node, gpu_uuid
 from kit.kube_double import KubeApiDouble
 from kit.mig_layouts import mig_uuid, reference_a100
-from kit.procs import free_port
-from prometheus_client.parser import text_string_to_metric_families
+from kit.procs import daemon_samples, free_port
 from test_node_api import add_pod, eventually, node_annotation
 
 from gpushare.daemon import Daemon
@@ -52,17 +51,6 @@ def inspected() -> inspect.ClusterView:
     """What ``kubectl gpushare inspect`` shows (the daemon's logs share stdout: the
     view is built by the command's own functions from the same API reads)."""
     return inspect.build_view(*inspect.fetch(None, Cluster()), PREFIX)
-
-
-def metric_samples(node: Node, name: str) -> list[dict[str, Any]]:
-    assert node.daemon is not None and node.daemon.metrics is not None
-    text = node.daemon.metrics.render().decode()
-    return [
-        {**sample.labels, "value": sample.value}
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == name
-    ]
 
 
 def test_whole_and_mig_holds_are_shown_counted_exported_and_annotated(
@@ -151,7 +139,7 @@ def test_whole_and_mig_holds_are_shown_counted_exported_and_annotated(
     # metrics: what each pod holds whole, per card; health of every card as inspect shows it
     devices_held = {
         (s["pod"], s["gpu"], s["device"], s["resource"])
-        for s in metric_samples(node, "gpushare_container_devices")
+        for s in daemon_samples(node, "gpushare_container_devices")
         if s["value"] == 1
     }
     assert devices_held == {
@@ -159,8 +147,8 @@ def test_whole_and_mig_holds_are_shown_counted_exported_and_annotated(
         ("w2", second.card(), second.card(), WHOLE),
         ("m", gpus[0]["uuid"], mig_uuid(0), MIG_3G),
     }
-    healthy = {s["gpu"]: s["value"] for s in metric_samples(node, "gpushare_gpu_healthy")}
+    healthy = {s["gpu"]: s["value"] for s in daemon_samples(node, "gpushare_gpu_healthy")}
     shown = {c["uuid"]: c["healthy"] for c in [card1, a100, p4]}
     assert healthy == {uuid: 1.0 if ok else 0.0 for uuid, ok in shown.items()}
-    mig_health = metric_samples(node, "gpushare_mig_device_healthy")
+    mig_health = daemon_samples(node, "gpushare_mig_device_healthy")
     assert {s["device"] for s in mig_health} == set(devices)

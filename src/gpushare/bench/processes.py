@@ -65,6 +65,19 @@ def container_order(i: int) -> list[str]:
     return [MEMORY, CORE] if i % 4 == 3 else [CORE, MEMORY]
 
 
+def end_on_stdin_close(proc: subprocess.Popen[Any], grace: float = 10.0) -> None:
+    """End a helper process that runs until its standard input closes (the API-server
+    doubles' ``python -m`` mains, the DRA call worker): close it, and kill the process
+    if it has not ended ``grace`` seconds later."""
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 NODE_NAME = "bench-node"
 
 
@@ -138,13 +151,7 @@ class ApiServer:
     def stop(self) -> None:
         self._conn.close()
         if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            end_on_stdin_close(self.proc)
 
 
 class Node:

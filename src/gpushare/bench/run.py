@@ -49,6 +49,7 @@ from gpushare.bench.processes import (
     NODE_NAME,
     ApiServer,
     Node,
+    end_on_stdin_close,
     node_gpus,
     process_handle,
     temporary_root,
@@ -683,13 +684,7 @@ class DraCaller:
 
     def close(self) -> None:
         if self._process is not None:
-            if self._process.stdin is not None:
-                self._process.stdin.close()
-            try:
-                self._process.wait(10)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+            end_on_stdin_close(self._process)
         self.kubelet.close()
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import structlog
 
+from gpushare.base.kerneltables import named_numbers
 from gpushare.gpu.gpus import Gpu, MigDevice
 
 log = structlog.get_logger(__name__)
@@ -27,12 +28,7 @@ CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
 def parse_mig_minors(text: str) -> dict[str, int]:
     """``gpu0/gi2/access 21`` lines -> {"gpu0/gi2/access": 21}; other lines are skipped."""
-    minors = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[1].isdigit():
-            minors[parts[0]] = int(parts[1])
-    return minors
+    return named_numbers(text)
 
 
 class MissingCapability(LookupError):

@@ -108,49 +108,51 @@ class MpsCommands:
         """One control command; its answer. MpsError when it cannot be delivered."""
         if "\n" in line:
             raise MpsError("one command per line")
-        try:
-            done = subprocess.run(
-                [str(self.executable)],
-                input=line + "\n",
-                env=self.env(),
-                capture_output=True,
-                text=True,
-                timeout=COMMAND_TIMEOUT,
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise MpsError(f"MPS control command {line.split()[0]!r} failed: {exc}") from None
+        what = f"MPS control command {line.split()[0]!r}"
+        done = self._run([], what, stdin=line + "\n")
         if done.returncode != 0:
-            why = (done.stderr or done.stdout).strip().splitlines()
-            raise MpsError(
-                f"MPS control command {line.split()[0]!r} exited {done.returncode}: "
-                f"{why[0] if why else ''}".strip()
-            )
+            raise _exited(what, done.returncode, done.stderr or done.stdout)
         answer = done.stdout.strip()
-        if answer.lower().startswith(("error", "invalid", "unknown")):
-            raise MpsError(f"MPS control command {line.split()[0]!r}: {answer.splitlines()[0]}")
+        if answer.lower().startswith(_REFUSALS):
+            raise MpsError(f"{what}: {answer.splitlines()[0]}")
         return answer
 
     def command_v3(self, verb: str, **fields: object) -> str:
         """One v3 command of :data:`V3` (arguments after the executable); its answer."""
         args = [word.format(server=SERVER, **fields) for word in V3[verb]]
+        what = f"MPS v3 command {' '.join(args[:2])!r}"
+        done = self._run(args, what)
+        answer = (done.stdout or "").strip()
+        if done.returncode != 0 or answer.lower().startswith(_REFUSALS):
+            raise _exited(what, done.returncode, answer or done.stderr or "")
+        return answer
+
+    def _run(
+        self, args: list[str], what: str, stdin: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        """The executable run once with ``args`` (and ``stdin``, None: none given);
+        MpsError naming ``what`` when it cannot be started or does not finish in time."""
         try:
-            done = subprocess.run(
+            return subprocess.run(
                 [str(self.executable), *args],
+                input=stdin,
                 env=self.env(),
                 capture_output=True,
                 text=True,
                 timeout=COMMAND_TIMEOUT,
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
-            raise MpsError(f"MPS v3 command {' '.join(args[:2])!r} failed: {exc}") from None
-        answer = (done.stdout or "").strip()
-        if done.returncode != 0 or answer.lower().startswith(("error", "invalid", "unknown")):
-            why = (answer or done.stderr or "").strip().splitlines()
-            raise MpsError(
-                f"MPS v3 command {' '.join(args[:2])!r} exited {done.returncode}: "
-                f"{why[0] if why else ''}".strip()
-            )
-        return answer
+            raise MpsError(f"{what} failed: {exc}") from None
+
+
+#: how the control daemon's answer begins when it refuses a command (it may exit 0)
+_REFUSALS = ("error", "invalid", "unknown")
+
+
+def _exited(what: str, code: int, output: str) -> MpsError:
+    """A command that failed: its exit status and the first line of ``output``."""
+    why = output.strip().splitlines()
+    return MpsError(f"{what} exited {code}: {why[0] if why else ''}".strip())
 
 
 class NamespaceCaps:

@@ -193,28 +193,45 @@ def _where(card: CardTraits) -> str:
     return f"card {card.index} ({card.uuid})"
 
 
+#: why a time-sliced card refuses any enforcement pin (memory and compute alike)
+_TIMESLICED = "the card is offered as time-sliced replicas (card mode timeslice: no limits)"
+
+
+def _cannot_have(setting: str, card: CardTraits, pin: str, why: str) -> PinRefused:
+    """The refusal of a pin the card itself rules out (``setting``: the config key)."""
+    return PinRefused(f"{setting} pins {_where(card)} to {pin}, which it cannot have: {why}")
+
+
+def _no_interposer(setting: str, card: CardTraits) -> PinRefused:
+    """The refusal of an ``interposer`` pin on a daemon run with --no-enforcement."""
+    return PinRefused(
+        f"{setting} pins {_where(card)} to interposer, but the daemon runs "
+        "with --no-enforcement (no interposer installed)"
+    )
+
+
+def _hardware_why(card: CardTraits) -> str:
+    """Why a card held in hardware (MIG or whole) takes no software backend."""
+    return "MIG mode is on" if card.mig else "the card is served whole only"
+
+
 def _memory(node: NodeFacts, card: CardTraits, pin: str) -> tuple[MemoryBackend, str]:
     if card.timeslice:
         if pin != AUTO:
-            raise PinRefused(
-                f"memoryEnforcement pins {_where(card)} to {pin}, which it cannot have: the "
-                "card is offered as time-sliced replicas (card mode timeslice: no limits)"
-            )
+            raise _cannot_have("memoryEnforcement", card, pin, _TIMESLICED)
         return MemoryBackend.NONE, "time-sliced replicas: no limits"
     hardware = card.mig or card.whole_only
     if hardware:
         if pin not in (AUTO, "hardware"):
             why = driver_obstacle(node, card) if pin == "driver" else None
-            raise PinRefused(
-                f"memoryEnforcement pins {_where(card)} to {pin}, which it cannot have: "
-                f"{why or ('MIG mode is on' if card.mig else 'the card is served whole only')}"
-            )
+            raise _cannot_have("memoryEnforcement", card, pin, why or _hardware_why(card))
         return MemoryBackend.HARDWARE, "MIG device" if card.mig else "served whole"
     if pin == "hardware":
-        raise PinRefused(
-            f"memoryEnforcement pins {_where(card)} to hardware, which it cannot have: "
-            "the card is shared (hardware needs a MIG device served whole or card mode "
-            "exclusive)"
+        raise _cannot_have(
+            "memoryEnforcement",
+            card,
+            pin,
+            "the card is shared (hardware needs a MIG device served whole or card mode exclusive)",
         )
     obstacle = driver_obstacle(node, card)
     if obstacle is None and card.probe is None:
@@ -230,10 +247,7 @@ def _memory(node: NodeFacts, card: CardTraits, pin: str) -> tuple[MemoryBackend,
         return MemoryBackend.DRIVER, "pinned; self-test passed"
     if pin == "interposer":
         if not node.interposer:
-            raise PinRefused(
-                f"memoryEnforcement pins {_where(card)} to interposer, but the daemon runs "
-                "with --no-enforcement (no interposer installed)"
-            )
+            raise _no_interposer("memoryEnforcement", card)
         return MemoryBackend.INTERPOSER, "pinned"
     if obstacle is None:
         return MemoryBackend.DRIVER, "auto: driver r615+, cgroup v2, CDI, self-test passed"
@@ -245,22 +259,18 @@ def _memory(node: NodeFacts, card: CardTraits, pin: str) -> tuple[MemoryBackend,
 def _compute(node: NodeFacts, card: CardTraits, pin: str) -> tuple[ComputeBackend, str]:
     if card.timeslice:
         if pin not in (AUTO, "none"):
-            raise PinRefused(
-                f"computeEnforcement pins {_where(card)} to {pin}, which it cannot have: the "
-                "card is offered as time-sliced replicas (card mode timeslice: no limits)"
-            )
+            raise _cannot_have("computeEnforcement", card, pin, _TIMESLICED)
         return ComputeBackend.NONE, "time-sliced replicas: no limits"
     if card.mig or card.whole_only:
         if pin not in (AUTO, "hardware"):
-            raise PinRefused(
-                f"computeEnforcement pins {_where(card)} to {pin}, which it cannot have: "
-                f"{'MIG mode is on' if card.mig else 'the card is served whole only'}"
-            )
+            raise _cannot_have("computeEnforcement", card, pin, _hardware_why(card))
         return ComputeBackend.HARDWARE, "MIG device" if card.mig else "served whole"
     if pin == "hardware":
-        raise PinRefused(
-            f"computeEnforcement pins {_where(card)} to hardware, which it cannot have: "
-            "the card is shared (hardware needs MIG mode or card mode exclusive)"
+        raise _cannot_have(
+            "computeEnforcement",
+            card,
+            pin,
+            "the card is shared (hardware needs MIG mode or card mode exclusive)",
         )
     if pin == "mps":
         if not node.mps:
@@ -273,10 +283,7 @@ def _compute(node: NodeFacts, card: CardTraits, pin: str) -> tuple[ComputeBacken
         return ComputeBackend.NONE, "pinned: no compute cap"
     if pin == "interposer":
         if not node.interposer:
-            raise PinRefused(
-                f"computeEnforcement pins {_where(card)} to interposer, but the daemon runs "
-                "with --no-enforcement (no interposer installed)"
-            )
+            raise _no_interposer("computeEnforcement", card)
         return ComputeBackend.INTERPOSER, "pinned"
     if node.mps:
         return ComputeBackend.MPS, "auto: MPS control daemon configured (mpsControl)"

@@ -28,6 +28,7 @@ import pytest
 from conftest import TESLA_P4, Node, cards
 from kit.procs import daemon_command, free_port, poll, scrape
 
+from gpushare.bench.processes import end_on_stdin_close
 from gpushare.kube.jsonstream import ListStream
 from gpushare.kube.podslim import slim
 from gpushare.kube.podspecs import PodSpecBook
@@ -67,13 +68,7 @@ class BigPods:
         )
 
     def stop(self) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.close()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        end_on_stdin_close(self.process)
 
 
 @pytest.fixture
@@ -159,7 +154,7 @@ def test_the_list_reader_yields_each_item_and_the_list_fields(chunk: int) -> Non
     answer = {
         "kind": "PodList",
         "metadata": {"resourceVersion": "12", "continue": "12:5"},
-        "items": [{"a": [1, 2.5, "x\u00e9\\\""]}, {}, 123456789, None, "s"],
+        "items": [{"a": [1, 2.5, 'x\u00e9\\"']}, {}, 123456789, None, "s"],
         "apiVersion": "v1",
     }
     data = json.dumps(answer, ensure_ascii=False).encode()

@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from kit.memhook import build_cuda
 
 from gpushare.bench.gpu.plan import Backend, Settings, Step
 from gpushare.bench.gpu.scenarios import Kernel, measure
 from gpushare.bench.gpu.tenants import Context, tenancy
 
 ROOT = Path(__file__).resolve().parents[3]
-STANDIN = ROOT / "tests" / "kit" / "standin" / "libcuda_standin.c"
 UUID = "GPU-2222cd7b-52eb-fd89-c0b1-ba91b23923dd"
 DRIVER = Backend("driver", "driver (dmem)", "time-slicing", True, "")
 #: A memory hook at the edge: it records its arguments, the OCI state and which cgroup
@@ -48,9 +47,7 @@ pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 @pytest.fixture(scope="module")
 def library(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("standin") / "libcuda.so.1"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(out), str(STANDIN)], check=True,
-                   timeout=60)  # fmt: skip
-    return out
+    return build_cuda(out)
 
 
 def world(tmp_path: Path) -> tuple[Context, Path, Path]:

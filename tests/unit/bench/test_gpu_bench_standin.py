@@ -23,13 +23,13 @@ import time
 from pathlib import Path
 
 import pytest
+from kit.memhook import build_cuda
 from kit.mps import install_standin, pid_alive
 
 from gpushare.bench.gpu.scenarios import _finish, _go
 from gpushare.bench.gpu.tenants import Running
 
 ROOT = Path(__file__).resolve().parents[3]
-STANDIN = ROOT / "tests" / "kit" / "standin" / "libcuda_standin.c"
 UUID = "GPU-1081cd7b-52eb-fd89-c0b1-ba91b23923dd"
 SMI_LINE = f"0, {UUID}, NVIDIA H200, 580.159.04, 4096, Disabled, Enabled, Default, 00000000:19:00.0"
 
@@ -42,8 +42,7 @@ def machine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     stand-in driver, also as the interposer (its check asks for the hooks it has)."""
     where = tmp_path_factory.mktemp("gpu-machine")
     (where / "lib").mkdir()
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(where / "lib" / "libcuda.so.1"),
-                    str(STANDIN)], check=True, timeout=60)  # fmt: skip
+    build_cuda(where / "lib" / "libcuda.so.1")
     shutil.copy(where / "lib" / "libcuda.so.1", where / "libvgpu.so")
     smi = where / "bin" / "nvidia-smi"
     smi.parent.mkdir()

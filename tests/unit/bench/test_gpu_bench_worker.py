@@ -25,13 +25,13 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from kit.memhook import build_cuda
 
 from gpushare.bench.gpu import worker
 from gpushare.bench.gpu.records import TenantResult
 from gpushare.probe.cuda import CUDA_SUCCESS, SPIN_PTX
 
 ROOT = Path(__file__).resolve().parents[3]
-STANDIN = ROOT / "tests" / "kit" / "standin" / "libcuda_standin.c"
 OUT_OF_MEMORY = 2
 
 
@@ -154,10 +154,7 @@ def test_the_window_counts_launches_in_batches() -> None:
 def standin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("gcc") is None:
         pytest.skip("needs gcc")
-    lib = tmp_path_factory.mktemp("standin") / "libcuda.so.1"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib), str(STANDIN)], check=True,
-                   timeout=60)  # fmt: skip
-    return lib
+    return build_cuda(tmp_path_factory.mktemp("standin") / "libcuda.so.1")
 
 
 def tenant(standin: Path, *args: str, stdin: str = "") -> tuple[int, dict[str, Any]]:

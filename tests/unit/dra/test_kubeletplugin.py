@@ -5,11 +5,9 @@ of the registration and tells its listeners, every time the kubelet registers it
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from test_dra_plugin import DRIVER, DraNode
+from test_dra_plugin import DRIVER, DraNode, dra
 
 from gpushare.dra.kubeletplugin import (
     PLUGIN_TYPE,
@@ -18,17 +16,9 @@ from gpushare.dra.kubeletplugin import (
     registration_socket,
     service_socket,
 )
-from gpushare.sim.apidouble import KubeApiDouble
 from gpushare.sim.drakubeletdouble import DraKubelet
 
-
-@pytest.fixture
-def dra(short_tmp: Path, api: KubeApiDouble) -> Iterator[DraNode]:
-    node = DraNode(short_tmp, api)
-    try:
-        yield node
-    finally:
-        node.stop()
+__all__ = ["dra"]  # fixture (test_dra_plugin's DRA node, stopped after the test)
 
 
 def test_the_sockets_are_where_the_kubelet_looks() -> None:

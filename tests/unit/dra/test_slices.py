@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from conftest import NODE
 from structlog.testing import capture_logs
-from test_dra_plugin import DRIVER, DraNode, gpu, wait_until
+from test_dra_plugin import DRIVER, DraNode, dra, gpu, wait_until
 
 from gpushare.dra import slices as slices_module
 from gpushare.sim.apidouble import KubeApiDouble
@@ -27,13 +25,7 @@ def devices(api: KubeApiDouble) -> dict[str, dict[str, Any]]:
     return {d["name"]: d for s in slices(api) for d in s["spec"]["devices"]}
 
 
-@pytest.fixture
-def dra(short_tmp: Path, api: KubeApiDouble) -> Iterator[DraNode]:
-    node = DraNode(short_tmp, api)
-    try:
-        yield node
-    finally:
-        node.stop()
+__all__ = ["dra"]  # fixture (test_dra_plugin's DRA node, stopped after the test)
 
 
 def published(dra: DraNode) -> bool:

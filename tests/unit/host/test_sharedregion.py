@@ -20,9 +20,8 @@ import pytest
 from conftest import TESLA_P4, Node, cards
 from hypothesis import HealthCheck, given
 from hypothesis import strategies as st
-from kit.procs import free_port
+from kit.procs import daemon_samples, free_port
 from kit.sizes import at_two_sizes
-from prometheus_client.parser import text_string_to_metric_families
 from test_node_api import eventually
 
 from gpushare.host import sharedregion as region
@@ -227,17 +226,6 @@ def test_links_fifos_directories_and_huge_files_are_refused_without_waiting(
 # -- over sockets: the daemon exports what the region says, beside the allocation ---------
 
 
-def _samples(node: Node, name: str) -> list[dict[str, Any]]:
-    assert node.daemon is not None and node.daemon.metrics is not None
-    text = node.daemon.metrics.render().decode()
-    return [
-        {**s.labels, "value": s.value}
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name
-    ]
-
-
 def test_the_daemon_exports_used_memory_and_utilisation_per_container(node: Node) -> None:
     node.start(cards(TESLA_P4, 2), metrics_port=free_port(), metrics_address="127.0.0.1")
     a = node.kubelet.admit("a", "main", {node.memory: 8, node.core: 30})
@@ -251,16 +239,16 @@ def test_the_daemon_exports_used_memory_and_utilisation_per_container(node: Node
     # c has not started a CUDA program: no file, no figure, no refusal
 
     def exported() -> bool:
-        return bool(_samples(node, "gpushare_container_memory_used_bytes"))
+        return bool(daemon_samples(node, "gpushare_container_memory_used_bytes"))
 
     eventually(exported)
-    used = _samples(node, "gpushare_container_memory_used_bytes")
+    used = daemon_samples(node, "gpushare_container_memory_used_bytes")
     assert [(s["pod"], s["gpu"], s["value"]) for s in used] == [("a", a.card(), 1536 << 20)]
-    util = _samples(node, "gpushare_container_core_utilization_percent")
+    util = daemon_samples(node, "gpushare_container_core_utilization_percent")
     assert [(s["pod"], s["value"]) for s in util] == [("a", 25.0)]
-    (refused,) = _samples(node, "gpushare_usage_reports_refused")
+    (refused,) = daemon_samples(node, "gpushare_usage_reports_refused")
     assert refused["value"] == 1
-    limits = {s["pod"]: s["value"] for s in _samples(node, "gpushare_container_memory_bytes")}
+    limits = {s["pod"]: s["value"] for s in daemon_samples(node, "gpushare_container_memory_bytes")}
     assert limits["a"] == 8 * 256 << 20 and c.card()  # the allocation beside the use
 
 

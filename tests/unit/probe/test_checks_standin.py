@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from kit.memhook import build_cuda
 
 from gpushare.probe import checks as probe
 
 ROOT = Path(__file__).resolve().parents[3]
-SOURCE = ROOT / "tests" / "kit" / "standin" / "libcuda_standin.c"
 LIMIT = 1 << 30
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
@@ -30,9 +30,7 @@ pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 def library(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # named like the interposer, so that the probe finds it mapped as the preload
     out = tmp_path_factory.mktemp("standin") / "libvgpu.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(out), str(SOURCE)], check=True,
-                   timeout=60)  # fmt: skip
-    return out
+    return build_cuda(out)
 
 
 def run_probe(

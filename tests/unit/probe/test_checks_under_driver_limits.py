@@ -13,12 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from kit.memhook import HAVE_GCC, UUID, HookWorld, build, oci_state
+from kit.memhook import HAVE_GCC, UUID, HookWorld, build, build_cuda, oci_state
 
 from gpushare.probe import checks as probe
 
 ROOT = Path(__file__).resolve().parents[3]
-CUDA_SOURCE = ROOT / "tests" / "kit" / "standin" / "libcuda_standin.c"
 LIMIT_MIB = 1024
 CARD_BYTES = 8 * LIMIT_MIB << 20
 
@@ -29,10 +28,7 @@ pytestmark = pytest.mark.skipif(not HAVE_GCC, reason="needs gcc")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     out = tmp_path_factory.mktemp("standins")
     hook, nvml = build(out)
-    cuda = out / "libcuda.so.1"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(cuda), str(CUDA_SOURCE)], check=True,
-                   timeout=120)  # fmt: skip
-    return hook, nvml, cuda
+    return hook, nvml, build_cuda(out / "libcuda.so.1")
 
 
 def run_probe(

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpushare.base.kerneltables import named_numbers
+
 #: The query ``nvidia-smi --query-gpu=... --format=csv,noheader,nounits`` is run with.
 SMI_FIELDS = (
     "index",
@@ -143,12 +145,7 @@ def parse_smi(text: str) -> tuple[Card, ...]:
 def parse_dmem_capacity(text: str) -> dict[str, int]:
     """``/sys/fs/cgroup/dmem.capacity``: ``<region> <bytes>`` per line (the driver's are
     ``nvidia/<pci-bdf>/vidmem``)."""
-    regions = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[1].isdigit():
-            regions[parts[0]] = int(parts[1])
-    return regions
+    return named_numbers(text)
 
 
 def parse_cgroup_fs(mounts: str, mount_point: str = "/sys/fs/cgroup") -> str:

@@ -443,9 +443,11 @@ def check(builder: str, image: str, version: str) -> list[str]:
         out = (result.stdout + result.stderr).strip()
         want = expect.format(version=version)
         ok = result.returncode == status and want in out
+        # the line that holds what was expected, else the program's last
+        shown = [line for line in out.splitlines() if want in line] or out.splitlines() or [""]
         print(
             f"{'ok  ' if ok else 'FAIL'} {what}: {' '.join(argv)} -> {result.returncode}: "
-            f"{out.splitlines()[-1] if out else ''}",
+            f"{shown[0].strip()}",
             flush=True,
         )
         if not ok:
@@ -491,16 +493,13 @@ def archive(builder: str, image: str, dest: str) -> None:
     )
 
 
-def image_size(builder: str, image: str) -> int:
-    fmt = "{{.Size}}"
+def image_size(builder: str, image: str) -> str:
+    """The image's size as the builder reports it (buildah: its own rounded units)."""
     if builder == "buildah":
         out = _run(["buildah", "images", "--json", image], capture_output=True).stdout
-        return int(json.loads(out)[0]["size"])
-    return int(
-        _run(
-            [builder, "image", "inspect", f"--format={fmt}", image], capture_output=True
-        ).stdout.strip()
-    )
+        return str(json.loads(out)[0]["size"])
+    out = _run([builder, "image", "inspect", "--format={{.Size}}", image], capture_output=True)
+    return f"{int(out.stdout.strip()) / 1e6:.0f} MB"
 
 
 def _version() -> str:
@@ -546,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0  # a multi-arch image is pushed or written whole by buildx
         if args.action in ("check", "all"):
             failures = check(p.builder, request.image, version)
-            print(f"image size: {image_size(p.builder, request.image) / 2**20:.0f} MiB", flush=True)
+            print(f"image size: {image_size(p.builder, request.image)}", flush=True)
             if failures:
                 print("\n".join(["image check failed:", *failures]), file=sys.stderr)
                 return 1

@@ -1,16 +1,16 @@
 # syntax=docker/dockerfile:1
 # gpushare image: the daemon (and kubectl-gpushare, the extender) plus HAMi-core's
-# interposer libvgpu.so, obtained one of two ways (build argument INTERPOSER):
+# interposer libvgpu.so, obtained one of three ways (build argument INTERPOSER):
 #   published  (default) copied out of HAMi's published image projecthami/hami:HAMI_VERSION
 #   source     compiled from HAMi-core at the pinned commit HAMI_CORE_COMMIT with gcc and
 #              the CUDA/NVML headers of two PyPI wheels (no CUDA toolkit, no GPU): take a
 #              fix before HAMi publishes it (scripts/build-hami-core.sh)
-# Either way the build checks with nm -D that the library exports the hooks enforcement
-# depends on (scripts/check-interposer.sh) and records what it is in
-# /opt/gpushare/lib/libvgpu.version and the image's labels (docs/operations.md).
 #   stub       (offline stand-in) hook/libvgpu-stub.c: exports the hooks' names and
 #              enforces NOTHING; for CI and machines that reach neither HAMi's image nor
 #              github.com. Its libvgpu.version and io.gpushare.interposer say "stub".
+# Every way, the build checks with nm -D that the library exports the hooks enforcement
+# depends on (scripts/check-interposer.sh) and records what it is in
+# /opt/gpushare/lib/libvgpu.version and the image's labels (docs/operations.md).
 #   make image          docker buildx: linux/amd64 + linux/arm64 (PUSH=1 IMAGE=reg/gpushare:V);
 #                       else docker, podman or buildah: this machine's architecture, with
 #                       the offline stand-ins below only where a source is out of reach
@@ -37,7 +37,8 @@ ARG VERSION=0.0.0
 # The driver memory hook is built against glibc 2.17 (manylinux2014) so that it runs on
 # every host it is installed on (it runs on the HOST, by the container runtime).
 ARG MANYLINUX_TAG=2026.10.03-1
-# manylinux (the default) or base (offline stand-in: the PYTHON_IMAGE's gcc, no glibc floor)
+# manylinux (the default) or base (offline stand-in: the PYTHON_IMAGE's gcc; the hook then
+# needs that base's glibc on the host)
 ARG HOOK_BUILDER=manylinux
 ARG TARGETARCH=amd64
 

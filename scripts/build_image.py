@@ -43,6 +43,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = ("docker", "podman", "buildah")  # the order of preference
@@ -220,9 +221,10 @@ def build_command(p: Plan, request: Request, archive: str) -> list[str]:
     return [*verb, "--layers", "--network=host", *pull, *args, f"--tag={request.image}", "."]
 
 
-def _run(cmd: Sequence[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+def _run(cmd: Sequence[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
     print("+ " + " ".join(cmd), flush=True)
-    return subprocess.run(cmd, check=True, text=True, **kwargs)  # type: ignore[call-overload]
+    done: subprocess.CompletedProcess[str] = subprocess.run(cmd, check=True, text=True, **kwargs)
+    return done
 
 
 def _quiet(cmd: Sequence[str]) -> bool:
@@ -498,8 +500,9 @@ def image_size(builder: str, image: str) -> str:
     if builder == "buildah":
         out = _run(["buildah", "images", "--json", image], capture_output=True).stdout
         return str(json.loads(out)[0]["size"])
-    out = _run([builder, "image", "inspect", "--format={{.Size}}", image], capture_output=True)
-    return f"{int(out.stdout.strip()) / 1e6:.0f} MB"
+    inspect = [builder, "image", "inspect", "--format={{.Size}}", image]
+    size = _run(inspect, capture_output=True).stdout.strip()
+    return f"{int(size) / 1e6:.0f} MB"
 
 
 def _version() -> str:

@@ -342,11 +342,28 @@ def build(facts: Facts, request: Request) -> Plan:
         print(f"local base in {time.monotonic() - started:.0f} s", flush=True)
     (ROOT / "dist").mkdir(exist_ok=True)
     started = time.monotonic()
-    _run(build_command(p, request, _archive_path(request, p)), cwd=ROOT)
+    before = _buildah_containers() if p.builder == "buildah" else set()
+    try:
+        _run(build_command(p, request, _archive_path(request, p)), cwd=ROOT)
+    finally:
+        # buildah 1.28 leaves the working container of each stage that is only an alias
+        # (FROM stage AS name, no instruction) and of a failed step: remove what this
+        # build made, and nothing else
+        if p.builder == "buildah":
+            for container in sorted(_buildah_containers() - before):
+                _quiet(["buildah", "rm", container])
     print(
         f"built {request.image} with {p.builder} in {time.monotonic() - started:.0f} s", flush=True
     )
     return p
+
+
+def _buildah_containers() -> set[str]:
+    """buildah's working containers now (none where it cannot list them)."""
+    listed = subprocess.run(
+        ["buildah", "containers", "--quiet", "--notruncate"], capture_output=True, text=True
+    )
+    return set(listed.stdout.split()) if listed.returncode == 0 else set()
 
 
 def _describe(p: Plan) -> None:

@@ -5,6 +5,8 @@
 # K8S_VERSION picks the Kubernetes minor: 1.36 (the default: go.mod, into bin/) or 1.37
 # (go.1.37.mod and go.1.37.sum through `go build -modfile`, into bin-1.37/). One line per
 # program as it is built, with its time: a cold build is minutes per program on 2 cores.
+# Then the nodes' real container runtime (containerd and runc, e2e/runtime/go.mod) into
+# bin-runtime/, one build for every minor (e2e/build-runtime.sh; needs libseccomp-dev).
 set -euo pipefail
 cd "$(dirname "$0")"
 command -v go >/dev/null || { echo "e2e/build.sh: needs Go >= 1.26 on PATH (https://go.dev/dl/)" >&2; exit 1; }
@@ -43,3 +45,4 @@ for p in "${programs[@]}"; do
   echo "e2e/build.sh: [$i/${#programs[@]}] $bin/${p##*/} ($full) in $(( $(date +%s) - t )) s"
 done
 echo "e2e/build.sh: built ${#programs[@]} programs for Kubernetes $full into e2e/$bin in $(( $(date +%s) - start )) s"
+./build-runtime.sh

@@ -262,6 +262,15 @@ def gather(env: Mapping[str, str]) -> Facts:
     )
 
 
+def storage_on_overlay(path: Path = Path("/var/lib/containers")) -> bool:
+    """Whether podman's and buildah's storage would be on an overlay file system (a
+    machine that is itself a container): their overlay driver cannot stack on it."""
+    while not path.exists():
+        path = path.parent
+    out = subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True)
+    return out.stdout.strip() == "overlayfs"
+
+
 def ensure_debian_packages(packages: Sequence[str]) -> None:
     """apt-get install the packages whose command is missing (root on Debian only)."""
     absent = [p for p in packages if not shutil.which(p)]
@@ -553,6 +562,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         push=args.push,
     )
     try:
+        if "STORAGE_DRIVER" not in os.environ and storage_on_overlay():
+            # podman and buildah read it: plain copies where overlay cannot stack
+            os.environ["STORAGE_DRIVER"] = "vfs"
+            print("storage: vfs (containers' storage is on overlayfs)", flush=True)
         facts = gather(os.environ)
         if not facts.engines and args.action != "plan":
             ensure_debian_packages(["buildah"])

@@ -364,6 +364,8 @@ def build(facts: Facts, request: Request) -> Plan:
     print(
         f"built {request.image} with {p.builder} in {time.monotonic() - started:.0f} s", flush=True
     )
+    if request.push and not p.multi_arch:  # buildx pushed it already
+        _run([p.builder, "push", request.image])
     return p
 
 

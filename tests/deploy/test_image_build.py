@@ -10,7 +10,6 @@ builders, reachable hosts, interposers and modes. The build itself runs in the e
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
 import re
@@ -21,14 +20,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from kit.scripts import build_image
 from test_deploy_manifests import _dockerfile, _stages
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("build_image", ROOT / "scripts" / "build_image.py")
-assert _spec and _spec.loader
-build_image = importlib.util.module_from_spec(_spec)
-sys.modules["build_image"] = build_image
-_spec.loader.exec_module(build_image)
 
 HOSTS = ("docker.io", "quay.io", "github.com")
 EVERYWHERE = frozenset(HOSTS)

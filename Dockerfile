@@ -12,7 +12,7 @@
 # depends on (scripts/check-interposer.sh) and records what it is in
 # /opt/gpushare/lib/libvgpu.version and the image's labels (docs/operations.md).
 #   make image          docker buildx: linux/amd64 + linux/arm64 (PUSH=1 IMAGE=reg/gpushare:V);
-#                       else docker, podman or buildah: this machine's architecture, with
+#                       else docker, buildah or podman: this machine's architecture, with
 #                       the offline stand-ins below only where a source is out of reach
 #                       (scripts/build_image.py, docs/deploy.md#building-the-image)
 #   make image-local    this machine's architecture, loaded into docker

@@ -97,7 +97,7 @@ BUILD_ARGS := --build-arg HAMI_VERSION=$(HAMI_VERSION) --build-arg VERSION=$(VER
   $(if $(HAMI_CORE_COMMIT),--build-arg HAMI_CORE_COMMIT=$(HAMI_CORE_COMMIT))
 
 # make image: docker buildx where a docker engine answers (both platforms); else docker,
-# podman or buildah for this machine's architecture, with offline stand-ins (a Debian base
+# buildah or podman for this machine's architecture, with offline stand-ins (a Debian base
 # made by mmdebstrap, the stub interposer, the hook built by the base's gcc) only where the
 # published sources cannot be reached (scripts/build_image.py; STANDINS=all: always, as CI
 # does; none: never). Root on Debian without a builder: buildah is installed first.

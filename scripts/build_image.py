@@ -7,8 +7,11 @@
     scripts/build_image.py archive   write a tar that `ctr -n k8s.io images import` reads
 
 The builder: docker where its engine answers (`docker info`; the client alone is not
-enough), else podman, else buildah. None there and root on Debian: buildah is installed
-with apt-get (idempotent: nothing is installed that is already there).
+enough), else buildah, else podman. None there and root on Debian: buildah is installed
+with apt-get (idempotent: nothing is installed that is already there). buildah comes before
+podman: it runs the build's steps in a chroot (--isolation=chroot), which needs no OCI
+runtime, where podman's checks run containers with its runtime (Debian's crun refuses
+hybrid cgroups: "cgroups in hybrid mode not supported").
 
 The Dockerfile's defaults are the published bases: python:*-slim, HAMi's image (or
 HAMi-core's source on github.com), manylinux2014 for the memory hook. Each is replaced
@@ -46,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINES = ("docker", "podman", "buildah")  # the order of preference
+ENGINES = ("docker", "buildah", "podman")  # the order of preference
 ARCHES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 LOCAL_BASE = "localhost/gpushare-debian-python:bookworm"
 DEBIAN_SUITE = "bookworm"
@@ -217,7 +220,8 @@ def build_command(p: Plan, request: Request, archive: str) -> list[str]:
     # podman and buildah: keep every step's layer (warm rebuilds), the host's network for
     # apt-get and pip (no CNI needed), and never pull the local base from a registry.
     pull = ["--pull=never"] if p.local_base else []
-    verb = ["podman", "build"] if p.builder == "podman" else ["buildah", "bud", *BUILDAH_ISOLATION]
+    verb = ["podman", "build"] if p.builder == "podman" else ["buildah", "bud"]
+    verb += BUILDAH_ISOLATION  # podman build takes it too
     return [*verb, "--layers", "--network=host", *pull, *args, f"--tag={request.image}", "."]
 
 

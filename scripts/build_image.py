@@ -275,9 +275,15 @@ def storage_on_overlay(path: Path = Path("/var/lib/containers")) -> bool:
     return out.stdout.strip() == "overlayfs"
 
 
-def ensure_debian_packages(packages: Sequence[str]) -> None:
-    """apt-get install the packages whose command is missing (root on Debian only)."""
-    absent = [p for p in packages if not shutil.which(p)]
+#: the Debian package that gives each command the build may need
+DEBIAN_PACKAGES = {"buildah": "buildah", "mmdebstrap": "mmdebstrap", "nm": "binutils"}
+
+
+def ensure_debian_packages(commands: Sequence[str]) -> None:
+    """apt-get install the packages of the commands that are missing (root on Debian
+    only), with their recommended packages, as tested here (buildah's runc or crun and
+    fuse-overlayfs; mmdebstrap's gpg and mount)."""
+    absent = [DEBIAN_PACKAGES[c] for c in commands if not shutil.which(c)]
     if not absent:
         return
     if os.geteuid() != 0 or not shutil.which("apt-get"):
@@ -286,11 +292,7 @@ def ensure_debian_packages(packages: Sequence[str]) -> None:
         )
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     _run(["apt-get", "update", "-q"], env=env, stdout=subprocess.DEVNULL)
-    _run(
-        ["apt-get", "install", "-y", "-q", "--no-install-recommends", *absent],
-        env=env,
-        stdout=subprocess.DEVNULL,
-    )
+    _run(["apt-get", "install", "-y", "-q", *absent], env=env, stdout=subprocess.DEVNULL)
 
 
 def _image_exists(builder: str, image: str) -> bool:
@@ -488,6 +490,7 @@ def check(builder: str, image: str, version: str) -> list[str]:
             failures.append(
                 f"{what}: exit {result.returncode} (want {status}), want {want!r} in {out!r}"
             )
+    ensure_debian_packages(["nm"])  # check-interposer.sh reads the library with nm -D
     with tempfile.TemporaryDirectory() as tmp:
         library = Path(tmp) / "libvgpu.so"
         runner.copy_out("/opt/gpushare/lib/libvgpu.so", library)

@@ -126,58 +126,23 @@ def plan(facts: Facts, request: Request) -> Plan:
         raise PlanError(f"--standins {request.standins}: one of {', '.join(STANDIN_MODES)}")
     if not facts.engines:
         raise PlanError(
-            "no image builder: no docker engine answers `docker info`, and neither podman "
-            "nor buildah is installed (apt-get install buildah)"
+            "no image builder: no docker engine answers `docker info`, and neither buildah "
+            "nor podman is installed (apt-get install buildah)"
         )
     arch = ARCHES.get(facts.machine)
     if arch is None:
         raise PlanError(f"no image for this machine's architecture {facts.machine}")
     builder = facts.engines[0]
-
-    def missing(host: str) -> bool:
-        return request.standins == "all" or (
-            request.standins == "auto" and host not in facts.reachable
-        )
-
-    def why(host: str) -> str:
-        return "--standins all" if request.standins == "all" else f"{host} cannot be reached"
-
     args: dict[str, str] = {"VERSION": request.version, "TARGETARCH": arch}
     if request.hami_version:
         args["HAMI_VERSION"] = request.hami_version
     if request.hami_core_commit:
         args["HAMI_CORE_COMMIT"] = request.hami_core_commit
-    standins: list[tuple[str, str]] = []
-    if missing("docker.io"):
-        args["PYTHON_IMAGE"] = LOCAL_BASE
-        standins.append(
-            (
-                f"PYTHON_IMAGE={LOCAL_BASE}",
-                f"python:*-slim: {why('docker.io')}; Debian {DEBIAN_SUITE} made with mmdebstrap",
-            )
-        )
-    interposer = request.interposer
-    if interposer == "published" and missing("docker.io"):
-        interposer = "stub" if missing("github.com") else "source"
-        standins.append(
-            (
-                f"INTERPOSER={interposer}",
-                f"projecthami/hami: {why('docker.io')}"
-                + ("; HAMi-core's source too" if interposer == "stub" else ""),
-            )
-        )
-    elif interposer == "source" and missing("github.com"):
-        interposer = "stub"
-        standins.append(("INTERPOSER=stub", f"HAMi-core's source: {why('github.com')}"))
-    args["INTERPOSER"] = interposer
-    if missing("quay.io"):
-        args["HOOK_BUILDER"] = "base"
-        standins.append(
-            (
-                "HOOK_BUILDER=base",
-                f"manylinux2014: {why('quay.io')}; the hook needs the base's glibc",
-            )
-        )
+    standins = _stand_ins(facts, request)
+    for setting, _ in standins:
+        name, value = setting.split("=", 1)
+        args[name] = value
+    args.setdefault("INTERPOSER", request.interposer)
     multi_arch = builder == "docker" and facts.buildx and not standins
     notes = []
     if not multi_arch and "," in request.platforms:
@@ -197,6 +162,47 @@ def plan(facts: Facts, request: Request) -> Plan:
         secrets={"pip-ca": facts.ca_bundle} if facts.ca_bundle else {},
         notes=tuple(notes),
     )
+
+
+def _stand_ins(facts: Facts, request: Request) -> list[tuple[str, str]]:
+    """(build argument=value, why) for each published source replaced: the ones out of
+    reach (``auto``), all (``all``) or none (``none``)."""
+
+    def missing(host: str) -> bool:
+        return request.standins == "all" or (
+            request.standins == "auto" and host not in facts.reachable
+        )
+
+    def why(host: str) -> str:
+        return "--standins all" if request.standins == "all" else f"{host} cannot be reached"
+
+    standins: list[tuple[str, str]] = []
+    if missing("docker.io"):
+        standins.append(
+            (
+                f"PYTHON_IMAGE={LOCAL_BASE}",
+                f"python:*-slim: {why('docker.io')}; Debian {DEBIAN_SUITE} made with mmdebstrap",
+            )
+        )
+    if request.interposer == "published" and missing("docker.io"):
+        interposer = "stub" if missing("github.com") else "source"
+        standins.append(
+            (
+                f"INTERPOSER={interposer}",
+                f"projecthami/hami: {why('docker.io')}"
+                + ("; HAMi-core's source too" if interposer == "stub" else ""),
+            )
+        )
+    elif request.interposer == "source" and missing("github.com"):
+        standins.append(("INTERPOSER=stub", f"HAMi-core's source: {why('github.com')}"))
+    if missing("quay.io"):
+        standins.append(
+            (
+                "HOOK_BUILDER=base",
+                f"manylinux2014: {why('quay.io')}; the hook needs the base's glibc",
+            )
+        )
+    return standins
 
 
 def build_command(p: Plan, request: Request, archive: str) -> list[str]:

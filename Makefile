@@ -17,8 +17,8 @@ test: $(VENV)/.installed-test  ## lint, type-check, check the layers and run the
 	$(BIN)/pytest -q
 
 # A real Kubernetes (etcd, kube-apiserver, kube-scheduler, kube-controller-manager and
-# kubelets on a CRI fake) built from Go modules, and the suite in tests/e2e that runs the
-# daemon on it. K8S_VERSION picks the minor: 1.36 (v1.36.3, e2e/go.mod, into e2e/bin) or
+# kubelets on a CRI fake, and on a real containerd and runc for test_real_runtime.py) built
+# from Go modules, and the suite in tests/e2e that runs the daemon on it. K8S_VERSION picks the minor: 1.36 (v1.36.3, e2e/go.mod, into e2e/bin) or
 # 1.37 (v1.37.2, e2e/go.1.37.mod, into e2e/bin-1.37). Needs Go >= 1.26, root (mount
 # namespaces) and, the first time, the Go module proxy. See e2e/README.md.
 K8S_VERSION ?= 1.36

@@ -39,6 +39,8 @@ from typing import Any, TypeVar
 import requests
 import urllib3
 import yaml
+from local_image import IMAGE, environ, make_image, report_sections
+from real_runtime import RUNTIME_BIN, RUNTIME_PROGRAMS, Containerd
 
 from gpushare.sim import controlplane
 
@@ -347,8 +349,12 @@ class NodeSpec:
     #: a cgroup v2 hierarchy for the node's containers: the kernel's own, mounted at
     #: ``<node>/cgroup`` inside the node's mount namespace (a machine whose /sys/fs/cgroup is
     #: v1 has it too, unmounted), with the CRI fake run in that namespace and told to put
-    #: each container's process in ``<node>/cgroup/crifake/<container id>``
+    #: each container's process in ``<node>/cgroup/k8s.io/<container id>`` (containerd's path)
     cgroup2: bool = False
+    #: the node's container runtime: ``crifake`` (Kubernetes' CRI fake, recording each
+    #: container's config) or ``containerd`` (real containerd and runc, tests/e2e/real_runtime.py:
+    #: containers really run, read from inside through their logs)
+    runtime: str = "crifake"
 
 
 class NodeAgent:
@@ -384,6 +390,12 @@ class NodeAgent:
         self.daemon_pod = f"gpushare-{self.name}"
         self.daemon_extra: list[str] = []  # the running daemon's extra flags
         self.extra: list[Proc] = []  # what spawn() started
+        #: the node's containerd (``runtime="containerd"``), else None
+        self.containerd: Containerd | None = (
+            Containerd(self) if spec.runtime == "containerd" else None
+        )
+        if self.containerd is not None:
+            self.cri_socket = self.containerd.socket
 
     # ---- the namespace
     def _start_namespace(self) -> None:
@@ -400,6 +412,7 @@ class NodeAgent:
             "mount -t tmpfs -o mode=0755 gpushare-e2e /var/lib && mkdir /var/lib/kubelet "
             '&& mount --bind "$1" /var/lib/kubelet '
             '&& { [ -z "$4" ] || mount -t cgroup2 gpushare-e2e "$4"; } '
+            '&& { [ -z "$5" ] || mount -t tmpfs -o mode=0755 gpushare-e2e /var/log; } '
             '&& touch "$3" && exec sleep infinity'
         )
         self.holder = Proc(
@@ -418,6 +431,8 @@ class NodeAgent:
                 str(self.vgpu),
                 str(ready),
                 str(self.cgroup) if self.spec.cgroup2 else "",
+                # a real runtime's pod logs (/var/log/pods) stay in the node
+                "log" if self.containerd is not None else "",
             ],
             self.dir / "namespace.log",
         )
@@ -469,6 +484,9 @@ class NodeAgent:
 
     def _start_cri(self) -> None:
         self.cdi_dir.mkdir(parents=True, exist_ok=True)
+        if self.containerd is not None:
+            self._start_containerd()
+            return
         argv = [
             str(BIN / "crifake"),
             "--socket",
@@ -494,6 +512,29 @@ class NodeAgent:
             lambda: self.cluster._alive(cri) and _accepts(self.cri_socket),
             60,
         )
+
+    def _start_containerd(self) -> None:
+        """containerd in the node's namespace, then the e2e image imported (pinned as the
+        sandbox image: nothing is ever pulled)."""
+        assert self.containerd is not None
+        missing = [b for b in RUNTIME_PROGRAMS if not (RUNTIME_BIN / b).exists()]
+        if missing:
+            raise E2EError(f"missing {missing} in {RUNTIME_BIN}: run `make e2e-build`")
+        config = self.containerd.write_config()
+        self.cri_socket.unlink(missing_ok=True)
+        self.cri = Proc(
+            "containerd",
+            self._in_namespace([str(RUNTIME_BIN / "containerd"), "--config", str(config)]),
+            self.dir / "containerd.log",
+            env=self.containerd.env(),
+        )
+        cri = self.cri
+        wait_for(
+            f"{self.name}'s containerd",
+            lambda: self.cluster._alive(cri) and _accepts(self.cri_socket),
+            60,
+        )
+        self.containerd.import_image(self.cluster.image_tar())
 
     def _write_kubelet_config(self) -> Path:
         endpoint = f"unix://{self.cri_socket}"
@@ -656,6 +697,8 @@ class NodeAgent:
         # size-bounded tmpfs set-up) would keep the pod from Running. Its work is a mount in
         # the pod, which the daemon run here in the node's namespace does not use.
         spec.pop("initContainers", None)
+        if self.containerd is not None:
+            spec = self._stand_in_daemon_spec(spec)
         return {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -667,6 +710,49 @@ class NodeAgent:
             "spec": spec,
         }
 
+    def _stand_in_daemon_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """On a real runtime, the daemon pod's container is the e2e image's report (the
+        gpushare image and the DaemonSet run by containerd are issue 39's items 1 and 3): its
+        env as the kubelet and containerd really gave it is read from its log, and the
+        daemon then runs in the node's namespace with it, as on the fake. Its hostPath
+        volumes are left out (they would be made on the host), the host network is used (no
+        CNI here); the securityContext, resources and env sources are the template's."""
+        containers = []
+        for c in spec["containers"]:
+            c = {k: v for k, v in c.items() if k not in ("volumeMounts", "ports")}
+            c.update(image=IMAGE, imagePullPolicy="Never", command=["/bin/sh", "/report"])
+            c.pop("args", None)
+            containers.append(c)
+        spec = {k: v for k, v in spec.items() if k != "volumes"}
+        spec["containers"] = containers
+        spec["hostNetwork"] = True
+        return spec
+
+    def _daemon_container_config(self) -> dict[str, Any]:
+        """The daemon container's command, args and env: on the CRI fake from its record, on
+        a real runtime from the template (command, args) and its report (env, as the
+        container's process really got it)."""
+        ns, pod = "kube-system", self.daemon_pod
+        if self.containerd is None:
+            return self.cluster.wait_record(self.name, ns, pod, "gpushare")
+        container = next(
+            c for c in self.daemon_pod_source()["containers"] if c["name"] == "gpushare"
+        )
+        report = self.cluster.wait_report(ns, pod, "gpushare")
+        env = environ(report)
+        for name in ("PATH", "HOSTNAME", "HOME"):  # the image's and the runtime's own
+            env.pop(name, None)
+        return {"command": container["command"], "args": container.get("args", []), "env": env}
+
+    def daemon_pod_source(self) -> dict[str, Any]:
+        """The DaemonSet's pod template spec, as written in daemonset/daemonset.yaml."""
+        ds = next(
+            o
+            for o in load_manifests(REPO / "daemonset" / "daemonset.yaml")
+            if o["kind"] == "DaemonSet"
+        )
+        return dict(ds["spec"]["template"]["spec"])
+
     def start_daemon(
         self, *extra: str, gpus: list[dict[str, Any]] | None = None, wait: bool = True
     ) -> Proc:
@@ -677,7 +763,7 @@ class NodeAgent:
         if self.daemon is not None and self.daemon.alive():
             raise E2EError(f"{self.name}: a daemon runs already")
         self.write_gpus(gpus if gpus is not None else self.spec.gpus)
-        record = self.cluster.wait_record(self.name, "kube-system", self.daemon_pod, "gpushare")
+        record = self._daemon_container_config()
         token = self.cluster.token_for_pod("kube-system", "gpushare", self.daemon_pod)
         kubeconfig = self.dir / "daemon.kubeconfig"
         self.cluster.write_kubeconfig(kubeconfig, token)
@@ -775,17 +861,23 @@ class NodeAgent:
 
     def stop(self) -> None:
         """Every process of the node stopped, the namespace holder last (the namespace and
-        its mounts end with it); all are tried even if one fails."""
-        procs = (*self.extra, self.daemon, self.kubelet, self.cri, self.holder)
+        its mounts end with it); all are tried even if one fails. On a real runtime, the
+        node's containers and shims go after containerd, before the namespace."""
+        procs = (*self.extra, self.daemon, self.kubelet, self.cri)
+        holder = self.holder
         self.extra = []
         self.daemon = self.kubelet = self.cri = self.holder = None
         errors = []
-        for proc in procs:
-            if proc is not None:
-                try:
-                    proc.stop(grace=10)
-                except Exception as exc:
-                    errors.append(exc)
+        steps: list[Callable[[], object]] = [lambda p=p: p.stop(grace=10) for p in procs if p]
+        if self.containerd is not None:
+            steps.append(self.containerd.clean_up)
+        if holder is not None:
+            steps.append(lambda: holder.stop(grace=10))
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:
+                errors.append(exc)
         if errors:
             raise errors[0]
 
@@ -1306,6 +1398,46 @@ class Cluster:
             step=0.2,
         )
 
+    # ---- containers on a real runtime, read from inside
+    def image_tar(self) -> Path:
+        """The e2e image as a docker-archive tar (tests/e2e/local_image.py), made once per
+        cluster; every containerd node imports it."""
+        tar = self.dir / "e2e-image.tar"
+        if not tar.exists():
+            make_image(tar)
+        return tar
+
+    def pod_log(self, ns: str, pod: str, container: str) -> str:
+        """The container's log as the kubelet serves it (``/containerLogs``, the endpoint the
+        API server proxies `kubectl logs` to; the kubelet reads the file containerd wrote).
+        Asked of the node's kubelet directly: the API server cannot proxy here, the kubelet
+        sets no node address ("failed to validate nodeIP: nodeIP can't be loopback address"),
+        so the API server answers 500 "no preferred addresses found". Its port is the node's
+        own (anonymous, loopback only)."""
+        node = (self.pod(ns, pod) or {}).get("spec", {}).get("nodeName")
+        if node not in self.nodes:
+            raise ValueError(f"pod {ns}/{pod} is on no node of this cluster ({node})")
+        port = self.nodes[node].kubelet_port
+        reply = requests.get(
+            f"https://127.0.0.1:{port}/containerLogs/{ns}/{pod}/{container}",
+            verify=False,  # the kubelet's self-signed serving certificate
+            timeout=10,
+        )
+        reply.raise_for_status()
+        return reply.text
+
+    def wait_report(
+        self, ns: str, pod: str, container: str, timeout: float = 90
+    ) -> dict[str, list[str]]:
+        """The report of a container running the e2e image's ``/report`` (its sections:
+        local_image.report_sections), once complete in its log."""
+        return wait_for(
+            f"the report of {ns}/{pod}/{container}",
+            lambda: report_sections(self.pod_log(ns, pod, container)),
+            timeout,
+            step=0.25,
+        )
+
     # ---- tokens
     def token_for_pod(self, ns: str, account: str, pod: str) -> str:
         """A bound ServiceAccount token for ``account``, bound to ``pod`` (TokenRequest): what
@@ -1407,9 +1539,12 @@ def pod_manifest(
     namespace: str = "default",
     node: str | None = None,
     scheduler: str | None = None,
+    report: bool = False,
 ) -> dict[str, Any]:
     """A pod of pause containers: one container ``main`` asking ``limits``, or one per entry
-    of ``containers`` (name -> limits). ``node`` is a nodeSelector on the hostname label."""
+    of ``containers`` (name -> limits). ``node`` is a nodeSelector on the hostname label.
+    ``report``: for a node on a real runtime, the containers run the e2e image's ``/report``
+    (never pulled) on the host network (local_image.py)."""
     if containers is None:
         containers = {"main": limits or {}}
     spec: dict[str, Any] = {
@@ -1425,6 +1560,10 @@ def pod_manifest(
         "terminationGracePeriodSeconds": 1,
         "tolerations": [{"operator": "Exists"}],
     }
+    if report:
+        for c in spec["containers"]:
+            c.update(image=IMAGE, imagePullPolicy="Never", command=["/bin/sh", "/report"])
+        spec["hostNetwork"] = True
     if node is not None:
         spec["nodeSelector"] = {"kubernetes.io/hostname": node}
     if scheduler is not None:

@@ -16,7 +16,8 @@ path in ``<node>/gpus.yaml.nvml``), the device-list strategy ``cdi-cri``:
 controllers), but the kernel's cgroup v2 hierarchy exists (empty of controllers): the node's
 mount namespace mounts it at ``<node>/cgroup`` (``NodeSpec.cgroup2``), the CRI fake runs in
 that namespace with ``--cgroup-root <node>/cgroup`` and moves each container's process (a
-real ``sleep``) into ``crifake/<container id>`` there before it runs the createRuntime hooks.
+real ``sleep``) into ``k8s.io/<container id>`` there (containerd's path) before it runs the
+createRuntime hooks.
 So the hook reads the real ``/proc/<pid>/cgroup`` of a real process in a real cgroup v2
 directory; only the root path differs from a node's ``/sys/fs/cgroup`` (the daemon is given
 it as ``--cgroup-root``, and passes it to the hook as an argument, as it does on a
@@ -268,9 +269,9 @@ def hook_args(node_dir: Path, record: dict[str, Any]) -> dict[str, str]:
 def own_cgroup(node_dir: Path, record: dict[str, Any]) -> str:
     """The container's cgroup: a directory of its own, where its real process is."""
     cgroup = record["cgroup"]
-    assert cgroup == f"{node_dir}/cgroup/crifake/{record['container_id']}", record
+    assert cgroup == f"{node_dir}/cgroup/k8s.io/{record['container_id']}", record
     in_proc = Path(f"/proc/{record['pid']}/cgroup").read_text().splitlines()
-    assert f"0::/crifake/{record['container_id']}" in in_proc, in_proc
+    assert f"0::/k8s.io/{record['container_id']}" in in_proc, in_proc
     return str(cgroup)
 
 

@@ -4,11 +4,15 @@ package main
 // CDI library does it (tags.cncf.io/container-device-interface, pkg/cdi/container-edits.go and
 // internal/ociedit/spec_editor.go, read for this; not imported, only the behaviour is copied):
 //
-//   - the CRI config's env is merged first, one value per name, the later duplicate winning
-//     (containerd's WithEnv);
+//   - the CRI config's env is merged first as containerd 2.4 does it (criEnv): PATH and
+//     HOSTNAME, then the image's env and the CRI env as one list, a name of the first two
+//     replaced in place, every other entry APPENDED, so a name the kubelet sends twice (the
+//     device plugin's, then the pod's own) is in the process's environ twice, in that order;
+//     getenv(3) returns the first;
 //   - then every CDI device the kubelet named (CreateContainerRequest.config.CDI_devices, then
 //     the cdi.k8s.io/* annotations), in that order, with its spec's own containerEdits first:
-//     an env entry replaces the variable of that name; a mount first removes the (first) mount at
+//     an env entry replaces the LAST entry of that name (the CDI library's cache maps a name
+//     to its last index; an earlier duplicate stays) or is appended; a mount first removes the (first) mount at
 //     the same container path, then is appended, and the mounts are sorted by depth, stably,
 //     after each device that has mounts; hooks are appended per OCI hook point;
 //   - a name that no spec in the CDI directories defines fails the container's creation.
@@ -132,14 +136,48 @@ type finalConfig struct {
 	Specs      []string // the spec files used
 }
 
+// setEnv is a CDI env edit: the last entry of the name replaced, or one appended.
 func (f *finalConfig) setEnv(name, value string) {
-	for i := range f.Env {
+	for i := len(f.Env) - 1; i >= 0; i-- {
 		if f.Env[i].Name == name {
 			f.Env[i].Value = value
 			return
 		}
 	}
 	f.Env = append(f.Env, envVar{name, value})
+}
+
+// defaultPath is containerd's oci.DefaultPathEnv on Linux.
+const defaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+// criEnv is the process env containerd 2.4's CRI builds before the CDI edits
+// (internal/cri/server/container_create.go, pkg/oci's replaceOrAppendEnvValues): PATH and
+// HOSTNAME (the sandbox's hostname) first; then the image's env followed by the CRI env as
+// ONE list of overrides, in which a name already among the first two is replaced in place and
+// every other entry is appended, also when the list names it twice: its cache of names is not
+// updated while appending. The fake's images have no env of their own.
+func criEnv(hostname string, env [][2]string) []envVar {
+	out := []envVar{{"PATH", defaultPath}, {"HOSTNAME", hostname}}
+	base := map[string]int{"PATH": 0, "HOSTNAME": 1}
+	for _, kv := range env {
+		if i, ok := base[kv[0]]; ok {
+			out[i].Value = kv[1]
+			continue
+		}
+		out = append(out, envVar{kv[0], kv[1]})
+	}
+	return out
+}
+
+// firstValues is what getenv(3) returns for each name: its first entry.
+func firstValues(env []envVar) map[string]string {
+	out := map[string]string{}
+	for _, kv := range env {
+		if _, ok := out[kv.Name]; !ok {
+			out[kv.Name] = kv.Value
+		}
+	}
+	return out
 }
 
 func depth(path string) int {
@@ -178,12 +216,10 @@ func (f *finalConfig) apply(e cdiEdits) {
 	}
 }
 
-// resolve merges the CRI env and mounts and applies the named CDI devices.
-func resolve(env [][2]string, mounts []mount, names []string, dirs []string) finalConfig {
-	var f finalConfig
-	for _, kv := range env {
-		f.setEnv(kv[0], kv[1])
-	}
+// resolve merges the CRI env (criEnv, for a sandbox of this hostname) and mounts and applies
+// the named CDI devices.
+func resolve(hostname string, env [][2]string, mounts []mount, names []string, dirs []string) finalConfig {
+	f := finalConfig{Env: criEnv(hostname, env)}
 	f.Mounts = append(f.Mounts, mounts...)
 	devices, problems := readCDI(dirs)
 	for _, p := range problems {
@@ -257,7 +293,7 @@ func isCgroup2(root string) bool {
 }
 
 // startWorkload starts the stand-in process; with cgroup v2 at cgroupRoot it is moved into
-// <cgroupRoot>/crifake/<id> before any hook runs.
+// <cgroupRoot>/k8s.io/<id> (containerd's path) before any hook runs.
 func startWorkload(cgroupRoot, id string) (*workload, error) {
 	cmd := exec.Command("sleep", "86400")
 	if err := cmd.Start(); err != nil {
@@ -265,7 +301,7 @@ func startWorkload(cgroupRoot, id string) (*workload, error) {
 	}
 	w := &workload{cmd: cmd}
 	if cgroupRoot != "" && isCgroup2(cgroupRoot) {
-		dir := filepath.Join(cgroupRoot, "crifake", id)
+		dir := filepath.Join(cgroupRoot, "k8s.io", id) // containerd's path when the kubelet names no parent
 		if err := os.MkdirAll(dir, 0o755); err == nil {
 			if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), []byte(fmt.Sprint(cmd.Process.Pid)), 0o644); err == nil {
 				w.cgroup = dir
@@ -289,7 +325,7 @@ func writeConfig(bundle string, env []envVar) error {
 		entries = append(entries, kv.Name+"="+kv.Value)
 	}
 	data, err := json.Marshal(map[string]any{
-		"ociVersion": "1.2.0",
+		"ociVersion": "1.3.0", // runc 1.5.3's
 		"process":    map[string]any{"env": entries},
 	})
 	if err != nil {
@@ -305,7 +341,7 @@ func writeConfig(bundle string, env []envVar) error {
 // fails stops the rest and is the error.
 func runHooks(hooks []cdiHook, id, bundle string, pid int) ([]hookResult, error) {
 	state, _ := json.Marshal(map[string]any{
-		"ociVersion": "1.2.0",
+		"ociVersion": "1.3.0", // runc 1.5.3's
 		"id":         id,
 		"status":     "creating",
 		"pid":        pid,

@@ -19,7 +19,8 @@ func writeSpec(t *testing.T, dir, file string, spec map[string]any) {
 	}
 }
 
-// The pod's env comes after the device plugin's; the later wins; CDI edits replace both.
+// The pod's env comes after the device plugin's; both reach the process (containerd appends a
+// name it did not set itself), getenv sees the first; a CDI edit replaces the LAST entry.
 func TestCDIEditsReplaceTheCRIEnvAndMounts(t *testing.T) {
 	dir := t.TempDir()
 	writeSpec(t, dir, "grant.json", map[string]any{
@@ -34,18 +35,22 @@ func TestCDIEditsReplaceTheCRIEnvAndMounts(t *testing.T) {
 	})
 	env := [][2]string{{"CUDA_DEVICE_MEMORY_LIMIT_0", "1024m"}, {"CUDA_DEVICE_MEMORY_LIMIT_0", "99999m"}, {"LD_PRELOAD", ""}, {"A", "1"}}
 	mounts := []mount{{"/usr/local/vgpu/cache", "/tenant", false}, {"/tmp", "/tenant-tmp", false}}
-	f := resolve(env, mounts, []string{"gpushare.io/grant=g1"}, []string{dir})
-	got := map[string]string{}
+	f := resolve("node-1", env, mounts, []string{"gpushare.io/grant=g1"}, []string{dir})
+	entries := []string{}
 	for _, kv := range f.Env {
-		got[kv.Name] = kv.Value
+		entries = append(entries, kv.Name+"="+kv.Value)
 	}
-	if got["CUDA_DEVICE_MEMORY_LIMIT_0"] != "1024m" || got["LD_PRELOAD"] != "/usr/local/vgpu/libvgpu.so" || got["A"] != "1" {
-		t.Fatalf("final env %v", got)
+	wantEnv := "PATH=" + defaultPath + " HOSTNAME=node-1 CUDA_DEVICE_MEMORY_LIMIT_0=1024m " +
+		"CUDA_DEVICE_MEMORY_LIMIT_0=1024m LD_PRELOAD=/usr/local/vgpu/libvgpu.so A=1"
+	if strings.Join(entries, " ") != wantEnv {
+		t.Fatalf("final env %v\nwant %s", entries, wantEnv)
 	}
-	if len(f.Env) != 3 {
-		t.Fatalf("duplicates kept: %v", f.Env)
+	// without a CDI edit of the name, the tenant's duplicate stays second, getenv sees the first
+	plain := resolve("node-1", [][2]string{{"X", "grant"}, {"X", "tenant"}, {"PATH", "/bin"}}, nil, nil, nil)
+	if got := firstValues(plain.Env); got["X"] != "grant" || got["PATH"] != "/bin" || len(plain.Env) != 4 {
+		t.Fatalf("env %v", plain.Env)
 	}
-	paths := []string{}
+	var paths []string
 	for _, m := range f.Mounts {
 		paths = append(paths, m.ContainerPath+"="+m.HostPath)
 	}
@@ -53,7 +58,7 @@ func TestCDIEditsReplaceTheCRIEnvAndMounts(t *testing.T) {
 	if strings.Join(paths, " ") != want {
 		t.Fatalf("mounts %v", paths)
 	}
-	if f := resolve(nil, nil, []string{"gpushare.io/grant=nope"}, []string{dir}); len(f.Unresolved) != 1 {
+	if f := resolve("n", nil, nil, []string{"gpushare.io/grant=nope"}, []string{dir}); len(f.Unresolved) != 1 {
 		t.Fatalf("an unknown name must stay unresolved: %v", f.Unresolved)
 	}
 }

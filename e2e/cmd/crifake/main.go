@@ -50,22 +50,25 @@ type device struct {
 }
 
 type record struct {
-	Time         string            `json:"time"`
-	ContainerID  string            `json:"container_id"`
-	PodSandboxID string            `json:"pod_sandbox_id"`
-	Namespace    string            `json:"namespace"`
-	Pod          string            `json:"pod"`
-	PodUID       string            `json:"pod_uid"`
-	Container    string            `json:"container"`
-	Attempt      uint32            `json:"attempt"`
-	Image        string            `json:"image"`
-	Command      []string          `json:"command"`
-	Args         []string          `json:"args"`
-	Env          map[string]string `json:"env"`
-	Mounts       []mount           `json:"mounts"`
-	Devices      []device          `json:"devices"`
-	CDIDevices   []string          `json:"cdi_devices"`
-	Annotations  map[string]string `json:"annotations"`
+	Time         string   `json:"time"`
+	ContainerID  string   `json:"container_id"`
+	PodSandboxID string   `json:"pod_sandbox_id"`
+	Namespace    string   `json:"namespace"`
+	Pod          string   `json:"pod"`
+	PodUID       string   `json:"pod_uid"`
+	Container    string   `json:"container"`
+	Attempt      uint32   `json:"attempt"`
+	Image        string   `json:"image"`
+	Command      []string `json:"command"`
+	Args         []string `json:"args"`
+	// what getenv(3) in the container returns per name (the first entry of a name)
+	Env map[string]string `json:"env"`
+	// the container's whole process.env, in order (a name can be there twice: cdi.go)
+	Environ     []string          `json:"environ"`
+	Mounts      []mount           `json:"mounts"`
+	Devices     []device          `json:"devices"`
+	CDIDevices  []string          `json:"cdi_devices"`
+	Annotations map[string]string `json:"annotations"`
 	// what the kubelet sent, before the runtime's merge and the CDI edits
 	CRIEnv    []envVar `json:"cri_env"`
 	CRIMounts []mount  `json:"cri_mounts"`
@@ -176,9 +179,14 @@ func (r *recorder) CreateContainer(ctx context.Context, req *kubeapi.CreateConta
 		rec.CDIDevices = append(rec.CDIDevices, c.GetName())
 	}
 	rec.CDIApplied = cdiNames(rec.CDIDevices, cfg.GetAnnotations())
-	final := resolve(env, rec.CRIMounts, rec.CDIApplied, r.cdiDirs)
+	hostname := req.GetSandboxConfig().GetHostname()
+	if hostname == "" { // containerd's fallback: the machine's
+		hostname, _ = os.Hostname()
+	}
+	final := resolve(hostname, env, rec.CRIMounts, rec.CDIApplied, r.cdiDirs)
+	rec.Env = firstValues(final.Env)
 	for _, kv := range final.Env {
-		rec.Env[kv.Name] = kv.Value
+		rec.Environ = append(rec.Environ, kv.Name+"="+kv.Value)
 	}
 	rec.Mounts = append(rec.Mounts, final.Mounts...)
 	rec.CDISpecs = final.Specs
@@ -255,7 +263,7 @@ func main() {
 	recordPath := flag.String("record", "", "file to append one JSON line per created container to")
 	kubeconfig := flag.String("kubeconfig", "", "credentials to read pods with (init containers then finish)")
 	cdiDirs := flag.String("cdi-dirs", "/etc/cdi,/var/run/cdi", "comma-separated CDI spec directories (later ones win)")
-	cgroupRoot := flag.String("cgroup-root", "/sys/fs/cgroup", "where containers' processes get a cgroup v2 directory (crifake/<id>); empty: none")
+	cgroupRoot := flag.String("cgroup-root", "/sys/fs/cgroup", "where containers' processes get a cgroup v2 directory (k8s.io/<id>, as containerd); empty: none")
 	bundles := flag.String("bundles", "", "directory of the containers' bundle directories (default: beside --record)")
 	flag.Parse()
 	if *socket == "" || *recordPath == "" {

@@ -142,13 +142,17 @@ class Containerd:
             check=False,
         )
 
-    def import_image(self, tar: Path) -> str:
+    def import_image(self, tar: Path, timeout: float = 120) -> str:
         """Import a docker-archive or OCI tar into the node's containerd, unpacked for the
         CRI's snapshotter (what the image engineer's `make image` tar needs too). Returns
-        ctr's output; raises with it on failure."""
+        ctr's output; raises with it on failure. The gpushare image (374 MB in 6 layers)
+        takes minutes on 2 busy cores: ``native`` copies the whole tree for every layer."""
         # --local: ctr unpacks itself (through the transfer service, containerd 2.4 answers
         # "no unpack platforms defined" unless its config lists them)
-        done = self.ctr("images", "import", "--local", "--snapshotter", SNAPSHOTTER, str(tar))
+        done = self.ctr(
+            "images", "import", "--local", "--snapshotter", SNAPSHOTTER, str(tar),
+            timeout=timeout,
+        )  # fmt: skip
         if done.returncode != 0:
             raise RuntimeError(f"ctr images import {tar}: {done.returncode} {done.stderr}")
         return done.stdout

@@ -6,7 +6,8 @@ what the machine has (docker with an engine, podman, or buildah, installed with 
 none). The build, the checks that run each program from the image and the archive are
 `scripts/build_image.py`'s; the archive is what the scenarios on a real containerd import
 (`ctr -n k8s.io images import`). The build runs once per session (the second minor's run
-is warm: the base and every layer are kept).
+is warm: the base and every layer are kept). The build is the session fixture
+``gpushare_image`` (conftest.py), shared with test_daemonset_real.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 from kube_cluster import REPO
 
-SCRIPT = REPO / "scripts" / "build_image.py"
 #: containerd, ctr, runc and the shim, as e2e/build-runtime.sh builds them (make e2e-build)
 RUNTIME_BIN = Path(os.environ.get("GPUSHARE_E2E_RUNTIME_BIN") or REPO / "e2e" / "bin-runtime")
 
@@ -33,28 +32,6 @@ def _version() -> str:
         ["make", "-s", "version"], cwd=REPO, capture_output=True, text=True, check=True, timeout=60
     )
     return out.stdout.strip()
-
-
-@pytest.fixture(scope="session")
-def gpushare_image() -> Path:
-    """The image built with every stand-in, checked, and written as a docker-archive tar."""
-    if os.geteuid() != 0:
-        pytest.fail("building the image needs root (buildah's storage, apt-get for the tools)")
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "all", "--standins", "all"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=2400,
-    )
-    log = REPO / "e2e" / "logs" / "image-build.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(result.stdout + result.stderr)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    (archive,) = [
-        line.split()[1] for line in result.stdout.splitlines() if line.startswith("archive: ")
-    ]
-    return REPO / archive
 
 
 def test_the_image_builds_offline_and_every_program_runs_from_it(gpushare_image: Path) -> None:

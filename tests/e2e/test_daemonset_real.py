@@ -24,6 +24,7 @@ ClusterIP leads nowhere here) and moves the metrics port off 9445 to a free one 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +36,7 @@ from e2e_nodes import CARD_4GIB, cards
 from kube_cluster import (
     CORE,
     HOST_LIB_DIR,
+    K8S_VERSION,
     MEMORY,
     PREFIX,
     REPO,
@@ -130,7 +132,23 @@ def shipped(gpushare_image: Path) -> Iterator[Cluster]:
         run(c, "apply", "-k", str(write_overlay(c, free_port())))
         run(c, "-n", NS, "set", "env", "daemonset/gpushare", f"GPUSHARE_SIMULATE={SIMULATE}")
         run(c, "label", "node", NODE, f"{OPT_IN}=true")
-        yield c
+        try:
+            yield c
+        finally:
+            keep_daemon_logs(c)
+
+
+def keep_daemon_logs(cluster: Cluster) -> None:
+    """The daemon pods' logs (in the node's /var/log/pods, gone with its namespace) beside
+    the node's other logs, for e2e/logs/shipped-cluster."""
+    for pod in daemon_pods(cluster):
+        name = pod["metadata"]["name"]
+        for container in ("cache-fs", "gpushare"):
+            try:
+                text = cluster.pod_log(NS, name, container)
+            except Exception as exc:  # a log that cannot be read is said in its place
+                text = f"(not read: {exc})\n"
+            (cluster.nodes[NODE].dir / f"pod-{name}-{container}.log").write_text(text)
 
 
 def test_the_daemonset_runs_as_shipped_and_registers(shipped: Cluster) -> None:
@@ -169,3 +187,207 @@ def test_a_gpu_pod_runs_with_the_limits_of_the_shipped_daemon(shipped: Cluster) 
         assert env["NVIDIA_VISIBLE_DEVICES"] in {g["uuid"] for g in GPUS}, env
     finally:
         shipped.delete_pod("default", "shipped-a")
+
+
+def visible_card(cluster: Cluster, pod: str) -> str:
+    return environ(cluster.wait_report("default", pod, "main"))["NVIDIA_VISIBLE_DEVICES"]
+
+
+def test_killing_the_daemon_pod_keeps_running_containers_and_admits_after_return(
+    shipped: Cluster,
+) -> None:
+    """Day two (issue 39 item 5): the daemon's pod deleted as an operator would (`kubectl
+    delete pod`). The GPU container running meanwhile is not touched (same container, no
+    restart, the library file it mounts still there); the DaemonSet's next pod registers
+    again, and its first placement respects the running container: a pod asking a whole
+    card's 16 units gets the OTHER card."""
+    old = ready_daemon_pod(shipped)
+    shipped.create_pod(pod_manifest("kept", {MEMORY: 4, CORE: 30}, node=NODE, report=True))
+    try:
+        shipped.wait_pod("default", "kept", "Running")
+        kept_card = visible_card(shipped, "kept")
+        (before,) = (shipped.pod("default", "kept") or {})["status"]["containerStatuses"]
+        libraries = {p.name for p in shipped.nodes[NODE].vgpu.glob("libvgpu.so*")}
+        run(shipped, "-n", NS, "delete", "pod", old["metadata"]["name"], "--wait=true")
+        new = ready_daemon_pod(shipped)
+        assert new["metadata"]["uid"] != old["metadata"]["uid"]
+        shipped.wait_allocatable(NODE, lambda a: int(a.get(MEMORY, 0)) == UNITS)
+        (after,) = (shipped.pod("default", "kept") or {})["status"]["containerStatuses"]
+        assert after["containerID"] == before["containerID"] and after["restartCount"] == 0
+        assert "running" in after["state"], after
+        assert libraries <= {p.name for p in shipped.nodes[NODE].vgpu.glob("libvgpu.so*")}
+        shipped.create_pod(pod_manifest("after", {MEMORY: 16, CORE: 50}, node=NODE, report=True))
+        try:
+            shipped.wait_pod("default", "after", "Running")
+            assert visible_card(shipped, "after") not in ("", kept_card)
+        finally:
+            shipped.delete_pod("default", "after")
+    finally:
+        shipped.delete_pod("default", "kept")
+
+
+@pytest.mark.xfail(
+    run=False,
+    reason="verify's pod is not on the host network and these nodes have no pod network: "
+    "containerd fails its sandbox ('failed to find network info for sandbox' with Debian's "
+    "loopback plugin; 'failed to find plugin \"loopback\"' without) and verify waits its "
+    "300 s (a sandbox error is an event, not a container state it reads); the API server "
+    "could not serve the pod's log either (the nodes have no address)",
+)
+def test_verify_on_a_node_without_a_gpu_ends_in_its_verdict(shipped: Cluster) -> None:
+    """`kubectl gpushare verify` on the simulated node (docs/operations.md, "Verify on your
+    node"): its pod runs the installed image's probe, which cannot run without a GPU; the
+    verdict is "no report" (exit 3) once the pod has failed, not after the 300 s wait."""
+    ready_daemon_pod(shipped)
+    started = time.monotonic()
+    done = shipped.kubectl_gpushare("verify", "--node", NODE)
+    took = time.monotonic() - started
+    out = done.stdout + done.stderr
+    print(f"verify took {took:.0f} s")
+    assert done.returncode == 3, out
+    assert "probe: cannot run" in out, out
+    assert "did not finish within" not in out, out
+
+
+class AllocatableWatch:
+    """The node's allocatable vcuda-memory, read from the API server until stopped: the
+    smallest value seen (the kubelet's node status, which it updates within seconds of a
+    device plugin's endpoint going or coming)."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.seen: list[int] = []
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(0.2):
+            self.seen.append(int(self.cluster.allocatable(NODE).get(MEMORY, 0)))
+
+    def stop(self) -> list[int]:
+        self.stopped.set()
+        self.thread.join()
+        return self.seen
+
+
+def test_a_rolling_update_leaves_gpu_pods_alone_and_the_new_daemon_owns_the_node(
+    shipped: Cluster,
+) -> None:
+    """Day two (issue 39 item 5): a DaemonSet update while a GPU pod runs. On 1.37 with
+    ``maxSurge: 1, maxUnavailable: 0`` (the kubelet keys device-plugin endpoints by socket
+    path, kubernetes#135437; the daemon's sockets are named per instance): the new daemon
+    registers beside the old one, and the node's allocatable never drops to 0. On 1.36 the
+    manifest's strategy (``maxUnavailable: 1``). Either way the GPU pod is not disturbed and
+    the new daemon alone serves the node afterwards. The template change is the metrics
+    port: on the host network (the e2e's TEST-ONLY overlay) two pods of one node need two
+    ports, which a pod network would not."""
+    old = ready_daemon_pod(shipped)
+    shipped.create_pod(pod_manifest("rolled", {MEMORY: 4, CORE: 30}, node=NODE, report=True))
+    try:
+        shipped.wait_pod("default", "rolled", "Running")
+        card = visible_card(shipped, "rolled")
+        (before,) = (shipped.pod("default", "rolled") or {})["status"]["containerStatuses"]
+        port = free_port()
+        container = "/spec/template/spec/containers/0"
+        args = old["spec"]["containers"][0]["args"]
+        ops: list[dict[str, Any]] = [
+            {"op": "replace", "path": f"{container}/args",
+             "value": [a for a in args if not a.startswith("--metrics-port=")]
+             + [f"--metrics-port={port}"]},
+            {"op": "replace", "path": f"{container}/ports/0/containerPort", "value": port},
+        ]  # fmt: skip
+        surge = K8S_VERSION != "1.36"
+        if surge:
+            ops.append(
+                {"op": "replace", "path": "/spec/updateStrategy/rollingUpdate",
+                 "value": {"maxSurge": 1, "maxUnavailable": 0}}
+            )  # fmt: skip
+        watch = AllocatableWatch(shipped)
+        try:
+            run(shipped, "-n", NS, "patch", "daemonset/gpushare", "--type=json",
+                "-p", yaml.safe_dump(ops))  # fmt: skip
+
+            def rolled() -> dict[str, Any] | None:
+                pods = daemon_pods(shipped)
+                (pod,) = pods if len(pods) == 1 else (None,)
+                if pod is None or pod["metadata"]["uid"] == old["metadata"]["uid"]:
+                    return None
+                statuses = pod.get("status", {}).get("containerStatuses") or []
+                return pod if statuses and all(x.get("ready") for x in statuses) else None
+
+            new = wait_for("the rollout: one new daemon pod, Ready", rolled, 240, step=0.5)
+            shipped.wait_allocatable(NODE, lambda a: int(a.get(MEMORY, 0)) == UNITS)
+        finally:
+            seen = watch.stop()
+        print(f"allocatable vcuda-memory during the rollout: min {min(seen)}, {len(seen)} reads")
+        if surge:
+            assert seen and min(seen) > 0, seen
+        assert f"--metrics-port={port}" in new["spec"]["containers"][0]["args"]
+        (after,) = (shipped.pod("default", "rolled") or {})["status"]["containerStatuses"]
+        assert after["containerID"] == before["containerID"] and after["restartCount"] == 0
+        # the new daemon alone serves the node: a whole card's units go to the other card
+        shipped.create_pod(pod_manifest("rolled-2", {MEMORY: 16, CORE: 50}, node=NODE, report=True))
+        try:
+            shipped.wait_pod("default", "rolled-2", "Running")
+            assert visible_card(shipped, "rolled-2") not in ("", card)
+        finally:
+            shipped.delete_pod("default", "rolled-2")
+    finally:
+        shipped.delete_pod("default", "rolled")
+
+
+def test_uninstall_leaves_nothing_in_the_cluster_and_no_socket_or_spec_on_the_node(
+    shipped: Cluster,
+) -> None:
+    """Day two (issue 39 item 5), last in this module: docs/deploy.md's uninstall of an
+    install made with `kubectl apply -k`: `kubectl gpushare uninstall --all` (unlabels the
+    node, waits for the pod to go, removes what the daemon published on the Node and its
+    state object; it deletes only objects it created itself, none here), then `kubectl
+    delete -k` of what was applied. Nothing of gpushare is left in the cluster; on the node
+    no socket of the plugin in the kubelet's device-plugins/, no CDI spec."""
+    ready_daemon_pod(shipped)
+    done = shipped.kubectl_gpushare("uninstall", "--all", "--wait", "120")
+    assert done.returncode == 0, done.stdout + done.stderr
+    wait_for("the daemon's pod to go", lambda: not daemon_pods(shipped) or None, 120)
+    run(shipped, "delete", "-k", str(shipped.dir / "overlay"), "--wait=true")
+    node = shipped.node(NODE)
+    assert not [k for k in node["metadata"].get("labels", {}) if k.startswith(PREFIX)], node
+    assert not [k for k in node["metadata"].get("annotations", {}) if k.startswith(PREFIX)]
+    assert not [k for k in node["status"]["allocatable"] if k.startswith(PREFIX)] or all(
+        int(v) == 0 for k, v in node["status"]["allocatable"].items() if k.startswith(PREFIX)
+    ), node["status"]["allocatable"]
+    for path in (
+        DS,
+        f"/api/v1/namespaces/{NS}/serviceaccounts/gpushare",
+        "/apis/rbac.authorization.k8s.io/v1/clusterroles/gpushare",
+        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/gpushare",
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/roles/gpushare",
+        f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/rolebindings/gpushare",
+        f"/api/v1/namespaces/{NS}/configmaps/gpushare-node-{NODE}",
+        "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies"
+        "/gpushare-core-needs-memory",
+        "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies"
+        "/gpushare-daemon-node-scope",
+        "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies"
+        "/gpushare-reserved-settings",
+    ):
+        assert shipped.api.get_or_none(path) is None, path
+    agent = shipped.nodes[NODE]
+    sockets = sorted(p.name for p in (agent.root / "device-plugins").glob("*.sock"))
+    assert sockets == ["kubelet.sock"], sockets
+    assert not list(agent.cdi_dir.glob("*")), list(agent.cdi_dir.glob("*"))
+    # /usr/local/vgpu as the node sees it (through its namespace holder's root)
+    assert agent.holder is not None
+    host_lib = Path(f"/proc/{agent.holder.pid}/root{HOST_LIB_DIR}")
+    left = sorted(str(p.relative_to(host_lib)) for p in host_lib.rglob("*"))
+    mountinfo = Path(f"/proc/{agent.holder.pid}/mountinfo").read_text().splitlines()
+    mounts = [line.split()[4] for line in mountinfo if line.split()[4].startswith(HOST_LIB_DIR)]
+    leftovers = [p for p in left if not p.startswith("test")] + [
+        f"mount {m}" for m in mounts if m != HOST_LIB_DIR
+    ]
+    if leftovers:
+        # Documented (docs/deploy.md, "Uninstall"): the versioned library and hook stay
+        # for the containers that mount them, the cache tmpfs stays mounted; no step of
+        # uninstall removes them once no container uses them (issue 39 item 5 asks it).
+        pytest.xfail(f"left on the node in {HOST_LIB_DIR} after uninstall: {leftovers}")

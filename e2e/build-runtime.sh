@@ -41,7 +41,7 @@ build() {  # build <tags> <package> <version module>
     *) ld="-X main.version=${v#v}" ;;
   esac
   CGO_ENABLED=1 go build -trimpath -tags "$1" -ldflags "-s -w $ld" -o "$out/" "$2"
-  echo "e2e/build-runtime.sh: $out/${2##*/} ($v) in $(( $(date +%s) - t )) s"
+  echo "e2e/build-runtime.sh: e2e/bin-runtime/${2##*/} ($v) in $(( $(date +%s) - t )) s"
 }
 build seccomp github.com/opencontainers/runc github.com/opencontainers/runc
 build no_btrfs github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 github.com/containerd/containerd/v2

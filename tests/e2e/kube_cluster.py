@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -419,7 +420,9 @@ class NodeAgent:
             "mount -t tmpfs -o mode=0755 gpushare-e2e /var/lib && mkdir /var/lib/kubelet "
             '&& mount --bind "$1" /var/lib/kubelet '
             '&& { [ -z "$4" ] || mount -t cgroup2 gpushare-e2e "$4"; } '
-            '&& { [ -z "$5" ] || mount -t tmpfs -o mode=0755 gpushare-e2e /var/log; } '
+            '&& { [ -z "$5" ] || { mount -t tmpfs -o mode=0755 gpushare-e2e /var/log '
+            "&& mkdir -p /run/containerd "
+            "&& mount -t tmpfs -o mode=0700 gpushare-e2e /run/containerd; }; } "
             '&& { [ -z "$6" ] || { mkdir -p "$6" && mount --bind "$2" "$6" '
             '&& mount --make-shared "$6"; }; } '
             '&& touch "$3" && exec sleep infinity'
@@ -440,7 +443,10 @@ class NodeAgent:
                 str(self.vgpu),
                 str(ready),
                 str(self.cgroup) if self.spec.cgroup2 else "",
-                # a real runtime's pod logs (/var/log/pods) stay in the node
+                # a real runtime's pod logs (/var/log/pods) stay in the node, and so do the
+                # paths containerd and its shim fix whatever the config says (the IO fifos'
+                # /run/containerd/fifo, the shim's fallback runc root /run/containerd/runc):
+                # on the host at most the empty mount point /run/containerd
                 "log" if self.containerd is not None else "",
                 # the DaemonSet's hostPath, on the node's vgpu directory (the host's
                 # /usr/local/vgpu is only the mount point, made if missing: nothing is
@@ -1431,11 +1437,13 @@ class Cluster:
         if node not in self.nodes:
             raise ValueError(f"pod {ns}/{pod} is on no node of this cluster ({node})")
         port = self.nodes[node].kubelet_port
-        reply = requests.get(
-            f"https://127.0.0.1:{port}/containerLogs/{ns}/{pod}/{container}",
-            verify=False,  # the kubelet's self-signed serving certificate
-            timeout=10,
-        )
+        with warnings.catch_warnings():  # the kubelet's self-signed certificate, on loopback
+            warnings.simplefilter("ignore", urllib3.exceptions.InsecureRequestWarning)
+            reply = requests.get(
+                f"https://127.0.0.1:{port}/containerLogs/{ns}/{pod}/{container}",
+                verify=False,
+                timeout=10,
+            )
         reply.raise_for_status()
         return reply.text
 

@@ -315,10 +315,14 @@ func main() {
 	go func() {
 		<-sigs
 		srv.Stop()
-		rec.stopAll()
 	}()
 	fmt.Fprintf(os.Stderr, "crifake: serving %s, recording to %s\n", *socket, *recordPath)
-	if err := srv.Serve(lis); err != nil {
+	err = srv.Serve(lis)
+	// before exiting, not beside it: the containers' processes killed and their cgroup
+	// directories removed (main returning ended the process before a goroutine's clean-up
+	// and left k8s.io/<id> directories in the machine's cgroup v2 hierarchy)
+	rec.stopAll()
+	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}

@@ -19,6 +19,10 @@ ClusterIP leads nowhere here) and moves the metrics port off 9445 to a free one 
 127.0.0.1 (nodes and other checkouts share this machine's network); the node's
 ``/usr/local/vgpu`` is a shared bind mount of the node's directory in its mount namespace
 (NodeSpec.host_lib_dir).
+
+Day two follows on the same install, in file order: the daemon's pod deleted, a rolling
+update (``maxSurge: 1`` on 1.37), `kubectl gpushare verify` (xfail, not run: no pod network
+for its pod), and last the uninstall (the host directory's leftovers xfail).
 """
 
 from __future__ import annotations

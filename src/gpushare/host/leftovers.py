@@ -14,7 +14,7 @@ This module decides, on names and plain sets (no file system): :func:`plan` over
 read). Applying the plan (unmounting the cache file system, removing, logging) is the
 caller's. The rules, one per kind of name:
 
-* ``containers/c-<key>`` and ``containers/c-<key>.json``: removed unless ``<key>`` is
+* ``containers/c-<hex>`` and ``containers/c-<hex>.json``: removed unless ``c-<hex>`` is
   the cache key of a container listed (``host/gc.py`` ``live_keys``).
 * ``containers/d-<key>``: a DRA claim's cache directory: kept while any claim is
   prepared (the DRA driver removes its own when the kubelet unprepares the claim).
@@ -44,7 +44,7 @@ from gpushare.host.tombstones import TOMB_PREFIX
 from gpushare.host.unitguard import STATE_FILE
 
 RETIRED_FILE = "libraries.json"
-_CACHE = re.compile(r"^c-([0-9a-f]{20})(\.json)?$")
+_CACHE = re.compile(r"^(c-[0-9a-f]{20})(\.json)?$")
 _CLAIM = re.compile(r"^d-[0-9a-f]{20}(\.json)?$")
 _VERSIONED = re.compile(r"^(?:" + re.escape(LIBRARY_NAME) + r"|ld\.so\.preload)\.([0-9a-f]{12})$")
 #: Names in the host directory that the daemon writes beside the versioned files.
@@ -66,7 +66,8 @@ class Seen:
 
 @dataclass(frozen=True)
 class Held:
-    """What the containers the kubelet lists hold: their cache keys (memory units),
+    """What the containers the kubelet lists hold: their cache keys (``c-<hex>``, the
+    directories' names, ``host/library.py`` ``cache_key``),
     their holder keys, and whether any DRA claim is prepared on the node."""
 
     cache_keys: frozenset[str] = frozenset()

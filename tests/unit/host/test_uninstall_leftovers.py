@@ -40,7 +40,7 @@ def test_with_no_container_left_everything_gpushare_wrote_goes() -> None:
 
 
 def test_a_running_container_keeps_its_cache_the_library_and_what_it_reads() -> None:
-    held = Held(cache_keys=frozenset({KEY1}), holders=frozenset({"ns/new/c/d2"}))
+    held = Held(cache_keys=frozenset({f"c-{KEY1}"}), holders=frozenset({"ns/new/c/d2"}))
     done = plan(EVERYTHING, held)
     assert f"containers/c-{KEY2}" in done.remove and f"containers/c-{KEY2}.json" in done.remove
     assert "containers/.tomb-x-1" in done.remove
@@ -101,7 +101,7 @@ cache_names = st.one_of(
     top=st.frozensets(top_names),
     containers=st.frozensets(cache_names),
     retired=st.dictionaries(versions, st.frozensets(holders)),
-    cache_keys=st.frozensets(keys),
+    cache_keys=st.frozensets(keys.map(lambda k: f"c-{k}")),
     alive=st.frozensets(holders),
     claims=st.booleans(),
 )
@@ -120,8 +120,8 @@ def test_nothing_a_listed_container_can_use_is_ever_removed(
     assert len(removed) == len(done.remove) and not removed & set(done.keep)
     assert removed <= set(top) | {f"containers/{n}" for n in containers}
     assert "operator-notes" not in removed and "containers/stray" not in removed
-    assert not {f"containers/c-{k}" for k in cache_keys} & removed
-    assert not {f"containers/c-{k}.json" for k in cache_keys} & removed
+    assert not {f"containers/{k}" for k in cache_keys} & removed
+    assert not {f"containers/{k}.json" for k in cache_keys} & removed
     if claims:
         assert not {n for n in removed if n.startswith("containers/d-")}
     if held.memory:

@@ -23,7 +23,7 @@ ClusterIP leads nowhere here) and moves the metrics port off 9445 to a free one 
 Day two follows on the same install, in file order: the daemon's pod deleted, a rolling
 update (``maxSurge: 1`` on 1.37), `kubectl gpushare verify` (no pod network for its pod: its
 verdict is that no probe could run, from the kubelet's repeated sandbox failures), and last
-the uninstall (the host directory's leftovers xfail).
+the uninstall while a GPU pod runs (the host directory keeps exactly what it holds).
 """
 
 from __future__ import annotations
@@ -345,9 +345,22 @@ def test_uninstall_leaves_nothing_in_the_cluster_and_no_socket_or_spec_on_the_no
     install made with `kubectl apply -k`: `kubectl gpushare uninstall --all` (unlabels the
     node, waits for the pod to go, removes what the daemon published on the Node and its
     state object; it deletes only objects it created itself, none here), then `kubectl
-    delete -k` of what was applied. Nothing of gpushare is left in the cluster; on the node
-    no socket of the plugin in the kubelet's device-plugins/, no CDI spec."""
+    delete -k` of what was applied, while one GPU pod runs on. Nothing of gpushare is left
+    in the cluster; on the node no socket of the plugin in the kubelet's device-plugins/,
+    no CDI spec, and in the host directory exactly what the running container holds: its
+    cache directory and record, the lock directory, the library version and preload file
+    (and memory hook) it may map, the unit file, and the cache tmpfs, emptied of the
+    rest (the daemon cannot unmount it: no CAP_SYS_ADMIN)."""
     ready_daemon_pod(shipped)
+    shipped.create_pod(pod_manifest("stays", {MEMORY: 4, CORE: 30}, node=NODE, report=True))
+    try:
+        shipped.wait_pod("default", "stays", "Running")
+        _uninstall_and_check(shipped)
+    finally:
+        shipped.delete_pod("default", "stays")
+
+
+def _uninstall_and_check(shipped: Cluster) -> None:
     done = shipped.kubectl_gpushare("uninstall", "--all", "--wait", "120")
     assert done.returncode == 0, done.stdout + done.stderr
     wait_for("the daemon's pod to go", lambda: not daemon_pods(shipped) or None, 120)
@@ -381,14 +394,23 @@ def test_uninstall_leaves_nothing_in_the_cluster_and_no_socket_or_spec_on_the_no
     # /usr/local/vgpu as the node sees it (through its namespace holder's root)
     assert agent.holder is not None
     host_lib = Path(f"/proc/{agent.holder.pid}/root{HOST_LIB_DIR}")
-    left = sorted(str(p.relative_to(host_lib)) for p in host_lib.rglob("*"))
+    left = {str(p.relative_to(host_lib)) for p in host_lib.rglob("*")}
+    left = {p for p in left if not p.startswith("test")}
     mountinfo = Path(f"/proc/{agent.holder.pid}/mountinfo").read_text().splitlines()
     mounts = [line.split()[4] for line in mountinfo if line.split()[4].startswith(HOST_LIB_DIR)]
-    leftovers = [p for p in left if not p.startswith("test")] + [
-        f"mount {m}" for m in mounts if m != HOST_LIB_DIR
-    ]
-    if leftovers:
-        # Documented (docs/deploy.md, "Uninstall"): the versioned library and hook stay
-        # for the containers that mount them, the cache tmpfs stays mounted; no step of
-        # uninstall removes them once no container uses them (issue 39 item 5 asks it).
-        pytest.xfail(f"left on the node in {HOST_LIB_DIR} after uninstall: {leftovers}")
+    assert [m for m in mounts if m != HOST_LIB_DIR] == [f"{HOST_LIB_DIR}/containers"], mounts
+    caches = sorted(p for p in left if p.startswith("containers/c-") and "." not in p)
+    assert len(caches) == 1, f"one running container, one cache directory: {sorted(left)}"
+    libraries = [p for p in left if p.startswith("libvgpu.so.")]
+    assert len(libraries) == 1, f"one library version (the current one): {sorted(left)}"
+    version = libraries[0].rsplit(".", 1)[1]
+    hooks = {p for p in left if p.startswith("gpushare-memory-hook.")}
+    maybe = {f"ld.so.preload.{version}"} | hooks
+    assert left - maybe == {
+        "containers",
+        "containers/vgpulock",
+        caches[0],
+        f"{caches[0]}.json",
+        "memory-unit.json",
+        libraries[0],
+    }, sorted(left)

@@ -11,8 +11,8 @@ it removes and what it keeps, with why, is logged (``uninstall_removed``,
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
-import shutil
 from pathlib import Path
 
 import structlog
@@ -20,6 +20,7 @@ import structlog
 from gpushare.host.gc import holder_keys, live_keys
 from gpushare.host.leftovers import RETIRED_FILE, Held, Plan, Seen, plan
 from gpushare.host.library import CACHE_ROOT_NAME
+from gpushare.host.tombstones import Reaper, bury, is_tombstone
 from gpushare.share.records import Snapshot
 
 log = structlog.get_logger(__name__)
@@ -61,27 +62,44 @@ def held_by(snapshot: Snapshot) -> Held:
     return Held(frozenset(live_keys(snapshot)), frozenset(holder_keys(snapshot)), claims=True)
 
 
-def _remove(path: Path) -> None:
-    # rmtree does not follow links (Linux: by file descriptor), whatever a tenant built
+def _remove(host_dir: Path, name: str) -> bool:
+    """Remove one name of the plan; True when a directory was buried for the reaper.
+
+    A directory (what tenants wrote into: a cache directory, the lock directory, a
+    tombstone) is buried in ``containers/`` and deleted by :class:`Reaper` afterwards,
+    as garbage collection deletes them (docs/security.md: bounded steps, through no
+    link); anything else is unlinked (a link is removed, never followed)."""
+    path = host_dir / name
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink()
+        parent = host_dir / CACHE_ROOT_NAME
+        if path.parent != parent:  # not one the daemon writes: never removed as a tree
+            raise IsADirectoryError(errno.EISDIR, "a directory where a file was expected")
+        if not is_tombstone(path.name):
+            bury(parent, path.name)
+        return True
+    path.unlink()
+    return False
 
 
 def remove_leftovers(host_dir: Path, snapshot: Snapshot) -> Plan:
     """Remove from ``host_dir`` what no container of ``snapshot`` can use; log what was
     removed, what could not be, and what is kept and why."""
     decided = plan(seen_in(host_dir), held_by(snapshot))
-    removed, failed = [], {}
+    removed: list[str] = []
+    failed: dict[str, str] = {}
+    buried = False
     for name in decided.remove:
         try:
-            _remove(host_dir / name)
+            buried = _remove(host_dir, name) or buried
             removed.append(name)
         except FileNotFoundError:
             removed.append(name)
         except OSError as exc:
             failed[name] = exc.strerror or str(exc)
+    if buried:
+        reaper = Reaper(host_dir / CACHE_ROOT_NAME)
+        reaper.drain()
+        failed.update({f"{CACHE_ROOT_NAME}/{n}": why for n, why in reaper.stuck.items()})
     if decided.drop_cache_root and not failed:
         with contextlib.suppress(OSError):  # a mount point: stays, emptied
             (host_dir / CACHE_ROOT_NAME).rmdir()

@@ -93,3 +93,29 @@ def test_without_an_opt_in_label_set_an_unlabelled_node_keeps_everything(
     before = _files(host)
     node.stop()
     assert _files(host) == before
+
+
+def test_what_a_tenant_built_in_its_cache_is_removed_through_no_link(
+    node: Node, api: KubeApiDouble, short_tmp: Path
+) -> None:
+    _start_with_two_containers(node, api)
+    node.kubelet.release("kept")
+    host = Path(node.settings.host_lib_dir)
+    outside = short_tmp / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("keep me")
+    (cache,) = [p for p in (host / "containers").glob("c-*") if p.is_dir()][:1]
+    (cache / "link").symlink_to(outside)
+    deep = cache
+    for _ in range(200):  # deeper than a recursive delete would like
+        deep = deep / "d"
+    deep.mkdir(parents=True)
+    (deep / "f").write_text("x")
+    locked = cache / "locked"
+    locked.mkdir()
+    (locked / "inside").write_text("x")
+    locked.chmod(0)
+    _label(api, None)
+    node.stop()
+    assert _files(host) == set()
+    assert (outside / "precious").read_text() == "keep me"

@@ -32,13 +32,13 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
 
 import structlog
 
 from gpushare.gpu.health import HealthBoard
 from gpushare.kube import nodestate, stateobject
 from gpushare.kube.labels import LabelFacts, node_labels
+from gpushare.kube.optin import node_opted_out
 from gpushare.kube.podspecs import PodSpecBook, only_uid_of
 from gpushare.kube.podwatch import PodWatch
 from gpushare.kube.statepublish import StatePublisher
@@ -182,28 +182,11 @@ class ApiLink:
         self.pods.stop()
         if self._thread is not None:
             self._thread.join(timeout=API_TIMEOUT + 1)
-        self.opted_out = self._read_opted_out()
+        self.opted_out = self._api is not None and node_opted_out(
+            self._api, self.node_name, self.opt_in_label
+        )
         if self._api is not None:
             self._api.close()
-
-    def _read_opted_out(self) -> bool:
-        """Whether this node has been read without :attr:`opt_in_label` (an uninstall)."""
-        key, given, value = self.opt_in_label.partition("=")
-        api = self._api
-        if not key or not given or api is None:
-            return False
-        try:
-            node = api.get(f"/api/v1/nodes/{quote(self.node_name, safe='')}", API_TIMEOUT)
-        except Exception as exc:  # the API server is down, RBAC is missing, ...
-            log.warning("opt_in_label_unread", label=self.opt_in_label, error=_short(exc))
-            return False
-        if not isinstance(node, dict):  # the Node is gone: no uninstall said so
-            return False
-        labels = (node.get("metadata") or {}).get("labels") or {}
-        if labels.get(key) == value:
-            return False
-        log.info("node_opted_out", label=self.opt_in_label)
-        return True
 
     def notify_allocated(self, resource: Resource, uuid: str, first_id: str) -> None:
         """Called after every Allocate: annotate the pod, publish the new use."""

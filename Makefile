@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 PROTOS := $(shell find proto -name '*.proto')
 comma  := ,
 
-.PHONY: gpu-proof gpu-bench gpu-bench-prepare demo test test-slow lint bench scale simulate churn image image-local version manifests clean verify-pairing e2e e2e-build kubectl-plugin
+.PHONY: gpu-proof gpu-bench gpu-bench-prepare demo test test-slow lint bench scale simulate churn image image-local version manifests clean verify-pairing e2e e2e-build kubectl-plugin image-plan image-check image-archive
 
 demo: $(VENV)/.installed  ## run the daemon on a simulated node with a simulated kubelet
 	$(BIN)/gpushare-demo
@@ -104,30 +104,42 @@ simulate: $(VENV)/.installed  ## trace-driven placement simulation (bench-out/; 
 VERSION   := $(shell sed -n 's/^__version__ = "\(.*\)"$$/\1/p' src/gpushare/__init__.py)
 IMAGE     ?= gpushare:$(VERSION)
 HAMI_VERSION ?= v2.4.1
-# The interposer: published (out of HAMi's image) or source (HAMi-core at HAMI_CORE_COMMIT;
-# empty: the Dockerfile's pinned commit)
+# The interposer: published (out of HAMi's image), source (HAMi-core at HAMI_CORE_COMMIT;
+# empty: the Dockerfile's pinned commit) or stub (enforces nothing: CI's offline stand-in)
 INTERPOSER ?= published
 HAMI_CORE_COMMIT ?=
 PLATFORMS ?= linux/amd64,linux/arm64
-# PUSH=1 pushes the multi-arch image to IMAGE's registry; otherwise it is written as an
-# OCI archive (a multi-arch image cannot be loaded into the classic docker image store).
+# PUSH=1 pushes the multi-arch image to IMAGE's registry; otherwise buildx writes it as
+# the OCI archive dist/gpushare-<version>.oci.tar (a multi-arch image cannot be loaded
+# into the classic docker image store).
 PUSH      ?=
-IMAGE_ARCHIVE ?= dist/gpushare-$(VERSION).oci.tar
 BUILD_ARGS := --build-arg HAMI_VERSION=$(HAMI_VERSION) --build-arg VERSION=$(VERSION) \
   --build-arg INTERPOSER=$(INTERPOSER) \
   $(if $(HAMI_CORE_COMMIT),--build-arg HAMI_CORE_COMMIT=$(HAMI_CORE_COMMIT))
 
-image:  ## build the image for linux/amd64 and linux/arm64 (docker buildx; plain docker: this machine's arch)
-	@if docker buildx version >/dev/null 2>&1; then \
-	  mkdir -p dist; \
-	  echo "docker buildx: $(PLATFORMS) -> $(if $(PUSH),push $(IMAGE),$(IMAGE_ARCHIVE))"; \
-	  docker buildx build --platform $(PLATFORMS) $(BUILD_ARGS) -t $(IMAGE) \
-	    $(if $(PUSH),--push,--output type=oci$(comma)dest=$(IMAGE_ARCHIVE)) . ; \
-	else \
-	  echo "no docker buildx: building $(IMAGE) for this machine's architecture only"; \
-	  docker build $(BUILD_ARGS) -t $(IMAGE) . && \
-	  $(if $(PUSH),docker push $(IMAGE),true); \
-	fi
+# make image: docker buildx where a docker engine answers (both platforms); else docker,
+# buildah or podman for this machine's architecture, with offline stand-ins (a Debian base
+# made by mmdebstrap, the stub interposer, the hook built by the base's gcc) only where the
+# published sources cannot be reached (scripts/build_image.py; STANDINS=all: always, as CI
+# does; none: never). Root on Debian without a builder: buildah is installed first.
+STANDINS ?= auto
+IMAGE_SCRIPT = $(PYTHON) scripts/build_image.py --image $(IMAGE) --interposer $(INTERPOSER) \
+  --standins $(STANDINS) --hami-version $(HAMI_VERSION) --platforms $(PLATFORMS) \
+  $(if $(HAMI_CORE_COMMIT),--hami-core-commit $(HAMI_CORE_COMMIT)) $(if $(PUSH),--push)
+
+image:  ## build the image (docker buildx: linux/amd64 + linux/arm64; else this machine's arch)
+	$(IMAGE_SCRIPT) build
+
+image-plan:  ## which builder, platforms and stand-ins make image would use here
+	$(IMAGE_SCRIPT) plan
+
+image-check:  ## run the image's programs from the image (daemon, extender, kubectl-gpushare, libvgpu.so, hook, probe)
+	$(IMAGE_SCRIPT) check
+
+# A single-platform image as a docker-archive tar: ctr -n k8s.io images import, docker load
+image-archive: image  ## build, check, then write dist/gpushare-<version>-<arch>.tar
+	$(IMAGE_SCRIPT) check
+	$(IMAGE_SCRIPT) archive
 
 image-local:  ## build the image for this machine only and load it into docker
 	docker build $(BUILD_ARGS) -t $(IMAGE) .

@@ -35,7 +35,8 @@ programs=(./cmd/etcd ./cmd/crifake ./cmd/dracall
   k8s.io/kubernetes/cmd/kube-apiserver
   k8s.io/kubernetes/cmd/kube-scheduler
   k8s.io/kubernetes/cmd/kube-controller-manager
-  k8s.io/kubernetes/cmd/kubelet)
+  k8s.io/kubernetes/cmd/kubelet
+  k8s.io/kubernetes/cmd/kubectl)
 start=$(date +%s)
 i=0
 for p in "${programs[@]}"; do

@@ -260,6 +260,14 @@ class Settings:
         "how often the kubelet's PodResources records are re-read when nothing happens",
         bounds=(1, 3600),
     )
+    opt_in_label: str = _opt(
+        "",
+        "<key>=<value>, the label the DaemonSet selects its nodes by: when the daemon stops "
+        "on a node that has lost it (kubectl gpushare uninstall), it removes from "
+        "--host-lib-dir what no running container uses (docs/deploy.md); empty: never",
+        pattern=r"^$|^[A-Za-z0-9./_-]+=[A-Za-z0-9._-]*$",
+        shape="<label key>=<value>, e.g. gpushare.io/enabled=true",
+    )
     gc_grace_seconds: float = _opt(
         300.0,
         "a container cache directory unseen in PodResources this long is removed",

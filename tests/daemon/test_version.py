@@ -7,10 +7,12 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 from conftest import TESLA_P4, Node, cards
 from kit.procs import daemon_command
+from kit.scripts import SCRIPTS, build_image
 
 from gpushare import __version__
 from gpushare.config import OPTIONS, yaml_key
@@ -71,29 +73,43 @@ def test_chart_image_manifests_and_makefile_carry_the_package_version() -> None:
     dry_run = subprocess.run(
         ["make", "-n", "-C", str(ROOT), "image"], capture_output=True, text=True, timeout=30
     ).stdout
-    assert f"-t gpushare:{__version__}" in dry_run
-    assert f"--build-arg VERSION={__version__}" in dry_run
+    assert f"--image gpushare:{__version__}" in dry_run
+    # the build script reads the same version and passes it to the Dockerfile
+    plan = build_image.plan(_facts(), _request(build_image._version()))
+    assert plan.build_args["VERSION"] == __version__
+
+
+def _facts(buildx: bool = True) -> Any:
+    everywhere = frozenset(build_image.PROBES)
+    return build_image.Facts(("docker",), buildx, everywhere, "x86_64")
+
+
+def _request(version: str = __version__, **kw: Any) -> Any:
+    return build_image.Request(image=kw.pop("image", f"gpushare:{version}"), version=version, **kw)
 
 
 def test_make_image_builds_both_architectures_with_buildx_and_falls_back_without() -> None:
-    def dry_run(*args: str) -> str:
-        done = subprocess.run(
-            ["make", "-n", "-C", str(ROOT), "image", *args],
-            capture_output=True,
-            text=True,
-            timeout=30,
+    def command(buildx: bool = True, **kw: Any) -> str:
+        request = _request(**kw)
+        plan = build_image.plan(_facts(buildx), request)
+        return " ".join(
+            build_image.build_command(plan, request, build_image._archive_path(request, plan))
         )
-        assert done.returncode == 0, done.stderr
-        return done.stdout
 
-    default = dry_run()
-    assert "docker buildx version" in default  # buildx where available
-    assert "--platform linux/amd64,linux/arm64" in default
-    assert "--output type=oci,dest=dist/gpushare-" in default  # no push unless asked
+    default = command()
+    assert default.startswith("docker buildx build")  # buildx where available
+    assert "--platform=linux/amd64,linux/arm64" in default
+    assert f"--output=type=oci,dest=dist/gpushare-{__version__}.oci.tar" in default  # no push
     assert "--push" not in default
-    pushed = dry_run("PUSH=1", "IMAGE=registry.example.com/gpushare:1")
-    assert "--push" in pushed and "-t registry.example.com/gpushare:1" in pushed
-    assert "docker push registry.example.com/gpushare:1" in pushed  # the fallback pushes too
+    pushed = command(image="registry.example.com/gpushare:1", push=True)
+    assert "--push" in pushed and "--tag=registry.example.com/gpushare:1" in pushed
+    fallback = command(buildx=False)
+    assert fallback.startswith("docker build ") and "--build-arg=TARGETARCH=amd64" in fallback
+    # the fallback pushes too (after the build): build_image.build
+    assert '_run([p.builder, "push", request.image])' in (SCRIPTS / "build_image.py").read_text()
+    make = subprocess.run(["make", "-n", "-C", str(ROOT), "image", "PUSH=1"],
+                          capture_output=True, text=True, timeout=30).stdout  # fmt: skip
+    assert "--push" in make
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "ARG VERSION" in dockerfile and "org.opencontainers.image.version" in dockerfile
 

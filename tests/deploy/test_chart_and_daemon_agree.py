@@ -54,6 +54,7 @@ TEXT_SAMPLES: dict[str, list[Any]] = {
     "dra_kubelet_root": ["/var/lib/kubelet", "var/lib/kubelet", ""],
     "dra_cdi_dir": ["/var/run/cdi", "run/cdi", ""],
     "dra_state_dir": ["", "/var/lib/gpushare/dra", "dra"],
+    "opt_in_label": ["", "gpushare.io/enabled=true", "a=", "enabled", "a=b=c", "a b=c", "x=y\n"],
     "card_modes": [
         "0=dra",
         "0=DRA,1=shared",

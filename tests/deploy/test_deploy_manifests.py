@@ -638,7 +638,14 @@ def test_dockerignore_keeps_the_context_small() -> None:
     assert "*" in lines  # everything is out unless named
     kept = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
     scripts = {"scripts/check-interposer.sh", "scripts/build-hami-core.sh"}  # the interposer
-    assert kept == {"pyproject.toml", "setup.py", "README.md", "proto", "src", *scripts}
+    programs = {"hook/memory-hook.c", "hook/libvgpu-stub.c"}  # the C the image compiles
+    assert kept == {"pyproject.toml", "setup.py", "README.md", "proto", "src", *scripts, *programs}
+    # every file a COPY takes from the context is kept
+    for line in _dockerfile():
+        if line.startswith("COPY ") and "--from=" not in line:
+            for source in line.split()[1:-1]:
+                if not source.startswith("--"):
+                    assert any(source == k or source.startswith(k + "/") for k in kept), source
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1", "::1", "localhost"])

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from kube_cluster import REPO, Cluster, running_cluster
 
 HERE = Path(__file__).parent
 LOGS = REPO / "e2e" / "logs"
+BUILD_IMAGE = REPO / "scripts" / "build_image.py"
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -36,3 +39,30 @@ def cluster() -> Iterator[Cluster]:
         pytest.fail("the e2e cluster needs root (mount namespaces for its kubelets)")
     with running_cluster(NODES, logs=LOGS / "cluster") as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def gpushare_image() -> Path:
+    """The image built with every stand-in (`make image-archive STANDINS=all`), checked, and
+    written as a docker-archive tar, once per session (test_image.py, test_daemonset_real.py);
+    ``GPUSHARE_E2E_IMAGE`` names an archive built before instead."""
+    built = os.environ.get("GPUSHARE_E2E_IMAGE")
+    if built:  # an archive `make image-archive STANDINS=all` wrote already (no build)
+        return Path(built).resolve()
+    if os.geteuid() != 0:
+        pytest.fail("building the image needs root (buildah's storage, apt-get for the tools)")
+    result = subprocess.run(
+        [sys.executable, str(BUILD_IMAGE), "all", "--standins", "all"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=2400,
+    )
+    log = LOGS / "image-build.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(result.stdout + result.stderr)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    (archive,) = [
+        line.split()[1] for line in result.stdout.splitlines() if line.startswith("archive: ")
+    ]
+    return REPO / archive

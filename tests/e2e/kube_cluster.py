@@ -61,6 +61,8 @@ SCRIPTS = Path(sys.executable).parent
 CHECKOUT_SRC = str(REPO / "src")
 
 PREFIX = "gpushare.io"
+#: the daemon's --host-lib-dir default and the DaemonSet's hostPath (NodeSpec.host_lib_dir)
+HOST_LIB_DIR = "/usr/local/vgpu"
 MEMORY = f"{PREFIX}/vcuda-memory"
 CORE = f"{PREFIX}/vcuda-core"
 WHOLE = f"{PREFIX}/gpu"
@@ -356,6 +358,11 @@ class NodeSpec:
     #: container's config) or ``containerd`` (real containerd and runc, tests/e2e/real_runtime.py:
     #: containers really run, read from inside through their logs)
     runtime: str = "crifake"
+    #: the DaemonSet's host directory ``/usr/local/vgpu`` in the node's namespace: the node's
+    #: ``vgpu`` directory bound there as a SHARED mount (the cache-fs init container's
+    #: Bidirectional mount needs one: containerd refuses a private source), so that a
+    #: DaemonSet run by the node's containerd finds its hostPath there and not the host's
+    host_lib_dir: bool = False
 
 
 class NodeAgent:
@@ -416,6 +423,8 @@ class NodeAgent:
             '&& { [ -z "$5" ] || { mount -t tmpfs -o mode=0755 gpushare-e2e /var/log '
             "&& mkdir -p /run/containerd "
             "&& mount -t tmpfs -o mode=0700 gpushare-e2e /run/containerd; }; } "
+            '&& { [ -z "$6" ] || { mkdir -p "$6" && mount --bind "$2" "$6" '
+            '&& mount --make-shared "$6"; }; } '
             '&& touch "$3" && exec sleep infinity'
         )
         self.holder = Proc(
@@ -439,6 +448,10 @@ class NodeAgent:
                 # /run/containerd/fifo, the shim's fallback runc root /run/containerd/runc):
                 # on the host at most the empty mount point /run/containerd
                 "log" if self.containerd is not None else "",
+                # the DaemonSet's hostPath, on the node's vgpu directory (the host's
+                # /usr/local/vgpu is only the mount point, made if missing: nothing is
+                # written in it)
+                HOST_LIB_DIR if self.spec.host_lib_dir else "",
             ],
             self.dir / "namespace.log",
         )
@@ -1518,6 +1531,23 @@ class Cluster:
             timeout=60,
         )
         return dict(json.loads(reply.stdout))
+
+    # ---- kubectl, as a user would run it
+    def kubectl(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """``kubectl`` built by e2e/build.sh from the same Kubernetes modules as the cluster
+        (``<bin>/kubectl``), with the admin's kubeconfig; never raises on its exit code."""
+        if not (BIN / "kubectl").exists():
+            raise E2EError(f"missing kubectl in {BIN}: run `make e2e-build`")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+        env["KUBECONFIG"] = str(self.admin_kubeconfig)
+        return subprocess.run(
+            [str(BIN / "kubectl"), *args],
+            env=env,
+            cwd=self.dir,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     # ---- kubectl gpushare, as a user would run it
     def kubectl_gpushare(

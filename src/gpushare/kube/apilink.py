@@ -37,6 +37,7 @@ import structlog
 from gpushare.gpu.health import HealthBoard
 from gpushare.kube import nodestate, stateobject
 from gpushare.kube.labels import LabelFacts, node_labels
+from gpushare.kube.optin import node_opted_out
 from gpushare.kube.podannotations import API_TIMEOUT, PodAnnotator, short_error
 from gpushare.kube.podspecs import PodSpecBook, only_uid_of
 from gpushare.kube.podwatch import PodWatch
@@ -90,7 +91,13 @@ class ApiLink:
     ``card_extras``: who holds what whole, the cards' own health and the cards not
     shared (:class:`gpushare.node.cardfacts.CardFacts`; None: shared cards only);
     ``restart``: who held units before a kubelet restart and is not listed since
-    (published as ``kubeletRestarted`` while any is; None: never said)."""
+    (published as ``kubeletRestarted`` while any is; None: never said);
+    ``opt_in_label``: ``key=value``, the label the DaemonSet selects its nodes by ("": not
+    said)."""
+
+    #: At stop, whether the node has lost its opt-in label (``kubectl gpushare
+    #: uninstall``, kube/optin.py); False whenever it cannot be known.
+    opted_out: bool = False
 
     def __init__(
         self,
@@ -108,6 +115,7 @@ class ApiLink:
         label_facts: LabelFacts | None = None,
         card_extras: Callable[[], nodestate.CardExtras] | None = None,
         restart: RestartHolders | None = None,
+        opt_in_label: str = "",
     ) -> None:
         self.extra_labels = dict(extra_labels or {})  # fixed at start (MIG: mig.labels)
         self.node_name = node_name
@@ -140,17 +148,24 @@ class ApiLink:
         self._thread: threading.Thread | None = None
         self.annotator = PodAnnotator(prefix, book)
         self._forget_health: Any = None
-        self.pods = PodWatch(lambda: self._api, node_name, book)
-        book.on_miss = self.pods.refresh_now
-        self.label_facts = label_facts or LabelFacts(
-            gpus=[card.gpu for card in inventory.cards.values()]
-        )
         #: Also given this node's pods after every list and watch event (the use-gputype
         #: choices, gputype.py).
         self.pod_listeners: list[Callable[[list[dict[str, Any]]], None]] = []
-        self.pods.on_pods = self._pods_changed
+        self.pods = self._watch_pods(node_name, book)
+        self.label_facts = label_facts or LabelFacts(
+            gpus=[card.gpu for card in inventory.cards.values()]
+        )
         self.card_extras = card_extras
         self.restart = restart
+        self.opt_in_label = opt_in_label
+
+    def _watch_pods(self, node_name: str, book: PodSpecBook) -> PodWatch:
+        """This node's pods, watched (not started): the spec book reads them again through
+        it when it misses a pod, and each list and watch event reaches the link."""
+        pods = PodWatch(lambda: self._api, node_name, book)
+        book.on_miss = pods.refresh_now
+        pods.on_pods = self._pods_changed
+        return pods
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -166,6 +181,9 @@ class ApiLink:
         self.pods.stop()
         if self._thread is not None:
             self._thread.join(timeout=API_TIMEOUT + 1)
+        self.opted_out = self._api is not None and node_opted_out(
+            self._api, self.node_name, self.opt_in_label
+        )
         if self._api is not None:
             self._api.close()
 

@@ -324,6 +324,12 @@ class Cluster:
         )
         return list((answer or {}).get("items") or [])
 
+    def events(self, namespace: str, field_selector: str = "") -> list[dict[str, Any]]:
+        """Events (core v1) of one namespace, e.g. ``involvedObject.uid=...``."""
+        path = f"/api/v1/namespaces/{quote(namespace, safe='')}/events"
+        answer = self._call("GET", path, {"fieldSelector": field_selector})
+        return list((answer or {}).get("items") or [])
+
     def node(self, name: str) -> dict[str, Any] | None:
         result: dict[str, Any] | None = self._call("GET", f"/api/v1/nodes/{quote(name, safe='')}")
         return result

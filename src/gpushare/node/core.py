@@ -503,6 +503,7 @@ def _link_to_api(core: NodeCore, specs: PodSpecBook) -> None:
         ),
         card_extras=core.card_facts.extras,
         restart=core.restart,
+        opt_in_label=settings.opt_in_label,
     )
     core.restart.listeners.append(link.notify_changed)  # published at once
     choices = ChoiceBook(
@@ -545,7 +546,21 @@ class PodResourcesPart:
         log_found(core)
 
     def stop(self) -> None:
-        self.core.pod_resources.close()
+        """Close the client; on a node opted out (the API link read it at its stop, the
+        device-plugin servers are gone), first remove from the host directory what no
+        container the kubelet lists now can use (``host/optout.py``)."""
+        core = self.core
+        try:
+            if core.api_link is not None and core.api_link.opted_out:
+                snapshot = core.pod_resources.list()
+                if snapshot is None:
+                    log.warning("uninstall_skipped", why="the kubelet's records cannot be read")
+                else:
+                    from gpushare.host.optout import remove_leftovers  # once, at uninstall
+
+                    remove_leftovers(Path(core.settings.host_lib_dir), snapshot)
+        finally:
+            core.pod_resources.close()
 
     def ready(self) -> tuple[bool, str]:
         return True, ""

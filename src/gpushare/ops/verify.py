@@ -35,6 +35,7 @@ TERMINAL = ("Succeeded", "Failed")
 #: Container states the kubelet does not leave by itself: waiting longer shows nothing new.
 STUCK_REASONS = frozenset(
     {
+        "ErrImagePull",
         "ImagePullBackOff",
         "ErrImageNeverPull",
         "InvalidImageName",
@@ -44,6 +45,12 @@ STUCK_REASONS = frozenset(
         "CrashLoopBackOff",
     }
 )
+#: Pod events of the kubelet that say the pod's sandbox or volumes cannot be set up (no
+#: container state shows these: the container stays ``ContainerCreating``) ...
+STUCK_EVENTS = frozenset({"FailedCreatePodSandBox", "FailedMount"})
+#: ... once the kubelet has tried this many times: a first failure may be a race it wins
+#: on its next try (a volume's secret not yet there), a repeated one is what the node does.
+STUCK_EVENT_TRIES = 2
 #: A progress line at least this often while the pod has not finished (and on each change).
 PROGRESS_SECONDS = 15.0
 #: vcuda-core units of a whole card.
@@ -207,6 +214,43 @@ def _stuck(pod: Mapping[str, Any]) -> str | None:
         if waiting.get("reason") in STUCK_REASONS:
             return f"{waiting['reason']}: {waiting.get('message') or 'no message'}"
     return None
+
+
+def _times(event: Mapping[str, Any]) -> int:
+    """How many times the kubelet reported ``event`` (``count``, or a series' count)."""
+    counts = [event.get("count"), (event.get("series") or {}).get("count"), 1]
+    return max(c for c in counts if isinstance(c, int) and not isinstance(c, bool))
+
+
+def stuck_by_events(events: Sequence[Mapping[str, Any]]) -> str | None:
+    """Why the pod can never start, from its events: a reason of :data:`STUCK_EVENTS`
+    reported :data:`STUCK_EVENT_TRIES` times or more (over one event's count or several
+    events), with the latest such event's message; else None."""
+    tries: dict[str, int] = {}
+    latest: dict[str, Mapping[str, Any]] = {}
+    for event in events:
+        reason = str(event.get("reason") or "")
+        if reason not in STUCK_EVENTS or event.get("type") == "Normal":
+            continue
+        tries[reason] = tries.get(reason, 0) + _times(event)
+        latest[reason] = event  # the API server lists them oldest first
+    for reason in sorted(tries):
+        if tries[reason] >= STUCK_EVENT_TRIES:
+            message = str(latest[reason].get("message") or "no message")
+            return f"{reason} ({tries[reason]} times): {message}"
+    return None
+
+
+def _stuck_events(cluster: Cluster, namespace: str, uid: str) -> str | None:
+    """:func:`stuck_by_events` over the pod's events; None where they cannot be read
+    (no right to list events: verify then waits for the container states alone)."""
+    if not uid:
+        return None
+    try:
+        events = cluster.events(namespace, f"involvedObject.uid={uid}")
+    except ApiError:
+        return None
+    return stuck_by_events(events)
 
 
 def _progress(pod: Mapping[str, Any]) -> str:
@@ -373,7 +417,7 @@ def _finished(
             return None
         if (stored.get("status") or {}).get("phase") in TERMINAL:
             return stored
-        stuck = _stuck(stored)
+        stuck = _stuck(stored) or _stuck_events(cluster, request.namespace, uid)
         if stuck is not None:
             say(f"the pod cannot run: {printable(stuck, 400)}")
             return None

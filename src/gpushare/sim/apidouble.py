@@ -57,6 +57,7 @@ KINDS = {
     "namespaces": "Namespace",
     "configmaps": "ConfigMap",
     "serviceaccounts": "ServiceAccount",
+    "events": "Event",
     "clusterroles": "ClusterRole",
     "clusterrolebindings": "ClusterRoleBinding",
     "roles": "Role",
@@ -71,7 +72,7 @@ KINDS = {
 }
 #: The group/versions whose discovery document the double serves (kinds by plural).
 GROUPS = {
-    "v1": ("nodes", "pods", "namespaces", "configmaps", "serviceaccounts"),
+    "v1": ("nodes", "pods", "namespaces", "configmaps", "serviceaccounts", "events"),
     "rbac.authorization.k8s.io/v1": (
         "clusterroles",
         "clusterrolebindings",

@@ -460,3 +460,138 @@ def test_a_driver_card_is_verified_through_a_claim_that_requires_driver(
     (container,) = spec["containers"]
     assert container["command"][-4:] == ["--memory-backend", "driver", "--limit-mib", "1024"]
     assert [k for k in api.objects if "resourceclaims" in k.lower()] == []  # deleted after
+
+
+# -- issue 39.5: a pod whose sandbox the node cannot create ends verify in its verdict ----
+
+
+def _event(reason: str, count: int | None = 1, message: str = "m", **extra: Any) -> dict[str, Any]:
+    event: dict[str, Any] = {"reason": reason, "type": "Warning", "message": message, **extra}
+    if count is not None:
+        event["count"] = count
+    return event
+
+
+def test_a_sandbox_or_mount_failure_is_stuck_once_the_kubelet_tried_twice() -> None:
+    sandbox = "FailedCreatePodSandBox"
+    assert verify.stuck_by_events([]) is None
+    assert verify.stuck_by_events([_event(sandbox)]) is None  # a first try may be a race
+    assert verify.stuck_by_events([_event(sandbox, 2, "no network")]) == (
+        "FailedCreatePodSandBox (2 times): no network"
+    )
+    # several events of one reason add up; the latest message is the one shown
+    two = [_event("FailedMount", 1, "old"), _event("FailedMount", None, "new")]
+    assert verify.stuck_by_events(two) == "FailedMount (2 times): new"
+    assert verify.stuck_by_events([_event(sandbox, None, series={"count": 3})]) == (
+        "FailedCreatePodSandBox (3 times): m"
+    )
+    # other reasons, a Normal event, and one try of each of two reasons are no verdict
+    assert verify.stuck_by_events([_event("Scheduled", 9), _event("BackOff", 5)]) is None
+    assert verify.stuck_by_events([_event(sandbox, 4, type="Normal")]) is None
+    assert verify.stuck_by_events([_event(sandbox), _event("FailedMount")]) is None
+    # a count that is no number counts once
+    assert verify.stuck_by_events([_event(sandbox, None), _event(sandbox, "x")]) is not None  # type: ignore[arg-type]
+
+
+class SandboxNode(StandInNode):
+    """Leaves the verify pod ``ContainerCreating`` and reports ``tries`` failed sandbox
+    creations as one event of the pod (its ``count``), as a kubelet without a pod network."""
+
+    def __init__(self, api: KubeApiDouble, tries: int) -> None:
+        self.tries = tries
+        super().__init__(api, None, "")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, obj in list(self.api.objects.items()):
+                if "/pods/gpushare-verify-" in key and not self.seen:
+                    self.seen = obj
+                    waiting = {"reason": "ContainerCreating"}
+                    with self.api._lock:
+                        obj["status"] = {
+                            "phase": "Pending",
+                            "containerStatuses": [{"name": "probe", "state": {"waiting": waiting}}],
+                        }
+                    meta = obj["metadata"]
+                    self.api.add(
+                        {
+                            "apiVersion": "v1",
+                            "kind": "Event",
+                            "metadata": {"name": f"{meta['name']}.1", "namespace": "default"},
+                            "involvedObject": {"kind": "Pod", "uid": meta["uid"]},
+                            "reason": "FailedCreatePodSandBox",
+                            "type": "Warning",
+                            "count": self.tries,
+                            "message": 'failed to find plugin "loopback"',
+                        }
+                    )
+            self._stop.wait(0.02)
+
+
+@pytest.mark.parametrize("tries", [2, 7])
+def test_a_pod_whose_sandbox_fails_again_stops_verify_with_the_kubelets_message(
+    api: KubeApiDouble, cluster: Cluster, tries: int
+) -> None:
+    node = SandboxNode(api, tries)
+    said: list[str] = []
+    try:
+        code = verify.run(
+            cluster,
+            verify.VerifyRequest(node="gpu-1", image="reg/gpushare:1", timeout_seconds=3600),
+            said.append,
+            poll_seconds=0.02,
+        )
+    finally:
+        node.stop()
+    assert code == verify.EXIT_NO_REPORT
+    expected = (
+        f"the pod cannot run: FailedCreatePodSandBox ({tries} times): "
+        'failed to find plugin "loopback"'
+    )
+    assert expected in said
+    assert not any("did not finish within" in line for line in said)
+    assert _pods(api) == []
+    # it asked for the pod's own events only
+    asked = api.calls("GET", "/namespaces/default/events")
+    assert asked and all(
+        c.query.get("fieldSelector") == [f"involvedObject.uid={node.seen['metadata']['uid']}"]
+        for c in asked
+    )
+
+
+def test_one_failed_sandbox_is_waited_out_to_the_timeout(
+    api: KubeApiDouble, cluster: Cluster
+) -> None:
+    ticks = iter(range(0, 10_000, 5))
+    node = SandboxNode(api, 1)
+    said: list[str] = []
+    try:
+        code = verify.run(
+            cluster,
+            verify.VerifyRequest(node="gpu-1", image="reg/gpushare:1", timeout_seconds=60),
+            said.append,
+            poll_seconds=0.01,
+            clock=lambda: float(next(ticks)),
+        )
+    finally:
+        node.stop()
+    assert code == verify.EXIT_NO_REPORT
+    assert node.seen, "the stand-in never saw the pod"
+    assert said[-2].startswith("the pod did not finish within 60 s")
+    assert not any("cannot run" in line for line in said)
+
+
+def test_ErrImagePull_stops_verify_at_once(api: KubeApiDouble, cluster: Cluster) -> None:
+    node = StuckNode(api, "ErrImagePull")
+    said: list[str] = []
+    try:
+        code = verify.run(
+            cluster,
+            verify.VerifyRequest(node="gpu-1", image="reg/gpushare:1", timeout_seconds=3600),
+            said.append,
+            poll_seconds=0.02,
+        )
+    finally:
+        node.stop()
+    assert code == verify.EXIT_NO_REPORT
+    assert "the pod cannot run: ErrImagePull: Back-off pulling image x" in said

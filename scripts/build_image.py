@@ -492,7 +492,10 @@ def check(builder: str, image: str, version: str) -> list[str]:
             # exited with status N"), for a different check each time (`cat` of a file,
             # `--help`, the hook's usage), never in 16 runs alone: run it again, said in
             # the log; a program that really prints something else fails three times
-            print(f"note {what}: {want!r} not in buildah run's output; running it again", flush=True)
+            print(
+                f"note {what}: {want!r} not in buildah run's output; running it again",
+                flush=True,
+            )
             result = runner.run(argv, stdin)
             out = (result.stdout + result.stderr).strip()
         ok = result.returncode == status and want in out

@@ -234,7 +234,12 @@ class Leftovers:
                 specs=doubtful[:8],
             )
         else:
-            self._tidy_cache_dirs({k for e in found.values() for k in e.cache_keys})
+            named = {k for e in found.values() for k in e.cache_keys}
+            host = self.host_lib_dir
+            _tidy(holders_root(host), named, lambda k: release_holder_dir(holder_dir(host, k)),
+                  "claim_holder_dir")  # fmt: skip
+            _tidy(cache_root(host), named, lambda k: release_cache_dir(host, k),
+                  "claim_cache_dir", lambda name: name.removesuffix(".json"))  # fmt: skip
         return {u: e for u, e in found.items() if e.state in (PREPARED, RECOVERED)}
 
     def _adopt_specs(self, found: dict[str, ClaimEntry]) -> list[str]:
@@ -277,36 +282,30 @@ class Leftovers:
             )
         return doubtful
 
-    def _tidy_cache_dirs(self, named: set[str]) -> None:
-        self._tidy_holder_dirs(named)
-        try:
-            names = os.listdir(cache_root(self.host_lib_dir))
-        except OSError:
-            return
-        for name in sorted(names):
-            key = name.removesuffix(".json")
-            if not key.startswith(CLAIM_KEY_PREFIX) or key in named:
-                continue
-            try:
-                if release_cache_dir(self.host_lib_dir, key):
-                    log.info("claim_cache_dir_tidied", key=key)
-            except (OSError, ValueError) as exc:
-                log.warning("claim_cache_dir_not_tidied", key=key, error=str(exc)[:300])
 
-    def _tidy_holder_dirs(self, named: set[str]) -> None:
-        """Holder directories (``host/claimholders.py``) of claims no entry names."""
+def _tidy(
+    root: Path,
+    named: set[str],
+    release: Callable[[str], bool],
+    what: str,
+    key_of: Callable[[str], str] = lambda name: name,
+) -> None:
+    """Release, under ``root``, what belongs to a claim key no entry names (``named``):
+    a claim's cache directories and records, or its holder directories; each logged as
+    ``<what>_tidied``, or ``<what>_not_tidied`` with the error."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in sorted(names):
+        key = key_of(name)
+        if not key.startswith(CLAIM_KEY_PREFIX) or key in named:
+            continue
         try:
-            names = os.listdir(holders_root(self.host_lib_dir))
-        except OSError:
-            return
-        for key in sorted(names):
-            if not key.startswith(CLAIM_KEY_PREFIX) or key in named:
-                continue
-            try:
-                if release_holder_dir(holder_dir(self.host_lib_dir, key)):
-                    log.info("claim_holder_dir_tidied", key=key)
-            except (OSError, ValueError) as exc:
-                log.warning("claim_holder_dir_not_tidied", key=key, error=str(exc)[:300])
+            if release(key):
+                log.info(f"{what}_tidied", key=key)
+        except (OSError, ValueError) as exc:
+            log.warning(f"{what}_not_tidied", key=key, error=str(exc)[:300])
 
 
 def remove_spec_file(path: Path) -> bool:

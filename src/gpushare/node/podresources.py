@@ -161,6 +161,14 @@ class PodResourcesClient:
     no wait either). A hung PodResources endpoint so costs
     one wait, not one per request (issue 41.7: 5 s per resource, 10 s per admission,
     before).
+
+    What a read that ran out proves depends on how long it was willing to wait: the
+    kubelet did not answer within that read's patience, nothing more. So only callers
+    whose patience is no longer than the longest one that ran out are answered at once
+    (:attr:`unanswered_after`). The usage refresher's read (2 s) running out on a busy
+    kubelet does not make an admission (5 s, ``RECORDS_WAIT``) decide without the
+    records it would have had within its own wait; an admission's read running out
+    makes every caller of that patience or less skip.
     """
 
     def __init__(
@@ -186,12 +194,19 @@ class PodResourcesClient:
         self._parser = ListParser(self.resources, self.exclusive)
         self.last: Snapshot | None = None  # the newest snapshot read successfully
         self.last_error = ""
-        #: a read ran out of time and none has succeeded since: nobody waits
-        self.unanswered = False
+        #: the longest patience (seconds) of a read that ran out of time since the kubelet
+        #: last answered; 0.0 while it answers. Callers with no more patience than this
+        #: are answered at once.
+        self.unanswered_after = 0.0
         #: callers that waited until their time ran out (none while ``unanswered``), and
         #: callers answered at once because a read had run out
         self.waits_run_out = 0
         self.waits_skipped = 0
+
+    @property
+    def unanswered(self) -> bool:
+        """A read ran out of time and none has been answered since."""
+        return self.unanswered_after > 0.0
 
     @property
     def decoded(self) -> int:
@@ -211,7 +226,7 @@ class PodResourcesClient:
                 done = self._done
                 if done is not None and done[0] >= not_before:
                     return done[1]
-                if self.unanswered:
+                if self.unanswered and self.unanswered_after >= timeout:
                     self._skip_wait(timeout)
                     return None
                 if self._inflight is None:
@@ -221,14 +236,17 @@ class PodResourcesClient:
                 if left <= 0:
                     self.last_error = "the read in flight did not end in time"
                     self.waits_run_out += 1
-                    self._ran_out()
+                    self._ran_out(timeout)
                     return None
                 self._cond.wait(left)
-        return self._read(began, deadline, waited=True)
+        return self._read(began, deadline, timeout, waited=True)
 
-    def _read(self, began: float, deadline: float, *, waited: bool) -> Snapshot | None:
-        """The read that began at ``began`` (its caller set ``_inflight``); ``waited``:
-        a caller waits for it (else it runs in the background)."""
+    def _read(
+        self, began: float, deadline: float, patience: float, *, waited: bool
+    ) -> Snapshot | None:
+        """The read that began at ``began`` (its caller set ``_inflight``) for a caller
+        willing to wait ``patience`` seconds in all; ``waited``: a caller waits for it
+        (else it runs in the background)."""
         snapshot: Snapshot | None = None
         error = "the read failed"
         ran_out = False
@@ -237,7 +255,7 @@ class PodResourcesClient:
         except Exception as exc:  # e.g. the socket's directory unreadable: never wedge
             error = self._report_failure(f"{type(exc).__name__}: {exc}")
         finally:
-            self._finish(began, snapshot, error, ran_out, waited)
+            self._finish(began, snapshot, error, patience if ran_out else 0.0, waited)
         return snapshot
 
     def _skip_wait(self, timeout: float) -> None:
@@ -253,36 +271,45 @@ class PodResourcesClient:
         began = self._inflight = self._clock()
         threading.Thread(
             target=self._read,
-            args=(began, began + timeout),
+            args=(began, began + timeout, timeout),
             kwargs={"waited": False},
             name="pod-resources-retry",
             daemon=True,
         ).start()
 
-    def _ran_out(self) -> None:
-        """Under the lock: a read ran out of time."""
-        if not self.unanswered:
-            self.unanswered = True
-            log.warning(
-                "pod_resources_not_answering",
-                socket=str(self.socket),
-                detail="requests decide without the kubelet's records, without waiting, "
-                "until a read succeeds again",
-            )
+    def _ran_out(self, patience: float) -> None:
+        """Under the lock: a read for a caller of ``patience`` seconds ran out of time."""
+        if patience <= self.unanswered_after:
+            return
+        self.unanswered_after = patience
+        log.warning(
+            "pod_resources_not_answering",
+            socket=str(self.socket),
+            waited_seconds=round(patience, 3),
+            detail="requests that would wait no longer than this decide without the "
+            "kubelet's records, without waiting, until a read succeeds again",
+        )
 
     def _finish(
-        self, began: float, snapshot: Snapshot | None, error: str, ran_out: bool, waited: bool
+        self,
+        began: float,
+        snapshot: Snapshot | None,
+        error: str,
+        ran_out_after: float,
+        waited: bool,
     ) -> None:
+        """Under no lock: the read that began at ``began`` ended; ``ran_out_after``: the
+        patience of the caller it ran out of time for (0.0: it did not run out)."""
         with self._cond:
             self._inflight = None
             self._done = (began, snapshot, error)
             if snapshot is not None:
                 self.last = snapshot
-            if ran_out:
+            if ran_out_after > 0.0:
                 self.waits_run_out += waited
-                self._ran_out()
+                self._ran_out(ran_out_after)
             elif self.unanswered:  # it answered (an error answered at once costs no wait)
-                self.unanswered = False
+                self.unanswered_after = 0.0
                 log.info("pod_resources_answering", socket=str(self.socket), error=error)
             self.last_error = error
             self._cond.notify_all()

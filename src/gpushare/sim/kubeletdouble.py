@@ -174,6 +174,11 @@ class PluginRegistry(api_pb2_grpc.RegistrationServicer):
         #: (resource, socket path) -> the endpoint holding it (1.37's endpoint store)
         self.held: dict[tuple[str, Path], Endpoint] = {}
         self.refused: list[tuple[str, str]] = []  # (resource, endpoint) refused as held
+        #: which run of this kubelet serves now (one more at each stop): a Register taken
+        #: by a run that has stopped since never reaches the next run's state
+        self.generation = 0
+        #: registrations dropped because their kubelet run stopped while they dialled back
+        self.stale_registrations = 0
         self._lock = threading.Condition()
 
     # ---------------------------------------------------------------- Registration
@@ -187,6 +192,8 @@ class PluginRegistry(api_pb2_grpc.RegistrationServicer):
         if "/" in request.endpoint or not request.endpoint:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "endpoint must be a socket file name")
         socket = self.plugin_dir / request.endpoint
+        with self._lock:
+            generation = self.generation
         channel = grpc.insecure_channel(f"unix://{socket}")
         try:
             grpc.channel_ready_future(channel).result(timeout=DIAL_TIMEOUT)
@@ -199,8 +206,13 @@ class PluginRegistry(api_pb2_grpc.RegistrationServicer):
         key = (request.resource_name, socket)
         self._note_serving(request.resource_name, socket)
         with self._lock:  # the check and the taking of the path in one step
-            holder = self.held.get(key) if self.by_path else None
-            if holder is not None:
+            stale = generation != self.generation
+            holder = self.held.get(key) if self.by_path and not stale else None
+            if stale:
+                # The real kubelet that took this call is gone with its process: nothing
+                # it was doing reaches the restarted one (the plugin registers again).
+                self.stale_registrations += 1
+            elif holder is not None:
                 holder.orphaned = True
                 self.refused.append((request.resource_name, request.endpoint))
             else:
@@ -208,11 +220,19 @@ class PluginRegistry(api_pb2_grpc.RegistrationServicer):
                 self.held[key] = endpoint
                 self.clients[request.resource_name] = endpoint
                 self.registrations.append((request.resource_name, request.endpoint))
+        if stale:
+            channel.close()
+            self._lock_notify()
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the kubelet restarted meanwhile")
         if holder is not None:
             channel.close()
             context.abort(grpc.StatusCode.UNKNOWN, f"device plugin already connected: {socket}")
         threading.Thread(target=self._watch, args=(endpoint,), daemon=True).start()
         return api_pb2.Empty()
+
+    def _lock_notify(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
 
     def _note_serving(self, resource: str, socket: Path) -> None:
         """Note it when a registration finds the resource's current endpoint (another
@@ -551,6 +571,7 @@ class SimulatedKubelet(PluginRegistry, PodResourcesLister):
         if not keep_pod_resources:
             self.hang_lists(False)  # a handler thread must not outlive the server
         with self._lock:
+            self.generation += 1
             known = [*self.endpoints.values(), *self.held.values()]
             endpoints = list({id(e): e for e in known}.values())
             for endpoint in endpoints:

@@ -47,3 +47,4 @@ for p in "${programs[@]}"; do
 done
 echo "e2e/build.sh: built ${#programs[@]} programs for Kubernetes $full into e2e/$bin in $(( $(date +%s) - start )) s"
 ./build-runtime.sh
+./build-helm.sh

@@ -673,3 +673,15 @@ def test_chart_never_asks_for_the_mig_monitor_capability(strategy: str) -> None:
         assert "NVIDIA_MIG_MONITOR_DEVICES" not in env
         added = _container(daemonset)["securityContext"]["capabilities"].get("add", [])
         assert ("SYS_ADMIN" in added) is (memory == "auto")
+
+
+def test_the_chart_puts_the_daemon_on_the_host_network_only_when_asked() -> None:
+    """``hostNetwork`` (docs/deploy.md, "Helm"; the e2e's chart install on a cluster
+    without a pod network uses it): the pod in the node's network namespace, with the DNS
+    policy that keeps cluster names resolvable there; off by default (the least privileges
+    test above checks the default)."""
+    spec = _pod_spec(one(chart_objects({"hostNetwork": True}), "DaemonSet"))
+    assert spec["hostNetwork"] is True
+    assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    default = _pod_spec(one(chart_objects(), "DaemonSet"))
+    assert "hostNetwork" not in default and "dnsPolicy" not in default

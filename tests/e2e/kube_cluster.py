@@ -41,7 +41,7 @@ import requests
 import urllib3
 import yaml
 from local_image import IMAGE, environ, make_image, report_sections
-from real_runtime import RUNTIME_BIN, RUNTIME_PROGRAMS, Containerd
+from real_runtime import CNI_BIN, CNI_PLUGINS, RUNTIME_BIN, RUNTIME_PROGRAMS, Containerd
 
 from gpushare.sim import controlplane
 
@@ -363,6 +363,11 @@ class NodeSpec:
     #: Bidirectional mount needs one: containerd refuses a private source), so that a
     #: DaemonSet run by the node's containerd finds its hostPath there and not the host's
     host_lib_dir: bool = False
+    #: on a real runtime, a pod network (real CNI plugins, tests/e2e/real_runtime.py: pods off
+    #: the host network get a sandbox) and a node address the API server reaches the kubelet
+    #: at (:meth:`Cluster.give_node_address`: pods' logs through the API server, as `kubectl
+    #: logs` and `kubectl gpushare verify` read them)
+    pod_network: bool = False
 
 
 class NodeAgent:
@@ -537,6 +542,8 @@ class NodeAgent:
         sandbox image: nothing is ever pulled)."""
         assert self.containerd is not None
         missing = [b for b in RUNTIME_PROGRAMS if not (RUNTIME_BIN / b).exists()]
+        if self.spec.pod_network:
+            missing += [f"cni/{b}" for b in CNI_PLUGINS if not (CNI_BIN / b).exists()]
         if missing:
             raise E2EError(f"missing {missing} in {RUNTIME_BIN}: run `make e2e-build`")
         config = self.containerd.write_config()
@@ -1289,6 +1296,8 @@ class Cluster:
         agent._start_cri()
         agent.start_kubelet()
         self.wait_node_ready(spec.name)
+        if spec.pod_network:
+            self.give_node_address(spec.name)
         if not daemon:
             return agent
         reply = self.api.create(agent.daemon_pod_manifest())
@@ -1338,6 +1347,18 @@ class Cluster:
             return node if ok else None
 
         return wait_for(f"node {name} Ready", ready, timeout, step=0.25)
+
+    def give_node_address(self, name: str) -> None:
+        """Set the Node's address to 127.0.0.1 (InternalIP), as a cloud controller sets a
+        node's addresses: the API server then reaches the node's kubelet there (its port is
+        the Node's daemonEndpoints') for a pod's log, exec or port-forward. The kubelet sets
+        none itself here: it refuses a loopback --node-ip ("failed to validate nodeIP: nodeIP
+        can't be loopback address", each status update) and so leaves the addresses as they
+        are, and this machine offers no other address that is only the node's."""
+        body = {"status": {"addresses": [{"type": "InternalIP", "address": "127.0.0.1"}]}}
+        reply = self.api.patch(f"/api/v1/nodes/{name}/status", body)
+        if reply.status_code != 200:
+            raise E2EError(f"node {name}'s address: {reply.status_code} {reply.text[:400]}")
 
     def allocatable(self, name: str) -> dict[str, str]:
         return dict(self.node(name).get("status", {}).get("allocatable", {}))

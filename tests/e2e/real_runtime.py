@@ -6,17 +6,31 @@ Each node's containerd runs in that node's mount namespace (it must see the node
 /var/lib/kubelet: the pods' volumes and the daemon's host paths), with everything of its own
 under the node's directory: ``containerd/{root,state,opt}``, its socket ``containerd.sock``,
 runc's state ``runc/``, the shims' sockets ``s/`` (a short path: unix sockets), its CNI
-config ``cni/`` (``loopback`` only, and no plugin binary: a pod off the host network
-cannot start). Nothing is pulled: the one image
+config ``cni/``. Nothing is pulled: the one image
 (tests/e2e/local_image.py) is imported from a tar with ``ctr`` and pinned as the sandbox
 image. The e2e's own pods run on the host network (no CNI plugin runs for them). The
 node's namespace also has a tmpfs on /var/log, so the pods' logs
 (``/var/log/pods``, written by containerd, read by the kubelet) stay in the node.
+
+The pod network (``NodeSpec.pod_network``, e2e/README.md "The pod network"): without it the
+CNI config is one ``loopback`` plugin and no plugin binary, enough for containerd to report
+its network ready for host-network pods, and a pod off the host network never gets a
+sandbox. With it, the real CNI plugins e2e/build-runtime.sh builds (``e2e/bin-runtime/cni``):
+each pod's ``eth0`` is a ``tap`` device made inside the pod's own network namespace (this
+VM's kernel has no ``dummy`` links: "operation not supported"), its address from
+``host-local`` in the node's own /24 (:func:`pod_subnet`, state in the node's
+``cni-ipam/``), and ``lo`` up (containerd runs ``loopback`` itself). Nothing is added to
+the machine's network namespace (no bridge, veth, route or iptables rule): a pod reaches
+nothing and nothing reaches it, which is all a pod that only runs and logs needs (a
+readiness probe on a pod IP would fail). The namespaces' mount points are under
+containerd's state directory (``netns_mounts_under_state_dir``), not the host's
+/var/run/netns; each ends with its pod, or with the node's mount namespace.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -32,6 +46,9 @@ REPO = Path(__file__).resolve().parents[2]
 #: containerd, containerd-shim-runc-v2, ctr and runc (e2e/build-runtime.sh)
 RUNTIME_BIN = Path(os.environ.get("GPUSHARE_E2E_RUNTIME_BIN") or REPO / "e2e" / "bin-runtime")
 RUNTIME_PROGRAMS = ("containerd", "containerd-shim-runc-v2", "ctr", "runc")
+#: the pod network's CNI plugins (e2e/build-runtime.sh, from e2e/cni/go.mod)
+CNI_BIN = RUNTIME_BIN / "cni"
+CNI_PLUGINS = ("tap", "host-local", "loopback")
 #: containerd's plugins a node does not use, several of which would touch host paths
 #: (NRI's socket in /var/run/nri) or need kernel features (btrfs, zfs, devmapper, erofs)
 DISABLED_PLUGINS = [
@@ -58,6 +75,33 @@ def snapshotter_for(path: Path) -> str:
         ["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True, check=False
     ).stdout.strip()
     return "native" if not fs or fs in NO_OVERLAY_UPPER else "overlayfs"
+
+
+def pod_subnet(kubelet_port: int) -> str:
+    """A node's pod range: the /24 of 10.0.0.0/8 its kubelet's port names. One kubelet on this
+    machine holds a port at a time, so no two running nodes, of any cluster of any checkout,
+    share a range (the tap devices are each in a pod's own namespace and would not
+    collide anyway: distinct ranges keep the pods' IPs telling)."""
+    if not 0 < kubelet_port < 1 << 16:
+        raise ValueError(f"not a port: {kubelet_port}")
+    return f"10.{kubelet_port >> 8}.{kubelet_port & 0xFF}.0/24"
+
+
+def cni_config(node_dir: Path, kubelet_port: int, pod_network: bool) -> dict[str, object]:
+    """The node's CNI network list (module docstring): ``loopback`` alone (no binary: host
+    network only), or a ``tap`` eth0 with a ``host-local`` address in :func:`pod_subnet`."""
+    if not pod_network:
+        return {"cniVersion": "1.0.0", "name": "gpushare-e2e", "plugins": [{"type": "loopback"}]}
+    ipam = {
+        "type": "host-local",
+        "ranges": [[{"subnet": pod_subnet(kubelet_port)}]],
+        "dataDir": str(node_dir / "cni-ipam"),
+    }
+    return {
+        "cniVersion": "1.0.0",
+        "name": "gpushare-e2e-pods",
+        "plugins": [{"type": "tap", "ipam": ipam}],
+    }
 
 
 def _toml(value: object) -> str:
@@ -91,9 +135,11 @@ class Containerd:
         for d in (*(self.dir / o for o in own), self.runc_root, self.socket_dir, self.cni_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.snapshotter = snapshotter_for(self.dir)
-        (self.cni_dir / "10-loopback.conflist").write_text(
-            '{"cniVersion": "1.0.0", "name": "gpushare-e2e", "plugins": [{"type": "loopback"}]}\n'
-        )
+        pod_network = self.node.spec.pod_network
+        network = cni_config(self.node.dir, self.node.kubelet_port, pod_network)
+        (self.cni_dir / "10-gpushare-e2e.conflist").write_text(json.dumps(network) + "\n")
+        # with a pod network, the plugins' directory; without, the config's (no binary)
+        cni_bin = CNI_BIN if pod_network else self.cni_dir
         cri = "plugins.'io.containerd.cri.v1.runtime'"
         runc = f"{cri}.containerd.runtimes.runc"
         lines = [
@@ -117,6 +163,8 @@ class Containerd:
             f"  cdi_spec_dirs = {_toml([self.node.cdi_dir])}",
             # this VM does not let runc lower oom_score_adj ("Permission denied")
             "  restrict_oom_score_adj = true",
+            # the pods' network namespaces pinned in the node's state, not /var/run/netns
+            "  netns_mounts_under_state_dir = true",
             f"[{cri}.containerd]",
             '  default_runtime_name = "runc"',
             f"[{runc}]",
@@ -127,7 +175,7 @@ class Containerd:
             "  SystemdCgroup = false",
             f"[{cri}.cni]",
             f"  conf_dir = {_toml(self.cni_dir)}",
-            f"  bin_dirs = {_toml([self.cni_dir])}",
+            f"  bin_dirs = {_toml([cni_bin])}",
             "[plugins.'io.containerd.cri.v1.images']",
             f"  snapshotter = {_toml(self.snapshotter)}",
             "[plugins.'io.containerd.cri.v1.images'.pinned_images]",

@@ -41,6 +41,7 @@ from gpushare.ops import kubectl
 from gpushare.ops.mdsection import replace_section
 from gpushare.sim.apidouble import KubeApiDouble
 from gpushare.sim.kubeletdouble import SimulatedKubelet
+from gpushare.sim.podstatus import ended_status
 
 NODE = "gpu-node-1"
 IMAGE = "registry.example.com/gpushare:0.1.0"
@@ -123,13 +124,14 @@ class ProbeNode:
             timeout=120,
         )
         self.api.logs[key] = result.stdout + result.stderr
-        phase = "Succeeded" if result.returncode == 0 else "Failed"
         with self.api._lock:
             # The stored object, not the one read before the probe ran: the daemon's pod
             # annotation may have replaced it meanwhile (a slow probe on a busy machine).
             current = self.api.objects.get(key)
             if current is not None:
-                current.setdefault("status", {})["phase"] = phase
+                current.setdefault("status", {}).update(
+                    ended_status(container["name"], result.returncode)
+                )
                 self.api._put(key, current)
         self.kubelet.release(pod["metadata"]["name"])  # the pod has ended
 

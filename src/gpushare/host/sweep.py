@@ -13,7 +13,6 @@ not followed). Only a tmpfs of ours (its source ``gpushare-cache`` or
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -55,6 +54,9 @@ class Dirs:
     kubelet_root: Path
     driver: str
     cdi: Sequence[Path] = ()
+    #: the host directory's parent, where the host directory is not a mount point (the
+    #: cleanup pod mounts it apart: its own mount of the host directory cannot be removed)
+    host_parent: Path | None = None
 
     def places(self) -> dict[str, Path]:
         found = {
@@ -193,13 +195,13 @@ def _host_dir(dirs: Dirs, decided: Plan, outcome: Outcome) -> None:
     outcome.removed.extend(f"{dirs.host_dir}/{name}" for name in removed)
     outcome.failed.update({f"{dirs.host_dir}/{n}": why for n, why in failed.items()})
     outcome.kept.update({f"{dirs.host_dir}/{n}": why for n, why in decided.keep.items()})
-    if decided.drop_host_dir and not failed:
-        with contextlib.suppress(FileNotFoundError):
-            try:
-                dirs.host_dir.rmdir()
-                outcome.host_dir_removed = True
-            except OSError as exc:  # a mount point, or something appeared meanwhile
-                outcome.kept[str(dirs.host_dir)] = f"not removed: {exc.strerror or exc}"
+    target = dirs.host_dir if dirs.host_parent is None else dirs.host_parent / dirs.host_dir.name
+    if decided.drop_host_dir and not failed and names_in(target) is not None:
+        try:
+            target.rmdir()
+            outcome.host_dir_removed = True
+        except OSError as exc:  # a mount point, or something appeared meanwhile
+            outcome.kept[str(dirs.host_dir)] = f"not removed: {exc.strerror or exc}"
 
 
 def clean(dirs: Dirs, naming: Naming, held: Held) -> Outcome:

@@ -80,9 +80,10 @@ def held_of(snapshot: Snapshot, claim_uids: frozenset[str] | None) -> Held:
     )
 
 
-def dirs_of(settings: Settings) -> Dirs:
+def dirs_of(settings: Settings, host_parent: str = "") -> Dirs:
     cdi = [Path(settings.dra_cdi_dir)]
     return Dirs(
+        host_parent=Path(host_parent) if host_parent else None,
         host_dir=Path(settings.host_lib_dir),
         device_plugins=Path(settings.kubelet_dir),
         kubelet_root=Path(settings.dra_kubelet_root),
@@ -104,6 +105,12 @@ def _parser() -> argparse.ArgumentParser:
         "--claims-unknown", action="store_true", help="not known: keep every claim's files"
     )
     parser.add_argument("--report", default="/dev/termination-log", metavar="PATH")
+    parser.add_argument(
+        "--host-lib-parent",
+        default="",
+        metavar="PATH",
+        help="where the host directory's parent is mounted (to remove the host directory)",
+    )
     return parser
 
 
@@ -131,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_NO_RECORDS
     uids = None if args.claims_unknown else frozenset(filter(None, args.held_claims.split(",")))
     naming = Naming(settings.resource_prefix, settings.dra_driver)
-    outcome = clean(dirs_of(settings), naming, held_of(snapshot, uids))
+    outcome = clean(dirs_of(settings, args.host_lib_parent), naming, held_of(snapshot, uids))
     _write(summary(outcome, REPORT_LIMIT), args.report)
     return EXIT_FAILED if outcome.failed else 0
 

@@ -37,6 +37,10 @@ from gpushare.ops import verify  # the module: verify imports deploy, which impo
 Say = Callable[[str], None]
 POD_LABEL = ("app.kubernetes.io/name", "gpushare-host-cleanup")
 COMMAND = ["python", "-m", "gpushare.node.hostsweep"]
+#: Where the cleanup pod mounts the parent of the host directory (to remove it: its own
+#: mount of the host directory is a mount point, which cannot be removed).
+PARENT_MOUNT = "/gpushare-host-lib-parent"
+PARENT_VOLUME = "gpushare-host-lib-parent"
 #: The hostsweep's exit status when the kubelet's PodResources could not be read.
 EXIT_NO_RECORDS = 3
 
@@ -51,6 +55,17 @@ def _env_value(container: Mapping[str, Any], name: str, default: str) -> str:
         if entry.get("name") == name and "value" in entry:
             return str(entry["value"])
     return default
+
+
+def _parent_volume(volumes: Sequence[Mapping[str, Any]], both: set[str]) -> dict[str, Any] | None:
+    """A hostPath volume of the parent of the host directory (the hostPath mounted
+    Bidirectionally), or None where there is none to tell it by."""
+    for volume in volumes:
+        path = str((volume.get("hostPath") or {}).get("path") or "").rstrip("/")
+        if volume.get("name") in both and path.count("/") >= 2:
+            parent = path.rsplit("/", 1)[0]
+            return {"name": PARENT_VOLUME, "hostPath": {"path": parent, "type": "Directory"}}
+    return None
 
 
 def pod_spec(daemonset: Mapping[str, Any], image: str | None = None) -> dict[str, Any]:
@@ -70,12 +85,19 @@ def pod_spec(daemonset: Mapping[str, Any], image: str | None = None) -> dict[str
             mount["mountPropagation"] = "Bidirectional"
         mounts.append(mount)
     used = {m["name"] for m in mounts}
+    volumes = [copy.deepcopy(v) for v in template.get("volumes") or [] if v["name"] in used]
+    args = ["--", *(main.get("args") or [])]
+    parent = _parent_volume(volumes, both)
+    if parent is not None:
+        volumes.append(parent)
+        mounts.append({"name": PARENT_VOLUME, "mountPath": PARENT_MOUNT})
+        args = [f"--host-lib-parent={PARENT_MOUNT}", *args]
     container: dict[str, Any] = {
         "name": "cleanup",
         "image": image or main["image"],
         "imagePullPolicy": main.get("imagePullPolicy", "IfNotPresent"),
         "command": COMMAND,
-        "args": ["--", *(main.get("args") or [])],
+        "args": args,
         "env": copy.deepcopy(main.get("env") or []),
         "volumeMounts": mounts,
         "securityContext": {"privileged": True},
@@ -90,7 +112,7 @@ def pod_spec(daemonset: Mapping[str, Any], image: str | None = None) -> dict[str
         "automountServiceAccountToken": False,
         "tolerations": [{"operator": "Exists"}],
         "containers": [container],
-        "volumes": [copy.deepcopy(v) for v in template.get("volumes") or [] if v["name"] in used],
+        "volumes": volumes,
     }
     for key in ("priorityClassName", "runtimeClassName"):
         if template.get(key):

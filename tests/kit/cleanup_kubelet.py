@@ -28,10 +28,12 @@ class CleanupKubelet:
     """Ends each new cleanup pod with ``report`` (exit ``exit_code``); ``seen`` lists the
     pods it ended, as they were created."""
 
-    def __init__(self, api: KubeApiDouble, report: dict[str, Any], exit_code: int = 0) -> None:
+    def __init__(self, api: KubeApiDouble, report: Any, exit_code: int = 0) -> None:
         self.api = api
         self.report = report
         self.exit_code = exit_code
+        #: the termination message (default: the report as JSON)
+        self.message = json.dumps(report)
         self.seen: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -50,7 +52,7 @@ class CleanupKubelet:
         while not self._stop.wait(0.02):
             for pod in self._pending():
                 self.seen.append(json.loads(json.dumps(pod)))
-                state = {"exitCode": self.exit_code, "message": json.dumps(self.report)}
+                state = {"exitCode": self.exit_code, "message": self.message}
                 pod["status"] = {
                     "phase": "Succeeded" if self.exit_code == 0 else "Failed",
                     "containerStatuses": [{"name": "cleanup", "state": {"terminated": state}}],

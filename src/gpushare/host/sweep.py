@@ -77,6 +77,8 @@ class Outcome:
     kept: dict[str, str] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     host_dir_removed: bool = False
+    #: facts that leave nothing of ours behind (the host directory is a mount point)
+    notes: dict[str, str] = field(default_factory=dict)
 
 
 def _mountinfo(proc_self: Path = Path("/proc/self")) -> list[tuple[str, str, str]]:
@@ -200,8 +202,11 @@ def _host_dir(dirs: Dirs, decided: Plan, outcome: Outcome) -> None:
         try:
             target.rmdir()
             outcome.host_dir_removed = True
-        except OSError as exc:  # a mount point, or something appeared meanwhile
-            outcome.kept[str(dirs.host_dir)] = f"not removed: {exc.strerror or exc}"
+        except OSError as exc:
+            if exc.errno == errno.EBUSY:  # a mount point (an operator's volume): stays, empty
+                outcome.notes[str(dirs.host_dir)] = "empty, left: a mount point"
+            else:  # something appeared meanwhile
+                outcome.kept[str(dirs.host_dir)] = f"not removed: {exc.strerror or exc}"
 
 
 def clean(dirs: Dirs, naming: Naming, held: Held) -> Outcome:
@@ -226,6 +231,7 @@ def summary(outcome: Outcome, limit: int) -> Mapping[str, object]:
         "removed": len(outcome.removed),
         "unmounted": outcome.unmounted,
         "host_dir_removed": outcome.host_dir_removed,
+        "notes": outcome.notes,
         "kept": {},
         "failed": {},
     }

@@ -298,6 +298,8 @@ def _say_result(node: str, result: Result, say: Say) -> None:
     report = result.report
     unmounted = ", ".join(report.get("unmounted") or []) or "nothing"
     say(f"host cleanup of {node}: removed {report.get('removed', 0)} names, unmounted {unmounted}")
+    for name, note in sorted((report.get("notes") or {}).items()):
+        say(f"  on {node}: {name}: {note}")
     for kind in ("kept", "failed"):
         for name, why in sorted((report.get(kind) or {}).items()):
             say(f"  {kind} on {node}: {name}: {why}")

@@ -195,7 +195,7 @@ def assert_nothing_on_the_host(cluster: Cluster) -> None:
 def test_gpu_pods_leave_their_caches_in_the_tmpfs(node_cluster: Cluster) -> None:
     install(node_cluster)
     for name in ("leaves-a", "leaves-b"):
-        node_cluster.create_pod(pod_manifest(name, {MEMORY: 4, CORE: 30}, node=NODE))
+        node_cluster.create_pod(pod_manifest(name, {MEMORY: 4, CORE: 30}, node=NODE, report=True))
     for name in ("leaves-a", "leaves-b"):
         node_cluster.wait_pod("default", name, "Running")
     plant_mps_and_dra_leftovers(node_cluster)
@@ -225,7 +225,7 @@ def test_uninstall_while_a_gpu_pod_runs_keeps_what_it_holds_and_a_second_run_fin
     node_cluster: Cluster,
 ) -> None:
     install(node_cluster)
-    node_cluster.create_pod(pod_manifest("stays", {MEMORY: 4, CORE: 30}, node=NODE))
+    node_cluster.create_pod(pod_manifest("stays", {MEMORY: 4, CORE: 30}, node=NODE, report=True))
     try:
         node_cluster.wait_pod("default", "stays", "Running")
         out = uninstall(node_cluster)

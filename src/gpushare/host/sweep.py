@@ -58,6 +58,12 @@ class Dirs:
     #: cleanup pod mounts it apart: its own mount of the host directory cannot be removed)
     host_parent: Path | None = None
 
+    def views(self) -> list[Path]:
+        """The host directory, and where the mount of its parent shows it too."""
+        if self.host_parent is None:
+            return [self.host_dir]
+        return [self.host_dir, self.host_parent / self.host_dir.name]
+
     def places(self) -> dict[str, Path]:
         found = {
             DEVICE_PLUGINS: self.device_plugins,
@@ -125,16 +131,21 @@ def _unmount(path: Path) -> str:
     return os.strerror(code)
 
 
-def _unmount_ours(host_dir: Path, which: Sequence[str], outcome: Outcome) -> None:
-    for name in which:
-        for _ in range(MAX_STACKED):
-            if name not in our_mounts(host_dir):
-                break
-            why = _unmount(host_dir / name)
-            if why:
-                outcome.failed[name] = f"not unmounted: {why}"
-                break
-            outcome.unmounted.append(name)
+def _unmount_ours(dirs: Dirs, which: Sequence[str], outcome: Outcome) -> None:
+    """Unmount our tmpfs mounts ``which`` from the host directory, and the copies the
+    mount of its parent carries (a hostPath is bound recursively: the copies there are
+    this pod's own, and would keep the directories busy)."""
+    for base in dirs.views():
+        for name in which:
+            for _ in range(MAX_STACKED):
+                if name not in our_mounts(base):
+                    break
+                why = _unmount(base / name)
+                if why:
+                    outcome.failed[str(base / name)] = f"not unmounted: {why}"
+                    break
+                if base == dirs.host_dir:
+                    outcome.unmounted.append(name)
 
 
 def names_in(path: Path) -> frozenset[str] | None:
@@ -214,7 +225,7 @@ def clean(dirs: Dirs, naming: Naming, held: Held) -> Outcome:
     outcome = Outcome()
     decided = decide(dirs, naming, held)
     if decided.host.unmount:
-        _unmount_ours(dirs.host_dir, decided.host.unmount, outcome)
+        _unmount_ours(dirs, decided.host.unmount, outcome)
         decided = decide(dirs, naming, held)  # what was under the mounts, if anything
     _remove_outside(dirs, decided, outcome)
     outcome.kept.update(decided.keep)

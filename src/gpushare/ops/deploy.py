@@ -399,7 +399,8 @@ def uninstall(
 ) -> bool:
     """Unlabel ``nodes`` (all labelled nodes when empty; or carry out a plan of
     :func:`plan_uninstall`); when none keeps the label, delete the objects
-    kubectl-gpushare created, and only those. True when every host cleanup ran.
+    kubectl-gpushare created, and only those. True when every host cleanup ran and removed
+    all it meant to.
 
     What the daemon published on a node (its ``gpu.*`` labels and the per-card
     annotation) is removed once its pod has left the node, which it does soon after
@@ -442,7 +443,8 @@ def _clean_hosts(
     wait_seconds: float,
     poll_seconds: float,
 ) -> bool:
-    """Clean the hosts of ``nodes`` (their daemon has gone); True when each cleanup ran."""
+    """Clean the hosts of ``nodes`` (their daemon has gone); True when each cleanup ran and
+    removed all it meant to (what running containers hold is kept: that is no failure)."""
     prefix = Settings().resource_prefix
     ran = True
     for name in nodes:
@@ -466,7 +468,7 @@ def _clean_hosts(
             say(f"host cleanup of {name} did not run: {exc}; run uninstall again")
             ran = False
             continue
-        ran = ran and result.ran
+        ran = ran and result.complete
     return ran
 
 

@@ -179,6 +179,11 @@ class Result:
     why: str = ""
 
     @property
+    def complete(self) -> bool:
+        """It ran, reported, and removed all it meant to (what it kept is held)."""
+        return self.ran and not self.report.get("failed")
+
+    @property
     def finished(self) -> bool:
         """Nothing of gpushare is left on the node."""
         return self.ran and not self.report.get("kept") and not self.report.get("failed")
@@ -307,6 +312,8 @@ def _say_result(node: str, result: Result, say: Say) -> None:
             say(f"  and {report[f'{kind}_not_shown']} more {kind} on {node}")
     if result.finished:
         say(f"nothing of gpushare is left on {node}'s host")
+    elif report.get("failed"):
+        say(f"{node}: not everything could be removed (above): run uninstall again")
     else:
         say(f"{node} keeps what running GPU containers hold: run uninstall again once they end")
 

@@ -141,9 +141,12 @@ def test_a_cleanup_that_keeps_is_recorded_and_the_next_uninstall_finishes_it(
         (3, {"error": "the kubelet's PodResources cannot be read: nothing removed"},
          "PodResources cannot be read"),
         (1, "not json", "exit 1, no report"),
+        (1, {"removed": 1, "unmounted": [], "kept": {},
+             "failed": {"/usr/local/vgpu/mps/shm": "not unmounted: Operation not permitted"}},
+         "failed on gpu-a: /usr/local/vgpu/mps/shm: not unmounted"),
     ],
 )  # fmt: skip
-def test_a_cleanup_that_did_not_report_exits_3_and_is_recorded(
+def test_a_cleanup_that_did_not_report_or_failed_exits_3_and_is_recorded(
     api: KubeApiDouble,
     capsys: pytest.CaptureFixture[str],
     exit_code: int,
@@ -157,7 +160,7 @@ def test_a_cleanup_that_did_not_report_exits_3_and_is_recorded(
     with kubelet.running():
         assert main(["uninstall", "--node", "gpu-a", "--wait", "0"]) == 3
     out = capsys.readouterr().out
-    assert "host cleanup of gpu-a did not finish" in out and said in out
+    assert said in out and ("did not finish" in out or "not everything could be removed" in out)
     assert RECORD in (api.get("Node", "gpu-a")["metadata"].get("annotations") or {})  # type: ignore[index]
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kit.cleanup_kubelet import CLEAN_REPORT, CleanupKubelet
 from kit.kube_double import KubeApiDouble
 
 from gpushare.kube import nodestate
@@ -158,8 +159,10 @@ def test_every_subcommand_runs_from_the_built_file(
     assert refused.returncode == 2 and "--core-units 150" in refused.stderr
     ok("inspect")
     assert "unlabel node gpu-a" in ok("uninstall", "--dry-run")
-    removed = ok("uninstall", "--all", "--wait", "0")
+    with CleanupKubelet(api, CLEAN_REPORT).running():  # the node's kubelet, for its cleanup pod
+        removed = ok("uninstall", "--all", "--wait", "0")
     assert "unlabelled node gpu-a" in removed
+    assert "nothing of gpushare is left on gpu-a's host" in removed
     assert "deleted DaemonSet kube-system/gpushare" in removed
     script = run(plugin, "uninstall", env=env)
     assert script.returncode == 2 and "--all" in script.stderr

@@ -66,14 +66,16 @@ def test_install_then_uninstall(bare: Cluster) -> None:
     # the node's state object, written with the RBAC install applied (a Role)
     wait_for("the node's state object", lambda: bare.api.get_or_none(STATE), 60)
 
-    uninstall = bare.kubectl_gpushare("uninstall", "--all", "--wait", "0")
+    # --keep-host: the host cleanup pod needs a real runtime (the CRI fake never ends its
+    # container); test_uninstall_real.py runs it on containerd and runc
+    uninstall = bare.kubectl_gpushare("uninstall", "--all", "--wait", "0", "--keep-host")
     assert uninstall.returncode == 0, uninstall.stdout + uninstall.stderr
     assert OPT_IN not in bare.node(NODE)["metadata"].get("labels", {})
     # The controller takes the pod off the unlabelled node; its container (our daemon) ends.
     wait_for("the DaemonSet's pod to go", lambda: not daemonset_pods(bare), 90)
     agent.stop_daemon()
     # Run again once the pod has gone: now nothing keeps what install created.
-    again = bare.kubectl_gpushare("uninstall", "--all", "--wait", "0")
+    again = bare.kubectl_gpushare("uninstall", "--all", "--wait", "0", "--keep-host")
     assert again.returncode == 0, again.stdout + again.stderr
     wait_for("the DaemonSet to be deleted", lambda: bare.api.get_or_none(DS) is None, 60)
     for path in (

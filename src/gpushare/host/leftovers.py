@@ -28,8 +28,16 @@ caller's. The rules, one per kind of name:
   container holds memory units (they read or run them; a reinstall checks the units
   against the first).
 * ``libraries.json``: kept while a versioned file is kept.
+* ``mps/`` (the MPS control daemon's pipe and log directories and the clients'
+  ``/dev/shm``, ``host/mps.py``): kept while any container holds memory units (an MPS
+  client among them may map its shm segments); else removed as a tree, its tmpfs on
+  ``mps/shm`` unmounted first.
+* ``claimholders/`` and ``dra/`` (the DRA driver's holder records and checkpoint): kept
+  while DRA claims are prepared on the node (:attr:`Held.claims`).
+* ``.tomb-*`` (a tree buried and not deleted yet): removed.
 * The cache file system (a tmpfs on ``containers/``) is unmounted and ``containers/``
-  removed only when nothing under it is kept.
+  removed only when nothing under it is kept; the host directory itself only when
+  everything in it is removed (:attr:`Plan.drop_host_dir`).
 * Names this module does not know (an operator's own) are never touched.
 """
 
@@ -44,6 +52,14 @@ from gpushare.host.tombstones import TOMB_PREFIX
 from gpushare.host.unitguard import STATE_FILE
 
 RETIRED_FILE = "libraries.json"
+#: Directories of the daemon's own at the top of the host directory (removed as trees).
+MPS_DIR = "mps"
+HOLDERS_DIR = "claimholders"
+DRA_DIR = "dra"
+TREES = frozenset({MPS_DIR, HOLDERS_DIR, DRA_DIR})
+#: The tmpfs mounts of ``host/cachefs.py``, relative to the host directory.
+CACHE_MOUNT = CACHE_ROOT_NAME
+SHM_MOUNT = f"{MPS_DIR}/shm"
 _CACHE = re.compile(r"^(c-[0-9a-f]{20})(\.json)?$")
 _CLAIM = re.compile(r"^d-[0-9a-f]{20}(\.json)?$")
 _VERSIONED = re.compile(r"^(?:" + re.escape(LIBRARY_NAME) + r"|ld\.so\.preload)\.([0-9a-f]{12})$")
@@ -62,17 +78,23 @@ class Seen:
     top: frozenset[str]
     containers: frozenset[str] = frozenset()
     retired: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    #: our tmpfs mounts found mounted (:data:`CACHE_MOUNT`, :data:`SHM_MOUNT`)
+    mounted: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
 class Held:
     """What the containers the kubelet lists hold: their cache keys (``c-<hex>``, the
     directories' names, ``host/library.py`` ``cache_key``),
-    their holder keys, and whether any DRA claim is prepared on the node."""
+    their holder keys, their per-grant CDI spec names (``host/gc.py`` ``live_grants``),
+    whether any DRA claim is prepared on the node, and the UIDs of the claims known to
+    be in use (None: not known, every claim spec is kept then)."""
 
     cache_keys: frozenset[str] = frozenset()
     holders: frozenset[str] = frozenset()
     claims: bool = False
+    grants: frozenset[str] = frozenset()
+    claim_uids: frozenset[str] | None = None
 
     @property
     def memory(self) -> bool:
@@ -82,11 +104,15 @@ class Held:
 @dataclass(frozen=True)
 class Plan:
     """Names to remove (relative to the host directory, ``containers/...`` for those
-    in it), names kept with why, and whether the cache file system goes too."""
+    in it), names kept with why, whether the cache file system goes too, the tmpfs
+    mounts to unmount before removing (nothing under them is kept), and whether the
+    host directory itself goes (once everything in it is removed)."""
 
     remove: tuple[str, ...]
     keep: Mapping[str, str]
     drop_cache_root: bool
+    unmount: tuple[str, ...] = ()
+    drop_host_dir: bool = False
 
 
 def _library_kept(digest: str, seen: Seen, held: Held) -> str | None:
@@ -103,6 +129,12 @@ def _top_kept(name: str, seen: Seen, held: Held, kept_versions: bool) -> str | N
         return "used by running containers with memory units" if held.memory else None
     if name == RETIRED_FILE:
         return "records the library versions kept" if kept_versions else None
+    if name == MPS_DIR:
+        return "MPS clients may run (containers hold memory units)" if held.memory else None
+    if name in (HOLDERS_DIR, DRA_DIR):
+        return "DRA claims are prepared on the node" if held.claims else None
+    if name.startswith(TOMB_PREFIX):
+        return None  # buried already: what the reaper had not deleted yet
     return ""  # not ours: never removed, not reported
 
 
@@ -150,7 +182,24 @@ def plan(seen: Seen, held: Held) -> Plan:
     if CACHE_ROOT_NAME in seen.top and not drop_cache_root:
         why = "holds what running containers use" if cache_kept else "holds names not ours"
         keep[CACHE_ROOT_NAME] = why
-    return Plan(tuple(remove), keep, drop_cache_root)
+    unmount = [CACHE_MOUNT] if drop_cache_root and CACHE_MOUNT in seen.mounted else []
+    if MPS_DIR in remove and SHM_MOUNT in seen.mounted:
+        unmount.append(SHM_MOUNT)
+    gone = set(remove) | ({CACHE_ROOT_NAME} if drop_cache_root else set())
+    drop_host_dir = seen.top <= gone
+    return Plan(tuple(remove), keep, drop_cache_root, tuple(unmount), drop_host_dir)
 
 
-__all__ = ["RETIRED_FILE", "Held", "Plan", "Seen", "plan"]
+__all__ = [
+    "CACHE_MOUNT",
+    "DRA_DIR",
+    "HOLDERS_DIR",
+    "MPS_DIR",
+    "RETIRED_FILE",
+    "SHM_MOUNT",
+    "TREES",
+    "Held",
+    "Plan",
+    "Seen",
+    "plan",
+]

@@ -18,7 +18,7 @@ from pathlib import Path
 import structlog
 
 from gpushare.host.gc import holder_keys, live_keys
-from gpushare.host.leftovers import RETIRED_FILE, Held, Plan, Seen, plan
+from gpushare.host.leftovers import RETIRED_FILE, TREES, Held, Plan, Seen, plan
 from gpushare.host.library import CACHE_ROOT_NAME
 from gpushare.host.tombstones import Reaper, bury, is_tombstone
 from gpushare.share.records import Snapshot
@@ -62,47 +62,66 @@ def held_by(snapshot: Snapshot) -> Held:
     return Held(frozenset(live_keys(snapshot)), frozenset(holder_keys(snapshot)), claims=True)
 
 
-def _remove(host_dir: Path, name: str) -> bool:
-    """Remove one name of the plan; True when a directory was buried for the reaper.
+def _remove(host_dir: Path, name: str, trees: bool) -> Path | None:
+    """Remove one name of the plan; the directory it was buried in for the reaper, if so.
 
     A directory (what tenants wrote into: a cache directory, the lock directory, a
-    tombstone) is buried in ``containers/`` and deleted by :class:`Reaper` afterwards,
-    as garbage collection deletes them (docs/security.md: bounded steps, through no
-    link); anything else is unlinked (a link is removed, never followed)."""
+    tombstone; with ``trees``, also the daemon's own ``mps/``, ``claimholders/`` and
+    ``dra/`` at the top) is buried where it is and deleted by :class:`Reaper`
+    afterwards, as garbage collection deletes them (docs/security.md: bounded steps,
+    through no link); anything else is unlinked (a link is removed, never followed)."""
     path = host_dir / name
     if path.is_dir() and not path.is_symlink():
-        parent = host_dir / CACHE_ROOT_NAME
-        if path.parent != parent:  # not one the daemon writes: never removed as a tree
+        parent = path.parent
+        top_tree = parent == host_dir and (name in TREES or is_tombstone(name))
+        if parent != host_dir / CACHE_ROOT_NAME and not (trees and top_tree):
+            # not one the daemon writes: never removed as a tree
             raise IsADirectoryError(errno.EISDIR, "a directory where a file was expected")
         if not is_tombstone(path.name):
             bury(parent, path.name)
-        return True
+        return parent
     path.unlink()
-    return False
+    return None
+
+
+def apply_plan(host_dir: Path, decided: Plan, *, trees: bool) -> tuple[list[str], dict[str, str]]:
+    """Remove the names of ``decided`` from ``host_dir`` (the daemon's own trees at the
+    top only with ``trees``: the host cleanup, which unmounts first); the names removed
+    and those that could not be, with why. ``containers/`` goes when the plan says so."""
+    removed: list[str] = []
+    failed: dict[str, str] = {}
+    graves: set[Path] = set()
+    for name in decided.remove:
+        if not trees and name in TREES:
+            continue  # left to the host cleanup (a tmpfs may be mounted in it)
+        try:
+            grave = _remove(host_dir, name, trees)
+            removed.append(name)
+        except FileNotFoundError:
+            removed.append(name)
+            continue
+        except OSError as exc:
+            failed[name] = exc.strerror or str(exc)
+            continue
+        if grave is not None:
+            graves.add(grave)
+    for grave in sorted(graves):
+        reaper = Reaper(grave)
+        reaper.drain()
+        where = "" if grave == host_dir else f"{grave.relative_to(host_dir)}/"
+        failed.update({f"{where}{n}": why for n, why in reaper.stuck.items()})
+    if decided.drop_cache_root and not failed:
+        with contextlib.suppress(OSError):  # a mount point: stays, emptied
+            (host_dir / CACHE_ROOT_NAME).rmdir()
+    return removed, failed
 
 
 def remove_leftovers(host_dir: Path, snapshot: Snapshot) -> Plan:
     """Remove from ``host_dir`` what no container of ``snapshot`` can use; log what was
-    removed, what could not be, and what is kept and why."""
+    removed, what could not be, and what is kept and why. The trees of MPS and DRA
+    and the tmpfs mounts are left to the host cleanup (``node/hostsweep.py``)."""
     decided = plan(seen_in(host_dir), held_by(snapshot))
-    removed: list[str] = []
-    failed: dict[str, str] = {}
-    buried = False
-    for name in decided.remove:
-        try:
-            buried = _remove(host_dir, name) or buried
-            removed.append(name)
-        except FileNotFoundError:
-            removed.append(name)
-        except OSError as exc:
-            failed[name] = exc.strerror or str(exc)
-    if buried:
-        reaper = Reaper(host_dir / CACHE_ROOT_NAME)
-        reaper.drain()
-        failed.update({f"{CACHE_ROOT_NAME}/{n}": why for n, why in reaper.stuck.items()})
-    if decided.drop_cache_root and not failed:
-        with contextlib.suppress(OSError):  # a mount point: stays, emptied
-            (host_dir / CACHE_ROOT_NAME).rmdir()
+    removed, failed = apply_plan(host_dir, decided, trees=False)
     log.info("uninstall_removed", host_dir=str(host_dir), names=removed)
     for name, why in failed.items():
         log.warning("uninstall_remove_failed", name=name, error=why)
@@ -111,4 +130,4 @@ def remove_leftovers(host_dir: Path, snapshot: Snapshot) -> Plan:
     return decided
 
 
-__all__ = ["held_by", "remove_leftovers", "seen_in"]
+__all__ = ["apply_plan", "held_by", "remove_leftovers", "seen_in"]

@@ -330,12 +330,20 @@ class Cluster:
         answer = self._call("GET", path, {"fieldSelector": field_selector})
         return list((answer or {}).get("items") or [])
 
+    def resource_claims(self) -> list[dict[str, Any]] | None:
+        """ResourceClaims (resource.k8s.io/v1) of every namespace; None where not served."""
+        answer = self._call("GET", "/apis/resource.k8s.io/v1/resourceclaims")
+        return None if answer is None else list(answer.get("items") or [])
+
     def node(self, name: str) -> dict[str, Any] | None:
         result: dict[str, Any] | None = self._call("GET", f"/api/v1/nodes/{quote(name, safe='')}")
         return result
 
     def patch_node_metadata(
-        self, name: str, labels: Mapping[str, str | None], annotations: Mapping[str, None]
+        self,
+        name: str,
+        labels: Mapping[str, str | None],
+        annotations: Mapping[str, str | None],
     ) -> None:
         """JSON merge patch of a node's labels and annotations (None removes a key)."""
         metadata: dict[str, Any] = {"labels": dict(labels)}

@@ -24,7 +24,7 @@ from gpushare.config import Settings
 from gpushare.gpu import mig
 from gpushare.kube import nodestate, stateobject
 from gpushare.kube.kubectlapi import ApiError, Cluster, describe
-from gpushare.ops import imageref
+from gpushare.ops import hostcleanup, imageref
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "kubectl-gpushare"}
 #: Labels that NVIDIA's GPU feature discovery (or the GPU operator) puts on GPU nodes.
@@ -34,6 +34,9 @@ GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 Say = Callable[[str], None]
 #: How long ``uninstall`` waits for a daemon pod to leave a node it unlabelled.
 UNINSTALL_WAIT_SECONDS = 60.0
+#: How long ``uninstall`` waits for a node's host cleanup pod to report (an image import
+#: on a cold node, a busy kubelet).
+CLEANUP_WAIT_SECONDS = 180.0
 
 
 class DeployError(Exception):
@@ -334,6 +337,11 @@ class UninstallPlan:
             "once its pod has left"
             for name in self.targets
         ]
+        out += [
+            f"clean the host of {name} once its pod has left (a one-shot privileged pod: "
+            "what no running GPU container holds)"
+            for name in self.targets
+        ]
         out += [f"delete {what}" for what in self.delete]
         out += [f"keep {what}: not created by kubectl-gpushare" for what in self.foreign]
         if self.remaining:
@@ -351,7 +359,12 @@ def plan_uninstall(cluster: Cluster, nodes: Sequence[str]) -> UninstallPlan:
     # Without names: every opted-in node, and those an earlier uninstall had to leave
     # the daemon's labels on (its pod was still there).
     published = {node_name(node) for node in cluster.nodes(nodestate.label_key(prefix, "count"))}
-    targets = list(dict.fromkeys(nodes)) or sorted(labelled | published)
+    unfinished = {
+        node_name(node)
+        for node in cluster.nodes()
+        if hostcleanup.record_key(prefix) in ((node.get("metadata") or {}).get("annotations") or {})
+    }
+    targets = list(dict.fromkeys(nodes)) or sorted(labelled | published | unfinished)
     missing = [name for name in targets if name not in labelled and cluster.node(name) is None]
     if missing:
         raise DeployError(f"no such node: {', '.join(missing)}")
@@ -380,19 +393,26 @@ def uninstall(
     *,
     wait_seconds: float = UNINSTALL_WAIT_SECONDS,
     poll_seconds: float = 1.0,
-) -> None:
+    cleanup_seconds: float = CLEANUP_WAIT_SECONDS,
+    image: str | None = None,
+    clean_hosts: bool = True,
+) -> bool:
     """Unlabel ``nodes`` (all labelled nodes when empty; or carry out a plan of
     :func:`plan_uninstall`); when none keeps the label, delete the objects
-    kubectl-gpushare created, and only those.
+    kubectl-gpushare created, and only those. True when every host cleanup ran and removed
+    all it meant to.
 
     What the daemon published on a node (its ``gpu.*`` labels and the per-card
     annotation) is removed once its pod has left the node, which it does soon after
-    the opt-in label goes; a daemon still running could publish them again.
+    the opt-in label goes; a daemon still running could publish them again. Then, with
+    ``clean_hosts``, the node's host is cleaned (``ops/hostcleanup.py``), by a pod of
+    the installed DaemonSet's image (``image`` instead, where given).
     """
     plan = nodes if isinstance(nodes, UninstallPlan) else plan_uninstall(cluster, nodes)
     objects = load_objects()
     key, _ = opt_in_label(objects)
     prefix = Settings().resource_prefix
+    template = hostcleanup.find_template(cluster, objects, image) if clean_hosts else None
     for name in plan.targets:
         if name in plan.unlabel:
             cluster.patch_node_metadata(name, {key: None}, {})
@@ -402,9 +422,54 @@ def uninstall(
     remaining = sorted(node_name(node) for node in cluster.nodes(plan.selector))
     if not remaining:
         _delete_ours(cluster, objects, say)
-    _forget_published_state(cluster, objects, plan.targets, prefix, say, wait_seconds, poll_seconds)
+    waiting = _forget_published_state(
+        cluster, objects, plan.targets, prefix, say, wait_seconds, poll_seconds
+    )
     if remaining:
         say(f"kept the gpushare objects: still labelled: {', '.join(remaining)}")
+    if not clean_hosts:
+        return True
+    gone = [name for name in plan.targets if name not in waiting]
+    return _clean_hosts(cluster, objects, template, gone, image, say, cleanup_seconds, poll_seconds)
+
+
+def _clean_hosts(
+    cluster: Cluster,
+    objects: Sequence[Mapping[str, Any]],
+    template: hostcleanup.Template | None,
+    nodes: Sequence[str],
+    image: str | None,
+    say: Say,
+    wait_seconds: float,
+    poll_seconds: float,
+) -> bool:
+    """Clean the hosts of ``nodes`` (their daemon has gone); True when each cleanup ran and
+    removed all it meant to (what running containers hold is kept: that is no failure)."""
+    prefix = Settings().resource_prefix
+    ran = True
+    for name in nodes:
+        node = cluster.node(name)
+        if node is None:
+            continue
+        chosen = template or hostcleanup.recorded(node, prefix)
+        if chosen is None:
+            shipped = image or shipped_image(objects)
+            if image is None:
+                say(
+                    f"no gpushare DaemonSet and no earlier cleanup of {name}: its host is "
+                    f"cleaned with {shipped} and the shipped paths (--image to name another)"
+                )
+            chosen = hostcleanup.shipped_template(objects, shipped)
+        try:
+            result = hostcleanup.clean_node(
+                cluster, chosen, name, prefix, say, wait_seconds, poll_seconds
+            )
+        except ApiError as exc:
+            say(f"host cleanup of {name} did not run: {exc}; run uninstall again")
+            ran = False
+            continue
+        ran = ran and result.complete
+    return ran
 
 
 def _delete_ours(cluster: Cluster, objects: Sequence[Mapping[str, Any]], say: Say) -> None:
@@ -427,7 +492,7 @@ def _forget_published_state(
     say: Say,
     wait_seconds: float,
     poll_seconds: float,
-) -> None:
+) -> set[str]:
     """Remove the daemon's labels and annotation from ``nodes``, and delete their state
     objects, once no gpushare pod runs there (waiting up to ``wait_seconds``); name the
     nodes where one still does."""
@@ -440,7 +505,7 @@ def _forget_published_state(
             f"cannot tell whether the gpushare pods have gone ({exc}); the "
             f"{prefix}/gpu.* labels and annotation are left on {', '.join(nodes)}"
         )
-        return
+        return set(nodes)
     for name in nodes:
         if name in waiting:
             say(
@@ -449,6 +514,7 @@ def _forget_published_state(
             )
             continue
         _forget_node(cluster, objects, name, prefix, say)
+    return waiting
 
 
 def _wait_for_daemon_pods(

@@ -31,6 +31,8 @@ from gpushare.ops import deploy, inspect, verify
 PROG = "kubectl gpushare"
 #: Refusals that need the operator to say more (no --node without a terminal).
 EXIT_USAGE = 2
+#: uninstall: a node's host cleanup pod did not run or did not report (it says why)
+EXIT_HOST_CLEANUP = 3
 
 
 def _say(line: str) -> None:
@@ -131,8 +133,16 @@ def _uninstall(args: argparse.Namespace) -> int:
             answer = ""
         if answer.strip().lower() not in ("y", "yes"):
             return _fail("uninstall", "not confirmed; nothing done", 1)
-    deploy.uninstall(cluster, plan, _say, wait_seconds=args.wait)
-    return 0
+    cleaned = deploy.uninstall(
+        cluster,
+        plan,
+        _say,
+        wait_seconds=args.wait,
+        cleanup_seconds=args.cleanup_wait,
+        image=args.image,
+        clean_hosts=not args.keep_host,
+    )
+    return 0 if cleaned else EXIT_HOST_CLEANUP
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -272,6 +282,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long to wait for the daemon pod to leave a node before removing what it "
         "published there (default: %(default).0f)",
+    )
+    uninstall.add_argument(
+        "--cleanup-wait",
+        type=bounded_float(1, 3600),
+        default=deploy.CLEANUP_WAIT_SECONDS,
+        metavar="SECONDS",
+        help="how long to wait for each node's host cleanup pod to report (default: "
+        "%(default).0f)",
+    )
+    uninstall.add_argument(
+        "--image",
+        metavar="REF",
+        help="the image of the host cleanup pods (default: the installed DaemonSet's, or "
+        "the one an unfinished cleanup recorded on the node)",
+    )
+    uninstall.add_argument(
+        "--keep-host",
+        action="store_true",
+        help="no host cleanup pod: leave the node's host directory, tmpfs, sockets and "
+        "CDI specs as the daemon left them (docs/deploy.md)",
     )
     return parser
 

@@ -13,6 +13,8 @@ names aside), so the page never drifts from what the commands print.
 probe pod through the kubelet stand-in (so the daemon allocates its units) and runs
 ``python -m gpushare.probe`` with the environment the daemon's answer gave,
 without a GPU here: what is printed is what verify says on a node without a driver.
+``uninstall``'s host cleanup pod runs the same way: ``python -m gpushare.node.hostsweep``
+with the pod's own arguments and the simulated node's paths (never this machine's).
 """
 
 from __future__ import annotations
@@ -82,16 +84,19 @@ def _kubectl(args: list[str]) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-class ProbeNode:
-    """Stands in for the node under ``kubectl gpushare verify``: admits the probe pod
-    through the kubelet stand-in and runs the probe with the daemon's environment."""
+class _PodRunner:
+    """Runs each new pod of the double whose name starts with :attr:`prefix` once
+    (:meth:`_finish`), on a thread, while in its ``with`` block: a node's kubelet, for
+    the short-lived pods of a command."""
 
-    def __init__(self, api: KubeApiDouble, kubelet: SimulatedKubelet) -> None:
-        self.api, self.kubelet = api, kubelet
+    prefix = ""
+
+    def __init__(self, api: KubeApiDouble) -> None:
+        self.api = api
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> ProbeNode:
+    def __enter__(self) -> _PodRunner:
         self._thread.start()
         return self
 
@@ -103,10 +108,24 @@ class ProbeNode:
         done: set[str] = set()
         while not self._stop.wait(0.05):
             for key, pod in list(self.api.objects.items()):
-                if "/pods/gpushare-verify-" not in key or key in done:
+                if f"/pods/{self.prefix}" not in key or key in done:
                     continue
                 done.add(key)
                 self._finish(key, pod)
+
+    def _finish(self, key: str, pod: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class ProbeNode(_PodRunner):
+    """Stands in for the node under ``kubectl gpushare verify``: admits the probe pod
+    through the kubelet stand-in and runs the probe with the daemon's environment."""
+
+    prefix = "gpushare-verify-"
+
+    def __init__(self, api: KubeApiDouble, kubelet: SimulatedKubelet) -> None:
+        super().__init__(api)
+        self.kubelet = kubelet
 
     def _finish(self, key: str, pod: dict[str, Any]) -> None:
         (container,) = pod["spec"]["containers"]
@@ -134,6 +153,47 @@ class ProbeNode:
                 )
                 self.api._put(key, current)
         self.kubelet.release(pod["metadata"]["name"])  # the pod has ended
+
+
+class CleanupNode(_PodRunner):
+    """Stands in for the node under ``uninstall``'s host cleanup pod: runs the cleanup
+    program with the pod's arguments on the simulated node's directories (``settings``'
+    paths: the DRA and CDI ones under ``root``) and ends the pod with its report as the
+    termination message, as the kubelet would."""
+
+    prefix = "gpushare-host-cleanup-"
+
+    def __init__(self, api: KubeApiDouble, settings: Settings, root: Path) -> None:
+        super().__init__(api)
+        self.settings, self.root = settings, root
+
+    def _finish(self, key: str, pod: dict[str, Any]) -> None:
+        (container,) = pod["spec"]["containers"]
+        claims = [a for a in container["args"] if a.startswith(("--held-claims", "--claims-"))]
+        settings, root = self.settings, self.root
+        report = root / f"termination-log-{len(key)}"
+        argv = [*claims, f"--report={report}", f"--host-lib-parent={root}", "--",
+                f"--host-lib-dir={settings.host_lib_dir}",
+                f"--kubelet-dir={settings.kubelet_dir}",
+                f"--pod-resources-socket={settings.pod_resources_socket}",
+                f"--dra-kubelet-root={root / 'kubelet'}",
+                f"--dra-cdi-dir={root / 'cdi'}"]  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, "-m", "gpushare.node.hostsweep", *argv],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        message = report.read_text() if report.exists() else result.stderr[-1000:]
+        terminated = {"exitCode": result.returncode, "message": message}
+        with self.api._lock:
+            current = self.api.objects.get(key)
+            if current is not None:
+                current["status"] = {
+                    "phase": "Succeeded" if result.returncode == 0 else "Failed",
+                    "containerStatuses": [{"name": "cleanup", "state": {"terminated": terminated}}],
+                }
+                self.api._put(key, current)
 
 
 @contextlib.contextmanager
@@ -189,6 +249,7 @@ class _Walk:
         self.root = root
         self.daemon: Daemon | None = None
         self.kubelet: SimulatedKubelet | None = None
+        self.settings: Settings | None = None
 
     def install(self) -> None:
         t = self.t
@@ -242,7 +303,7 @@ class _Walk:
             node_name=NODE,
         )
         kubelet = SimulatedKubelet(Path(settings.kubelet_dir), Path(settings.pod_resources_socket))
-        self.kubelet = kubelet
+        self.kubelet, self.settings = kubelet, settings
         kubelet.start()
         daemon = Daemon(settings)
         self.daemon = daemon
@@ -304,10 +365,19 @@ class _Walk:
             "`--wait` is how long to wait for the daemon pod to leave a node before removing "
             "what it published there:"
         )
-        t.command(
-            "kubectl gpushare uninstall --all --wait 0",
-            _kubectl(["uninstall", "--all", "--wait", "0"])[1],
+        t.text(
+            "Once a node's daemon has gone, `uninstall` cleans its host with a one-shot "
+            'privileged pod (docs/deploy.md, "The host cleanup pod"): what no running GPU '
+            "container holds is removed, the tmpfs mounts unmounted; what one holds is kept "
+            "and listed, and running `uninstall` again after it ends finishes the job. Here "
+            "the workloads have ended:"
         )
+        assert self.kubelet is not None and self.settings is not None
+        for pod in ("train", "notebook"):
+            self.kubelet.release(pod)
+        with CleanupNode(self.api, self.settings, self.root):
+            out = _kubectl(["uninstall", "--all", "--wait", "0"])[1]
+        t.command("kubectl gpushare uninstall --all --wait 0", out)
 
     def close(self) -> None:
         if self.daemon is not None:

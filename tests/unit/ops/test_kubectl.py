@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
+from kit.cleanup_kubelet import CLEAN_REPORT, CleanupKubelet
 from kit.kube_double import KubeApiDouble
 
 from gpushare import __version__
@@ -43,6 +44,11 @@ def _labels(api: KubeApiDouble, node: str) -> dict[str, str]:
     return labels
 
 
+def _deletes(api: KubeApiDouble) -> list[Any]:
+    """The DELETE calls, but those of uninstall's host cleanup pods (test_hostcleanup.py)."""
+    return [r for r in api.calls("DELETE") if "/pods/gpushare-host-cleanup-" not in r.path]
+
+
 @pytest.fixture
 def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeApiDouble]:
     double = KubeApiDouble()
@@ -52,7 +58,9 @@ def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeApiDoub
     double.add(_node("cpu-1", {"kubernetes.io/os": "linux"}))
     monkeypatch.setenv("KUBECONFIG", str(double.kubeconfig(tmp_path / "kubeconfig")))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    yield double
+    # the nodes' kubelets, as far as uninstall's host cleanup pods go
+    with CleanupKubelet(double, CLEAN_REPORT).running():
+        yield double
     double.stop()
 
 
@@ -272,7 +280,7 @@ def test_uninstall_keeps_the_objects_while_a_node_is_labelled_then_removes_them(
     assert main(["uninstall", "--node", "gpu-a"]) == 0
     # the node's state object went with what the daemon published on the Node
     assert api.get("ConfigMap", "gpushare-node-gpu-a", "kube-system") is None
-    assert [r.path for r in api.calls("DELETE")] == [
+    assert [r.path for r in _deletes(api)] == [
         "/api/v1/namespaces/kube-system/configmaps/gpushare-node-gpu-a"
     ]
     api.requests.clear()
@@ -282,7 +290,7 @@ def test_uninstall_keeps_the_objects_while_a_node_is_labelled_then_removes_them(
     assert api.get("Node", "gpu-a")["metadata"]["annotations"] == {"keep": "me"}  # type: ignore[index]
     assert _labels(api, "gpu-b")[KEY] == VALUE
     assert all(_stored(api, obj) is not None for obj in OBJECTS)
-    assert api.calls("DELETE") == []
+    assert _deletes(api) == []
     out = capsys.readouterr().out
     assert "still labelled: gpu-b" in out
     assert "deleted ConfigMap kube-system/gpushare-node-gpu-a" in out
@@ -291,11 +299,11 @@ def test_uninstall_keeps_the_objects_while_a_node_is_labelled_then_removes_them(
     assert KEY not in _labels(api, "gpu-b")
     assert all(_stored(api, obj) is None for obj in OBJECTS)
     assert api.get("ClusterRole", "someone-else", None, "rbac.authorization.k8s.io/v1") is not None
-    assert len(api.calls("DELETE")) == len(OBJECTS)
+    assert len(_deletes(api)) == len(OBJECTS)
 
-    deletes = len(api.calls("DELETE"))
+    deletes = len(_deletes(api))
     assert main(["uninstall", "--all"]) == 0  # nothing left to do
-    assert len(api.calls("DELETE")) == deletes
+    assert len(_deletes(api)) == deletes
 
 
 def _daemon_pod(node: str) -> dict[str, Any]:
@@ -350,7 +358,7 @@ def test_uninstall_never_deletes_objects_it_did_not_create(
     for obj in OBJECTS:  # as `kubectl apply -k daemonset/` leaves them
         api.add(dict(obj))
     assert main(["uninstall", "--all"]) == 0
-    assert api.calls("DELETE") == []
+    assert _deletes(api) == []
     assert all(_stored(api, obj) is not None for obj in OBJECTS)
     lines = capsys.readouterr().out.splitlines()
     for said in ("  keep ", "kept "):  # in the plan shown first, then as it goes

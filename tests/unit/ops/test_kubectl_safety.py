@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from kit.cleanup_kubelet import CLEAN_REPORT, CleanupKubelet
 from kit.kube_double import KubeApiDouble
 
 from gpushare.ops import deploy, imageref
@@ -52,7 +53,9 @@ def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[KubeApiDoub
     double.add(_node("cpu-1", {"kubernetes.io/os": "linux"}))
     monkeypatch.setenv("KUBECONFIG", str(double.kubeconfig(tmp_path / "kubeconfig")))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    yield double
+    # the nodes' kubelets, as far as uninstall's host cleanup pods go
+    with CleanupKubelet(double, CLEAN_REPORT).running():
+        yield double
     double.stop()
 
 

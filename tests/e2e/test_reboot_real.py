@@ -5,8 +5,9 @@ again. The pods bound to the node stay bound; the kubelet starts their container
 with the devices it kept in its checkpoints, prepares their DRA claims again, and each
 container's limits are read from inside it (its ``/report``), before and after.
 
-The node (``node-5``, as test_dra.py names one of its own for a while): two Tesla P4, device-list strategy ``cdi-cri`` (every
-device-plugin grant rides on the daemon's own CDI spec), card 1 under DRA.
+The node (``node-5``, a name test_dra.py also gives one of its nodes for a while): two
+Tesla P4, device-list strategy ``cdi-cri`` (every device-plugin grant rides on the
+daemon's own CDI spec), card 1 under DRA.
 
 The daemon starts before the kubelet here, with the configuration its DaemonSet pod got
 before the reboot: a kubelet v1.36 admits every pod again at its start and rejects a pod

@@ -49,8 +49,8 @@ import structlog
 
 from gpushare.deviceplugin.shareplan import plan_share
 from gpushare.host.grants import GrantHost, HostGrantError, HostNeeds
-from gpushare.host.grantspecs import exclusive_grant_name
-from gpushare.host.library import repair_cache_dir
+from gpushare.host.grantspecs import exclusive_grant_name, grant_name
+from gpushare.host.library import cache_key, repair_cache_dir
 from gpushare.share.answers import ContainerEdits, DeviceListing, Enforcement
 from gpushare.share.devices import InvalidDeviceIds, Inventory, Resource
 from gpushare.share.pairing import Binding
@@ -175,6 +175,8 @@ class GrantRestorer:
         self.host = host
         self.exclusive = exclusive
         self.prefix = resource_prefix
+        #: holdings that could not be planned, already logged: (holder, resource, IDs)
+        self._told: set[tuple[Holder, str, tuple[str, ...]]] = set()
         self._units = UnitIndex(inventory)
 
     # ------------------------------------------------------------------ the plan
@@ -203,17 +205,43 @@ class GrantRestorer:
         first = resource is Resource.MEMORY
         return Regrant(nobody, name, plan.spec_name, plan.edits, needs, first)
 
-    def regrants(self, snapshot: Snapshot) -> list[Regrant]:
-        """Every holding of the records, planned again (one that cannot be is logged)."""
+    def suspects(self) -> Callable[[str, str | None], bool]:
+        """Whether a holding may miss something of its grant, from two directory listings
+        (cheap: this runs after every records read, and almost always finds everything
+        there): its spec's name not on disk where answers are sealed, its cache directory
+        or that directory's record (which the daemon writes beside each it makes) not in
+        the cache root; with MPS namespaces every memory holding (its pipe is elsewhere).
+        Called with the grant's spec name and, for a memory grant, its cache key."""
+        specs = self.host.specs
+        names = specs.names_on_disk() if self.host.seals and specs is not None else None
+        try:
+            cached = set(os.listdir(self.host.dirs.cache_dir("x").parent))
+        except OSError:
+            cached = set()
+        mps = self.host.mps is not None and self.host.plan_dirs().mps_namespaces is not None
+
+        def suspect(spec_name: str, key: str | None) -> bool:
+            if names is not None and spec_name not in names:
+                return True
+            return key is not None and (mps or key not in cached or f"{key}.json" not in cached)
+
+        return suspect
+
+    def regrants(
+        self, snapshot: Snapshot, suspect: Callable[[str, str | None], bool] = lambda *_: True
+    ) -> list[Regrant]:
+        """Every holding of the records that ``suspect`` names, planned again (one that
+        cannot be is logged, once while it is listed)."""
         planned: list[Regrant] = []
         for holder, held in snapshot.devices.items():
             for resource, ids in held.items():
-                if not ids:
+                key = cache_key(ids) if resource is Resource.MEMORY else None
+                if not ids or not suspect(grant_name(resource.value, ids), key):
                     continue
                 try:
                     regrant = self._share(resource, ids, held.get(resource.other))
                 except InvalidDeviceIds as exc:
-                    self._unplanned(holder, resource.name_with(self.prefix), str(exc))
+                    self._unplanned(holder, resource.name_with(self.prefix), ids, str(exc))
                     continue
                 planned.append(replace(regrant, holder=holder))
         for name, owners in snapshot.exclusive.items():
@@ -222,20 +250,26 @@ class GrantRestorer:
             for device_id, holder in owners.items():
                 by_holder.setdefault(holder, []).append(device_id)
             for holder, ids in by_holder.items():
+                spec_name = exclusive_grant_name(name, ids)
+                if not suspect(spec_name, None):
+                    continue
                 if served is None:
-                    self._unplanned(holder, name, "the resource is not served here now")
+                    self._unplanned(holder, name, ids, "the resource is not served here now")
                     continue
                 devices, answer = served
                 try:
                     edits = answer(devices.resolve(ids))
                 except InvalidDeviceIds as exc:
-                    self._unplanned(holder, name, str(exc))
+                    self._unplanned(holder, name, ids, str(exc))
                     continue
-                planned.append(Regrant(holder, name, exclusive_grant_name(name, ids), edits, None))
+                planned.append(Regrant(holder, name, spec_name, edits, None))
         return planned
 
-    @staticmethod
-    def _unplanned(holder: Holder, resource: str, why: str) -> None:
+    def _unplanned(self, holder: Holder, resource: str, ids: Sequence[str], why: str) -> None:
+        told = (holder, resource, tuple(sorted(ids)))
+        if told in self._told:
+            return
+        self._told.add(told)
         log.warning(
             "grant_not_rebuilt",
             pod=f"{holder.namespace}/{holder.pod}",
@@ -269,7 +303,14 @@ class GrantRestorer:
         """Make again what the holdings ``snapshot`` lists miss; what was made."""
         if snapshot is None:
             return []
-        regrants = self.regrants(snapshot)
+        listed = {
+            (h, r.name_with(self.prefix)) for h, held in snapshot.devices.items() for r in held
+        }
+        listed |= {
+            (h, name) for name, owners in snapshot.exclusive.items() for h in owners.values()
+        }
+        self._told = {t for t in self._told if (t[0], t[1]) in listed}  # told once while listed
+        regrants = self.regrants(snapshot, self.suspects())
         if not regrants:
             return []
         restores = plan_restores(regrants, self.on_node(regrants), seals=self.host.seals)

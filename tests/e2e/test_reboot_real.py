@@ -11,8 +11,9 @@ daemon's own CDI spec), card 1 under DRA.
 
 The daemon starts before the kubelet here, with the configuration its DaemonSet pod got
 before the reboot: a kubelet v1.36 admits every pod again at its start and rejects a pod
-whose device-plugin resource has no registered plugin yet ("cannot allocate unregistered
-device", ``devicesToAllocate``'s node-reboot case): Kubernetes' behaviour for every device
+whose device-plugin resource has no healthy device yet ("no healthy devices present":
+its checkpoint restores the resource empty until the plugin registers again;
+``devicesToAllocate``'s node-reboot case): Kubernetes' behaviour for every device
 plugin, which a daemon run as a DaemonSet pod (started by that same kubelet) cannot win.
 """
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from conftest import TESLA_P4, Node, cards
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kit.cdi_runtime import final
+from kit.mig_layouts import reference_a100
 from kit.procs import poll
 from structlog.testing import capture_logs
 
@@ -29,6 +31,8 @@ from gpushare.daemon import Daemon
 from gpushare.host.library import cache_key, cache_root
 
 #: the kubelet's records read every 50 ms (a read is what makes a listed grant again)
+#: (the nodes below have one shared card, card 1 whole only: a pairing guess, made without
+#: pod specs, can never refuse a container here)
 FAST_READS = {"pod_resources_interval_seconds": 0.05}
 
 
@@ -68,25 +72,31 @@ def runtime(node: Node, admitted: Any) -> tuple[dict[str, str], list[tuple[str, 
 
 
 def empty_tmpfs(node: Node) -> None:
+    """The daemon's CDI directory and cache root emptied, as a reboot leaves them. A running
+    daemon may write there meanwhile (a temporary file renamed away under the listing):
+    what vanished is gone already."""
     if own(node).exists():
         for path in own(node).iterdir():
-            path.unlink()
+            path.unlink(missing_ok=True)
     root = cache_root(Path(node.settings.host_lib_dir))
     for path in root.iterdir():
         if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
+            shutil.rmtree(path, ignore_errors=True)
         else:
-            path.unlink()
+            path.unlink(missing_ok=True)
 
 
-def reboot(node: Node, *, listed_later: bool = False) -> None:
+def reboot(node: Node, *, listed_later: bool = False, resource: str | None = None) -> None:
     assert node.daemon is not None
     node.daemon.stop()
     node.kubelet.restart(empty_pod_manager=listed_later)
     empty_tmpfs(node)
     node.daemon = Daemon(node.settings, specs=node.specs)
     node.daemon.start()
-    assert node.wait_registered()
+    if resource is None:
+        assert node.wait_registered()
+    else:
+        assert node.kubelet.wait_for(lambda k: bool(k.devices(resource)))
 
 
 def reads_after(node: Node, count: int) -> bool:
@@ -102,10 +112,10 @@ def test_a_reboot_gives_every_grant_its_spec_and_cache_directory_back(
 ) -> None:
     gpu = f"{node.settings.resource_prefix}/gpu"
     node.start(
-        cards(TESLA_P4, 3),
+        cards(TESLA_P4, 2),
         device_list_strategy=strategy,
         whole_cards=True,
-        card_modes="2=exclusive",
+        card_modes="0=shared,1=exclusive",
     )
     assert node.kubelet.wait_for(lambda k: bool(k.devices(gpu)))
     pods = [
@@ -127,6 +137,29 @@ def test_a_reboot_gives_every_grant_its_spec_and_cache_directory_back(
     rebuilt = [e for e in logs if e["event"] == "grant_rebuilt"]
     assert len(rebuilt) == 4
     assert {e["pod"] for e in rebuilt} == {"default/both", "default/memory", "default/whole"}
+
+
+@pytest.mark.parametrize("kind", ["mig", "time-sliced"])
+def test_mig_devices_and_replicas_get_their_specs_back(node: Node, kind: str) -> None:
+    prefix = node.settings.resource_prefix
+    if kind == "mig":
+        resource, gpus = f"{prefix}/mig-3g.20gb", [reference_a100()]
+        overrides: dict[str, Any] = {"mig_strategy": "mixed"}
+    else:
+        resource, gpus = f"{prefix}/gpu.shared", cards(TESLA_P4, 2)
+        overrides = {"card_modes": "0=timeslice", "time_slice_replicas": "2"}
+    node.write_gpus(gpus)
+    node.settings = replace(node.settings, device_list_strategy="cdi-cri", **overrides)
+    node.kubelet.start()
+    node.daemon = Daemon(node.settings, specs=node.specs)
+    node.daemon.start()
+    assert node.kubelet.wait_for(lambda k: bool(k.devices(resource)))
+    admitted = node.kubelet.admit("x", "main", {resource: 1})
+    before, specs = runtime(node, admitted), grant_specs(node)
+    assert len(specs) == 1
+    reboot(node, resource=resource)
+    assert grant_specs(node) == specs
+    assert runtime(node, admitted) == before
 
 
 def test_holdings_the_kubelet_lists_later_get_theirs_back_at_that_read(node: Node) -> None:
@@ -191,10 +224,10 @@ NAMES = itertools.count()
 def cdi_node(node: Node) -> Node:
     gpu = f"{node.settings.resource_prefix}/gpu"
     node.start(
-        cards(TESLA_P4, 3),
+        cards(TESLA_P4, 2),
         device_list_strategy="cdi-cri",
         whole_cards=True,
-        card_modes="2=exclusive",
+        card_modes="0=shared,1=exclusive",
         **FAST_READS,
     )
     assert node.kubelet.wait_for(lambda k: bool(k.devices(gpu)))

@@ -15,6 +15,10 @@ whose device-plugin resource has no healthy device yet ("no healthy devices pres
 its checkpoint restores the resource empty until the plugin registers again;
 ``devicesToAllocate``'s node-reboot case): Kubernetes' behaviour for every device
 plugin, which a daemon run as a DaemonSet pod (started by that same kubelet) cannot win.
+Seen here with the daemon started after the kubelet (2026-12-07, v1.36.3): the shared pod
+ended Failed, "Pod was rejected: Allocate failed due to no healthy devices present; cannot
+allocate unhealthy devices gpushare.io/vcuda-core, which is unexpected"; the DRA pod came
+back with its limits.
 """
 
 from __future__ import annotations

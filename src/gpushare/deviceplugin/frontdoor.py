@@ -11,6 +11,7 @@ re-register) and then stops the servers.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ from gpushare.base.startup import (
 from gpushare.deviceplugin import migserve
 from gpushare.deviceplugin.binding import RECORDS_WAIT, Binder
 from gpushare.deviceplugin.exclusive import (
+    EditsFor,
     ExclusiveServicer,
     Preference,
     sealed_by,
@@ -42,6 +44,7 @@ from gpushare.deviceplugin.plugin import (
     device_list_message,
 )
 from gpushare.deviceplugin.registration import KubeletLink
+from gpushare.deviceplugin.restore import GrantRestorer
 from gpushare.gpu import mig
 from gpushare.gpu.gpus import GpuBackend, GpuError
 from gpushare.gpu.topology import Topology, prefer
@@ -156,7 +159,18 @@ class DevicePluginFrontDoor:
         self.kubelet_dir = Path(settings.kubelet_dir)
         self.servers: list[PluginServer] = []
         self.observe = observe
+        #: every exclusive resource's devices and answer before sealing, by full name
+        self._answers: dict[str, tuple[ExclusiveResource, EditsFor]] = {}
         self._named = [*self._shared_servers(), *self._whole_servers(), *self._mig_servers()]
+        #: makes again what a reboot took of the grants the kubelet lists (restore.py)
+        self.restorer = GrantRestorer(
+            core.inventory,
+            core.enforcement,
+            self.listing,
+            self.binder.host,
+            self._answers,
+            settings.resource_prefix,
+        )
         #: Built when the servers serve: its directory watch holds descriptors, which a
         #: front door that never starts (a start-up that fails before it) must not.
         self.link: KubeletLink | None = None
@@ -194,21 +208,19 @@ class DevicePluginFrontDoor:
         named = []
         for name, devices, board in core.whole:
             sliced = devices.name == TIME_SLICED_RESOURCE
+            raw = (
+                time_sliced_answer(self.listing)
+                if sliced
+                else whole_card_answer(self.listing, enforcement=enforcement)
+            )
+            self._answers[name] = (devices, raw)
             servicer = ExclusiveServicer(
                 devices,
                 name,
                 board,
                 self.stopping,
-                answer=sealed_by(
-                    time_sliced_answer(self.listing)
-                    if sliced
-                    else whole_card_answer(self.listing, enforcement=enforcement),
-                    name,
-                    self.binder.host,
-                ),
-                prefer=spread_replicas
-                if sliced
-                else self._preference(devices, core.found.backend),
+                answer=sealed_by(raw, name, self.binder.host),
+                prefer=spread_replicas if sliced else self._preference(devices, core.found.backend),
                 on_allocated=core.whole_allocated,
                 observe=self.observe,
                 choice=lambda n, name=name: self._choice(name, n),  # type: ignore[misc]
@@ -226,16 +238,14 @@ class DevicePluginFrontDoor:
         specs = migserve.read_device_specs(plan) if settings.mig_device_specs else None
         named = []
         for name, devices in migserve.resources(plan, prefix):
+            raw = migserve.mig_answer(self.listing, specs=specs)
+            self._answers[name] = (devices, raw)
             servicer = ExclusiveServicer(
                 devices,
                 name,
                 self.core.mig_health,
                 self.stopping,
-                answer=sealed_by(
-                    migserve.mig_answer(self.listing, specs=specs),
-                    name,
-                    self.binder.host,
-                ),
+                answer=sealed_by(raw, name, self.binder.host),
                 on_allocated=self.core.whole_allocated,  # annotated and published as whole cards
                 observe=self.observe,
                 guard=lambda name=name: self._mixed_guard(name),  # type: ignore[misc]
@@ -248,6 +258,14 @@ class DevicePluginFrontDoor:
         check_kubelet_dir(self.kubelet_dir)
         if self.core.found.not_served:
             log.error("nothing_served", reason=self.core.found.not_served)
+        # Before anything serves: what a reboot took of the grants the kubelet holds (it
+        # reuses their answers for containers it starts again), from the records read at
+        # start; then at every read, for holdings the kubelet lists later.
+        try:
+            self.restorer.restore(self.core.pod_resources.last)
+        except Exception:  # the kubelet's records are data: nothing in them stops the start
+            log.exception("grants_not_restored")
+        self.core.refresher.read_listeners.append(self.restorer.restore)
         try:
             for server in self.servers:
                 server.start()
@@ -261,6 +279,8 @@ class DevicePluginFrontDoor:
             raise StartupError(f"cannot serve in {self.kubelet_dir}: {exc}") from None
 
     def stop(self) -> None:
+        with contextlib.suppress(ValueError):  # not there: a start that failed before it
+            self.core.refresher.read_listeners.remove(self.restorer.restore)
         if self.link is not None:  # first: streams that end with the servers must not re-register
             self.link.stop()
         for server in reversed(self.servers):

@@ -100,6 +100,13 @@ class ClaimEntry:
     #: Mate UID -> [MiB, cores]: the smallest shares of a container this claim shares
     #: with a claim not prepared yet, which that claim must not exceed when it is.
     held_with: dict[str, list[int]] = field(default_factory=dict)
+    #: The claim's CDI spec as written (``host/cdi.spec_json``), and what its results
+    #: made on the host (``host/grants.needs_record``): a prepare that finds them gone
+    #: (a reboot empties ``/var/run/cdi`` and the cache tmpfs) makes them again, the
+    #: same (``dra/rebuild.py``). None / []: an entry written before, or a claim whose
+    #: host side is not kept here (a recovered one).
+    spec: dict[str, Any] | None = None
+    made: list[dict[str, Any]] = field(default_factory=list)
 
     @staticmethod
     def from_json(data: Any) -> ClaimEntry:
@@ -115,6 +122,8 @@ class ClaimEntry:
             memory_limit_mib=_count(data.get("memory_limit_mib")),
             core_limit=_count(data.get("core_limit")),
             held_with=_floors(data.get("held_with")),
+            spec=data["spec"] if isinstance(data.get("spec"), dict) else None,
+            made=[m for m in data.get("made") or () if isinstance(m, dict)],
         )
 
 

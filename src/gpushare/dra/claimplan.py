@@ -25,8 +25,8 @@ from gpushare.dra.claimread import ClaimLimits, ClaimRef, ClaimRefused, claim_li
 from gpushare.dra.mates import Shares, Together, overreaching, promised, smallest
 from gpushare.dra.model import FULL_CORES, Offered, ShareError, share_of, unhealthy_reason
 from gpushare.gpu.health import HealthReader
-from gpushare.host.cdi import CdiDevice, claim_device
-from gpushare.host.grants import HostNeeds, NodeDirs, share_needs, with_dirs
+from gpushare.host.cdi import CdiDevice, claim_device, spec_json
+from gpushare.host.grants import HostNeeds, NodeDirs, needs_record, share_needs, with_dirs
 from gpushare.host.library import claim_cache_key
 from gpushare.share import answers
 from gpushare.share.answers import ContainerEdits, DeviceListing, Enforcement, GrantedDevice
@@ -112,6 +112,8 @@ def plan_claim(
         memory_limit_mib=limits.memory_mib,
         core_limit=None if limits.memory_mib is None else limits.cores or FULL_CORES,
         held_with=floors,
+        spec=spec_json(node.cdi_kind, [p.cdi for p in planned]) if planned else None,
+        made=[needs_record(n) for n in (p.needs for p in planned) if n and not n.nothing],
     )
     return ClaimPlan(planned, entry)
 

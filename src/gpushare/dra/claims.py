@@ -56,6 +56,7 @@ from gpushare.dra.claimread import (
 from gpushare.dra.held import HeldClaims
 from gpushare.dra.mates import Shares, Together, applied_limits
 from gpushare.dra.model import FULL_CORES, Offered
+from gpushare.dra.rebuild import apply_rebuild, host_found, plan_rebuild
 from gpushare.dra.recovery import Leftovers, remove_spec_file
 from gpushare.gpu.health import HealthBoard
 from gpushare.host.grants import GrantHost, HostGrantError
@@ -228,7 +229,7 @@ class ClaimPreparer:
         """A prepared claim's devices from its entry (and whether the view changed), or None."""
         check_ref(claim)
         known = self._known(claim)
-        if known is not None and known.state == PREPARED:
+        if known is not None and known.state == PREPARED and self._host_kept(claim, known):
             # idempotent: the same answer again (maybe prepared by another instance)
             return known.devices, self.held.remember(claim.uid, known)
         return None
@@ -252,11 +253,12 @@ class ClaimPreparer:
         """The claim's devices, and whether the view of what is held changed (lock held;
         ``results``: this driver's, read from the API server; ``together``: its mates)."""
         known = self._known(claim)  # again: another call may have prepared it meanwhile
-        if known is not None and known.state == PREPARED:
+        if known is not None and known.state == PREPARED and self._host_kept(claim, known):
             return known.devices, self.held.remember(claim.uid, known)
         # A recovered claim's cache directories may be in use by its running container:
-        # kept, never buried (its UID was just confirmed by the API server).
-        keep = known.cache_keys if known is not None and known.state == RECOVERED else ()
+        # kept, never buried (its UID was just confirmed by the API server); so are
+        # those of a prepared claim whose entry kept no spec to rebuild it from.
+        keep = known.cache_keys if known is not None else ()
         plan = plan_claim(
             claim,
             results,
@@ -268,6 +270,33 @@ class ClaimPreparer:
         )
         self._apply(claim, plan, keep, fresh=known is None)
         return plan.devices, True
+
+    def _host_kept(self, claim: ClaimRef, known: ClaimEntry) -> bool:
+        """Whether prepared claim ``known``'s host side is there, once what was missing
+        is made again from its entry (``dra/rebuild.py``: a reboot empties the CDI
+        directory and the cache tmpfs); logged as one ``claim_rebuilt``. False for an
+        entry that kept no spec (written before): prepared again from the API server.
+        HostGrantError when it cannot be made (lock held)."""
+        dirs = self.host.plan_dirs()
+        found = host_found(known, self.leftovers.spec_path(known.spec_name), dirs)
+        try:
+            rebuild = plan_rebuild(known, found, dirs)
+        except ValueError as exc:
+            raise HostGrantError(f"cannot rebuild the claim's host side: {exc}") from None
+        if rebuild is None:
+            return True
+        if rebuild.replan:
+            log.warning(
+                "claim_host_side_lost",
+                claim=claim.describe(),
+                uid=claim.uid,
+                lost=list(rebuild.lost),
+                then="prepared again from the API server (an entry that kept no spec)",
+            )
+            return False
+        apply_rebuild(self.host, self.cdi_dir, self.cdi_kind, known.spec_name, rebuild)
+        log.warning("claim_rebuilt", claim=claim.describe(), uid=claim.uid, lost=list(rebuild.lost))
+        return True
 
     def _node(self) -> ClaimNode:
         """What the node gives every claim now (plain data for :func:`plan_claim`)."""
@@ -284,9 +313,7 @@ class ClaimPreparer:
             mig_nodes=self.mig_nodes,
         )
 
-    def _apply(
-        self, claim: ClaimRef, plan: ClaimPlan, keep: Sequence[str], *, fresh: bool
-    ) -> None:
+    def _apply(self, claim: ClaimRef, plan: ClaimPlan, keep: Sequence[str], *, fresh: bool) -> None:
         """Make the plan's host side, write the claim's CDI spec and put its entry (lock
         held). When a step fails, what this call made is undone: the directories made
         fresh and, for a claim that had no entry (``fresh``: no container can hold its
@@ -298,9 +325,9 @@ class ClaimPreparer:
                 if result.needs is not None:
                     made += [k for k in result.needs.made_keys if k not in keep]
                     self.host.make(result.needs)
-            if plan.results:
-                cdi = [r.cdi for r in plan.results]
-                self.host.write_claim_spec(self.cdi_dir, self.cdi_kind, claim.uid, cdi)
+            if plan.entry.spec is not None:  # the document a rebuild writes again
+                spec = plan.entry.spec
+                self.host.write_claim_document(self.cdi_dir, self.cdi_kind, claim.uid, spec)
                 written = fresh
             self.checkpoint.put(claim.uid, plan.entry)
         except (HostGrantError, OSError, CheckpointError):
@@ -362,4 +389,13 @@ class ClaimPreparer:
         that nothing names (see :mod:`gpushare.dra.recovery`). Never fails the start:
         what cannot be sorted out is logged and left."""
         with self.lock.held():
-            self.held.replace_all(self.leftovers.tidy())
+            held = self.leftovers.tidy()
+            self.held.replace_all(held)
+            for uid, entry in held.items():
+                if entry.state != PREPARED:
+                    continue
+                ref = ClaimRef(entry.namespace, entry.name, uid)
+                try:
+                    self._host_kept(ref, entry)  # the kubelet may never ask (no restart)
+                except (HostGrantError, OSError) as exc:
+                    log.error("claim_rebuild_failed", claim=ref.describe(), uid=uid, error=str(exc))

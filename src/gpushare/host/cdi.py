@@ -23,7 +23,7 @@ import json
 import os
 import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -231,9 +231,19 @@ def write_spec(directory: Path, kind: str, name: str, devices: Sequence[CdiDevic
     the runtime never reads half a spec (not fsynced: see ``dra/checkpoint.py``). The
     directory is created (0755) if missing; the file is 0644 and never followed if a
     link stands in its place (the rename replaces the link itself)."""
-    document = json.dumps(spec_json(kind, devices)).encode()
+    return write_spec_document(directory, kind, name, spec_json(kind, devices))
+
+
+def write_spec_document(
+    directory: Path, kind: str, name: str, document: Mapping[str, object]
+) -> Path:
+    """Write the spec ``document`` (made by :func:`spec_json`, or kept from it and read
+    back) as :func:`write_spec` does: the same document gives the same bytes, so a spec
+    lost with its tmpfs is written again exactly as it was (``dra/rebuild.py``)."""
+    if document.get("kind") != kind:
+        raise ValueError(f"the spec document is of kind {document.get('kind')!r}, not {kind!r}")
     target = directory / spec_file_name(kind, name)
-    replace_file(target, document, 0o644, dir_mode=0o755)
+    replace_file(target, json.dumps(document).encode(), 0o644, dir_mode=0o755)
     return target
 
 

@@ -29,11 +29,12 @@ line, which the door turns into its refusal.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from gpushare.host.cdi import CdiDevice, write_spec
+from gpushare.host.cdi import CdiDevice, write_spec, write_spec_document
 from gpushare.host.claimholders import holder_dir, make_holder_dir, release_holder_dir
 from gpushare.host.grantspecs import GrantSpecs
 from gpushare.host.library import (
@@ -153,6 +154,65 @@ def share_needs(
     return HostNeeds(key, tuple(units), cache_dir, keep, need, pipe, holder)
 
 
+def needs_record(needs: HostNeeds) -> dict[str, Any]:
+    """A claim share's host side as its checkpoint entry keeps it (plain JSON): what
+    :meth:`GrantHost.make` made, so that it can be made again where a reboot emptied
+    the tmpfs it lived on (``dra/rebuild.py``)."""
+    mps = needs.mps
+    return {
+        "key": needs.key,
+        "cache_dir": str(needs.cache_dir) if needs.cache_dir is not None else None,
+        "holder": str(needs.holder) if needs.holder is not None else None,
+        "mps_pipe": str(needs.mps_pipe) if needs.mps_pipe is not None else None,
+        "mps": [mps.memory_mib, mps.cores, mps.pinned] if mps is not None else None,
+    }
+
+
+def needs_from_record(record: Any, dirs: NodeDirs) -> HostNeeds:
+    """The claim share's host side a :func:`needs_record` names, to be made again where
+    it is missing (``keep``: a directory still there is left as it is). ValueError when
+    the record is not one, or names a directory other than where ``dirs`` puts its key
+    (another ``--host-lib-dir``, or a record not written by this daemon): nothing is
+    made outside the node's own directories. Pure."""
+    if not isinstance(record, dict) or not isinstance(record.get("key"), str):
+        raise ValueError("a host record without a key")
+    key = record["key"]
+    expected = {
+        "cache_dir": dirs.cache_dir(key),
+        "holder": dirs.holder(key),
+        "mps_pipe": dirs.mps_namespaces / key if dirs.mps_namespaces is not None else None,
+    }
+    paths: dict[str, Path | None] = {}
+    for name, where in expected.items():
+        given = record.get(name)
+        if given is not None and (where is None or Path(str(given)) != where):
+            raise ValueError(f"the {name} of {key} ({given}) is not where this node keeps it")
+        paths[name] = where if given is not None else None
+    mps = record.get("mps")
+    need = None
+    if mps is not None:
+        memory, cores, pinned = _mps_fields(mps)
+        need = MpsNeed(memory, cores, pinned, claim=True)
+    return HostNeeds(
+        key,
+        cache_dir=paths["cache_dir"],
+        keep=True,
+        mps=need,
+        mps_pipe=paths["mps_pipe"],
+        holder=paths["holder"],
+    )
+
+
+def _mps_fields(value: Any) -> tuple[int | None, int | None, bool]:
+    if not isinstance(value, list) or len(value) != 3 or not isinstance(value[2], bool):
+        raise ValueError(f"{str(value)[:80]} is not an MPS record")
+    memory, cores = value[0], value[1]
+    for count in (memory, cores):
+        if count is not None and (type(count) is not int or count < 0):
+            raise ValueError(f"{str(value)[:80]} is not an MPS record")
+    return memory, cores, value[2]
+
+
 def with_dirs(grant: answers.Grant, needs: HostNeeds) -> answers.Grant:
     """``grant`` naming the directories ``needs`` says the container gets."""
     return replace(grant, cache_dir=needs.cache_dir, mps_pipe=needs.mps_pipe, holder=needs.holder)
@@ -268,6 +328,17 @@ class GrantHost:
         try:
             write_spec(cdi_dir, kind, uid, devices)
         except OSError as exc:
+            raise HostGrantError(f"cannot write the claim's CDI spec in {cdi_dir}: {exc}") from None
+
+    def write_claim_document(
+        self, cdi_dir: Path, kind: str, uid: str, document: Mapping[str, object]
+    ) -> None:
+        """A DRA claim's CDI spec from its document (:func:`~gpushare.host.cdi.spec_json`,
+        as the claim's checkpoint entry keeps it): the bytes a first write and a rebuild
+        write are the same (HostGrantError if it cannot be written)."""
+        try:
+            write_spec_document(cdi_dir, kind, uid, document)
+        except (OSError, ValueError) as exc:
             raise HostGrantError(f"cannot write the claim's CDI spec in {cdi_dir}: {exc}") from None
 
     # ------------------------------------------------------------------ undo

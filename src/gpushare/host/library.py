@@ -282,6 +282,31 @@ def prepare_claim_cache_dir(host_dir: Path, key: str) -> Path:
     return _fresh_cache_dir(host_dir, key, None)
 
 
+def repair_cache_dir(host_dir: Path, key: str) -> bool:
+    """Give the cache directory ``key`` that something else made the mode the daemon
+    gives its own (0777: a non-root container writes its file there), IN PLACE, through
+    a descriptor: containerd makes a missing bind-mount source of a CRI mount itself
+    (0755, root), so after a reboot a container restarted before the daemon made its
+    directory has that one mounted already; it is never buried nor replaced (the lock
+    directory's rule). True if the mode was changed; OSError when no directory of the
+    daemon's user is there (a link is not followed)."""
+    if not key.startswith("c-") or "/" in key:
+        raise ValueError(f"{key!r} is not a container's cache key")
+    path = cache_root(host_dir) / key
+    with CACHE_LOCK:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            info = os.fstat(fd)
+            if info.st_uid != os.geteuid():
+                raise OSError(f"{path} is owned by uid {info.st_uid}, not the daemon's")
+            if stat.S_IMODE(info.st_mode) == 0o777:
+                return False
+            os.fchmod(fd, 0o777)
+        finally:
+            os.close(fd)
+    return True
+
+
 def release_cache_dir(host_dir: Path, key: str) -> bool:
     """Remove a cache directory and its record (the directory is buried, one rename;
     the reaper deletes it). True if there was something to remove."""

@@ -26,7 +26,7 @@ from gpushare.base.startup import (
     NodeConfigurationError,
     StartupError,
 )
-from gpushare.deviceplugin import migserve
+from gpushare.deviceplugin import migserve, socketnames
 from gpushare.deviceplugin.binding import RECORDS_WAIT, Binder
 from gpushare.deviceplugin.exclusive import (
     ExclusiveServicer,
@@ -42,6 +42,7 @@ from gpushare.deviceplugin.plugin import (
     device_list_message,
 )
 from gpushare.deviceplugin.registration import KubeletLink
+from gpushare.deviceplugin.stalesockets import remove_stale_sockets
 from gpushare.gpu import mig
 from gpushare.gpu.gpus import GpuBackend, GpuError
 from gpushare.gpu.topology import Topology, prefer
@@ -154,6 +155,8 @@ class DevicePluginFrontDoor:
             mps=core.mps,
         )
         self.kubelet_dir = Path(settings.kubelet_dir)
+        #: this instance's part of every socket name it serves on (socketnames.py)
+        self.token = socketnames.draw_token()
         self.servers: list[PluginServer] = []
         self.observe = observe
         self._named = [*self._shared_servers(), *self._whole_servers(), *self._mig_servers()]
@@ -165,7 +168,7 @@ class DevicePluginFrontDoor:
     def _serve(
         self, servicer: ListingServicer, socket_name: str, name: str
     ) -> tuple[PluginServer, str]:
-        server = PluginServer(servicer, self.kubelet_dir / socket_name)
+        server = PluginServer(servicer, self.kubelet_dir, socket_name, self.token)
         self.servers.append(server)
         return server, name
 
@@ -206,9 +209,7 @@ class DevicePluginFrontDoor:
                     name,
                     self.binder.host,
                 ),
-                prefer=spread_replicas
-                if sliced
-                else self._preference(devices, core.found.backend),
+                prefer=spread_replicas if sliced else self._preference(devices, core.found.backend),
                 on_allocated=core.whole_allocated,
                 observe=self.observe,
                 choice=lambda n, name=name: self._choice(name, n),  # type: ignore[misc]
@@ -248,6 +249,7 @@ class DevicePluginFrontDoor:
         check_kubelet_dir(self.kubelet_dir)
         if self.core.found.not_served:
             log.error("nothing_served", reason=self.core.found.not_served)
+        remove_stale_sockets(self.kubelet_dir, self.token)  # a killed instance's
         try:
             for server in self.servers:
                 server.start()

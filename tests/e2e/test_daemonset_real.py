@@ -325,6 +325,15 @@ def test_a_rolling_update_leaves_gpu_pods_alone_and_the_new_daemon_owns_the_node
         if surge:
             assert seen and min(seen) > 0, seen
         assert f"--metrics-port={port}" in new["spec"]["containers"][0]["args"]
+        # each daemon instance named its sockets for itself: the new daemon's alone are
+        # left (one token, one socket per resource), and the kubelet never refused a
+        # registration ("device plugin already connected": a path taken twice)
+        agent = shipped.nodes[NODE]
+        ours = sorted(p.name for p in (agent.root / "device-plugins").glob("gpushare-*.sock"))
+        tokens = {name.removesuffix(".sock").rsplit(".", 1)[-1].split("-")[0] for name in ours}
+        assert len(ours) == 2 and len(tokens) == 1, ours
+        kubelet_log = (agent.dir / "kubelet.log").read_text(errors="replace")
+        assert "already connected" not in kubelet_log
         (after,) = (shipped.pod("default", "rolled") or {})["status"]["containerStatuses"]
         assert after["containerID"] == before["containerID"] and after["restartCount"] == 0
         # the new daemon alone serves the node: a whole card's units go to the other card

@@ -337,10 +337,11 @@ class PluginServer:
         self._server.stop(grace)
 
     def restart(self, fresh: bool = False, *, keep_old: bool = False) -> KubeletServer | None:
-        """Serve again: on a fresh socket name with ``fresh``, else on the base name. The
-        old server stops first (its streams end, its socket goes); with ``keep_old`` and
-        a new path it is returned still serving instead, for the caller to stop once the
-        kubelet holds the new endpoint (make-before-break)."""
+        """Serve again: on a fresh socket name with ``fresh``, else on the instance's
+        first name (:attr:`base_path`). The old server stops first (its streams end, its
+        socket goes); with ``keep_old`` and a new path it is returned still serving
+        instead, for the caller to stop once the kubelet holds the new endpoint
+        (make-before-break)."""
         path = self.base_path
         if fresh:
             self._fresh += 1

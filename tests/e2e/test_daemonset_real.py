@@ -29,6 +29,7 @@ the uninstall while a GPU pod runs (the host directory keeps exactly what it hol
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -330,8 +331,10 @@ def test_a_rolling_update_leaves_gpu_pods_alone_and_the_new_daemon_owns_the_node
         # registration ("device plugin already connected": a path taken twice)
         agent = shipped.nodes[NODE]
         ours = sorted(p.name for p in (agent.root / "device-plugins").glob("gpushare-*.sock"))
-        tokens = {name.removesuffix(".sock").rsplit(".", 1)[-1].split("-")[0] for name in ours}
-        assert len(ours) == 2 and len(tokens) == 1, ours
+        named = [re.fullmatch(r"gpushare-vcuda-(?:memory|core)\.([0-9a-f]{6})(?:-\d+)?\.sock", n)
+                 for n in ours]  # fmt: skip
+        tokens = {m.group(1) for m in named if m is not None}
+        assert len(ours) == 2 and None not in named and len(tokens) == 1, ours
         kubelet_log = (agent.dir / "kubelet.log").read_text(errors="replace")
         assert "already connected" not in kubelet_log
         (after,) = (shipped.pod("default", "rolled") or {})["status"]["containerStatuses"]

@@ -191,6 +191,14 @@ class Node:
         assert self.wait_registered(), "the plugin did not register both resources"
         return self.daemon
 
+    def socket(self, resource: str) -> Path:
+        """Where the kubelet reaches the plugin for ``resource`` (a full resource name):
+        its registration's endpoint, as the kubelet finds it (each daemon instance names
+        its sockets for itself)."""
+        path = self.kubelet.endpoint_socket(resource)
+        assert path is not None, f"{resource} is not registered"
+        return path
+
     def wait_registered(self, timeout: float = 30.0) -> bool:
         return self.kubelet.wait_for(
             lambda k: bool(k.devices(self.memory)) and bool(k.devices(self.core)), timeout

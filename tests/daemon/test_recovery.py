@@ -107,9 +107,7 @@ def test_a_missing_pod_resources_socket_is_retried_and_caught_up_with(node: Node
     assert poll(lambda: usage.used_counts(Resource.MEMORY) == wanted, 30.0)
 
 
-@pytest.mark.parametrize(
-    "restarts", [8, pytest.param(20, marks=pytest.mark.slow)], ids=["8", "20"]
-)
+@pytest.mark.parametrize("restarts", [8, pytest.param(20, marks=pytest.mark.slow)], ids=["8", "20"])
 def test_kubelet_restart_loops_end_registered_with_both_resources(
     node: Node, restarts: int
 ) -> None:
@@ -175,14 +173,16 @@ def test_a_kubelet_slow_to_watch_is_never_offered_the_same_socket_twice(node: No
     ours = sorted(p.name for p in Path(node.settings.kubelet_dir).glob("gpushare-*.sock"))
     assert len(ours) == 2, ours
     assert node.kubelet.admit("p", "main", {node.memory: 2, node.core: 10}).card()
-    # a new kubelet gets the base names again
+    # a new kubelet gets the instance's first names again
+    assert node.daemon is not None
+    firsts = {server.base_path.name for server in node.daemon.plugin.servers}
+    token = node.daemon.plugin.token
+    assert firsts == {f"gpushare-vcuda-memory.{token}.sock", f"gpushare-vcuda-core.{token}.sock"}
     node.kubelet.watch_delay = 0.0
     count = len(node.kubelet.registrations)
     node.kubelet.restart()
     assert node.kubelet.wait_for(
-        lambda k: {e for _r, e in k.registrations[count:]}
-        >= {"gpushare-vcuda-memory.sock", "gpushare-vcuda-core.sock"},
-        30.0,
+        lambda k: {e for _r, e in k.registrations[count:]} >= firsts, 30.0
     ), node.kubelet.registrations[count:]
     assert node.kubelet.wait_for(lambda k: k.healthy_count(node.memory) == 29, 30.0)
 

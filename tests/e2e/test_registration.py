@@ -110,9 +110,9 @@ def test_a_program_spawned_on_a_node_sees_that_nodes_kubelet_directory(cluster: 
     kubelet's fixed paths, each node's own."""
     for node in ("node-1", "node-2"):
         listing = run_on(cluster, node, "ls /var/lib/kubelet/device-plugins")
-        # the base name, or a fresh one where the daemon offered the same kubelet its
-        # path again (docs/restarts.md: one socket path to one kubelet once)
-        assert re.search(r"^gpushare-vcuda-memory(\.[0-9a-f]+-[0-9]+)?\.sock$", listing, re.M)
+        # the instance's first name (its token), or a fresh one where the daemon offered
+        # the same kubelet its path again (docs/restarts.md: one path to one kubelet once)
+        assert re.search(r"^gpushare-vcuda-memory\.[0-9a-f]{6}(-[0-9]+)?\.sock$", listing, re.M)
         assert "kubelet.sock" in listing
     marker = cluster.nodes["node-1"].root / "e2e-marker"
     try:

@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
+import errno
 import os
+import socket
 import stat
 import threading
 import time
@@ -179,6 +182,57 @@ def clear_socket(path: Path) -> None:
     if not stat.S_ISSOCK(info.st_mode):
         raise OSError(f"{path} exists and is not a socket")
     path.unlink()
+
+
+class Listener(enum.Enum):
+    """What a ``connect(2)`` to a socket path found (:func:`probe_socket`)."""
+
+    #: a process accepted (or queued) the connection: the socket is served
+    ANSWERS = "answers"
+    #: ``ECONNREFUSED``: a socket nobody listens on (its process is gone)
+    REFUSED = "refused"
+    #: nothing there (any more), or not a socket
+    ABSENT = "absent"
+    #: anything else (a full backlog, a timeout, no permission): assume it is served
+    UNKNOWN = "unknown"
+
+
+def probe_socket(path: Path, timeout: float = 1.0) -> Listener:
+    """Connect to the unix socket at ``path`` and close at once: whether a process listens
+    there. Only :attr:`Listener.REFUSED` says for certain that none does."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return Listener.ABSENT
+    if not stat.S_ISSOCK(info.st_mode):
+        return Listener.ABSENT
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(timeout)
+        try:
+            probe.connect(str(path))
+        except ConnectionRefusedError:
+            return Listener.REFUSED
+        except FileNotFoundError:
+            return Listener.ABSENT
+        except OSError as exc:
+            return Listener.REFUSED if exc.errno == errno.ECONNREFUSED else Listener.UNKNOWN
+    return Listener.ANSWERS
+
+
+def remove_if_unserved(path: Path) -> bool:
+    """Remove the socket at ``path`` if no process listens on it (a ``connect(2)`` refused)
+    and it is still the socket probed (never a file or link, never one that answers, never
+    one made there meanwhile). Whether it was removed."""
+    before = socket_identity(path)
+    if before is None or probe_socket(path) is not Listener.REFUSED:
+        return False
+    if socket_identity(path) != before:
+        return False
+    try:
+        clear_socket(path)
+    except OSError:
+        return False
+    return True
 
 
 class UnixSocket:

@@ -27,7 +27,7 @@ from gpushare.base.startup import (
     NodeConfigurationError,
     StartupError,
 )
-from gpushare.deviceplugin import migserve
+from gpushare.deviceplugin import migserve, socketnames
 from gpushare.deviceplugin.binding import RECORDS_WAIT, Binder
 from gpushare.deviceplugin.exclusive import (
     EditsFor,
@@ -45,6 +45,7 @@ from gpushare.deviceplugin.plugin import (
 )
 from gpushare.deviceplugin.registration import KubeletLink
 from gpushare.deviceplugin.restore import GrantRestorer
+from gpushare.deviceplugin.stalesockets import remove_stale_sockets
 from gpushare.gpu import mig
 from gpushare.gpu.gpus import GpuBackend, GpuError
 from gpushare.gpu.topology import Topology, prefer
@@ -157,6 +158,8 @@ class DevicePluginFrontDoor:
             mps=core.mps,
         )
         self.kubelet_dir = Path(settings.kubelet_dir)
+        #: this instance's part of every socket name it serves on (socketnames.py)
+        self.token = socketnames.draw_token()
         self.servers: list[PluginServer] = []
         self.observe = observe
         #: every exclusive resource's devices and answer before sealing, by full name
@@ -179,7 +182,7 @@ class DevicePluginFrontDoor:
     def _serve(
         self, servicer: ListingServicer, socket_name: str, name: str
     ) -> tuple[PluginServer, str]:
-        server = PluginServer(servicer, self.kubelet_dir / socket_name)
+        server = PluginServer(servicer, self.kubelet_dir, socket_name, self.token)
         self.servers.append(server)
         return server, name
 
@@ -266,6 +269,7 @@ class DevicePluginFrontDoor:
         except Exception:  # the kubelet's records are data: nothing in them stops the start
             log.exception("grants_not_restored")
         self.core.refresher.read_listeners.append(self.restorer.restore)
+        remove_stale_sockets(self.kubelet_dir, self.token)  # a killed instance's
         try:
             for server in self.servers:
                 server.start()

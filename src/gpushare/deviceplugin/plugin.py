@@ -17,7 +17,6 @@ and every call timed into the one :data:`~gpushare.base.kubeletgrpc.CallHook`.
 from __future__ import annotations
 
 import contextlib
-import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +28,7 @@ import structlog
 
 from gpushare._proto.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from gpushare.base.kubeletgrpc import CallHook, KubeletServer, ServerLoop, board_stream, observed
+from gpushare.deviceplugin import socketnames
 from gpushare.deviceplugin.binding import Binder, BindingError, Refusal
 from gpushare.gpu.health import HealthBoard
 from gpushare.share.answers import ContainerEdits
@@ -282,31 +282,40 @@ class PluginServer:
     """A gRPC server for one resource, bound to ``<kubelet dir>/<socket name>`` (on the
     kit's shared loop: see :mod:`gpushare.base.kubeletgrpc`).
 
-    It serves on its base name (``gpushare-vcuda-memory.sock``) until told to serve on a
-    fresh one (:meth:`restart` with ``fresh``): ``<stem>.<token>-<n>.sock``, the token
-    drawn once per process. A kubelet keys each plugin endpoint by its socket path, and
-    from 1.37 on refuses a second registration of a path it still holds an endpoint for
-    ("device plugin already connected"), a refusal that also drops its record of the
-    first client, so that the path stays refused until the kubelet restarts (measured on
-    v1.37.2: docs/restarts.md). :class:`~gpushare.deviceplugin.registration.KubeletLink`
-    therefore offers one path to one kubelet once.
+    Every name it serves on is its daemon instance's own (``token``:
+    :mod:`gpushare.deviceplugin.socketnames`): first ``<stem>.<token>.sock`` (its
+    :attr:`base_path`, e.g. ``gpushare-vcuda-memory.1a2b3c.sock``), then, each time it is
+    told to serve on a fresh one (:meth:`restart` with ``fresh``),
+    ``<stem>.<token>-<n>.sock``. Two daemons of one node (a rolling update with
+    ``maxSurge``) never touch each other's sockets. A kubelet keys each plugin endpoint
+    by its socket path, and from 1.37 on refuses a second registration of a path it still
+    holds an endpoint for ("device plugin already connected"), a refusal that also drops
+    its record of the first client, so that the path stays refused until the kubelet
+    restarts (measured on v1.37.2: docs/restarts.md).
+    :class:`~gpushare.deviceplugin.registration.KubeletLink` therefore offers one path to
+    one kubelet once.
     """
 
-    #: Drawn once per process: two daemons of one node (a rolling update) never share a
-    #: fresh name.
-    _token = secrets.token_hex(3)
-
     def __init__(
-        self, servicer: ListingServicer, socket_path: Path, loop: ServerLoop | None = None
+        self,
+        servicer: ListingServicer,
+        directory: Path,
+        base_name: str,
+        token: str,
+        loop: ServerLoop | None = None,
     ) -> None:
         self.servicer = servicer
-        self.base_path = socket_path
-        self.socket_path = socket_path
+        #: the resource's name without the instance (``gpushare-vcuda-memory.sock``)
+        self.base_name = base_name
+        self.token = token
+        #: this instance's first name for the resource, where it returns when it can
+        self.base_path = directory / socketnames.instance_name(base_name, token)
+        self.socket_path = self.base_path
         #: socket path -> the kubelet (its socket's identity) it was last offered to
         self.offered: dict[Path, object] = {}
         self._loop = loop
         self._fresh = 0
-        self._server = self._server_on(socket_path)
+        self._server = self._server_on(self.socket_path)
 
     def _server_on(self, path: Path) -> KubeletServer:
         servicer = self.servicer
@@ -328,15 +337,16 @@ class PluginServer:
         self._server.stop(grace)
 
     def restart(self, fresh: bool = False, *, keep_old: bool = False) -> KubeletServer | None:
-        """Serve again: on a fresh socket name with ``fresh``, else on the base name. The
-        old server stops first (its streams end, its socket goes); with ``keep_old`` and
-        a new path it is returned still serving instead, for the caller to stop once the
-        kubelet holds the new endpoint (make-before-break)."""
+        """Serve again: on a fresh socket name with ``fresh``, else on the instance's
+        first name (:attr:`base_path`). The old server stops first (its streams end, its
+        socket goes); with ``keep_old`` and a new path it is returned still serving
+        instead, for the caller to stop once the kubelet holds the new endpoint
+        (make-before-break)."""
         path = self.base_path
         if fresh:
             self._fresh += 1
-            stem = self.base_path.name.removesuffix(".sock")
-            path = self.base_path.with_name(f"{stem}.{self._token}-{self._fresh}.sock")
+            name = socketnames.renewal_name(self.base_name, self.token, self._fresh)
+            path = self.base_path.with_name(name)
         old = self._server
         keep = keep_old and path != self.socket_path
         if not keep:

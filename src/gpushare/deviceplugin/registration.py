@@ -298,7 +298,7 @@ class KubeletLink:
             base_free and server.socket_path != server.base_path
         ):
             old = server.socket_path.name
-            # back to the base name where it can
+            # back to the instance's first name where it can
             old_server = server.restart(fresh=not base_free, keep_old=overlap)
             log.info(
                 "plugin_socket_renewed",

@@ -340,6 +340,18 @@ class PluginRegistry(api_pb2_grpc.RegistrationServicer):
         with self._lock:
             return bool(self._lock.wait_for(lambda: predicate(self), timeout))
 
+    def endpoint_socket(self, resource: str) -> Path | None:
+        """The socket of the resource's current endpoint: where the kubelet dials the
+        plugin (its registration's endpoint name); None while none is registered."""
+        with self._lock:
+            endpoint = self.endpoints.get(resource)
+            return endpoint.socket if endpoint is not None else None
+
+    def registered_names(self, resource: str) -> list[str]:
+        """The endpoint names registered for ``resource``, in order."""
+        with self._lock:
+            return [name for r, name in self.registrations if r == resource]
+
     def devices(self, resource: str) -> dict[str, Any]:
         with self._lock:
             endpoint = self.endpoints.get(resource)

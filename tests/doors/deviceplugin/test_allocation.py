@@ -283,7 +283,7 @@ def stubs(node: Node) -> dict[Resource, api_pb2_grpc.DevicePluginStub]:
     return {
         resource: api_pb2_grpc.DevicePluginStub(
             grpc.insecure_channel(
-                f"unix://{Path(node.settings.kubelet_dir) / resource.socket_name}"
+                f"unix://{node.socket(resource.name_with(node.settings.resource_prefix))}"
             )
         )
         for resource in Resource

@@ -8,7 +8,6 @@ acting on an older list) is driven by calling Allocate directly.
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -114,8 +113,8 @@ def test_a_card_held_whole_offers_no_shared_units_until_released(node: Node) -> 
 # ------------------------------------------------------------------ races
 
 
-def allocate(node: Node, socket: str, ids: list[str]) -> api_pb2.AllocateResponse:
-    channel = grpc.insecure_channel(f"unix://{Path(node.settings.kubelet_dir) / socket}")
+def allocate(node: Node, resource: str, ids: list[str]) -> api_pb2.AllocateResponse:
+    channel = grpc.insecure_channel(f"unix://{node.socket(resource)}")
     with channel:
         return api_pb2_grpc.DevicePluginStub(channel).Allocate(
             api_pb2.AllocateRequest(
@@ -128,9 +127,9 @@ def allocate(node: Node, socket: str, ids: list[str]) -> api_pb2.AllocateRespons
 def test_allocate_refuses_a_card_taken_the_other_way_from_a_stale_list(node: Node) -> None:
     start(node, 1)
     card = gpu_uuid(0)
-    allocate(node, "gpushare-vcuda-memory.sock", [format_device_id(card, 0)])
+    allocate(node, node.memory, [format_device_id(card, 0)])
     with pytest.raises(grpc.RpcError) as error:
-        allocate(node, "gpushare-gpu.sock", [card])
+        allocate(node, gpu(node), [card])
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "shared units in use" in (error.value.details() or "")
 
@@ -138,9 +137,9 @@ def test_allocate_refuses_a_card_taken_the_other_way_from_a_stale_list(node: Nod
 def test_allocate_refuses_shared_units_of_a_card_held_whole(node: Node) -> None:
     start(node, 1)
     card = gpu_uuid(0)
-    allocate(node, "gpushare-gpu.sock", [card])
+    allocate(node, gpu(node), [card])
     with pytest.raises(grpc.RpcError) as error:
-        allocate(node, "gpushare-vcuda-core.sock", [format_device_id(card, 0)])
+        allocate(node, node.core, [format_device_id(card, 0)])
     assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "in use whole" in (error.value.details() or "")
 

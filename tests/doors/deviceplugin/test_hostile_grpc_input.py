@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import pytest
@@ -42,7 +41,7 @@ def plugin(node: Node) -> Iterator[Plugin]:
     )
     channels = {
         resource: grpc.insecure_channel(
-            f"unix://{Path(node.settings.kubelet_dir, resource.socket_name)}",
+            f"unix://{node.socket(resource.name_with(node.settings.resource_prefix))}",
             options=[("grpc.max_receive_message_length", 64 << 20)],
         )
         for resource in Resource

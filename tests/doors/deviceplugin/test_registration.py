@@ -13,15 +13,15 @@ import yaml
 from conftest import RTX_3090, TESLA_P4, Node, cards, gpu_uuid, nvml_loads
 from kit.procs import daemon_command, error_lines, free_port, poll, reachable, scrape
 
-from gpushare.share.devices import Resource
-
 
 def test_both_resources_register_with_the_reference_device_counts(node: Node) -> None:
     node.start([*cards(RTX_3090, 1), {"uuid": gpu_uuid(9), **TESLA_P4}])
     registered = {resource: endpoint for resource, endpoint in node.kubelet.registrations}
+    assert node.daemon is not None
+    token = node.daemon.plugin.token  # each daemon instance names its sockets for itself
     assert registered == {
-        "gpushare.io/vcuda-memory": "gpushare-vcuda-memory.sock",
-        "gpushare.io/vcuda-core": "gpushare-vcuda-core.sock",
+        "gpushare.io/vcuda-memory": f"gpushare-vcuda-memory.{token}.sock",
+        "gpushare.io/vcuda-core": f"gpushare-vcuda-core.{token}.sock",
     }
     memory = node.kubelet.devices(node.memory)
     per_card = {
@@ -64,7 +64,7 @@ def test_reregisters_on_the_new_kubelet_socket_after_a_kubelet_restart(node: Nod
         assert node.kubelet.wait_for(lambda k, c=count: len(k.registrations) >= c + 2, 30.0)
         assert node.wait_registered(30.0)
     assert link.unwatched_retries == 0
-    assert Path(node.settings.kubelet_dir, Resource.MEMORY.socket_name).exists()
+    assert node.socket(node.memory).exists()
     assert node.kubelet.admit("p", "c", {node.memory: 2}).card() == gpu_uuid(0)
 
 
@@ -88,7 +88,7 @@ def test_reregisters_when_only_kubelet_sock_is_replaced(node: Node) -> None:
 def test_serves_again_when_its_own_socket_disappears(node: Node) -> None:
     node.start(cards(TESLA_P4, 1))
     count = len(node.kubelet.registrations)
-    Path(node.settings.kubelet_dir, Resource.CORE.socket_name).unlink()
+    node.socket(node.core).unlink()
     assert node.kubelet.wait_for(
         lambda k: len(k.registrations) >= count + 2 and k.healthy_count(node.core) == 100, 30.0
     )
@@ -99,7 +99,7 @@ def test_a_socket_path_it_cannot_bind_is_retried_not_fatal(node: Node) -> None:
     daemon = node.start(cards(TESLA_P4, 1))
     assert daemon.plugin.link is not None
     count = len(node.kubelet.registrations)
-    socket = Path(node.settings.kubelet_dir, Resource.CORE.socket_name)
+    socket = node.socket(node.core)
     socket.unlink()
     socket.mkdir()  # something else took the path: binding fails until it goes
     assert poll(lambda: not daemon.plugin.link.registered.is_set(), 30.0)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -24,7 +23,7 @@ def start_whole(node: Node, gpus: list[dict[str, Any]], **overrides: Any) -> Non
 
 
 def stub(node: Node) -> api_pb2_grpc.DevicePluginStub:
-    socket = Path(node.settings.kubelet_dir) / "gpushare-gpu.sock"
+    socket = node.socket(gpu_resource(node))
     return api_pb2_grpc.DevicePluginStub(grpc.insecure_channel(f"unix://{socket}"))
 
 
@@ -34,7 +33,9 @@ def test_whole_cards_are_listed_by_uuid_with_their_numa_node(node: Node) -> None
     assert list(devices) == [gpu_uuid(i) for i in range(4)]
     assert all(d.health == "Healthy" for d in devices.values())
     assert [d.topology.nodes[0].ID for d in devices.values()] == [0, 1, 0, 1]
-    assert (gpu_resource(node), "gpushare-gpu.sock") in node.kubelet.registrations
+    (name,) = node.kubelet.registered_names(gpu_resource(node))
+    assert name.startswith("gpushare-gpu.") and name.endswith(".sock")
+    assert node.socket(gpu_resource(node)).name == name
 
 
 @pytest.mark.parametrize("size", [2, 4])

@@ -373,7 +373,17 @@ def _run_one(
         stored = _finished(cluster, pod, uid, request, name, say, poll_seconds, clock)
         if stored is None:
             return EXIT_NO_REPORT
-        log = cluster.pod_log(request.namespace, name) or ""
+        try:
+            log = cluster.pod_log(request.namespace, name) or ""
+        except ApiError as exc:
+            # The API server fetches a log from the node's kubelet (its address and port in
+            # the Node's status): a node it cannot reach gives an error here, not a verdict.
+            say(
+                f"the probe's log could not be read ({printable(str(exc), 400)}): no verdict; "
+                f"`kubectl logs` fails the same way while the API server cannot reach the "
+                f"kubelet of {request.node}"
+            )
+            return EXIT_NO_REPORT
         if not _same_pod(cluster.read(pod), uid):  # the log read may be another pod's
             say("the pod was replaced before its log was read (by someone else?): no verdict")
             return EXIT_NO_REPORT

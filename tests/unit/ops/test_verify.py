@@ -186,6 +186,20 @@ def test_a_pod_that_never_runs_or_never_reports_exits_3(
     assert _pods(api) == []
 
 
+def test_a_log_the_api_server_cannot_fetch_exits_3_with_why(
+    api: KubeApiDouble, cluster: Cluster
+) -> None:
+    """The API server answers 500 for the log when it cannot reach the node's kubelet (seen
+    on the e2e's nodes before they had an address): one line and exit 3, the pod deleted,
+    never a traceback or a bare API error."""
+    api.fail_next(1, 500, "/log")
+    code, said, _ = _run(api, cluster, "Succeeded", probe.render(GOOD))
+    assert code == verify.EXIT_NO_REPORT
+    assert said[-2].startswith("the probe's log could not be read ("), said
+    assert "no verdict" in said[-2] and "gpu-1" in said[-2]
+    assert _pods(api) == [] and said[-1].startswith("deleted pod default/gpushare-verify-")
+
+
 def test_keep_leaves_the_pod(api: KubeApiDouble, cluster: Cluster) -> None:
     code, said, _ = _run(api, cluster, "Succeeded", probe.render(GOOD), keep=True)
     assert code == 0 and len(_pods(api)) == 1 and said[-1].startswith("kept pod")

@@ -190,7 +190,8 @@ class ControlPlane:
         )
         return path
 
-    def start_scheduler(self) -> None:
+    def start_scheduler(self, *extra: str) -> None:
+        """Start kube-scheduler; ``extra``: more of its flags."""
         self._spawn(
             "kube-scheduler",
             [
@@ -198,6 +199,7 @@ class ControlPlane:
                 "--kubeconfig", str(self.kubeconfig("admin", self.admin_token)),
                 "--leader-elect=false", "--secure-port", "0",
                 "--feature-gates", self.gates,
+                *extra,
             ],
         )  # fmt: skip
 

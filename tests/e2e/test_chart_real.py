@@ -37,7 +37,6 @@ from typing import Any
 import pytest
 import readme_commands
 import yaml
-from e2e_nodes import CARD_4GIB, cards
 from kube_cluster import (
     CORE,
     HOST_LIB_DIR,
@@ -53,16 +52,19 @@ from kube_cluster import (
     wait_for,
 )
 from local_image import environ
+from test_daemonset_real import (
+    GPUS,
+    NODE,
+    NS,
+    OPT_IN,
+    UNITS,
+    daemon_pods,
+    keep_daemon_logs,
+)
 
 #: e2e/build-helm.sh's Helm CLI; $GPUSHARE_E2E_HELM names another.
 HELM = Path(os.environ.get("GPUSHARE_E2E_HELM") or REPO / "e2e" / "bin-helm" / "helm")
-NODE = "node-1"
-NS = "kube-system"
-GPUS = cards(1, CARD_4GIB, 2)  # two 4 GiB cards: 16 units each
-UNITS = 32
 SIMULATE = f"{HOST_LIB_DIR}/test/node.yaml"  # docs/deploy.md, "On a node without a GPU"
-SELECTOR = "app.kubernetes.io/name=gpushare"
-OPT_IN = f"{PREFIX}/enabled"
 _VERSION = re.search(
     r'^__version__ = "(.+)"$', (REPO / "src" / "gpushare" / "__init__.py").read_text(), re.M
 )
@@ -170,23 +172,6 @@ def chart_cluster(gpushare_image: Path) -> Iterator[Cluster]:
             yield c
         finally:
             keep_daemon_logs(c)
-
-
-def daemon_pods(cluster: Cluster) -> list[dict[str, Any]]:
-    pods = cluster.api.get(f"/api/v1/namespaces/{NS}/pods", labelSelector=SELECTOR)["items"]
-    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-
-
-def keep_daemon_logs(cluster: Cluster) -> None:
-    """The daemon pods' logs beside the node's other logs (e2e/logs/chart-cluster)."""
-    for pod in daemon_pods(cluster):
-        name = pod["metadata"]["name"]
-        for container in ("cache-fs", "gpushare"):
-            try:
-                text = cluster.pod_log(NS, name, container)
-            except Exception as exc:  # a log that cannot be read is said in its place
-                text = f"(not read: {exc})\n"
-            (cluster.nodes[NODE].dir / f"pod-{name}-{container}.log").write_text(text)
 
 
 def ready_daemon_pod(cluster: Cluster, timeout: float = 180) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_nodes import TESLA_P4, cards
+from e2e_nodes import TESLA_P4, cards, write_card_spec
 from kube_cluster import (
     CORE,
     MEMORY,
@@ -97,20 +97,7 @@ def node8(cluster: Cluster) -> Iterator[Path]:
     cluster.api.apply_all(load_manifests(REPO / "daemonset" / "dra" / "deviceclasses.yaml"))
     cdi = cluster.dir / CDI_NODE / "cdi"
     cdi.mkdir(parents=True, exist_ok=True)
-    # the cards' own CDI names, as nvidia-ctk or the GPU Operator would write them; each
-    # card's edits name it (NVIDIA_SIM_CARD), so a process can tell which card it was given
-    (cdi / "nvidia.com-gpu.json").write_text(
-        json.dumps(
-            {
-                "cdiVersion": "0.5.0",
-                "kind": "nvidia.com/gpu",
-                "devices": [
-                    {"name": g["uuid"], "containerEdits": {"env": [f"SIM_CARD={g['uuid']}"]}}
-                    for g in P4S8
-                ],
-            }
-        )
-    )
+    write_card_spec(cdi, P4S8)
     spec = NodeSpec(
         CDI_NODE,
         P4S8,

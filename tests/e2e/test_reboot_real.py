@@ -23,13 +23,12 @@ back with its limits.
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from e2e_nodes import TESLA_P4, cards
+from e2e_nodes import CARD_SPEC, TESLA_P4, cards, write_card_spec
 from kube_cluster import (
     CORE,
     MEMORY,
@@ -49,7 +48,7 @@ RESOURCE = "/apis/resource.k8s.io/v1"
 P4S = cards(13, TESLA_P4, 2)
 SHARED_CARD, DRA_CARD = P4S[0]["uuid"], P4S[1]["uuid"]
 UNIT_MIB = 256
-NVIDIA_SPEC = "nvidia.com-gpu.json"  # as in /etc/cdi: not on a tmpfs, kept
+NVIDIA_SPEC = CARD_SPEC  # as in /etc/cdi: not on a tmpfs, kept
 
 
 @pytest.fixture(scope="module")
@@ -58,18 +57,7 @@ def node(cluster: Cluster) -> Iterator[NodeAgent]:
     cluster.api.apply_all(load_manifests(REPO / "daemonset" / "dra" / "deviceclasses.yaml"))
     cdi = cluster.dir / NODE / "cdi"
     cdi.mkdir(parents=True, exist_ok=True)
-    (cdi / NVIDIA_SPEC).write_text(
-        json.dumps(
-            {
-                "cdiVersion": "0.5.0",
-                "kind": "nvidia.com/gpu",
-                "devices": [
-                    {"name": g["uuid"], "containerEdits": {"env": [f"SIM_CARD={g['uuid']}"]}}
-                    for g in P4S
-                ],
-            }
-        )
-    )
+    write_card_spec(cdi, P4S)
     spec = NodeSpec(
         NODE,
         P4S,
